@@ -1,0 +1,52 @@
+//! # roam-proto — the sans-IO core of the roam session protocol
+//!
+//! roam keeps a set of byte streams alive while the transports under them come
+//! and go: a TCP connection may be reset, black-holed for days, or replaced by
+//! a new one from another address at either end, and every stream carries on
+//! exactly once, in order. This crate is the whole protocol — handshake,
+//! encryption, framing, streams, flow control, heartbeats, suspension, resume,
+//! close — with no sockets, no clock and no async runtime. The wire format is
+//! specified in `docs/PROTOCOL.md`; each module names the sections it implements.
+//!
+//! Design (after rocks, Zandy & Miller 2002, and the session layer of
+//! Sultan et al.'s migratory continuations):
+//! - every frame that matters (stream open/data/fin/reset, window updates,
+//!   close) is numbered by one session-wide sequence and kept until the peer
+//!   acknowledges it, so a resume is "send from the peer's count" — one number
+//!   each way however many streams are open (§7);
+//! - stream payload lives once, in the stream's send buffer; the log refers to
+//!   it by offset, and records are sealed in place (§3);
+//! - a new session is a Noise XX handshake (both sides prove static keys); a
+//!   resume is a Noise NNpsk0 handshake keyed by a per-session secret, so only
+//!   its holder can resume and no recorded resume can be replayed (§4, §12).
+//!
+//! Non-goals: datagrams, 0-RTT data, multipath use of several transports at once.
+//!
+//! Entry points: [`Session`] for both roles, [`parse_hello`] for a server's
+//! incoming transports, [`ClientConfig`]/[`ServerConfig`] for identities.
+
+#![forbid(unsafe_code)]
+
+pub mod codec;
+mod config;
+mod error;
+mod event;
+pub mod frame;
+mod handshake;
+mod keys;
+pub mod record;
+mod session;
+mod stream;
+
+pub use config::{ClientConfig, Config, ServerConfig, ServerTrust};
+pub use error::{code, Error, StreamError};
+pub use event::{CloseReason, Event, SuspendReason, TransportId};
+pub use handshake::{parse_hello, Hello, Params, Status, MAGIC, VERSION};
+pub use keys::{KeyParseError, Keypair, PublicKey, SessionId};
+pub use session::{Role, Session, State, Stats};
+pub use stream::StreamId;
+
+/// Fills `buf` from the operating system's random source.
+pub(crate) fn random_bytes(buf: &mut [u8]) -> Result<(), Error> {
+    getrandom::fill(buf).map_err(|_| Error::Random)
+}

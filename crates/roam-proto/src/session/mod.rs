@@ -1,0 +1,825 @@
+//! The session state machine (sans-IO).
+//!
+//! Spec: `docs/PROTOCOL.md` §4-§10. A [`Session`] owns the streams, the
+//! reliable-frame log and the flow-control state, and at most one active
+//! transport (plus, on a server, one resume candidate). It never touches a
+//! socket or a clock: the caller passes `now` and bytes in, and polls bytes,
+//! timers and events out.
+//!
+//! # Driving a session
+//! After creating it (client: [`Session::client`] then [`Session::connect`];
+//! server: [`Session::accept`]), loop:
+//! 1. feed received bytes with [`Session::handle_input`], EOF/reset with
+//!    [`Session::handle_transport_closed`], expired timers with [`Session::handle_timeout`];
+//! 2. call [`Session::poll_transmit`] until it returns `None`, writing each
+//!    buffer to the transport it names;
+//! 3. drain [`Session::poll_event`];
+//! 4. sleep until [`Session::poll_timeout`] or new input.
+//!
+//! Application calls (`open_stream`, `write`, `read`, `finish`, `reset`,
+//! `close`) may happen at any point; follow them with step 2.
+
+mod recv;
+mod send;
+mod transport;
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::config::{ClientConfig, Config, ServerConfig, ServerTrust};
+use crate::error::{code, StreamError};
+use crate::event::{CloseReason, Event, SuspendReason, TransportId};
+use crate::frame::MAX_META_LEN;
+use crate::handshake::{self, Hello, Params};
+use crate::keys::{Keypair, PublicKey, SessionId};
+use crate::stream::{Stream, StreamId};
+use crate::Error;
+
+use transport::{Phase, Transport};
+
+/// Which end of the session this is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Dials, and re-dials to resume.
+    Client,
+    /// Accepts, and waits to be resumed.
+    Server,
+}
+
+/// Where the session is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum State {
+    /// First handshake in progress.
+    Handshaking,
+    /// A transport is up.
+    Active,
+    /// No transport; resumable until the resume timeout.
+    Suspended,
+    /// `close` was called; waiting for the peer to acknowledge.
+    Closing,
+    /// Over. See the `Closed` event for why.
+    Closed,
+}
+
+/// Counters for status displays and benchmarks.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Stream payload bytes sent for the first time.
+    pub bytes_sent: u64,
+    /// Stream payload bytes received (duplicates excluded).
+    pub bytes_received: u64,
+    /// Stream payload bytes retransmitted after resumes.
+    pub bytes_replayed: u64,
+    /// Reliable frames retransmitted after resumes.
+    pub frames_replayed: u64,
+    /// Transports this session has used.
+    pub transports: u64,
+    /// Successful resumes.
+    pub resumes: u64,
+    /// Latest measured round-trip time.
+    pub rtt: Option<Duration>,
+}
+
+/// One entry of the reliable-frame log: what to (re)send, not a copy of the
+/// bytes — stream payload stays in the stream's send buffer (§7.1).
+#[derive(Debug, Clone)]
+enum Entry {
+    Open(u64),
+    Data { stream: u64, offset: u64, len: u32, fin: bool },
+    Reset { stream: u64, code: u64 },
+    MaxStreamData { stream: u64, max: u64 },
+    MaxData(u64),
+    Close { code: u64, reason: Vec<u8> },
+    Addresses(Vec<String>),
+    MoveTo(String),
+}
+
+impl Entry {
+    fn stream(&self) -> Option<u64> {
+        match self {
+            Entry::Open(s)
+            | Entry::Data { stream: s, .. }
+            | Entry::Reset { stream: s, .. }
+            | Entry::MaxStreamData { stream: s, .. } => Some(*s),
+            _ => None,
+        }
+    }
+}
+
+/// How many recent resume ephemerals a server remembers to name replays (§12).
+const REPLAY_MEMORY: usize = 64;
+
+/// A roam session: one end of a set of reliable streams that outlive transports.
+pub struct Session {
+    role: Role,
+    config: Config,
+    state: State,
+    /// Set when closed; kept so later calls can report it.
+    close_reason: Option<CloseReason>,
+
+    // identity
+    keypair: Option<Keypair>,
+    trust: Option<ServerTrust>,
+    authorized: Option<Arc<Vec<PublicKey>>>,
+    announce: Vec<String>,
+    id: Option<SessionId>,
+    secret: Option<[u8; 32]>,
+    peer_key: Option<PublicKey>,
+    peer_params: Option<Params>,
+    /// Effective resume timeout (the smaller of ours and the server's).
+    resume_timeout: Duration,
+
+    // transports
+    next_transport: u64,
+    active: Option<Transport>,
+    /// Server only: a resume whose client has not yet proven freshness.
+    pending: Option<Transport>,
+    peer_addr: Option<SocketAddr>,
+    suspended_since: Option<Instant>,
+    replay_memory: VecDeque<[u8; 32]>,
+
+    // reliable log (§7): entry i has sequence log_base + i
+    log: VecDeque<Entry>,
+    log_base: u64,
+    /// Next sequence to transmit on the active transport.
+    send_cursor: u64,
+    /// One past the highest sequence ever transmitted (for replay accounting).
+    high_sent: u64,
+    /// A reliable frame went into the record being built.
+    high_sent_changed: bool,
+    /// Reliable frames received and applied.
+    recv_seq: u64,
+    /// Sequence of the next reliable frame arriving on this transport.
+    in_cursor: u64,
+    /// Last `received` value we sent in an `ACK`/`SYNC`.
+    ack_sent: u64,
+    ack_deadline: Option<Instant>,
+    /// Enough unacknowledged data arrived that an `ACK` goes out without delay.
+    ack_now: bool,
+    unacked_bytes: u64,
+
+    // streams (§6)
+    streams: HashMap<u64, Stream>,
+    next_local_stream: u64,
+    next_peer_stream: u64,
+    local_open: u64,
+    peer_open: u64,
+    send_queue: VecDeque<u64>,
+
+    // session flow control (§8)
+    conn_send_max: u64,
+    conn_sent: u64,
+    conn_recv_max: u64,
+    conn_received: u64,
+    conn_consumed: u64,
+    send_buffered: u64,
+
+    // liveness
+    ping_token: u64,
+    ping_outstanding: Option<(u64, Instant)>,
+    pong_due: Option<u64>,
+
+    /// A `CLOSE` code to put in the final record after a local error.
+    final_close: Option<u64>,
+
+    events: VecDeque<Event>,
+    stats: Stats,
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session")
+            .field("role", &self.role)
+            .field("state", &self.state)
+            .field("id", &self.id)
+            .field("streams", &self.streams.len())
+            .field("log", &self.log.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Session {
+    fn new(role: Role, config: Config) -> Self {
+        let resume_timeout = config.resume_timeout;
+        let conn_recv_max = config.session_window;
+        Self {
+            role,
+            config,
+            state: State::Handshaking,
+            close_reason: None,
+            keypair: None,
+            trust: None,
+            authorized: None,
+            announce: Vec::new(),
+            id: None,
+            secret: None,
+            peer_key: None,
+            peer_params: None,
+            resume_timeout,
+            next_transport: 0,
+            active: None,
+            pending: None,
+            peer_addr: None,
+            suspended_since: None,
+            replay_memory: VecDeque::new(),
+            log: VecDeque::new(),
+            log_base: 0,
+            send_cursor: 0,
+            high_sent: 0,
+            high_sent_changed: false,
+            recv_seq: 0,
+            in_cursor: 0,
+            ack_sent: 0,
+            ack_deadline: None,
+            ack_now: false,
+            unacked_bytes: 0,
+            streams: HashMap::new(),
+            next_local_stream: match role {
+                Role::Client => 0,
+                Role::Server => 1,
+            },
+            next_peer_stream: match role {
+                Role::Client => 1,
+                Role::Server => 0,
+            },
+            local_open: 0,
+            peer_open: 0,
+            send_queue: VecDeque::new(),
+            conn_send_max: 0,
+            conn_sent: 0,
+            conn_recv_max,
+            conn_received: 0,
+            conn_consumed: 0,
+            send_buffered: 0,
+            ping_token: 0,
+            ping_outstanding: None,
+            pong_due: None,
+            final_close: None,
+            events: VecDeque::new(),
+            stats: Stats::default(),
+        }
+    }
+
+    /// A client session, not yet connected: call [`Session::connect`] with a
+    /// fresh transport (and again, after a suspension, to resume).
+    pub fn client(config: ClientConfig) -> Self {
+        let mut s = Self::new(Role::Client, config.session);
+        s.keypair = Some(config.keypair);
+        s.trust = Some(config.server_trust);
+        s
+    }
+
+    /// A server session for a new-session [`Hello`] (see [`crate::parse_hello`]).
+    /// The reply is ready from `poll_transmit` on the returned transport.
+    pub fn accept(
+        config: &ServerConfig,
+        now: Instant,
+        hello: &Hello,
+        peer: Option<SocketAddr>,
+    ) -> Result<(Self, TransportId), Error> {
+        if hello.resume_session().is_some() {
+            return Err(Error::ProtocolViolation("resume hello given to accept"));
+        }
+        if !hello.version_supported() {
+            return Err(Error::UnsupportedVersion);
+        }
+        let mut s = Self::new(Role::Server, config.session.clone());
+        s.authorized = config.authorized_keys.clone();
+        s.announce = config.addresses.clone();
+        s.id = Some(SessionId::random()?);
+        let mut secret = [0u8; 32];
+        crate::random_bytes(&mut secret)?;
+        s.secret = Some(secret);
+        let mut out = Vec::new();
+        let hs = handshake::server_new(hello, &config.keypair, &s.config.params(), &mut out)?;
+        let id = s.new_transport(now, peer, Phase::ServerNew(hs));
+        if let Some(t) = s.active.as_mut() {
+            t.out = out;
+        }
+        s.peer_addr = peer;
+        Ok((s, id))
+    }
+
+    /// Client: start a transport to the server (a new session the first time, a
+    /// resume afterwards). Any current transport is abandoned. The opening bytes
+    /// are ready from `poll_transmit`.
+    pub fn connect(&mut self, now: Instant, peer: Option<SocketAddr>) -> Result<TransportId, Error> {
+        if self.role != Role::Client {
+            return Err(Error::ProtocolViolation("connect called on a server session"));
+        }
+        if let Some(reason) = &self.close_reason {
+            return Err(match reason {
+                CloseReason::Error(e) => e.clone(),
+                _ => Error::ProtocolViolation("session is closed"),
+            });
+        }
+        if let Some(old) = self.active.take() {
+            self.events.push_back(Event::TransportClosed { transport: old.id, error: None });
+            if old.is_open() && self.secret.is_some() {
+                self.enter_suspended(now, SuspendReason::Reconnecting);
+            }
+        }
+        let mut out = Vec::new();
+        let phase = match (&self.id, &self.secret) {
+            (Some(id), Some(secret)) => Phase::ClientResume(handshake::client_resume(id, secret, &mut out)?),
+            _ => {
+                let kp = self.keypair.as_ref().ok_or(Error::HandshakeFailed)?;
+                Phase::ClientNew(handshake::client_new(kp, &mut out)?)
+            }
+        };
+        let id = self.new_transport(now, peer, phase);
+        if let Some(t) = self.active.as_mut() {
+            t.out = out;
+        }
+        Ok(id)
+    }
+
+    /// Server: a resume [`Hello`] named this session. On success the reply is
+    /// ready from `poll_transmit` on the returned transport, which takes over
+    /// once the client proves it is live. On error the session is unchanged;
+    /// answer with `hello.reject(err.refusal_status(), ..)` and close.
+    pub fn accept_resume(
+        &mut self,
+        now: Instant,
+        hello: &Hello,
+        peer: Option<SocketAddr>,
+    ) -> Result<TransportId, Error> {
+        if self.role != Role::Server || hello.resume_session() != self.id {
+            return Err(Error::UnknownSession);
+        }
+        if matches!(self.state, State::Closed) {
+            return Err(Error::UnknownSession);
+        }
+        let secret = self.secret.ok_or(Error::UnknownSession)?;
+        let eph = hello.ephemeral().ok_or(Error::ResumeRejected)?;
+        if self.replay_memory.contains(&eph) {
+            return Err(Error::ReplayedResume);
+        }
+        let mut out = Vec::new();
+        let keys = handshake::server_resume(hello, &secret, self.recv_seq, &mut out)?;
+        if self.replay_memory.len() == REPLAY_MEMORY {
+            self.replay_memory.pop_front();
+        }
+        self.replay_memory.push_back(eph);
+        self.next_transport += 1;
+        let id = TransportId(self.next_transport);
+        let mut t = Transport::new(id, now, peer, Phase::Open(keys));
+        t.out = out;
+        t.pending_resume = true;
+        t.is_resume = true;
+        self.stats.transports += 1;
+        if let Some(old) = self.pending.replace(t) {
+            self.events.push_back(Event::TransportClosed {
+                transport: old.id,
+                error: Some(Error::ProtocolViolation("superseded by a newer resume")),
+            });
+        }
+        Ok(id)
+    }
+
+    fn new_transport(&mut self, now: Instant, peer: Option<SocketAddr>, phase: Phase) -> TransportId {
+        self.next_transport += 1;
+        let id = TransportId(self.next_transport);
+        self.active = Some(Transport::new(id, now, peer, phase));
+        self.stats.transports += 1;
+        id
+    }
+
+    // ------------------------------------------------------------ getters
+
+    /// Client or server.
+    pub fn role(&self) -> Role {
+        self.role
+    }
+    /// Current state.
+    pub fn state(&self) -> State {
+        self.state
+    }
+    /// Why the session closed, once it has.
+    pub fn close_reason(&self) -> Option<&CloseReason> {
+        self.close_reason.as_ref()
+    }
+    /// The session id, once known (server: from accept; client: once connected).
+    pub fn id(&self) -> Option<SessionId> {
+        self.id
+    }
+    /// The peer's proven static key, once the handshake is done.
+    pub fn peer_key(&self) -> Option<PublicKey> {
+        self.peer_key
+    }
+    /// The peer's address on the latest transport, as given by the caller.
+    pub fn peer_addr(&self) -> Option<SocketAddr> {
+        self.peer_addr
+    }
+    /// Counters.
+    pub fn stats(&self) -> &Stats {
+        &self.stats
+    }
+    /// When the session lost its transport, if it has none now.
+    pub fn suspended_since(&self) -> Option<Instant> {
+        self.suspended_since
+    }
+    /// The transport currently carrying the session, if any.
+    pub fn active_transport(&self) -> Option<TransportId> {
+        self.active.as_ref().map(|t| t.id)
+    }
+    /// Streams currently known (open in at least one direction).
+    pub fn stream_count(&self) -> usize {
+        self.streams.len()
+    }
+    /// Reliable frames sent but not yet acknowledged.
+    pub fn unacked_frames(&self) -> usize {
+        self.log.len()
+    }
+    /// Bytes held in send buffers (unsent plus unacknowledged).
+    pub fn send_buffered(&self) -> u64 {
+        self.send_buffered
+    }
+    /// A stream's metadata as given by its opener.
+    pub fn stream_meta(&self, id: StreamId) -> Option<&[u8]> {
+        self.streams.get(&id.0).map(|s| s.meta.as_slice())
+    }
+    /// Bytes ready to read on a stream.
+    pub fn readable_len(&self, id: StreamId) -> usize {
+        self.streams.get(&id.0).map_or(0, |s| s.recv_buf.len())
+    }
+
+    // ------------------------------------------------------------ polling
+
+    /// The next event, if any.
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.events.pop_front()
+    }
+
+    /// When `handle_timeout` must next be called.
+    #[must_use]
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let mut t: Option<Instant> = None;
+        let mut at = |x: Instant| t = Some(t.map_or(x, |t| t.min(x)));
+        for tr in self.active.iter().chain(self.pending.iter()) {
+            if tr.is_open() {
+                at(tr.last_recv + self.config.suspend_after);
+                if tr.may_send {
+                    at(tr.last_send + self.config.heartbeat_interval);
+                }
+            } else {
+                at(tr.started + self.config.handshake_timeout);
+            }
+            if tr.pending_resume {
+                at(tr.started + self.config.handshake_timeout);
+            }
+        }
+        if let Some(d) = self.ack_deadline {
+            at(d);
+        }
+        if let Some(since) = self.suspended_since {
+            if self.state != State::Closed {
+                at(since + self.resume_timeout);
+            }
+        }
+        t
+    }
+
+    /// Processes timers due at `now`. Calling it early is harmless.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if let Some(since) = self.suspended_since {
+            if self.state != State::Closed && now >= since + self.resume_timeout {
+                self.finish(CloseReason::Error(Error::Expired));
+                return;
+            }
+        }
+        if let Some(p) = &self.pending {
+            if now >= p.started + self.config.handshake_timeout {
+                let id = p.id;
+                self.pending = None;
+                self.events.push_back(Event::TransportClosed {
+                    transport: id,
+                    error: Some(Error::HandshakeFailed),
+                });
+            }
+        }
+        if let Some(t) = &self.active {
+            if t.is_open() && now >= t.last_recv + self.config.suspend_after {
+                self.lose_active(now, SuspendReason::Silence);
+            } else if !t.is_open() && now >= t.started + self.config.handshake_timeout {
+                self.lose_active(now, SuspendReason::TransportError(Error::HandshakeFailed));
+            }
+        }
+    }
+
+    /// The caller's transport `id` reached EOF, was reset, or failed to write.
+    pub fn handle_transport_closed(&mut self, now: Instant, id: TransportId) {
+        if self.pending.as_ref().is_some_and(|p| p.id == id) {
+            self.pending = None;
+        } else if self.active.as_ref().is_some_and(|t| t.id == id) {
+            self.lose_active_quiet(now, SuspendReason::TransportClosed);
+        }
+    }
+
+    // ------------------------------------------------------------ lifecycle
+
+    fn enter_suspended(&mut self, now: Instant, reason: SuspendReason) {
+        if self.suspended_since.is_none() {
+            self.suspended_since = Some(now);
+        }
+        if matches!(self.state, State::Active) {
+            self.state = State::Suspended;
+        }
+        let expires_at = self.suspended_since.unwrap_or(now) + self.resume_timeout;
+        self.events.push_back(Event::Suspended { reason, expires_at });
+    }
+
+    /// The active transport is gone (and the caller knows): suspend or fail.
+    fn lose_active_quiet(&mut self, now: Instant, reason: SuspendReason) {
+        let Some(t) = self.active.take() else { return };
+        self.ping_outstanding = None;
+        self.pong_due = None;
+        if self.role == Role::Client && self.secret.is_none() {
+            // No session yet to preserve: the first connect failed.
+            let err = match reason {
+                SuspendReason::TransportError(e) => e,
+                _ if t.is_open() => Error::HandshakeFailed,
+                _ => Error::HandshakeFailed,
+            };
+            self.finish(CloseReason::Error(err));
+            return;
+        }
+        if matches!(self.state, State::Closed) {
+            return;
+        }
+        self.enter_suspended(now, reason);
+    }
+
+    /// The active transport died on our side: tell the caller to close it.
+    fn lose_active(&mut self, now: Instant, reason: SuspendReason) {
+        if let Some(t) = &self.active {
+            let error = match &reason {
+                SuspendReason::TransportError(e) => Some(e.clone()),
+                _ => None,
+            };
+            self.events.push_back(Event::TransportClosed { transport: t.id, error });
+        }
+        self.lose_active_quiet(now, reason);
+    }
+
+    /// Ends the session for good. An open transport first flushes a last
+    /// record (our `ACK`, and a `CLOSE` naming a local error) and is then
+    /// reported closed by `poll_transmit`.
+    fn finish(&mut self, reason: CloseReason) {
+        if self.state == State::Closed {
+            return;
+        }
+        self.state = State::Closed;
+        if let Some(p) = self.pending.take() {
+            self.events.push_back(Event::TransportClosed { transport: p.id, error: None });
+        }
+        self.final_close = match &reason {
+            CloseReason::Error(Error::ProtocolViolation(_) | Error::Decode(_)) => {
+                Some(code::PROTOCOL_VIOLATION)
+            }
+            CloseReason::Error(Error::FlowControl) => Some(code::FLOW_CONTROL),
+            _ => None,
+        };
+        match self.active.as_mut() {
+            Some(t) if t.is_open() && t.may_send => t.retire = true,
+            Some(t) if t.retire => {}
+            _ => {
+                if let Some(t) = self.active.take() {
+                    self.events.push_back(Event::TransportClosed { transport: t.id, error: None });
+                }
+            }
+        }
+        self.close_reason = Some(reason.clone());
+        self.events.push_back(Event::Closed { reason });
+        // Nothing will be sent again: free every buffer now.
+        self.log.clear();
+        self.streams.clear();
+        self.send_queue.clear();
+        self.send_buffered = 0;
+    }
+
+    // ------------------------------------------------------------ application commands
+
+    fn check_open(&self) -> Result<(), StreamError> {
+        match self.state {
+            State::Closed | State::Closing => Err(StreamError::SessionClosed),
+            _ => Ok(()),
+        }
+    }
+
+    /// Opens a stream carrying `meta` (e.g. a relay target). Usable at once:
+    /// writes are buffered until a transport carries them.
+    pub fn open_stream(&mut self, meta: &[u8]) -> Result<StreamId, StreamError> {
+        self.check_open()?;
+        if meta.len() > MAX_META_LEN {
+            return Err(StreamError::MetaTooLong);
+        }
+        let peer_max = self.peer_params.map_or(self.config.max_streams, |p| p.max_streams);
+        if self.local_open >= peer_max {
+            return Err(StreamError::TooManyStreams);
+        }
+        let id = self.next_local_stream;
+        self.next_local_stream += 2;
+        self.local_open += 1;
+        let send_max = self.peer_params.map_or(0, |p| p.stream_window);
+        let mut s = Stream::new(meta.to_vec(), send_max, self.config.stream_window);
+        s.in_log += 1;
+        self.streams.insert(id, s);
+        self.log.push_back(Entry::Open(id));
+        Ok(StreamId(id))
+    }
+
+    fn stream_mut(&mut self, id: StreamId) -> Result<&mut Stream, StreamError> {
+        if self.state == State::Closed {
+            return Err(StreamError::SessionClosed);
+        }
+        let s = self.streams.get_mut(&id.0).ok_or(StreamError::UnknownStream)?;
+        if let Some(code) = s.reset {
+            return Err(StreamError::Reset(code));
+        }
+        Ok(s)
+    }
+
+    /// Buffers up to `data.len()` bytes for sending; returns how many were
+    /// taken (0 when the buffers are full: wait for `StreamWritable`).
+    pub fn write(&mut self, id: StreamId, data: &[u8]) -> Result<usize, StreamError> {
+        self.check_open()?;
+        let session_room = self.config.session_send_buffer.saturating_sub(self.send_buffered);
+        let stream_limit = self.config.stream_send_buffer;
+        let s = self.stream_mut(id)?;
+        if s.fin_requested {
+            return Err(StreamError::Finished);
+        }
+        let room = stream_limit.saturating_sub(s.send_buf.len() as u64).min(session_room);
+        let n = (data.len() as u64).min(room) as usize;
+        s.send_buf.extend(&data[..n]);
+        if n < data.len() {
+            s.write_blocked = true;
+        }
+        self.send_buffered += n as u64;
+        self.enqueue(id.0);
+        Ok(n)
+    }
+
+    /// Ends our direction of the stream after the bytes already written.
+    /// Completion (`StreamSendComplete`) waits for the peer's acknowledgement,
+    /// across any suspension.
+    pub fn finish_stream(&mut self, id: StreamId) -> Result<(), StreamError> {
+        let s = self.stream_mut(id)?;
+        s.fin_requested = true;
+        self.enqueue(id.0);
+        Ok(())
+    }
+
+    /// Aborts the stream in both directions; unsent bytes are dropped.
+    pub fn reset_stream(&mut self, id: StreamId, code: u64) -> Result<(), StreamError> {
+        self.check_open()?;
+        let s = self.stream_mut(id)?;
+        s.reset = Some(code);
+        s.in_log += 1;
+        let unsent = s.written() - s.sent;
+        let keep = (s.sent - s.send_base) as usize;
+        s.send_buf.truncate(keep);
+        let released = s.recv_buf.len() as u64;
+        s.recv_buf = Default::default();
+        self.send_buffered -= unsent;
+        self.log.push_back(Entry::Reset { stream: id.0, code });
+        self.consume(released);
+        Ok(())
+    }
+
+    /// Copies received bytes into `buf`. `Ok(Some(0))` (with a non-empty `buf`)
+    /// is end-of-stream; `Ok(None)` means nothing yet (wait for `StreamReadable`).
+    pub fn read(&mut self, id: StreamId, buf: &mut [u8]) -> Result<Option<usize>, StreamError> {
+        let window = self.config.stream_window;
+        let s = self.stream_mut(id)?;
+        if s.recv_buf.is_empty() {
+            if s.fin_received {
+                s.eof_delivered = true;
+                self.maybe_forget(id.0);
+                return Ok(Some(0));
+            }
+            return Ok(None);
+        }
+        let n = buf.len().min(s.recv_buf.len());
+        let (a, b) = s.recv_buf.as_slices();
+        let na = n.min(a.len());
+        buf[..na].copy_from_slice(&a[..na]);
+        buf[na..n].copy_from_slice(&b[..n - na]);
+        s.recv_buf.drain(..n);
+        // Re-grant the stream window once half of it has been consumed (§8).
+        let consumed = s.received - s.recv_buf.len() as u64;
+        let mut update = None;
+        if !s.fin_received && s.recv_max - consumed <= window / 2 {
+            s.recv_max = consumed + window;
+            s.in_log += 1;
+            update = Some(s.recv_max);
+        }
+        if let Some(max) = update {
+            self.log.push_back(Entry::MaxStreamData { stream: id.0, max });
+        }
+        self.consume(n as u64);
+        Ok(Some(n))
+    }
+
+    /// Closes the session gracefully: everything already written is delivered,
+    /// then the peer learns the code. Completes when the peer acknowledges, even
+    /// if that needs a resume first.
+    pub fn close(&mut self, code: u64, reason: &str) {
+        if matches!(self.state, State::Closed | State::Closing) {
+            return;
+        }
+        let reason = reason.as_bytes()[..reason.len().min(crate::frame::MAX_TEXT_LEN)].to_vec();
+        self.log.push_back(Entry::Close { code, reason });
+        if self.state == State::Handshaking && self.active.is_none() {
+            self.finish(CloseReason::Local { code });
+            return;
+        }
+        self.state = State::Closing;
+    }
+
+    /// Server: announce the addresses this session's server can be reached at.
+    pub fn set_addresses(&mut self, addrs: Vec<String>) {
+        if self.check_open().is_ok() {
+            self.log.push_back(Entry::Addresses(addrs));
+        }
+    }
+
+    /// Server: ask the client to resume at `addr` (e.g. before this host drains).
+    pub fn move_to(&mut self, addr: String) {
+        if self.check_open().is_ok() {
+            self.log.push_back(Entry::MoveTo(addr));
+        }
+    }
+
+    fn enqueue(&mut self, id: u64) {
+        if let Some(s) = self.streams.get_mut(&id) {
+            if !s.queued && s.wants_send() {
+                s.queued = true;
+                self.send_queue.push_back(id);
+            }
+        }
+    }
+
+    /// The application consumed `n` received bytes: maybe re-grant the session window.
+    fn consume(&mut self, n: u64) {
+        self.conn_consumed += n;
+        let window = self.config.session_window;
+        if self.conn_recv_max - self.conn_consumed <= window / 2 {
+            self.conn_recv_max = self.conn_consumed + window;
+            self.log.push_back(Entry::MaxData(self.conn_recv_max));
+        }
+    }
+
+    /// Drops a stream's state once nothing about it can happen any more.
+    fn maybe_forget(&mut self, id: u64) {
+        if self.streams.get(&id).is_some_and(Stream::is_done) {
+            self.streams.remove(&id);
+            if (id & 1 == 0) == (self.role == Role::Client) {
+                self.local_open -= 1;
+            } else {
+                self.peer_open -= 1;
+            }
+        }
+    }
+
+    fn is_local_stream(&self, id: u64) -> bool {
+        (id & 1 == 0) == (self.role == Role::Client)
+    }
+
+    fn peer_params_or_default(&self) -> Params {
+        self.peer_params.unwrap_or(Params { stream_window: 0, session_window: 0, max_streams: 0 })
+    }
+
+    fn set_peer_params(&mut self, p: Params) {
+        self.peer_params = Some(p);
+        self.conn_send_max = self.conn_send_max.max(p.session_window);
+        let ids: Vec<u64> = self.streams.keys().copied().collect();
+        for id in ids {
+            if let Some(s) = self.streams.get_mut(&id) {
+                s.send_max = s.send_max.max(p.stream_window);
+            }
+            self.enqueue(id);
+        }
+    }
+
+    fn mark_closing_done(&mut self, code: u64) {
+        self.finish(CloseReason::Local { code });
+    }
+}
+
+impl Error {
+    /// The refusal status a server sends for this error (§4.2).
+    pub fn refusal_status(&self) -> handshake::Status {
+        match self {
+            Error::UnsupportedVersion => handshake::Status::UnsupportedVersion,
+            Error::UnknownSession => handshake::Status::UnknownSession,
+            Error::ReplayedResume => handshake::Status::Replay,
+            Error::ServerBusy => handshake::Status::Busy,
+            _ => handshake::Status::ResumeRejected,
+        }
+    }
+}
+

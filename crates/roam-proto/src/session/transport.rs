@@ -1,0 +1,312 @@
+//! One transport of a session: its handshake phase, record keys and buffers,
+//! and the input path from raw bytes to frames (§3, §4).
+
+use std::net::SocketAddr;
+use std::time::Instant;
+
+use super::{Role, Session, State, SuspendReason};
+use crate::config::ServerTrust;
+use crate::event::{CloseReason, Event, TransportId};
+use crate::frame::{for_each_frame, Frame};
+use crate::handshake::{ClientNewSent, ClientResumeSent, Established, ServerNewSent};
+use crate::record::next_record;
+use crate::Error;
+
+pub(super) enum Phase {
+    ClientNew(ClientNewSent),
+    ClientResume(ClientResumeSent),
+    ServerNew(ServerNewSent),
+    Open(Established),
+    /// Transient while a phase is being advanced.
+    Taken,
+}
+
+pub(super) struct Transport {
+    pub(super) id: TransportId,
+    pub(super) peer: Option<SocketAddr>,
+    pub(super) phase: Phase,
+    /// Received bytes not yet consumed (records are decrypted in place here).
+    pub(super) inbuf: Vec<u8>,
+    /// Handshake bytes waiting for `poll_transmit`.
+    pub(super) out: Vec<u8>,
+    pub(super) started: Instant,
+    pub(super) last_recv: Instant,
+    pub(super) last_send: Instant,
+    /// Records may be sent (keys ready and, on a server resume, the client's SYNC seen).
+    pub(super) may_send: bool,
+    pub(super) sync_sent: bool,
+    pub(super) sync_received: bool,
+    /// Server: `SESSION_INFO` still to send on this (first) transport.
+    pub(super) info_due: bool,
+    /// Server: a resume candidate that has not yet proven it is live.
+    pub(super) pending_resume: bool,
+    /// Server: a resume transport; emit `Resumed` once the client's SYNC arrives.
+    pub(super) is_resume: bool,
+    /// Flush `out` (and a final record if due), then report it closed.
+    pub(super) retire: bool,
+}
+
+impl Transport {
+    pub(super) fn new(id: TransportId, now: Instant, peer: Option<SocketAddr>, phase: Phase) -> Self {
+        Self {
+            id,
+            peer,
+            phase,
+            inbuf: Vec::new(),
+            out: Vec::new(),
+            started: now,
+            last_recv: now,
+            last_send: now,
+            may_send: false,
+            sync_sent: false,
+            sync_received: false,
+            info_due: false,
+            pending_resume: false,
+            is_resume: false,
+            retire: false,
+        }
+    }
+
+    pub(super) fn is_open(&self) -> bool {
+        matches!(self.phase, Phase::Open(_))
+    }
+}
+
+impl Session {
+    /// Bytes received on transport `id`. An `Err` means that transport is dead
+    /// (the session suspends or, for fatal errors, closes; events say which);
+    /// the caller closes it. Bytes for an unknown or retired transport are ignored.
+    pub fn handle_input(&mut self, now: Instant, id: TransportId, data: &[u8]) -> Result<(), Error> {
+        let from_pending = self.pending.as_ref().is_some_and(|p| p.id == id);
+        let slot = if from_pending {
+            self.pending.take()
+        } else if self.active.as_ref().is_some_and(|a| a.id == id) {
+            self.active.take()
+        } else {
+            None
+        };
+        let Some(mut t) = slot else { return Ok(()) };
+        if t.retire {
+            self.active = Some(t);
+            return Ok(());
+        }
+        let was_pending = t.pending_resume;
+        t.last_recv = now;
+        t.inbuf.extend_from_slice(data);
+        let result = self.advance(now, &mut t);
+        match result {
+            Ok(()) => {
+                if was_pending && !t.pending_resume {
+                    // The client proved it is live: this transport takes over.
+                    if let Some(old) = self.active.take() {
+                        self.events.push_back(Event::TransportClosed { transport: old.id, error: None });
+                    }
+                    self.active = Some(t);
+                } else if t.pending_resume {
+                    self.pending = Some(t);
+                } else {
+                    self.active = Some(t);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                self.fail_transport(now, t, was_pending, e.clone());
+                Err(e)
+            }
+        }
+    }
+
+    fn fail_transport(&mut self, now: Instant, t: Transport, was_pending: bool, e: Error) {
+        let fatal = self.is_fatal(&e, &t);
+        if fatal {
+            if let Some(old) = self.active.replace(t) {
+                self.events.push_back(Event::TransportClosed { transport: old.id, error: None });
+            }
+            self.finish(CloseReason::Error(e));
+        } else if was_pending {
+            self.events.push_back(Event::TransportClosed { transport: t.id, error: Some(e) });
+        } else {
+            self.active = Some(t);
+            self.lose_active(now, SuspendReason::TransportError(e));
+        }
+    }
+
+    /// Errors that end the session, not just the transport (§10.2).
+    fn is_fatal(&self, e: &Error, t: &Transport) -> bool {
+        if self.role == Role::Client && self.secret.is_none() {
+            return true; // first connect: nothing to preserve
+        }
+        match e {
+            Error::ServerKeyMismatch { .. }
+            | Error::Unauthorized
+            | Error::UnknownSession
+            | Error::ResumeRejected
+            | Error::Expired => self.role == Role::Client,
+            // Violations inside authenticated records come from the peer itself.
+            Error::ProtocolViolation(_) | Error::FlowControl | Error::Decode(_) => {
+                t.is_open() && !t.pending_resume
+            }
+            _ => false,
+        }
+    }
+
+    fn advance(&mut self, now: Instant, t: &mut Transport) -> Result<(), Error> {
+        let mut pos = 0;
+        loop {
+            match std::mem::replace(&mut t.phase, Phase::Taken) {
+                Phase::ClientNew(hs) => {
+                    let params = self.config.params();
+                    match hs.read_reply(&t.inbuf[pos..], &params, &mut t.out)? {
+                        Err(hs) => {
+                            t.phase = Phase::ClientNew(hs);
+                            break;
+                        }
+                        Ok(done) => {
+                            pos += done.consumed;
+                            if let Some(ServerTrust::Pinned(expected)) = &self.trust {
+                                if *expected != done.server_key {
+                                    return Err(Error::ServerKeyMismatch {
+                                        expected: *expected,
+                                        actual: done.server_key,
+                                    });
+                                }
+                            }
+                            self.peer_key = Some(done.server_key);
+                            self.set_peer_params(done.server_params);
+                            t.phase = Phase::Open(done.keys);
+                            t.may_send = true;
+                            self.peer_addr = t.peer;
+                        }
+                    }
+                }
+                Phase::ClientResume(hs) => match hs.read_reply(&t.inbuf[pos..])? {
+                    Err(hs) => {
+                        t.phase = Phase::ClientResume(hs);
+                        break;
+                    }
+                    Ok((keys, server_received, used)) => {
+                        pos += used;
+                        t.phase = Phase::Open(keys);
+                        t.may_send = true;
+                        self.on_ack(server_received, true)?;
+                        self.send_cursor = server_received;
+                        self.emit_resumed(now, t.peer);
+                    }
+                },
+                Phase::ServerNew(hs) => match hs.read_msg3(&t.inbuf[pos..])? {
+                    Err(hs) => {
+                        t.phase = Phase::ServerNew(hs);
+                        break;
+                    }
+                    Ok((keys, client_key, params, used)) => {
+                        pos += used;
+                        t.phase = Phase::Open(keys);
+                        self.peer_key = Some(client_key);
+                        self.set_peer_params(params);
+                        let allowed =
+                            self.authorized.as_ref().is_none_or(|keys| keys.contains(&client_key));
+                        t.may_send = true;
+                        if !allowed {
+                            self.refuse_unauthorized(t)?;
+                            return Ok(());
+                        }
+                        t.info_due = true;
+                        self.state = State::Active;
+                        if !self.announce.is_empty() {
+                            let addrs = self.announce.clone();
+                            self.log.push_back(super::Entry::Addresses(addrs));
+                        }
+                        if let (Some(session_id), Some(peer_key)) = (self.id, self.peer_key) {
+                            self.events.push_back(Event::Connected { session_id, peer_key });
+                        }
+                    }
+                },
+                Phase::Open(mut keys) => {
+                    let r = self.read_records(now, t, &mut keys, &mut pos);
+                    t.phase = Phase::Open(keys);
+                    r?;
+                    break;
+                }
+                Phase::Taken => return Err(Error::ProtocolViolation("transport in invalid phase")),
+            }
+        }
+        t.inbuf.drain(..pos);
+        Ok(())
+    }
+
+    fn read_records(
+        &mut self,
+        now: Instant,
+        t: &mut Transport,
+        keys: &mut Established,
+        pos: &mut usize,
+    ) -> Result<(), Error> {
+        let mut inbuf = std::mem::take(&mut t.inbuf);
+        let mut result = Ok(());
+        while let Some((b, e)) = next_record(&inbuf, *pos) {
+            let n = match keys.rx.open(&mut inbuf[b..e]) {
+                Ok(n) => n,
+                Err(err) => {
+                    result = Err(err);
+                    break;
+                }
+            };
+            *pos = e;
+            t.pending_resume = false;
+            let r = for_each_frame(&inbuf[b..b + n], |f| self.on_frame(now, t, f));
+            if let Err(err) = r {
+                result = Err(err);
+                break;
+            }
+            if self.state == State::Closed {
+                break;
+            }
+        }
+        t.inbuf = inbuf;
+        result
+    }
+
+    /// Server: the client key is not authorized. Send one `CLOSE` and end.
+    fn refuse_unauthorized(&mut self, t: &mut Transport) -> Result<(), Error> {
+        if let Phase::Open(keys) = &mut t.phase {
+            let start = crate::record::RecordCipher::begin(&mut t.out);
+            Frame::Close { code: crate::error::code::UNAUTHORIZED, reason: b"client key not authorized" }
+                .encode(&mut t.out);
+            keys.tx.seal(&mut t.out, start)?;
+        }
+        // Keep the transport (it still has the CLOSE to flush) but end the session.
+        t.may_send = false;
+        t.retire = true;
+        self.finish(CloseReason::Error(Error::Unauthorized));
+        Ok(())
+    }
+
+    pub(super) fn emit_resumed(&mut self, now: Instant, peer: Option<std::net::SocketAddr>) {
+        let since = self.suspended_since.take().unwrap_or(now);
+        if self.state == State::Suspended {
+            self.state = State::Active;
+        }
+        // What will be replayed: entries between the peer's position and our high-water mark.
+        let (mut frames, mut bytes) = (0u64, 0u64);
+        let from = self.send_cursor.saturating_sub(self.log_base) as usize;
+        let to = self.high_sent.saturating_sub(self.log_base) as usize;
+        for e in self.log.range(from.min(self.log.len())..to.min(self.log.len())) {
+            frames += 1;
+            if let super::Entry::Data { len, .. } = e {
+                bytes += u64::from(*len);
+            }
+        }
+        self.stats.resumes += 1;
+        self.events.push_back(Event::Resumed {
+            suspended_for: now.saturating_duration_since(since),
+            frames_replayed: frames,
+            bytes_replayed: bytes,
+        });
+        if peer != self.peer_addr {
+            self.events.push_back(Event::PeerAddressChanged { from: self.peer_addr, to: peer });
+            self.peer_addr = peer;
+        }
+    }
+}
+
+

@@ -1,0 +1,9 @@
+//! Test support for roam.
+//!
+//! - [`net`]: a seeded, deterministic network simulator that drives two
+//!   sans-IO sessions under simulated time through delay, transport kills,
+//!   black holes, partitions and address changes.
+//! - [`proxy`]: a loopback TCP fault proxy for tests over real sockets.
+
+pub mod net;
+pub mod proxy;
