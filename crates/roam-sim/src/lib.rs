@@ -7,3 +7,4 @@
 
 pub mod net;
 pub mod proxy;
+pub mod workload;
