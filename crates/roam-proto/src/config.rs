@@ -28,7 +28,7 @@ pub struct Config {
     pub stream_send_buffer: u64,
     /// Send buffer for the whole session, bytes (default 16 MiB).
     pub session_send_buffer: u64,
-    /// Streams the peer may have open towards us (default 65,536).
+    /// Streams the peer may have open towards us (default 65,536; at least 16).
     pub max_streams: u64,
     /// Delay before a standalone `ACK` when no other frame carries it (default 2 ms).
     pub ack_delay: Duration,
@@ -56,7 +56,7 @@ impl Config {
         Params {
             stream_window: self.stream_window.max(1),
             session_window: self.session_window.max(1),
-            max_streams: self.max_streams,
+            max_streams: self.max_streams.max(crate::handshake::MIN_MAX_STREAMS),
         }
     }
 }

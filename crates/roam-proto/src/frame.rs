@@ -46,6 +46,8 @@ pub enum FrameType {
     MaxStreamData = 0x14,
     /// §8 Raise the session-wide receive limit (reliable).
     MaxData = 0x15,
+    /// §6.5 Raise the total number of streams the peer may open (reliable).
+    MaxStreams = 0x16,
 }
 
 impl FrameType {
@@ -65,6 +67,7 @@ impl FrameType {
             0x13 => Self::Reset,
             0x14 => Self::MaxStreamData,
             0x15 => Self::MaxData,
+            0x16 => Self::MaxStreams,
             other => return Err(DecodeError::UnknownFrameType(other)),
         })
     }
@@ -87,6 +90,7 @@ pub enum Frame<'a> {
     Reset { stream: u64, code: u64 },
     MaxStreamData { stream: u64, max: u64 },
     MaxData { max: u64 },
+    MaxStreams { max: u64 },
 }
 
 impl<'a> Frame<'a> {
@@ -147,6 +151,7 @@ impl<'a> Frame<'a> {
                 Frame::MaxStreamData { stream: r.varint()?, max: r.varint()? }
             }
             FrameType::MaxData => Frame::MaxData { max: r.varint()? },
+            FrameType::MaxStreams => Frame::MaxStreams { max: r.varint()? },
         })
     }
 
@@ -197,6 +202,7 @@ impl<'a> Frame<'a> {
                 put_varint(out, *max);
             }
             Frame::MaxData { max } => put2(out, FrameType::MaxData, *max),
+            Frame::MaxStreams { max } => put2(out, FrameType::MaxStreams, *max),
         }
     }
 }
@@ -316,6 +322,7 @@ mod tests {
             round_trip(&Frame::Reset { stream: a, code: b });
             round_trip(&Frame::MaxStreamData { stream: a, max: b });
             round_trip(&Frame::MaxData { max: a });
+            round_trip(&Frame::MaxStreams { max: b });
         }
 
         #[test]

@@ -55,6 +55,10 @@ impl Status {
     }
 }
 
+/// Smallest `max_streams` a peer may announce; also the limit assumed before
+/// the peer's [`Params`] arrive (§6.5).
+pub(crate) const MIN_MAX_STREAMS: u64 = 16;
+
 /// Flow-control and stream limits a side announces in its handshake (§8).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Params {
@@ -80,6 +84,9 @@ impl Params {
         };
         if p.stream_window == 0 || p.session_window == 0 {
             return Err(Error::ProtocolViolation("zero flow-control window"));
+        }
+        if p.max_streams < MIN_MAX_STREAMS {
+            return Err(Error::ProtocolViolation("max_streams below the minimum"));
         }
         Ok(p)
     }
@@ -243,7 +250,7 @@ impl ClientResumeSent {
             return Ok(Err(self));
         };
         let mut payload = [0u8; MAX_HANDSHAKE_MSG];
-        let n = self.hs.read_message(msg, &mut payload).map_err(|_| Error::ResumeRejected)?;
+        let n = self.hs.read_message(msg, &mut payload).map_err(noise_err)?;
         let mut r = Reader::new(&payload[..n]);
         if r.u8()? != VERSION {
             return Err(Error::UnsupportedVersion);

@@ -6,5 +6,7 @@
 //! - [`proxy`]: a loopback TCP fault proxy for tests over real sockets.
 
 pub mod net;
+pub mod netns;
 pub mod proxy;
+pub mod sshd;
 pub mod workload;

@@ -57,6 +57,10 @@ pub struct Conn {
     reset_at: Option<(Option<Instant>, Option<Instant>)>,
     client_addr: SocketAddr,
     delay: Duration,
+    /// When each direction's simulated link is next free (c2s, s2c).
+    free_at: [Option<Instant>; 2],
+    /// Link rate in bytes per second.
+    rate: u64,
 }
 
 /// Knobs of one simulation run.
@@ -68,6 +72,8 @@ pub struct SimConfig {
     pub delay_ms: (u64, u64),
     /// Client re-dials this long after losing its transport (plus jitter up to the same).
     pub reconnect_after: Duration,
+    /// Link rate of each direction, bytes per second.
+    pub rate: u64,
     /// Session knobs for both sides.
     pub session: Config,
 }
@@ -79,6 +85,7 @@ impl SimConfig {
             seed,
             delay_ms: (1, 30),
             reconnect_after: Duration::from_millis(100),
+            rate: 20_000_000,
             session: Config::default(),
         }
     }
@@ -184,6 +191,8 @@ impl Sim {
             reset_at: None,
             client_addr: self.client_addr,
             delay,
+            free_at: [None, None],
+            rate: self.cfg.rate.max(1),
         };
         if self.partitioned {
             // The SYN goes nowhere: the client learns of it after a connect timeout.
@@ -256,6 +265,9 @@ impl Sim {
             if done(self) {
                 return true;
             }
+            // Whatever the closure did (writes, faults, dials) goes out now.
+            self.transmit();
+            self.collect_events();
             let next = self.next_wakeup().unwrap_or(deadline).min(deadline);
             if next >= deadline && self.now >= deadline {
                 return false;
@@ -315,7 +327,6 @@ impl Sim {
         }
         self.deliver_resets();
         self.deliver_bytes();
-        self.transmit();
         self.collect_events();
         if self.auto_reconnect
             && self.client.active_transport().is_none()
@@ -331,6 +342,8 @@ impl Sim {
                 Some(_) => {}
             }
         }
+        self.transmit();
+        self.collect_events();
     }
 
     fn deliver_resets(&mut self) {
@@ -498,8 +511,13 @@ impl Sim {
         if c.blackholed || c.reset_at.is_some() {
             return;
         }
+        // Serialisation at the link rate, then propagation delay; order kept.
+        let dir = usize::from(!c2s);
+        let start = c.free_at[dir].map_or(now, |f| f.max(now));
+        let free = start + Duration::from_nanos(data.len() as u64 * 1_000_000_000 / c.rate);
+        c.free_at[dir] = Some(free);
         let q = if c2s { &mut c.c2s } else { &mut c.s2c };
-        let at = q.back().map_or(now, |(t, _)| *t).max(now + c.delay);
+        let at = q.back().map_or(now, |(t, _)| *t).max(free + c.delay);
         let mut rest = &data[..];
         while !rest.is_empty() {
             let cut = if rest.len() > 1 && rng.gen_bool(0.3) { rng.gen_range(1..rest.len()) } else { rest.len() };
@@ -562,6 +580,8 @@ impl Sim {
             reset_at: None,
             client_addr: "203.0.113.66:666".parse().expect("addr"),
             delay: Duration::from_millis(1),
+            free_at: [None, None],
+            rate: self.cfg.rate.max(1),
         };
         self.conns.push(conn);
         if self.record_c2s {

@@ -64,8 +64,11 @@ pub struct Workload {
 }
 
 impl Workload {
-    /// Opens `streams` streams on the client.
+    /// Waits (in simulated time, at most a minute) for the client to connect,
+    /// then opens `streams` streams on it.
     pub fn start(sim: &mut Sim, streams: usize, bytes_each_way: u64) -> Self {
+        let deadline = sim.now + std::time::Duration::from_secs(60);
+        sim.run_until(deadline, |s| s.client.id().is_some());
         let mut client = Side::default();
         for i in 0..streams {
             let id = sim.client.open_stream(format!("stream-{i}").as_bytes()).expect("open");

@@ -91,6 +91,7 @@ enum Entry {
     Reset { stream: u64, code: u64 },
     MaxStreamData { stream: u64, max: u64 },
     MaxData(u64),
+    MaxStreams(u64),
     Close { code: u64, reason: Vec<u8> },
     Addresses(Vec<String>),
     MoveTo(String),
@@ -164,8 +165,13 @@ pub struct Session {
     streams: HashMap<u64, Stream>,
     next_local_stream: u64,
     next_peer_stream: u64,
-    local_open: u64,
-    peer_open: u64,
+    /// Streams we opened, ever, and how many the peer allows in total (§6.5).
+    local_streams_opened: u64,
+    local_stream_limit: u64,
+    /// Streams the peer opened, ever; how many of them we forgot; our grant.
+    peer_streams_opened: u64,
+    peer_streams_forgotten: u64,
+    peer_stream_limit: u64,
     send_queue: VecDeque<u64>,
 
     // session flow control (§8)
@@ -183,6 +189,8 @@ pub struct Session {
 
     /// A `CLOSE` code to put in the final record after a local error.
     final_close: Option<u64>,
+    /// `close` was called: the `CLOSE` to log once all stream data is logged.
+    close_requested: Option<(u64, Vec<u8>)>,
 
     events: VecDeque<Event>,
     stats: Stats,
@@ -203,6 +211,7 @@ impl std::fmt::Debug for Session {
 impl Session {
     fn new(role: Role, config: Config) -> Self {
         let resume_timeout = config.resume_timeout;
+        let peer_stream_limit = config.params().max_streams;
         let conn_recv_max = config.session_window;
         Self {
             role,
@@ -244,8 +253,11 @@ impl Session {
                 Role::Client => 1,
                 Role::Server => 0,
             },
-            local_open: 0,
-            peer_open: 0,
+            local_streams_opened: 0,
+            local_stream_limit: handshake::MIN_MAX_STREAMS,
+            peer_streams_opened: 0,
+            peer_streams_forgotten: 0,
+            peer_stream_limit,
             send_queue: VecDeque::new(),
             conn_send_max: 0,
             conn_sent: 0,
@@ -257,6 +269,7 @@ impl Session {
             ping_outstanding: None,
             pong_due: None,
             final_close: None,
+            close_requested: None,
             events: VecDeque::new(),
             stats: Stats::default(),
         }
@@ -351,6 +364,9 @@ impl Session {
         }
         if matches!(self.state, State::Closed) {
             return Err(Error::UnknownSession);
+        }
+        if !hello.version_supported() {
+            return Err(Error::UnsupportedVersion);
         }
         let secret = self.secret.ok_or(Error::UnknownSession)?;
         let eph = hello.ephemeral().ok_or(Error::ResumeRejected)?;
@@ -536,17 +552,23 @@ impl Session {
         let Some(t) = self.active.take() else { return };
         self.ping_outstanding = None;
         self.pong_due = None;
-        if self.role == Role::Client && self.secret.is_none() {
-            // No session yet to preserve: the first connect failed.
+        self.ack_deadline = None;
+        self.ack_now = false;
+        if self.state == State::Handshaking {
+            // No session yet to preserve (first connect, or a server whose
+            // client never finished the handshake): it ends here.
             let err = match reason {
                 SuspendReason::TransportError(e) => e,
-                _ if t.is_open() => Error::HandshakeFailed,
                 _ => Error::HandshakeFailed,
             };
             self.finish(CloseReason::Error(err));
             return;
         }
         if matches!(self.state, State::Closed) {
+            return;
+        }
+        if self.suspended_since.is_some() && !t.is_open() {
+            // A re-dial that failed while already suspended: nothing new to report.
             return;
         }
         self.enter_suspended(now, reason);
@@ -616,13 +638,12 @@ impl Session {
         if meta.len() > MAX_META_LEN {
             return Err(StreamError::MetaTooLong);
         }
-        let peer_max = self.peer_params.map_or(self.config.max_streams, |p| p.max_streams);
-        if self.local_open >= peer_max {
+        if self.local_streams_opened >= self.local_stream_limit {
             return Err(StreamError::TooManyStreams);
         }
         let id = self.next_local_stream;
         self.next_local_stream += 2;
-        self.local_open += 1;
+        self.local_streams_opened += 1;
         let send_max = self.peer_params.map_or(0, |p| p.stream_window);
         let mut s = Stream::new(meta.to_vec(), send_max, self.config.stream_window);
         s.in_log += 1;
@@ -667,6 +688,7 @@ impl Session {
     /// Completion (`StreamSendComplete`) waits for the peer's acknowledgement,
     /// across any suspension.
     pub fn finish_stream(&mut self, id: StreamId) -> Result<(), StreamError> {
+        self.check_open()?;
         let s = self.stream_mut(id)?;
         s.fin_requested = true;
         self.enqueue(id.0);
@@ -731,25 +753,34 @@ impl Session {
         if matches!(self.state, State::Closed | State::Closing) {
             return;
         }
-        let reason = reason.as_bytes()[..reason.len().min(crate::frame::MAX_TEXT_LEN)].to_vec();
-        self.log.push_back(Entry::Close { code, reason });
         if self.state == State::Handshaking && self.active.is_none() {
             self.finish(CloseReason::Local { code });
             return;
         }
+        let mut end = reason.len().min(crate::frame::MAX_TEXT_LEN);
+        while !reason.is_char_boundary(end) {
+            end -= 1;
+        }
+        // The CLOSE enters the log only after every written byte (§10.1).
+        self.close_requested = Some((code, reason.as_bytes()[..end].to_vec()));
         self.state = State::Closing;
     }
 
     /// Server: announce the addresses this session's server can be reached at.
     pub fn set_addresses(&mut self, addrs: Vec<String>) {
         if self.check_open().is_ok() {
+            let addrs = addrs
+                .into_iter()
+                .filter(|a| a.len() <= crate::frame::MAX_TEXT_LEN)
+                .take(crate::frame::MAX_ADDRESSES)
+                .collect();
             self.log.push_back(Entry::Addresses(addrs));
         }
     }
 
     /// Server: ask the client to resume at `addr` (e.g. before this host drains).
     pub fn move_to(&mut self, addr: String) {
-        if self.check_open().is_ok() {
+        if self.check_open().is_ok() && addr.len() <= crate::frame::MAX_TEXT_LEN {
             self.log.push_back(Entry::MoveTo(addr));
         }
     }
@@ -777,10 +808,14 @@ impl Session {
     fn maybe_forget(&mut self, id: u64) {
         if self.streams.get(&id).is_some_and(Stream::is_done) {
             self.streams.remove(&id);
-            if (id & 1 == 0) == (self.role == Role::Client) {
-                self.local_open -= 1;
-            } else {
-                self.peer_open -= 1;
+            if !self.is_local_stream(id) {
+                // Grant the peer a new stream for each one forgotten, in batches (§6.5).
+                self.peer_streams_forgotten += 1;
+                let target = self.peer_streams_forgotten + self.config.params().max_streams;
+                if target - self.peer_stream_limit >= (self.config.params().max_streams / 2).max(1) {
+                    self.peer_stream_limit = target;
+                    self.log.push_back(Entry::MaxStreams(target));
+                }
             }
         }
     }
@@ -795,6 +830,7 @@ impl Session {
 
     fn set_peer_params(&mut self, p: Params) {
         self.peer_params = Some(p);
+        self.local_stream_limit = self.local_stream_limit.max(p.max_streams);
         self.conn_send_max = self.conn_send_max.max(p.session_window);
         let ids: Vec<u64> = self.streams.keys().copied().collect();
         for id in ids {

@@ -41,12 +41,11 @@ impl Session {
                 t.sync_received = true;
                 self.in_cursor = next;
                 self.on_ack(received, true)?;
-                if self.role == Role::Server {
+                if self.role == Role::Server && t.is_resume {
+                    // Retransmit from where the client stands (§7.3).
                     self.send_cursor = received;
                     t.may_send = true;
-                    if t.is_resume {
-                        self.emit_resumed(now, t.peer);
-                    }
+                    self.emit_resumed(now, t.peer);
                 }
             }
             Frame::SessionInfo { session_id, resume_secret, resume_timeout_secs } => {
@@ -81,7 +80,7 @@ impl Session {
                 }
                 let seq = self.in_cursor;
                 self.in_cursor += 1;
-                if seq < self.recv_seq {
+                if seq < self.recv_seq && !matches!(reliable, Frame::Close { .. }) {
                     return Ok(()); // already applied before a resume
                 }
                 self.recv_seq += 1;
@@ -127,7 +126,7 @@ impl Session {
                         s.write_blocked = false;
                         self.events.push_back(Event::StreamWritable { stream: StreamId(stream) });
                     }
-                    if fin {
+                    if fin && s.reset.is_none() {
                         s.fin_acked = true;
                         self.events.push_back(Event::StreamSendComplete { stream: StreamId(stream) });
                     }
@@ -154,11 +153,11 @@ impl Session {
                 if self.is_local_stream(stream) || stream < self.next_peer_stream {
                     return Err(Error::ProtocolViolation("OPEN with a stream id out of sequence"));
                 }
-                if self.peer_open >= self.config.max_streams {
+                if self.peer_streams_opened >= self.peer_stream_limit {
                     return Err(Error::ProtocolViolation("peer exceeded its stream limit"));
                 }
                 self.next_peer_stream = stream + 2;
-                self.peer_open += 1;
+                self.peer_streams_opened += 1;
                 let p = self.peer_params_or_default();
                 self.streams.insert(stream, Stream::new(meta.to_vec(), p.stream_window, self.config.stream_window));
                 self.events.push_back(Event::StreamOpened { stream: StreamId(stream) });
@@ -189,9 +188,13 @@ impl Session {
                 self.enqueue(stream);
             }
             Frame::MaxData { max } => self.conn_send_max = self.conn_send_max.max(max),
+            Frame::MaxStreams { max } => self.local_stream_limit = self.local_stream_limit.max(max),
             Frame::Close { code, reason } => {
                 let reason = String::from_utf8_lossy(reason).into_owned();
                 self.finish(CloseReason::Peer { code, reason });
+            }
+            Frame::Addresses { .. } | Frame::MoveTo { .. } if self.role == Role::Server => {
+                return Err(Error::ProtocolViolation("ADDRESSES/MOVE_TO sent by a client"));
             }
             Frame::Addresses { addrs } => {
                 let addrs = addrs.iter().map(|a| String::from_utf8_lossy(a).into_owned()).collect();

@@ -84,6 +84,8 @@ impl Session {
                     self.ack_sent = self.recv_seq;
                     substantive = true;
                 }
+                self.ack_deadline = None;
+                self.ack_now = false;
                 if substantive {
                     tx.seal(out, rec)?;
                 } else {
@@ -107,6 +109,8 @@ impl Session {
             if !t.sync_sent {
                 Frame::Sync { received: self.recv_seq, next: self.send_cursor }.encode(out);
                 self.ack_sent = self.recv_seq;
+                self.ack_deadline = None;
+                self.ack_now = false;
                 t.sync_sent = true;
                 substantive = true;
             }
@@ -125,7 +129,16 @@ impl Session {
                 substantive = true;
             }
 
-            let full = self.write_log(out, limit) || self.write_new_data(out, limit);
+            let mut full = self.write_log(out, limit) || self.write_new_data(out, limit);
+            if !full
+                && self.close_requested.is_some()
+                && self.streams.values().all(|s| !s.wants_send())
+            {
+                if let Some((code, reason)) = self.close_requested.take() {
+                    self.log.push_back(Entry::Close { code, reason });
+                    full = self.write_log(out, limit);
+                }
+            }
             substantive |= self.high_sent_changed;
             self.high_sent_changed = false;
 
@@ -189,6 +202,7 @@ impl Session {
                 Frame::MaxStreamData { stream: *stream, max: *max }.encode(out);
             }
             Entry::MaxData(max) => Frame::MaxData { max: *max }.encode(out),
+            Entry::MaxStreams(max) => Frame::MaxStreams { max: *max }.encode(out),
             Entry::Close { code, reason } => Frame::Close { code: *code, reason }.encode(out),
             Entry::Addresses(addrs) => {
                 let addrs = addrs.iter().map(|a| a.as_bytes()).collect();

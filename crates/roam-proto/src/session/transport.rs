@@ -94,6 +94,12 @@ impl Session {
         t.last_recv = now;
         t.inbuf.extend_from_slice(data);
         let result = self.advance(now, &mut t);
+        if result.is_ok() && self.state == State::Closed && !t.retire {
+            // The session ended while this transport was detached (CLOSE sent
+            // or received): flush a last ACK, then report it closed.
+            t.retire = true;
+            t.pending_resume = false;
+        }
         match result {
             Ok(()) => {
                 if was_pending && !t.pending_resume {

@@ -1,0 +1,159 @@
+//! Tests of the network-namespace fixture: a real TCP transfer between two
+//! namespaces, link down/up, address changes, and cleanup (also on panic).
+//! Skipped, with the reason printed, when namespaces cannot be made here.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, SocketAddrV4};
+use std::process::Command;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use roam_sim::netns::{self, NetPair, Side};
+
+macro_rules! require_netns {
+    () => {
+        if let Err(why) = netns::available() {
+            eprintln!("SKIPPED: {why}");
+            return;
+        }
+    };
+}
+
+const PORT: u16 = 5000;
+const T: Duration = Duration::from_secs(5);
+
+fn ours(prefix: &str) -> Vec<String> {
+    let stem = format!("roam-{prefix}-{}-", std::process::id());
+    netns::roam_namespaces().into_iter().filter(|n| n.starts_with(&stem)).collect()
+}
+
+/// Echo server on `side` at its address: echoes each accepted connection
+/// until EOF, for `conns` connections.
+fn echo_server(pair: &NetPair, conns: usize) -> thread::JoinHandle<Vec<SocketAddr>> {
+    let at = SocketAddr::V4(SocketAddrV4::new(pair.server_addr(), PORT));
+    let l = pair.tcp_listen(Side::Server, at).expect("listen in server ns");
+    thread::spawn(move || {
+        let mut peers = Vec::new();
+        for _ in 0..conns {
+            let (mut s, peer) = l.accept().expect("accept");
+            peers.push(peer);
+            let mut r = s.try_clone().expect("clone");
+            std::io::copy(&mut r, &mut s).ok();
+        }
+        peers
+    })
+}
+
+#[test]
+fn transfer_link_flap_and_address_changes() {
+    require_netns!();
+    let pair = NetPair::new("fixt").expect("make pair");
+    assert_eq!(ours("fixt").len(), 2);
+    let srv = SocketAddr::V4(SocketAddrV4::new(pair.server_addr(), PORT));
+    let server = echo_server(&pair, 2);
+
+    // 1. A transfer across the veth, byte-exact.
+    let mut c = pair.tcp_connect(Side::Client, srv, T).expect("connect");
+    c.set_read_timeout(Some(T)).unwrap();
+    let data: Vec<u8> = (0..4_000_000u32).map(|i| (i * 31 + i / 7) as u8).collect();
+    let mut w = c.try_clone().unwrap();
+    let d2 = data.clone();
+    let writer = thread::spawn(move || w.write_all(&d2).unwrap());
+    let mut got = vec![0u8; data.len()];
+    c.read_exact(&mut got).unwrap();
+    writer.join().unwrap();
+    assert!(got == data);
+
+    // 2. Link down: the connection stalls but survives a short outage.
+    pair.link_down().unwrap();
+    c.write_all(b"during outage").unwrap();
+    c.set_read_timeout(Some(Duration::from_millis(500))).unwrap();
+    let mut b = [0u8; 13];
+    assert!(c.read_exact(&mut b).is_err(), "data crossed a downed link");
+    // New connections fail while down.
+    assert!(pair.tcp_connect(Side::Client, srv, Duration::from_millis(300)).is_err());
+    let up_at = Instant::now();
+    pair.link_up().unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    c.read_exact(&mut b).expect("data after link up");
+    assert_eq!(&b, b"during outage");
+    eprintln!("bare TCP resumed {:?} after link up", up_at.elapsed());
+    drop(c);
+
+    // 3. Client address change: the server sees connections from the new one.
+    let old = pair.change_client_addr(pair.subnet_addr(11)).unwrap();
+    assert_eq!(pair.client_addr(), pair.subnet_addr(11));
+    assert_ne!(old, pair.client_addr());
+    let mut c = pair.tcp_connect(Side::Client, srv, T).expect("connect from new addr");
+    c.write_all(b"x").unwrap();
+    c.read_exact(&mut b[..1]).unwrap();
+    drop(c);
+
+    // 4. Server address change: the old address stops answering.
+    let old_srv = srv;
+    pair.change_server_addr(pair.subnet_addr(12)).unwrap();
+    assert!(pair.tcp_connect(Side::Client, old_srv, Duration::from_millis(500)).is_err());
+    // The listener was bound to the old address; listen again on the new one.
+    let new_srv = SocketAddr::V4(SocketAddrV4::new(pair.server_addr(), PORT));
+    let l2 = pair.tcp_listen(Side::Server, new_srv).unwrap();
+    let c = pair.tcp_connect(Side::Client, new_srv, T).expect("connect to new server addr");
+    let (_s, peer) = l2.accept().unwrap();
+    assert_eq!(peer.ip(), std::net::IpAddr::V4(pair.subnet_addr(11)));
+    drop(c);
+
+    let peers = server.join().unwrap();
+    assert_eq!(peers[0].ip(), std::net::IpAddr::V4(old));
+    assert_eq!(peers[1].ip(), std::net::IpAddr::V4(pair.subnet_addr(11)));
+    drop(pair);
+    assert!(ours("fixt").is_empty(), "namespaces left behind: {:?}", ours("fixt"));
+}
+
+#[test]
+fn run_spawn_and_cleanup_kills_processes() {
+    require_netns!();
+    let pair = NetPair::new("procs").expect("make pair");
+    let out = pair.run_in(Side::Client, Command::new("ip").args(["-o", "-4", "addr", "show", "roam0"])).unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains(&format!("{}/24", pair.client_addr())), "{text}");
+
+    // A process left running inside is killed when the pair drops.
+    let mut sleeper = pair
+        .command(Side::Server, "sleep")
+        .arg("1000")
+        .spawn()
+        .expect("spawn sleep in ns");
+    let pid = sleeper.id();
+    let guarded = pair.spawn_in(Side::Client, Command::new("sleep").arg("1000")).unwrap();
+    let guarded_pid = guarded.id();
+    let ns_pids = Command::new("ip").args(["netns", "pids", pair.ns(Side::Server)]).output().unwrap();
+    assert!(String::from_utf8_lossy(&ns_pids.stdout).contains(&pid.to_string()));
+    drop(guarded);
+    assert!(!std::path::Path::new(&format!("/proc/{guarded_pid}/cmdline")).exists()
+        || std::fs::read_to_string(format!("/proc/{guarded_pid}/stat")).map_or(true, |s| s.contains(") Z")));
+
+    drop(pair);
+    let st = sleeper.wait().unwrap();
+    assert!(!st.success(), "sleep should have been killed");
+    assert!(ours("procs").is_empty());
+}
+
+#[test]
+fn cleanup_on_panic() {
+    require_netns!();
+    let r = std::panic::catch_unwind(|| {
+        let _pair = NetPair::new("panics").expect("make pair");
+        assert_eq!(ours("panics").len(), 2);
+        panic!("test failure inside a netns test");
+    });
+    assert!(r.is_err());
+    assert!(ours("panics").is_empty(), "left behind: {:?}", ours("panics"));
+}
+
+#[test]
+fn duplicate_prefix_is_refused() {
+    require_netns!();
+    let _a = NetPair::new("dup").expect("make pair");
+    let b = NetPair::new("dup");
+    assert_eq!(b.unwrap_err().kind(), std::io::ErrorKind::AlreadyExists);
+    assert!(NetPair::new("bad-prefix").is_err());
+}

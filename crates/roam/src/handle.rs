@@ -1,0 +1,329 @@
+//! What the application holds: [`SessionHandle`], its events and stats, and
+//! the state it shares with the session's driver task.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::future::poll_fn;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Poll, Waker};
+use std::time::Duration;
+
+use roam_proto::{CloseReason, PublicKey, Role, Session, SessionId, State, StreamId, SuspendReason};
+use tokio::sync::{broadcast, Notify};
+
+use crate::stream::RoamStream;
+use crate::Error;
+
+/// Capacity of the application event channel; slow receivers see `Lagged`.
+const EVENT_CAPACITY: usize = 256;
+
+/// Session life events for the application (see [`SessionHandle::events`]).
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum SessionEvent {
+    /// The session is established and both keys are proven.
+    Connected {
+        /// The session's id on its server.
+        session_id: SessionId,
+        /// The peer's static key.
+        peer_key: PublicKey,
+    },
+    /// The transport was lost; streams stay open while the session is resumable.
+    Suspended {
+        /// Why the transport was lost.
+        reason: SuspendReason,
+    },
+    /// Client: a re-dial is scheduled.
+    Redialing {
+        /// Attempts since the last success (1 is the first).
+        attempt: u32,
+        /// How long until it goes out.
+        delay: Duration,
+    },
+    /// A new transport took over; unacknowledged data is being replayed.
+    Resumed {
+        /// How long the session had no transport.
+        suspended_for: Duration,
+        /// Stream payload bytes this side retransmits.
+        bytes_replayed: u64,
+        /// Reliable frames this side retransmits.
+        frames_replayed: u64,
+    },
+    /// The peer came back from another address.
+    PeerAddressChanged {
+        /// Its previous address.
+        from: Option<SocketAddr>,
+        /// Its address now.
+        to: Option<SocketAddr>,
+    },
+    /// The session is over.
+    Closed {
+        /// Why.
+        reason: CloseReason,
+    },
+}
+
+/// A snapshot of a session for status displays.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct SessionStats {
+    /// The session id, once known.
+    pub session_id: Option<SessionId>,
+    /// Client or server end.
+    pub role: Role,
+    /// Where the session is in its life.
+    pub state: State,
+    /// The peer's address on the latest transport.
+    pub peer_addr: Option<SocketAddr>,
+    /// The peer's proven static key.
+    pub peer_key: Option<PublicKey>,
+    /// Latest measured round-trip time.
+    pub rtt: Option<Duration>,
+    /// Stream payload bytes sent (first transmissions).
+    pub bytes_sent: u64,
+    /// Stream payload bytes received.
+    pub bytes_received: u64,
+    /// Stream payload bytes retransmitted after resumes.
+    pub bytes_replayed: u64,
+    /// Successful resumes.
+    pub resumes: u64,
+    /// Transports used so far.
+    pub transports: u64,
+    /// Streams currently open.
+    pub streams: usize,
+    /// How long the session has been without a transport, if it is suspended.
+    pub suspended_for: Option<Duration>,
+}
+
+/// State shared by the driver and the application handles, behind one mutex.
+pub(crate) struct Shared {
+    pub(crate) session: Session,
+    /// Peer-opened streams not yet taken by `accept_stream`.
+    pub(crate) incoming: VecDeque<StreamId>,
+    pub(crate) accept_wakers: Vec<Waker>,
+    pub(crate) read_wakers: HashMap<StreamId, Waker>,
+    /// Tasks waiting for send-buffer room (woken together: the protocol only
+    /// reports writability per stream, but room is also shared session-wide).
+    pub(crate) write_wakers: HashMap<StreamId, Waker>,
+    /// Streams whose handle was dropped before end-of-stream: the driver reads
+    /// and discards their data so flow-control credit keeps flowing.
+    pub(crate) orphans: HashSet<StreamId>,
+    pub(crate) closed_wakers: Vec<Waker>,
+    /// Set when the session is over.
+    pub(crate) closed: Option<CloseReason>,
+    /// The first handshake completed.
+    pub(crate) connected: bool,
+    /// Addresses the server announced (client side).
+    pub(crate) addresses: Vec<String>,
+    /// Every application handle was dropped: close and let the driver finish.
+    pub(crate) abandoned: bool,
+}
+
+impl Shared {
+    pub(crate) fn new(session: Session) -> Self {
+        Self {
+            session,
+            incoming: VecDeque::new(),
+            accept_wakers: Vec::new(),
+            read_wakers: HashMap::new(),
+            write_wakers: HashMap::new(),
+            orphans: HashSet::new(),
+            closed_wakers: Vec::new(),
+            closed: None,
+            connected: false,
+            addresses: Vec::new(),
+            abandoned: false,
+        }
+    }
+
+    pub(crate) fn wake_writers(&mut self) {
+        for (_, w) in self.write_wakers.drain() {
+            w.wake();
+        }
+    }
+
+    pub(crate) fn wake_all(&mut self) {
+        self.wake_writers();
+        for (_, w) in self.read_wakers.drain() {
+            w.wake();
+        }
+        for w in self.accept_wakers.drain(..).chain(self.closed_wakers.drain(..)) {
+            w.wake();
+        }
+    }
+}
+
+/// The session state plus the means to wake its driver and tell the application.
+pub(crate) struct Inner {
+    pub(crate) shared: Mutex<Shared>,
+    /// Wakes the driver after an application call that may have output.
+    pub(crate) notify: Notify,
+    pub(crate) events: broadcast::Sender<SessionEvent>,
+}
+
+impl Inner {
+    pub(crate) fn new(session: Session) -> Arc<Self> {
+        let (events, _) = broadcast::channel(EVENT_CAPACITY);
+        Arc::new(Self { shared: Mutex::new(Shared::new(session)), notify: Notify::new(), events })
+    }
+
+    /// Locks the shared state. A panic while holding the lock leaves the
+    /// session state possibly inconsistent, but reporting that through every
+    /// handle is worse than carrying on, so poisoning is ignored.
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Shared> {
+        self.shared.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn stats(&self) -> SessionStats {
+        let sh = self.lock();
+        let s = &sh.session;
+        let st = s.stats();
+        let now = tokio::time::Instant::now().into_std();
+        SessionStats {
+            session_id: s.id(),
+            role: s.role(),
+            state: s.state(),
+            peer_addr: s.peer_addr(),
+            peer_key: s.peer_key(),
+            rtt: st.rtt,
+            bytes_sent: st.bytes_sent,
+            bytes_received: st.bytes_received,
+            bytes_replayed: st.bytes_replayed,
+            resumes: st.resumes,
+            transports: st.transports,
+            streams: s.stream_count(),
+            suspended_for: s.suspended_since().map(|t| now.saturating_duration_since(t)),
+        }
+    }
+}
+
+/// Closes the session once the last application handle (session handle or
+/// stream) is gone.
+pub(crate) struct Guard(pub(crate) Arc<Inner>);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let mut sh = self.0.lock();
+        sh.abandoned = true;
+        sh.session.close(roam_proto::code::NO_ERROR, "");
+        drop(sh);
+        self.0.notify.notify_one();
+    }
+}
+
+/// A live roam session. Cheap to clone; the session closes gracefully when the
+/// last handle and the last of its streams are dropped.
+#[derive(Clone)]
+pub struct SessionHandle {
+    guard: Arc<Guard>,
+}
+
+impl std::fmt::Debug for SessionHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SessionHandle").field("id", &self.guard.0.lock().session.id()).finish()
+    }
+}
+
+impl SessionHandle {
+    pub(crate) fn new(inner: Arc<Inner>) -> Self {
+        Self { guard: Arc::new(Guard(inner)) }
+    }
+
+    fn inner(&self) -> &Arc<Inner> {
+        &self.guard.0
+    }
+
+    /// Opens a stream carrying `meta` (for the roam relay: the target
+    /// `host:port`). Usable at once, even while suspended: writes are buffered
+    /// until a transport carries them.
+    pub fn open_stream(&self, meta: &[u8]) -> Result<RoamStream, Error> {
+        let mut sh = self.inner().lock();
+        if let Some(reason) = &sh.closed {
+            return Err(Error::Closed(reason.clone()));
+        }
+        let id = sh.session.open_stream(meta)?;
+        drop(sh);
+        self.inner().notify.notify_one();
+        Ok(RoamStream::new(self.guard.clone(), id))
+    }
+
+    /// Waits for the peer to open a stream; returns it with its metadata.
+    pub async fn accept_stream(&self) -> Result<(RoamStream, Vec<u8>), Error> {
+        let inner = self.inner().clone();
+        let id = poll_fn(|cx| {
+            let mut sh = inner.lock();
+            if let Some(id) = sh.incoming.pop_front() {
+                return Poll::Ready(Ok(id));
+            }
+            if let Some(reason) = &sh.closed {
+                return Poll::Ready(Err(Error::Closed(reason.clone())));
+            }
+            if !sh.accept_wakers.iter().any(|w| w.will_wake(cx.waker())) {
+                sh.accept_wakers.push(cx.waker().clone());
+            }
+            Poll::Pending
+        })
+        .await?;
+        let meta = self.inner().lock().session.stream_meta(id).map(<[u8]>::to_vec).unwrap_or_default();
+        Ok((RoamStream::new(self.guard.clone(), id), meta))
+    }
+
+    /// Subscribes to session life events (suspend, resume, address change, close).
+    pub fn events(&self) -> broadcast::Receiver<SessionEvent> {
+        self.inner().events.subscribe()
+    }
+
+    /// A snapshot of the session's state and counters.
+    pub fn stats(&self) -> SessionStats {
+        self.inner().stats()
+    }
+
+    /// The session id (known once connected).
+    pub fn id(&self) -> Option<SessionId> {
+        self.inner().lock().session.id()
+    }
+
+    /// The peer's proven static key. A client records it for trust on first use.
+    pub fn peer_key(&self) -> Option<PublicKey> {
+        self.inner().lock().session.peer_key()
+    }
+
+    /// Addresses the server announced for this session (client side).
+    pub fn server_addresses(&self) -> Vec<String> {
+        self.inner().lock().addresses.clone()
+    }
+
+    /// Server: asks the client to resume at `addr` (`host:port`).
+    pub fn move_to(&self, addr: String) {
+        self.inner().lock().session.move_to(addr);
+        self.inner().notify.notify_one();
+    }
+
+    /// Closes the session: everything already written is delivered first, then
+    /// the peer learns `code`. Waits until the session is over (wrap it in a
+    /// timeout: a suspended peer may never acknowledge).
+    pub async fn close(&self, code: u64, reason: &str) -> CloseReason {
+        self.inner().lock().session.close(code, reason);
+        self.inner().notify.notify_one();
+        self.closed().await
+    }
+
+    /// Waits until the session is over and returns why.
+    pub async fn closed(&self) -> CloseReason {
+        let inner = self.inner().clone();
+        poll_fn(|cx| {
+            let mut sh = inner.lock();
+            if let Some(reason) = &sh.closed {
+                return Poll::Ready(reason.clone());
+            }
+            sh.closed_wakers.push(cx.waker().clone());
+            Poll::Pending
+        })
+        .await
+    }
+
+    /// Whether the session is over.
+    pub fn is_closed(&self) -> bool {
+        self.inner().lock().closed.is_some()
+    }
+}

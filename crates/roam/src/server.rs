@@ -1,0 +1,197 @@
+//! Server: accepts TCP connections, reads each one's opening and routes it to
+//! a new session or to the driver of the session it resumes.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use roam_proto::{parse_hello, Session, SessionId};
+use tokio::io::AsyncReadExt;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
+
+use crate::driver::{reject, Conn, Driver, Handoff, Kind, OnSession, ServerSide};
+use crate::handle::{Inner, SessionHandle};
+use crate::ServerConfig;
+
+/// Largest opening accepted before the hello parses (bytes). Real ones are < 100.
+const MAX_HELLO: usize = 4096;
+/// Resumes queued for one session's driver.
+const HANDOFF_QUEUE: usize = 4;
+
+/// Routes resumes: session id → the channel into that session's driver.
+#[derive(Default)]
+pub(crate) struct Registry {
+    sessions: Mutex<HashMap<SessionId, mpsc::Sender<Handoff>>>,
+}
+
+impl Registry {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<SessionId, mpsc::Sender<Handoff>>> {
+        self.sessions.lock().unwrap_or_else(|e| e.into_inner())
+    }
+    pub(crate) fn remove(&self, id: &SessionId) {
+        self.lock().remove(id);
+    }
+    fn get(&self, id: &SessionId) -> Option<mpsc::Sender<Handoff>> {
+        self.lock().get(id).cloned()
+    }
+    fn len(&self) -> usize {
+        self.lock().len()
+    }
+}
+
+/// Everything a connection task needs, shared.
+struct Ctx {
+    config: ServerConfig,
+    registry: Arc<Registry>,
+    on_session: OnSession,
+    shutdown: watch::Receiver<bool>,
+    running: mpsc::Sender<()>,
+}
+
+/// Runs a roam server on `listener` until `shutdown` completes.
+///
+/// `on_session` is called (on the session's driver task: keep it short, e.g.
+/// spawn) with each new session once its handshake has completed; resumes of
+/// existing sessions are handled here and never reach it. On shutdown the
+/// server stops accepting, closes every session gracefully, and returns once
+/// they have stopped or `shutdown_grace` has passed.
+pub async fn serve<F>(
+    listener: TcpListener,
+    config: ServerConfig,
+    shutdown: impl Future<Output = ()>,
+    on_session: F,
+) -> io::Result<()>
+where
+    F: Fn(SessionHandle) + Send + Sync + 'static,
+{
+    let limit = Arc::new(Semaphore::new(config.max_connections.max(1)));
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let (running_tx, mut running_rx) = mpsc::channel::<()>(1);
+    let grace = config.shutdown_grace;
+    let ctx = Arc::new(Ctx {
+        config,
+        registry: Arc::new(Registry::default()),
+        on_session: Arc::new(on_session),
+        shutdown: stop_rx,
+        running: running_tx,
+    });
+    tokio::pin!(shutdown);
+    let result = loop {
+        let accepted = tokio::select! {
+            _ = &mut shutdown => break Ok(()),
+            r = accept(&listener, &limit) => r,
+        };
+        match accepted {
+            Ok((sock, peer, permit)) => {
+                tokio::spawn(handle_connection(ctx.clone(), sock, peer, permit));
+            }
+            Err(e) if is_transient(&e) => {
+                tracing::warn!("accept failed: {e}; retrying");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => break Err(e),
+        }
+    };
+    drop(listener);
+    let _ = stop_tx.send(true);
+    drop(ctx);
+    // Every driver and connection task holds a `running` sender; all dropped = all stopped.
+    let _ = tokio::time::timeout(grace + Duration::from_secs(1), running_rx.recv()).await;
+    result
+}
+
+async fn accept(listener: &TcpListener, limit: &Arc<Semaphore>) -> io::Result<(TcpStream, SocketAddr, OwnedSemaphorePermit)> {
+    let permit = limit.clone().acquire_owned().await.map_err(io::Error::other)?;
+    let (sock, peer) = listener.accept().await?;
+    Ok((sock, peer, permit))
+}
+
+/// Accept errors that concern one connection or a passing resource shortage.
+fn is_transient(e: &io::Error) -> bool {
+    use io::ErrorKind::*;
+    matches!(e.kind(), ConnectionAborted | ConnectionReset | Interrupted | WouldBlock)
+        || e.raw_os_error().is_some_and(|c| c == 23 || c == 24) // ENFILE, EMFILE
+}
+
+async fn handle_connection(ctx: Arc<Ctx>, mut sock: TcpStream, peer: SocketAddr, permit: OwnedSemaphorePermit) {
+    let _running = ctx.running.clone();
+    let mut buf = Vec::with_capacity(512);
+    let read_hello = async {
+        let mut chunk = [0u8; 1024];
+        loop {
+            match parse_hello(&buf) {
+                Ok(Some((hello, used))) => return Ok((hello, used)),
+                Ok(None) if buf.len() < MAX_HELLO => {}
+                Ok(None) => return Err(roam_proto::Error::ProtocolViolation("opening too long")),
+                Err(e) => return Err(e),
+            }
+            match sock.read(&mut chunk).await {
+                Ok(0) | Err(_) => return Err(roam_proto::Error::HandshakeFailed),
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+    };
+    let (hello, used) = match tokio::time::timeout(ctx.config.hello_timeout, read_hello).await {
+        Ok(Ok(h)) => h,
+        Ok(Err(e)) => {
+            tracing::debug!("connection from {peer}: {e}");
+            return;
+        }
+        Err(_) => {
+            tracing::debug!("connection from {peer}: no opening within {:?}", ctx.config.hello_timeout);
+            return;
+        }
+    };
+    let rest = buf[used..].to_vec();
+    match hello.resume_session() {
+        Some(id) => {
+            let Some(tx) = ctx.registry.get(&id) else {
+                tracing::info!("refused resume from {peer}: no session {id} (expired, closed or server restarted)");
+                reject(sock, hello, roam_proto::Error::UnknownSession).await;
+                return;
+            };
+            if let Err(mpsc::error::SendError(h)) = tx.send(Handoff { sock, hello, rest, peer, permit }).await {
+                reject(h.sock, h.hello, roam_proto::Error::UnknownSession).await;
+            }
+        }
+        None => {
+            if ctx.registry.len() >= ctx.config.max_sessions {
+                tracing::warn!("refused new session from {peer}: at the limit of {} sessions", ctx.config.max_sessions);
+                reject(sock, hello, roam_proto::Error::ServerBusy).await;
+                return;
+            }
+            let now = Instant::now().into_std();
+            let (session, tid) = match Session::accept(&ctx.config.proto, now, &hello, Some(peer)) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::info!("refused new session from {peer}: {e}");
+                    reject(sock, hello, e).await;
+                    return;
+                }
+            };
+            let Some(id) = session.id() else { return };
+            crate::sockopt::configure(&sock, ctx.config.proto.session.suspend_after * 2);
+            let (tx, rx) = mpsc::channel(HANDOFF_QUEUE);
+            ctx.registry.lock().insert(id, tx);
+            let inner = Inner::new(session);
+            let side = ServerSide {
+                id,
+                handoffs: rx,
+                registry: ctx.registry.clone(),
+                on_session: ctx.on_session.clone(),
+                shutdown: ctx.shutdown.clone(),
+                shutdown_grace: ctx.config.shutdown_grace,
+                _running: ctx.running.clone(),
+            };
+            let mut driver = Driver::new(inner, Conn::new(tid, sock, peer, Some(permit)), Kind::Server(side));
+            driver.initial_input(&rest);
+            tracing::debug!("new session {id} from {peer}");
+            driver.run().await;
+        }
+    }
+}

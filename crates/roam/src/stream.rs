@@ -1,0 +1,169 @@
+//! [`RoamStream`]: one reliable byte stream of a session, as `AsyncRead + AsyncWrite`.
+
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use roam_proto::{StreamError, StreamId};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+use crate::handle::Guard;
+
+/// A bidirectional stream of a roam session. It survives transport loss: while
+/// the session is suspended, reads wait and writes fill the send buffer.
+///
+/// `poll_shutdown` finishes our direction (the peer reads end-of-stream after
+/// every byte written). Dropping the stream finishes it too, and discards
+/// anything the peer still sends.
+pub struct RoamStream {
+    guard: Arc<Guard>,
+    id: StreamId,
+    /// End-of-stream was delivered to the reader.
+    read_eof: bool,
+    /// Our direction is finished (or the stream reset).
+    write_done: bool,
+}
+
+impl std::fmt::Debug for RoamStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RoamStream").field("id", &self.id).finish_non_exhaustive()
+    }
+}
+
+impl RoamStream {
+    pub(crate) fn new(guard: Arc<Guard>, id: StreamId) -> Self {
+        Self { guard, id, read_eof: false, write_done: false }
+    }
+
+    /// The stream's id within its session.
+    pub fn id(&self) -> StreamId {
+        self.id
+    }
+
+    /// Aborts the stream in both directions with `code` (the peer sees a
+    /// reset; unsent bytes are dropped).
+    pub fn reset(&mut self, code: u64) {
+        let inner = &self.guard.0;
+        let mut sh = inner.lock();
+        let _ = sh.session.reset_stream(self.id, code);
+        sh.read_wakers.remove(&self.id);
+        sh.write_wakers.remove(&self.id);
+        drop(sh);
+        self.read_eof = true;
+        self.write_done = true;
+        inner.notify.notify_one();
+    }
+
+    fn session_error(sh: &crate::handle::Shared, e: StreamError) -> io::Error {
+        match (&sh.closed, e) {
+            (Some(reason), StreamError::SessionClosed | StreamError::UnknownStream) => io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                crate::error::describe_close(reason),
+            ),
+            (_, e) => e.into(),
+        }
+    }
+}
+
+impl AsyncRead for RoamStream {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        if self.read_eof || buf.remaining() == 0 {
+            return Poll::Ready(Ok(()));
+        }
+        let inner = self.guard.0.clone();
+        let mut sh = inner.lock();
+        let log_before = sh.session.unacked_frames();
+        let dst = buf.initialize_unfilled();
+        match sh.session.read(self.id, dst) {
+            Ok(Some(0)) => {
+                drop(sh);
+                self.read_eof = true;
+                Poll::Ready(Ok(()))
+            }
+            Ok(Some(n)) => {
+                // Reading may have queued a window update: let the driver send it.
+                let wake_driver = sh.session.unacked_frames() > log_before;
+                drop(sh);
+                buf.advance(n);
+                if wake_driver {
+                    inner.notify.notify_one();
+                }
+                Poll::Ready(Ok(()))
+            }
+            Ok(None) => {
+                sh.read_wakers.insert(self.id, cx.waker().clone());
+                Poll::Pending
+            }
+            Err(e) => Poll::Ready(Err(Self::session_error(&sh, e))),
+        }
+    }
+}
+
+impl AsyncWrite for RoamStream {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
+        if data.is_empty() {
+            return Poll::Ready(Ok(0));
+        }
+        let inner = &self.guard.0;
+        let mut sh = inner.lock();
+        match sh.session.write(self.id, data) {
+            Ok(0) => {
+                sh.write_wakers.insert(self.id, cx.waker().clone());
+                Poll::Pending
+            }
+            Ok(n) => {
+                drop(sh);
+                inner.notify.notify_one();
+                Poll::Ready(Ok(n))
+            }
+            Err(e) => Poll::Ready(Err(Self::session_error(&sh, e))),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        // Written bytes are already in the session's send buffer; the driver
+        // transmits them as soon as the transport allows.
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if self.write_done {
+            return Poll::Ready(Ok(()));
+        }
+        let inner = self.guard.0.clone();
+        let mut sh = inner.lock();
+        let r = sh.session.finish_stream(self.id);
+        let r = r.map_err(|e| Self::session_error(&sh, e));
+        drop(sh);
+        self.write_done = true;
+        inner.notify.notify_one();
+        Poll::Ready(r)
+    }
+}
+
+impl Drop for RoamStream {
+    fn drop(&mut self) {
+        let inner = &self.guard.0;
+        let mut sh = inner.lock();
+        sh.read_wakers.remove(&self.id);
+        sh.write_wakers.remove(&self.id);
+        if sh.closed.is_none() {
+            if !self.write_done {
+                let _ = sh.session.finish_stream(self.id);
+            }
+            if !self.read_eof {
+                // Discard whatever the peer still sends (now and later).
+                let mut scratch = [0u8; 4096];
+                while let Ok(Some(n)) = sh.session.read(self.id, &mut scratch) {
+                    if n == 0 {
+                        break;
+                    }
+                }
+                sh.orphans.insert(self.id);
+            }
+        }
+        drop(sh);
+        inner.notify.notify_one();
+    }
+}

@@ -1,0 +1,217 @@
+//! Client and server over real loopback sockets: several streams both ways,
+//! every byte checked, with and without the TCP connection being killed.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use roam::SessionEvent;
+use tokio::time::timeout;
+
+const MB: u64 = 1 << 20;
+
+/// Opens `streams` streams of `len` bytes each way and checks everything.
+async fn run_transfer(session: &roam::SessionHandle, streams: u64, len: u64) -> Vec<tokio::task::JoinHandle<Result<u64, String>>> {
+    let mut tasks = Vec::new();
+    for seed in 1..=streams {
+        let stream = session.open_stream(format!("{seed} {len}").as_bytes()).unwrap();
+        tasks.push(tokio::spawn(async move {
+            let (mut r, mut w) = tokio::io::split(stream);
+            let writer = tokio::spawn(async move { write_pattern(&mut w, seed, len).await });
+            let got = read_pattern(&mut r, seed + 1000).await?;
+            writer.await.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?;
+            Ok(got)
+        }));
+    }
+    tasks
+}
+
+async fn check_server_reports(server: &mut TestServer, streams: u64, len: u64) {
+    for _ in 0..streams {
+        let report = timeout(Duration::from_secs(30), server.reports.recv()).await.expect("server report").unwrap();
+        let (meta, n) = report.expect("server side check");
+        assert_eq!(n, len, "server received all bytes of {:?}", String::from_utf8_lossy(&meta));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_streams_both_ways() {
+    timeout(Duration::from_secs(60), async {
+        let mut server = TestServer::start().await;
+        let session = roam::connect(&server.addr.to_string(), client_config(Some(server.key))).await.unwrap();
+        let tasks = run_transfer(&session, 4, 2 * MB).await;
+        for t in tasks {
+            assert_eq!(t.await.unwrap().unwrap(), 2 * MB);
+        }
+        check_server_reports(&mut server, 4, 2 * MB).await;
+        let stats = session.stats();
+        assert_eq!(stats.bytes_sent, 8 * MB);
+        assert_eq!(stats.bytes_received, 8 * MB);
+        assert_eq!(stats.resumes, 0);
+        let reason = timeout(Duration::from_secs(5), session.close(0, "done")).await.unwrap();
+        assert!(matches!(reason, roam::CloseReason::Local { code: 0 }), "{reason:?}");
+        server.stop();
+        timeout(Duration::from_secs(5), &mut server.task).await.unwrap().unwrap().unwrap();
+    })
+    .await
+    .expect("test timed out");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transfer_survives_killed_connections() {
+    timeout(Duration::from_secs(90), async {
+        let mut server = TestServer::start().await;
+        let proxy = Proxy::start(server.addr).await;
+        let session = roam::connect(&proxy.addr.to_string(), client_config(Some(server.key))).await.unwrap();
+        let mut events = session.events();
+        let len = 4 * MB;
+        let tasks = run_transfer(&session, 3, len).await;
+
+        // Cut the connection three times while data flows both ways.
+        for round in 1..=3u64 {
+            let target = round * len * 3 / 4;
+            timeout(Duration::from_secs(30), async {
+                while session.stats().bytes_received < target {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            })
+            .await
+            .expect("transfer progressed");
+            proxy.kill();
+            // Wait for the suspension and the resume.
+            let mut suspended = false;
+            loop {
+                match timeout(Duration::from_secs(15), events.recv()).await.expect("resume in time").unwrap() {
+                    SessionEvent::Suspended { .. } => suspended = true,
+                    SessionEvent::Resumed { .. } => break,
+                    SessionEvent::Closed { reason } => panic!("session closed: {reason:?}"),
+                    _ => {}
+                }
+            }
+            assert!(suspended, "saw a suspension before the resume");
+        }
+        for t in tasks {
+            assert_eq!(t.await.unwrap().unwrap(), len, "client received every byte exactly once");
+        }
+        check_server_reports(&mut server, 3, len).await;
+        let stats = session.stats();
+        assert_eq!(stats.resumes, 3);
+        assert_eq!(stats.bytes_sent, 3 * len, "first transmissions count each byte once");
+        assert_eq!(stats.bytes_received, 3 * len);
+        timeout(Duration::from_secs(5), session.close(0, "done")).await.unwrap();
+        server.stop();
+    })
+    .await
+    .expect("test timed out");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn link_down_then_up_resumes_and_reports_address() {
+    timeout(Duration::from_secs(60), async {
+        let mut server = TestServer::start().await;
+        let proxy = Proxy::start(server.addr).await;
+        let session = roam::connect(&proxy.addr.to_string(), client_config(Some(server.key))).await.unwrap();
+        let server_session = timeout(Duration::from_secs(5), server.sessions.recv()).await.unwrap().unwrap();
+        let mut server_events = server_session.events();
+        let mut events = session.events();
+        let tasks = run_transfer(&session, 1, 256 * 1024).await;
+        proxy.set_up(false);
+        proxy.kill();
+        // Re-dials fail while the link is down; backoff keeps them sparse.
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let redials_while_down = {
+            let mut n = 0;
+            while let Ok(ev) = events.try_recv() {
+                if matches!(ev, SessionEvent::Redialing { .. }) {
+                    n += 1;
+                }
+            }
+            n
+        };
+        assert!((2..=8).contains(&redials_while_down), "{redials_while_down} re-dials in 700 ms");
+        assert!(session.stats().suspended_for.is_some());
+        let up_at = tokio::time::Instant::now();
+        proxy.set_up(true);
+        loop {
+            match timeout(Duration::from_secs(10), events.recv()).await.expect("resumed").unwrap() {
+                SessionEvent::Resumed { .. } => break,
+                SessionEvent::Closed { reason } => panic!("closed: {reason:?}"),
+                _ => {}
+            }
+        }
+        let took = up_at.elapsed();
+        assert!(took < Duration::from_secs(6), "link up to resumed took {took:?}");
+        for t in tasks {
+            t.await.unwrap().unwrap();
+        }
+        // The server saw the client come back from a new source port.
+        let mut moved = false;
+        while let Ok(ev) = server_events.try_recv() {
+            moved |= matches!(ev, SessionEvent::PeerAddressChanged { .. });
+        }
+        assert!(moved, "server reported the peer's address change");
+        server.stop();
+    })
+    .await
+    .expect("test timed out");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_restart_ends_session_with_unknown_session() {
+    timeout(Duration::from_secs(30), async {
+        let server = TestServer::start().await;
+        let proxy = Proxy::start(server.addr).await;
+        let session = roam::connect(&proxy.addr.to_string(), client_config(None)).await.unwrap();
+        let _s = session.open_stream(b"1 0").unwrap();
+        // A new server with no memory of the session takes the old one's place.
+        let other = TestServer::start().await;
+        proxy.redirect(other.addr);
+        proxy.kill();
+        let reason = timeout(Duration::from_secs(10), session.closed()).await.expect("closed");
+        assert_eq!(reason, roam::CloseReason::Error(roam_proto::Error::UnknownSession));
+    })
+    .await
+    .expect("test timed out");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pinned_key_mismatch_is_refused() {
+    timeout(Duration::from_secs(10), async {
+        let server = TestServer::start().await;
+        let wrong = roam_proto::Keypair::generate().unwrap().public();
+        let err = roam::connect(&server.addr.to_string(), client_config(Some(wrong))).await.unwrap_err();
+        match err.protocol() {
+            Some(roam_proto::Error::ServerKeyMismatch { expected, actual }) => {
+                assert_eq!(*expected, wrong);
+                assert_eq!(*actual, server.key);
+            }
+            other => panic!("unexpected error {err} ({other:?})"),
+        }
+    })
+    .await
+    .expect("test timed out");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn non_roam_server_is_detected() {
+    timeout(Duration::from_secs(10), async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            use tokio::io::AsyncWriteExt;
+            let (mut s, _) = listener.accept().await.unwrap();
+            let _ = s.write_all(b"SSH-2.0-OpenSSH_9.6\r\n").await;
+            tokio::time::sleep(Duration::from_secs(5)).await;
+        });
+        let err = roam::connect(&addr.to_string(), client_config(None)).await.unwrap_err();
+        assert!(err.is_no_roam_server(), "{err}");
+        // And a closed port reads as "no roam server" too.
+        drop(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap());
+        let closed = { let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap(); l.local_addr().unwrap() };
+        let err = roam::connect(&closed.to_string(), client_config(None)).await.unwrap_err();
+        assert!(err.is_no_roam_server(), "{err}");
+    })
+    .await
+    .expect("test timed out");
+}
