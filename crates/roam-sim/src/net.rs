@@ -325,8 +325,9 @@ impl Sim {
         if let Some(s) = self.server.as_mut() {
             s.handle_timeout(now);
         }
-        self.deliver_resets();
+        // Bytes first: a close travels behind the data sent before it.
         self.deliver_bytes();
+        self.deliver_resets();
         self.collect_events();
         if self.auto_reconnect
             && self.client.active_transport().is_none()

@@ -615,9 +615,13 @@ impl Session {
         }
         self.close_reason = Some(reason.clone());
         self.events.push_back(Event::Closed { reason });
-        // Nothing will be sent again: free every buffer now.
+        // Nothing will be sent again: free every send buffer now. Received
+        // bytes stay readable (a graceful close follows the data it ends).
         self.log.clear();
-        self.streams.clear();
+        self.streams.retain(|_, s| !s.recv_buf.is_empty());
+        for s in self.streams.values_mut() {
+            s.send_buf = Default::default();
+        }
         self.send_queue.clear();
         self.send_buffered = 0;
     }
@@ -715,6 +719,9 @@ impl Session {
     /// Copies received bytes into `buf`. `Ok(Some(0))` (with a non-empty `buf`)
     /// is end-of-stream; `Ok(None)` means nothing yet (wait for `StreamReadable`).
     pub fn read(&mut self, id: StreamId, buf: &mut [u8]) -> Result<Option<usize>, StreamError> {
+        if self.state == State::Closed {
+            return self.read_after_close(id, buf);
+        }
         let window = self.config.stream_window;
         let s = self.stream_mut(id)?;
         if s.recv_buf.is_empty() {
@@ -743,6 +750,22 @@ impl Session {
             self.log.push_back(Entry::MaxStreamData { stream: id.0, max });
         }
         self.consume(n as u64);
+        Ok(Some(n))
+    }
+
+    /// Reads what arrived before the session closed; then end-of-stream if the
+    /// peer had finished the stream, else `SessionClosed`.
+    fn read_after_close(&mut self, id: StreamId, buf: &mut [u8]) -> Result<Option<usize>, StreamError> {
+        let Some(s) = self.streams.get_mut(&id.0) else { return Err(StreamError::SessionClosed) };
+        if s.recv_buf.is_empty() {
+            let fin = s.fin_received;
+            self.streams.remove(&id.0);
+            return if fin { Ok(Some(0)) } else { Err(StreamError::SessionClosed) };
+        }
+        let n = buf.len().min(s.recv_buf.len());
+        for (d, b) in buf.iter_mut().zip(s.recv_buf.drain(..n)) {
+            *d = b;
+        }
         Ok(Some(n))
     }
 
