@@ -159,10 +159,12 @@ fn graceful_close_delivers_everything_then_ends_both_sides() {
     );
     assert_eq!(got.len(), data.len(), "all data written before close arrived");
     assert!(got == data);
-    // Both sides let go of their transport.
+    // Both sides let go of their transport (reported, or closed by the peer first).
     sim.run_for(Duration::from_millis(500));
-    let closed_transport = |evs: &[Event]| evs.iter().any(|e| matches!(e, Event::TransportClosed { .. }));
-    assert!(closed_transport(&sim.client_events) && closed_transport(&sim.server_events));
+    assert_eq!(sim.client.active_transport(), None);
+    assert_eq!(sim.server.as_ref().and_then(|s| s.active_transport()), None);
+    assert!(sim.server_events.iter().any(|e| matches!(e, Event::TransportClosed { .. })));
+    assert!(sim.client.poll_timeout().is_none() && sim.server.as_ref().and_then(|s| s.poll_timeout()).is_none());
 }
 
 #[test]

@@ -23,7 +23,7 @@ mod recv;
 mod send;
 mod transport;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -162,7 +162,8 @@ pub struct Session {
     unacked_bytes: u64,
 
     // streams (§6)
-    streams: HashMap<u64, Stream>,
+    // Ordered so that every iteration (and so a simulation) is deterministic.
+    streams: BTreeMap<u64, Stream>,
     next_local_stream: u64,
     next_peer_stream: u64,
     /// Streams we opened, ever, and how many the peer allows in total (§6.5).
@@ -244,7 +245,7 @@ impl Session {
             ack_deadline: None,
             ack_now: false,
             unacked_bytes: 0,
-            streams: HashMap::new(),
+            streams: BTreeMap::new(),
             next_local_stream: match role {
                 Role::Client => 0,
                 Role::Server => 1,
