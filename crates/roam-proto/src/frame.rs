@@ -77,20 +77,58 @@ impl FrameType {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[allow(missing_docs)] // fields are documented in docs/PROTOCOL.md §5
 pub enum Frame<'a> {
-    Ping { token: u64 },
-    Pong { token: u64 },
-    Ack { received: u64 },
-    Sync { received: u64, next: u64 },
-    SessionInfo { session_id: [u8; 16], resume_secret: [u8; 32], resume_timeout_secs: u64 },
-    Close { code: u64, reason: &'a [u8] },
-    Addresses { addrs: Vec<&'a [u8]> },
-    MoveTo { addr: &'a [u8] },
-    Open { stream: u64, meta: &'a [u8] },
-    Data { stream: u64, offset: u64, fin: bool, data: &'a [u8] },
-    Reset { stream: u64, code: u64 },
-    MaxStreamData { stream: u64, max: u64 },
-    MaxData { max: u64 },
-    MaxStreams { max: u64 },
+    Ping {
+        token: u64,
+    },
+    Pong {
+        token: u64,
+    },
+    Ack {
+        received: u64,
+    },
+    Sync {
+        received: u64,
+        next: u64,
+    },
+    SessionInfo {
+        session_id: [u8; 16],
+        resume_secret: [u8; 32],
+        resume_timeout_secs: u64,
+    },
+    Close {
+        code: u64,
+        reason: &'a [u8],
+    },
+    Addresses {
+        addrs: Vec<&'a [u8]>,
+    },
+    MoveTo {
+        addr: &'a [u8],
+    },
+    Open {
+        stream: u64,
+        meta: &'a [u8],
+    },
+    Data {
+        stream: u64,
+        offset: u64,
+        fin: bool,
+        data: &'a [u8],
+    },
+    Reset {
+        stream: u64,
+        code: u64,
+    },
+    MaxStreamData {
+        stream: u64,
+        max: u64,
+    },
+    MaxData {
+        max: u64,
+    },
+    MaxStreams {
+        max: u64,
+    },
 }
 
 impl<'a> Frame<'a> {
@@ -112,8 +150,13 @@ impl<'a> Frame<'a> {
         Ok(match ty {
             FrameType::Ping => Frame::Ping { token: r.varint()? },
             FrameType::Pong => Frame::Pong { token: r.varint()? },
-            FrameType::Ack => Frame::Ack { received: r.varint()? },
-            FrameType::Sync => Frame::Sync { received: r.varint()?, next: r.varint()? },
+            FrameType::Ack => Frame::Ack {
+                received: r.varint()?,
+            },
+            FrameType::Sync => Frame::Sync {
+                received: r.varint()?,
+                next: r.varint()?,
+            },
             FrameType::SessionInfo => Frame::SessionInfo {
                 session_id: r.array()?,
                 resume_secret: r.array()?,
@@ -131,7 +174,9 @@ impl<'a> Frame<'a> {
                 }
                 Frame::Addresses { addrs }
             }
-            FrameType::MoveTo => Frame::MoveTo { addr: r.lp_bytes(MAX_TEXT_LEN, "address")? },
+            FrameType::MoveTo => Frame::MoveTo {
+                addr: r.lp_bytes(MAX_TEXT_LEN, "address")?,
+            },
             FrameType::Open => Frame::Open {
                 stream: r.varint()?,
                 meta: r.lp_bytes(MAX_META_LEN, "stream metadata")?,
@@ -141,15 +186,27 @@ impl<'a> Frame<'a> {
                 let offset = r.varint()?;
                 let len = r.varint_usize(usize::MAX, "data length")?;
                 let data = r.bytes(len)?;
-                if offset.checked_add(len as u64).is_none_or(|end| end > crate::codec::VARINT_MAX) {
+                if offset
+                    .checked_add(len as u64)
+                    .is_none_or(|end| end > crate::codec::VARINT_MAX)
+                {
                     return Err(DecodeError::InvalidValue("data offset"));
                 }
-                Frame::Data { stream, offset, fin: ty == FrameType::DataFin, data }
+                Frame::Data {
+                    stream,
+                    offset,
+                    fin: ty == FrameType::DataFin,
+                    data,
+                }
             }
-            FrameType::Reset => Frame::Reset { stream: r.varint()?, code: r.varint()? },
-            FrameType::MaxStreamData => {
-                Frame::MaxStreamData { stream: r.varint()?, max: r.varint()? }
-            }
+            FrameType::Reset => Frame::Reset {
+                stream: r.varint()?,
+                code: r.varint()?,
+            },
+            FrameType::MaxStreamData => Frame::MaxStreamData {
+                stream: r.varint()?,
+                max: r.varint()?,
+            },
             FrameType::MaxData => Frame::MaxData { max: r.varint()? },
             FrameType::MaxStreams => Frame::MaxStreams { max: r.varint()? },
         })
@@ -165,7 +222,11 @@ impl<'a> Frame<'a> {
                 put2(out, FrameType::Sync, *received);
                 put_varint(out, *next);
             }
-            Frame::SessionInfo { session_id, resume_secret, resume_timeout_secs } => {
+            Frame::SessionInfo {
+                session_id,
+                resume_secret,
+                resume_timeout_secs,
+            } => {
                 put_varint(out, FrameType::SessionInfo as u64);
                 out.extend_from_slice(session_id);
                 out.extend_from_slice(resume_secret);
@@ -189,7 +250,12 @@ impl<'a> Frame<'a> {
                 put2(out, FrameType::Open, *stream);
                 put_lp_bytes(out, meta);
             }
-            Frame::Data { stream, offset, fin, data } => {
+            Frame::Data {
+                stream,
+                offset,
+                fin,
+                data,
+            } => {
                 encode_data_header(out, *stream, *offset, data.len(), *fin);
                 out.extend_from_slice(data);
             }
@@ -216,7 +282,11 @@ fn put2(out: &mut Vec<u8>, ty: FrameType, v: u64) {
 /// after it (this is how the sender copies payload straight from its stream
 /// buffer into the record it encrypts in place, without an intermediate frame).
 pub fn encode_data_header(out: &mut Vec<u8>, stream: u64, offset: u64, len: usize, fin: bool) {
-    let ty = if fin { FrameType::DataFin } else { FrameType::Data };
+    let ty = if fin {
+        FrameType::DataFin
+    } else {
+        FrameType::Data
+    };
     put_varint(out, ty as u64);
     put_varint(out, stream);
     put_varint(out, offset);
@@ -265,9 +335,29 @@ mod tests {
         // docs/PROTOCOL.md §5.5 lists these exact bytes.
         let cases: [(Frame<'_>, &str); 4] = [
             (Frame::Ping { token: 7 }, "0107"),
-            (Frame::Sync { received: 300, next: 5 }, "04412c05"),
-            (Frame::Open { stream: 4, meta: b"127.0.0.1:22" }, "10040c3132372e302e302e313a3232"),
-            (Frame::Data { stream: 4, offset: 0, fin: true, data: b"hi" }, "1204000268 69"),
+            (
+                Frame::Sync {
+                    received: 300,
+                    next: 5,
+                },
+                "04412c05",
+            ),
+            (
+                Frame::Open {
+                    stream: 4,
+                    meta: b"127.0.0.1:22",
+                },
+                "10040c3132372e302e302e313a3232",
+            ),
+            (
+                Frame::Data {
+                    stream: 4,
+                    offset: 0,
+                    fin: true,
+                    data: b"hi",
+                },
+                "1204000268 69",
+            ),
         ];
         for (frame, hexs) in cases {
             let mut out = Vec::new();
@@ -288,7 +378,11 @@ mod tests {
     #[test]
     fn oversized_metadata_rejected() {
         let mut out = Vec::new();
-        Frame::Open { stream: 0, meta: &[b'a'; MAX_META_LEN + 1] }.encode(&mut out);
+        Frame::Open {
+            stream: 0,
+            meta: &[b'a'; MAX_META_LEN + 1],
+        }
+        .encode(&mut out);
         assert_eq!(
             Frame::decode(&mut Reader::new(&out)),
             Err(DecodeError::InvalidValue("stream metadata"))

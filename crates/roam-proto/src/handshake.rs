@@ -104,8 +104,15 @@ fn noise_err(_: snow::Error) -> Error {
 
 fn established(mut hs: snow::HandshakeState) -> Established {
     let (k1, k2) = hs.dangerously_get_raw_split();
-    let (tx, rx) = if hs.is_initiator() { (k1, k2) } else { (k2, k1) };
-    Established { tx: RecordCipher::new(&tx), rx: RecordCipher::new(&rx) }
+    let (tx, rx) = if hs.is_initiator() {
+        (k1, k2)
+    } else {
+        (k2, k1)
+    };
+    Established {
+        tx: RecordCipher::new(&tx),
+        rx: RecordCipher::new(&rx),
+    }
 }
 
 fn put_msg(out: &mut Vec<u8>, msg: &[u8]) {
@@ -235,7 +242,12 @@ impl ClientNewSent {
         let mut msg3 = [0u8; MAX_HANDSHAKE_MSG];
         let n = self.hs.write_message(&mine, &mut msg3).map_err(noise_err)?;
         put_msg(out, &msg3[..n]);
-        Ok(Ok(ClientNewDone { keys: established(self.hs), server_key, server_params, consumed }))
+        Ok(Ok(ClientNewDone {
+            keys: established(self.hs),
+            server_key,
+            server_params,
+            consumed,
+        }))
     }
 }
 
@@ -263,7 +275,9 @@ impl ClientResumeSent {
 
 fn remote_static(hs: &snow::HandshakeState) -> Result<PublicKey, Error> {
     let rs = hs.get_remote_static().ok_or(Error::HandshakeFailed)?;
-    Ok(PublicKey(rs.try_into().map_err(|_| Error::HandshakeFailed)?))
+    Ok(PublicKey(
+        rs.try_into().map_err(|_| Error::HandshakeFailed)?,
+    ))
 }
 
 // ---------------------------------------------------------------- server side
@@ -356,22 +370,26 @@ pub(crate) fn server_new(
         .and_then(|b| b.build_responder())
         .map_err(noise_err)?;
     let mut scratch = [0u8; MAX_HANDSHAKE_MSG];
-    hs.read_message(&hello.msg1, &mut scratch).map_err(noise_err)?;
+    hs.read_message(&hello.msg1, &mut scratch)
+        .map_err(noise_err)?;
     let mut payload = vec![VERSION];
     params.encode(&mut payload);
-    let n = hs.write_message(&payload, &mut scratch).map_err(noise_err)?;
+    let n = hs
+        .write_message(&payload, &mut scratch)
+        .map_err(noise_err)?;
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&[VERSION, Status::Ok as u8]);
     put_msg(out, &scratch[..n]);
     Ok(ServerNewSent { hs })
 }
 
+/// What the server learned from message 3: keys, the client's proven key,
+/// its params, and bytes consumed.
+pub(crate) type ServerNewDone = (Established, PublicKey, Params, usize);
+
 impl ServerNewSent {
     /// Consumes message 3 from `buf`: the client's static key and params.
-    pub(crate) fn read_msg3(
-        mut self,
-        buf: &[u8],
-    ) -> Result<Result<(Established, PublicKey, Params, usize), Self>, Error> {
+    pub(crate) fn read_msg3(mut self, buf: &[u8]) -> Result<Result<ServerNewDone, Self>, Error> {
         let Some((msg, consumed)) = take_msg(buf)? else {
             return Ok(Err(self));
         };
@@ -400,10 +418,13 @@ pub(crate) fn server_resume(
         .and_then(|b| b.build_responder())
         .map_err(noise_err)?;
     let mut scratch = [0u8; MAX_HANDSHAKE_MSG];
-    hs.read_message(&hello.msg1, &mut scratch).map_err(|_| Error::ResumeRejected)?;
+    hs.read_message(&hello.msg1, &mut scratch)
+        .map_err(|_| Error::ResumeRejected)?;
     let mut payload = vec![VERSION];
     put_varint(&mut payload, received);
-    let n = hs.write_message(&payload, &mut scratch).map_err(noise_err)?;
+    let n = hs
+        .write_message(&payload, &mut scratch)
+        .map_err(noise_err)?;
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&[VERSION, Status::Ok as u8]);
     put_msg(out, &scratch[..n]);

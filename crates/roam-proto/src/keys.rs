@@ -55,7 +55,11 @@ pub struct Keypair {
 
 impl fmt::Debug for Keypair {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Keypair {{ public: {}, private: <redacted> }}", self.public)
+        write!(
+            f,
+            "Keypair {{ public: {}, private: <redacted> }}",
+            self.public
+        )
     }
 }
 
@@ -154,7 +158,10 @@ mod tests {
     #[test]
     fn public_half_is_derived_from_private() {
         let kp = Keypair::generate().unwrap();
-        assert_eq!(Keypair::from_private(kp.private_bytes()).public(), kp.public());
+        assert_eq!(
+            Keypair::from_private(kp.private_bytes()).public(),
+            kp.public()
+        );
         assert!(!format!("{kp:?}").contains(&hex::encode(kp.private_bytes())));
     }
 }

@@ -26,7 +26,10 @@ pub(crate) struct RecordCipher {
 
 impl RecordCipher {
     pub(crate) fn new(key: &[u8; 32]) -> Self {
-        Self { aead: Aes256Gcm::new(key.into()), nonce: 0 }
+        Self {
+            aead: Aes256Gcm::new(key.into()),
+            nonce: 0,
+        }
     }
 
     fn next_nonce(&mut self) -> Result<aes_gcm::Nonce<aes_gcm::aead::consts::U12>, crate::Error> {

@@ -25,12 +25,18 @@ use roam_proto::{
 
 /// The seed from `ROAM_SIM_SEED`, or `default`.
 pub fn seed_from_env(default: u64) -> u64 {
-    std::env::var("ROAM_SIM_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(default)
+    std::env::var("ROAM_SIM_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
 }
 
 /// Number of seeds from `ROAM_SIM_SEEDS`, or `default`.
 pub fn seeds_from_env(default: u64) -> u64 {
-    std::env::var("ROAM_SIM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(default)
+    std::env::var("ROAM_SIM_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
 }
 
 /// How the server end of a simulated connection is attached.
@@ -179,7 +185,9 @@ impl Sim {
     /// The client dials a new transport now (new session or resume).
     pub fn dial(&mut self) {
         self.reconnect_at = None;
-        let Ok(tid) = self.client.connect(self.now, Some(self.server_addr)) else { return };
+        let Ok(tid) = self.client.connect(self.now, Some(self.server_addr)) else {
+            return;
+        };
         let (lo, hi) = self.cfg.delay_ms;
         let delay = Duration::from_millis(self.rng.gen_range(lo..=hi));
         let mut conn = Conn {
@@ -331,7 +339,10 @@ impl Sim {
         self.collect_events();
         if self.auto_reconnect
             && self.client.active_transport().is_none()
-            && matches!(self.client.state(), roam_proto::State::Suspended | roam_proto::State::Closing)
+            && matches!(
+                self.client.state(),
+                roam_proto::State::Suspended | roam_proto::State::Closing
+            )
         {
             match self.reconnect_at {
                 None => {
@@ -350,7 +361,9 @@ impl Sim {
     fn deliver_resets(&mut self) {
         let now = self.now;
         for i in 0..self.conns.len() {
-            let Some((to_client, to_server)) = self.conns[i].reset_at else { continue };
+            let Some((to_client, to_server)) = self.conns[i].reset_at else {
+                continue;
+            };
             if to_client.is_some_and(|t| t <= now) {
                 if let Some(tid) = self.conns[i].client_tid.take() {
                     self.client.handle_transport_closed(now, tid);
@@ -374,11 +387,15 @@ impl Sim {
         let now = self.now;
         for i in 0..self.conns.len() {
             while self.conns[i].c2s.front().is_some_and(|(t, _)| *t <= now) {
-                let Some((_, bytes)) = self.conns[i].c2s.pop_front() else { break };
-                self.to_server(i, &bytes);
+                let Some((_, bytes)) = self.conns[i].c2s.pop_front() else {
+                    break;
+                };
+                self.deliver_to_server(i, &bytes);
             }
             while self.conns[i].s2c.front().is_some_and(|(t, _)| *t <= now) {
-                let Some((_, bytes)) = self.conns[i].s2c.pop_front() else { break };
+                let Some((_, bytes)) = self.conns[i].s2c.pop_front() else {
+                    break;
+                };
                 if let Some(tid) = self.conns[i].client_tid {
                     if let Err(e) = self.client.handle_input(now, tid, &bytes) {
                         self.input_errors.push(e);
@@ -389,7 +406,7 @@ impl Sim {
         }
     }
 
-    fn to_server(&mut self, i: usize, bytes: &[u8]) {
+    fn deliver_to_server(&mut self, i: usize, bytes: &[u8]) {
         let now = self.now;
         let peer = Some(self.conns[i].client_addr);
         match &mut self.conns[i].server {
@@ -433,7 +450,7 @@ impl Sim {
                     Ok(tid) => {
                         self.conns[i].server = ServerEnd::Attached(tid);
                         if !rest.is_empty() {
-                            self.to_server(i, &rest);
+                            self.deliver_to_server(i, &rest);
                         }
                     }
                     Err(e) => {
@@ -456,7 +473,11 @@ impl Sim {
     /// (unless the connection is black-holed).
     fn close_from(&mut self, i: usize, client_side: bool) {
         let c = &mut self.conns[i];
-        let at = c.s2c.back().map_or(self.now, |(t, _)| *t).max(self.now + c.delay);
+        let at = c
+            .s2c
+            .back()
+            .map_or(self.now, |(t, _)| *t)
+            .max(self.now + c.delay);
         if client_side {
             c.client_tid = None;
             if !c.blackholed {
@@ -477,7 +498,9 @@ impl Sim {
         let mut buf = Vec::new();
         for _ in 0..10_000 {
             buf.clear();
-            let Some(tid) = self.client.poll_transmit(now, &mut buf) else { break };
+            let Some(tid) = self.client.poll_transmit(now, &mut buf) else {
+                break;
+            };
             if let Some(i) = self.conns.iter().position(|c| c.client_tid == Some(tid)) {
                 if self.record_c2s {
                     self.recorded[i].extend_from_slice(&buf);
@@ -489,7 +512,9 @@ impl Sim {
         if let Some(s) = self.server.as_mut() {
             for _ in 0..10_000 {
                 buf.clear();
-                let Some(tid) = s.poll_transmit(now, &mut buf) else { break };
+                let Some(tid) = s.poll_transmit(now, &mut buf) else {
+                    break;
+                };
                 if let Some(i) = self
                     .conns
                     .iter()
@@ -521,7 +546,11 @@ impl Sim {
         let at = q.back().map_or(now, |(t, _)| *t).max(free + c.delay);
         let mut rest = &data[..];
         while !rest.is_empty() {
-            let cut = if rest.len() > 1 && rng.gen_bool(0.3) { rng.gen_range(1..rest.len()) } else { rest.len() };
+            let cut = if rest.len() > 1 && rng.gen_bool(0.3) {
+                rng.gen_range(1..rest.len())
+            } else {
+                rest.len()
+            };
             q.push_back((at, rest[..cut].to_vec()));
             rest = &rest[cut..];
         }
@@ -530,7 +559,11 @@ impl Sim {
     fn collect_events(&mut self) {
         while let Some(e) = self.client.poll_event() {
             if let Event::TransportClosed { transport, .. } = &e {
-                if let Some(i) = self.conns.iter().position(|c| c.client_tid == Some(*transport)) {
+                if let Some(i) = self
+                    .conns
+                    .iter()
+                    .position(|c| c.client_tid == Some(*transport))
+                {
                     self.close_from(i, true);
                 }
             }
@@ -547,7 +580,11 @@ impl Sim {
                     {
                         c.server = ServerEnd::Closed;
                         if !c.blackholed {
-                            let at = c.s2c.back().map_or(self.now, |(t, _)| *t).max(self.now + c.delay);
+                            let at = c
+                                .s2c
+                                .back()
+                                .map_or(self.now, |(t, _)| *t)
+                                .max(self.now + c.delay);
                             c.reset_at = Some((Some(at), None));
                         }
                     }

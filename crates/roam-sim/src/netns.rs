@@ -59,8 +59,17 @@ pub fn available() -> Result<(), String> {
     }
     match Command::new("ip").arg("-V").output() {
         Ok(o) if o.status.success() => {}
-        Ok(o) => return Err(format!("`ip -V` failed: {}", String::from_utf8_lossy(&o.stderr))),
-        Err(e) => return Err(format!("iproute2 `ip` not runnable ({e}); apt-get install iproute2")),
+        Ok(o) => {
+            return Err(format!(
+                "`ip -V` failed: {}",
+                String::from_utf8_lossy(&o.stderr)
+            ))
+        }
+        Err(e) => {
+            return Err(format!(
+                "iproute2 `ip` not runnable ({e}); apt-get install iproute2"
+            ))
+        }
     }
     let probe = format!("{NS_PREFIX}probe-{}-{}", std::process::id(), next_id());
     ip(&["netns", "add", &probe]).map_err(|e| format!("cannot create a network namespace: {e}"))?;
@@ -76,7 +85,10 @@ fn next_id() -> u32 {
 
 /// Runs `ip ARGS`, turning a non-zero exit into an error carrying its stderr.
 fn ip(args: &[&str]) -> io::Result<()> {
-    let out = Command::new("ip").args(args).stdin(Stdio::null()).output()?;
+    let out = Command::new("ip")
+        .args(args)
+        .stdin(Stdio::null())
+        .output()?;
     if out.status.success() {
         Ok(())
     } else {
@@ -105,6 +117,8 @@ pub fn roam_namespaces() -> Vec<String> {
 
 /// Kills every process in namespace `ns`, waits for them, and deletes it.
 fn destroy_ns(ns: &str) {
+    // Files `ip netns exec` would bind-mount into the namespace's programs.
+    let _ = std::fs::remove_dir_all(format!("/etc/netns/{ns}"));
     let pids = |ns: &str| -> Vec<i32> {
         Command::new("ip")
             .args(["netns", "pids", ns])
@@ -138,8 +152,12 @@ fn remove_stale() {
         let Some(stem) = ns.strip_suffix("-c").or_else(|| ns.strip_suffix("-s")) else {
             continue;
         };
-        let Some((_, pid)) = stem.rsplit_once('-') else { continue };
-        let Ok(pid) = pid.parse::<u32>() else { continue };
+        let Some((_, pid)) = stem.rsplit_once('-') else {
+            continue;
+        };
+        let Ok(pid) = pid.parse::<u32>() else {
+            continue;
+        };
         if pid != std::process::id() && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
             destroy_ns(&ns);
         }
@@ -167,7 +185,11 @@ impl NetPair {
     /// both links and both loopbacks up. `prefix` names the test; it must be
     /// unique among the pairs alive in this process.
     pub fn new(prefix: &str) -> io::Result<NetPair> {
-        if prefix.is_empty() || !prefix.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+        if prefix.is_empty()
+            || !prefix
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_')
+        {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 format!("netns prefix {prefix:?} must be non-empty [A-Za-z0-9_]"),
@@ -206,10 +228,24 @@ impl NetPair {
             ip(&["-n", ns, "link", "set", "lo", "up"])?;
         }
         ip(&[
-            "link", "add", "name", IFACE, "netns", &pair.client_ns, "type", "veth", "peer", "name",
-            IFACE, "netns", &pair.server_ns,
+            "link",
+            "add",
+            "name",
+            IFACE,
+            "netns",
+            &pair.client_ns,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            IFACE,
+            "netns",
+            &pair.server_ns,
         ])?;
-        for (ns, addr) in [(&pair.client_ns, pair.client_addr()), (&pair.server_ns, pair.server_addr())] {
+        for (ns, addr) in [
+            (&pair.client_ns, pair.client_addr()),
+            (&pair.server_ns, pair.server_addr()),
+        ] {
             ip(&["-n", ns, "addr", "add", &format!("{addr}/24"), "dev", IFACE])?;
             ip(&["-n", ns, "link", "set", IFACE, "up"])?;
         }
@@ -285,7 +321,9 @@ impl NetPair {
     /// stdio, build with [`NetPair::command`] and wrap in [`ChildGuard::spawn`].
     pub fn spawn_in(&self, side: Side, cmd: &Command) -> io::Result<ChildGuard> {
         let mut c = self.wrap(side, cmd);
-        c.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+        c.stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
         ChildGuard::spawn(&mut c)
     }
 
@@ -312,13 +350,48 @@ impl NetPair {
     }
 
     /// A TCP connection to `addr` made from inside `side`'s namespace.
-    pub fn tcp_connect(&self, side: Side, addr: SocketAddr, timeout: Duration) -> io::Result<TcpStream> {
+    pub fn tcp_connect(
+        &self,
+        side: Side,
+        addr: SocketAddr,
+        timeout: Duration,
+    ) -> io::Result<TcpStream> {
         self.in_ns(side, || TcpStream::connect_timeout(&addr, timeout))?
+    }
+
+    /// Sets the `/etc/hosts` that programs started in `side`'s namespace
+    /// through `ip netns exec` see (it bind-mounts `/etc/netns/<ns>/hosts`
+    /// over `/etc/hosts`), e.g. to give the server a name. The file is
+    /// rewritten in place, so running programs see later changes on their next
+    /// lookup (glibc reads the file on every lookup): that is how a test moves
+    /// a name to a new address. Removed when the pair drops.
+    pub fn set_hosts(&self, side: Side, entries: &[(&str, std::net::IpAddr)]) -> io::Result<()> {
+        let dir = format!("/etc/netns/{}", self.ns(side));
+        std::fs::create_dir_all(&dir)?;
+        let mut text = String::from("127.0.0.1 localhost\n::1 localhost\n");
+        for (name, addr) in entries {
+            text.push_str(&format!("{addr} {name}\n"));
+        }
+        // Truncate and write (not rename): keeps the inode the bind mounts
+        // of already running programs point at.
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .truncate(true)
+            .open(format!("{dir}/hosts"))?;
+        io::Write::write_all(&mut f, text.as_bytes())
     }
 
     /// Sets `side`'s veth end up or down.
     pub fn set_link(&self, side: Side, up: bool) -> io::Result<()> {
-        ip(&["-n", self.ns(side), "link", "set", IFACE, if up { "up" } else { "down" }])
+        ip(&[
+            "-n",
+            self.ns(side),
+            "link",
+            "set",
+            IFACE,
+            if up { "up" } else { "down" },
+        ])
     }
 
     /// Takes the client's link down: nothing passes until [`NetPair::link_up`].
@@ -341,7 +414,15 @@ impl NetPair {
         // Delete, then add, as a host moving networks does. (Adding first
         // would not help: deleting a primary address also deletes the
         // secondaries of its subnet unless promote_secondaries is set.)
-        ip(&["-n", ns, "addr", "del", &format!("{}/24", *cur), "dev", IFACE])?;
+        ip(&[
+            "-n",
+            ns,
+            "addr",
+            "del",
+            &format!("{}/24", *cur),
+            "dev",
+            IFACE,
+        ])?;
         ip(&["-n", ns, "addr", "add", &format!("{new}/24"), "dev", IFACE])?;
         Ok(std::mem::replace(&mut *cur, new))
     }
@@ -378,7 +459,9 @@ pub struct ChildGuard {
 impl ChildGuard {
     /// Spawns `cmd` and guards the child.
     pub fn spawn(cmd: &mut Command) -> io::Result<ChildGuard> {
-        Ok(ChildGuard { child: cmd.spawn()? })
+        Ok(ChildGuard {
+            child: cmd.spawn()?,
+        })
     }
 
     /// Guards an already spawned child.
@@ -392,7 +475,10 @@ impl ChildGuard {
     }
 
     /// Waits at most `timeout` for the child to exit on its own.
-    pub fn wait_timeout(&mut self, timeout: Duration) -> io::Result<Option<std::process::ExitStatus>> {
+    pub fn wait_timeout(
+        &mut self,
+        timeout: Duration,
+    ) -> io::Result<Option<std::process::ExitStatus>> {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(st) = self.child.try_wait()? {

@@ -198,7 +198,10 @@ impl FaultProxy {
                     // thread runs the proxy until that handle drops it.
                     let stop_tx = proxy.shutdown.take().expect("fresh proxy");
                     let mut stop_rx = stop_tx.subscribe();
-                    if tx.send(Ok((proxy.addr, proxy.shared.clone(), stop_tx))).is_err() {
+                    if tx
+                        .send(Ok((proxy.addr, proxy.shared.clone(), stop_tx)))
+                        .is_err()
+                    {
                         return;
                     }
                     let _ = stop_rx.changed().await;
@@ -505,7 +508,12 @@ mod tests {
 
     fn pattern(len: usize, seed: u8) -> Vec<u8> {
         (0..len)
-            .map(|i| (i as u32).wrapping_mul(2654435761).rotate_left(seed as u32 % 31) as u8 ^ seed)
+            .map(|i| {
+                (i as u32)
+                    .wrapping_mul(2654435761)
+                    .rotate_left(seed as u32 % 31) as u8
+                    ^ seed
+            })
             .collect()
     }
 
@@ -542,8 +550,12 @@ mod tests {
         u.read_exact(&mut b).await.unwrap();
         proxy.reset_all();
         let deadline = Duration::from_secs(5);
-        let rc = tokio::time::timeout(deadline, c.read(&mut b)).await.unwrap();
-        let ru = tokio::time::timeout(deadline, u.read(&mut b)).await.unwrap();
+        let rc = tokio::time::timeout(deadline, c.read(&mut b))
+            .await
+            .unwrap();
+        let ru = tokio::time::timeout(deadline, u.read(&mut b))
+            .await
+            .unwrap();
         assert_eq!(rc.unwrap_err().kind(), io::ErrorKind::ConnectionReset);
         assert_eq!(ru.unwrap_err().kind(), io::ErrorKind::ConnectionReset);
         assert_eq!(proxy.stats().resets, 1);
@@ -575,9 +587,15 @@ mod tests {
 
         proxy.blackhole(false);
         let d = Duration::from_secs(5);
-        tokio::time::timeout(d, s.read_exact(&mut b)).await.unwrap().unwrap();
+        tokio::time::timeout(d, s.read_exact(&mut b))
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(&b, b"two");
-        tokio::time::timeout(d, late.read_exact(&mut b)).await.unwrap().unwrap();
+        tokio::time::timeout(d, late.read_exact(&mut b))
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(&b, b"new");
     }
 
@@ -615,8 +633,13 @@ mod tests {
         kept.read_exact(&mut b).await.unwrap();
         proxy.refuse(true);
         let mut s = TcpStream::connect(proxy.addr()).await.unwrap();
-        let r = tokio::time::timeout(Duration::from_secs(5), s.read(&mut b)).await.unwrap();
-        assert!(matches!(r, Err(ref e) if e.kind() == io::ErrorKind::ConnectionReset), "{r:?}");
+        let r = tokio::time::timeout(Duration::from_secs(5), s.read(&mut b))
+            .await
+            .unwrap();
+        assert!(
+            matches!(r, Err(ref e) if e.kind() == io::ErrorKind::ConnectionReset),
+            "{r:?}"
+        );
         // The connection made before refusing still works.
         kept.write_all(b"b").await.unwrap();
         kept.read_exact(&mut b).await.unwrap();
@@ -634,7 +657,9 @@ mod tests {
         let mut b = [0u8; 1];
         for _ in 0..3 {
             let mut s = TcpStream::connect(proxy.addr()).await.unwrap();
-            let r = tokio::time::timeout(Duration::from_secs(2), s.read(&mut b)).await.unwrap();
+            let r = tokio::time::timeout(Duration::from_secs(2), s.read(&mut b))
+                .await
+                .unwrap();
             assert_eq!(r.unwrap_err().kind(), io::ErrorKind::ConnectionReset);
         }
         proxy.reset_every(None);

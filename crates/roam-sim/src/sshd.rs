@@ -39,7 +39,11 @@ pub fn available() -> Result<(), String> {
     }
     for tool in ["ssh", "ssh-keygen"] {
         // Only whether it runs matters; `-?` prints usage and exits non-zero.
-        let run = Command::new(tool).arg("-?").stdout(Stdio::null()).stderr(Stdio::null()).status();
+        let run = Command::new(tool)
+            .arg("-?")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
         if run.is_err() {
             return Err(format!("`{tool}` missing: apt-get install openssh-client"));
         }
@@ -50,7 +54,9 @@ pub fn available() -> Result<(), String> {
 /// A port on 127.0.0.1 that was free a moment ago (bind to port 0, read it,
 /// close). Racy by nature; good enough for a test port.
 pub fn free_loopback_port() -> io::Result<u16> {
-    Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?.local_addr()?.port())
+    Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?
+        .local_addr()?
+        .port())
 }
 
 fn keygen(path: &Path, comment: &str) -> io::Result<()> {
@@ -127,24 +133,33 @@ impl PrivateSshd {
             None => Command::new(SSHD),
         };
         cmd.arg("-D").arg("-e").arg("-f").arg(&config_path);
-        cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
         let mut child = ChildGuard::spawn(&mut cmd)?;
 
         let log = Arc::new(Mutex::new(Vec::new()));
         let (ready_tx, ready_rx) = mpsc::channel();
         let stderr = child.stderr.take().expect("stderr is piped");
         let log2 = log.clone();
-        thread::Builder::new().name("sshd-log".into()).spawn(move || {
-            for line in BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                if line.contains("Server listening on") {
-                    let _ = ready_tx.send(());
+        thread::Builder::new()
+            .name("sshd-log".into())
+            .spawn(move || {
+                for line in BufReader::new(stderr).lines() {
+                    let Ok(line) = line else { break };
+                    if line.contains("Server listening on") {
+                        let _ = ready_tx.send(());
+                    }
+                    log2.lock().unwrap_or_else(|e| e.into_inner()).push(line);
                 }
-                log2.lock().unwrap_or_else(|e| e.into_inner()).push(line);
-            }
-        })?;
+            })?;
         match ready_rx.recv_timeout(START_TIMEOUT) {
-            Ok(()) => Ok(PrivateSshd { addr, dir, log, _child: child }),
+            Ok(()) => Ok(PrivateSshd {
+                addr,
+                dir,
+                log,
+                _child: child,
+            }),
             Err(_) => {
                 let status = child.wait_timeout(Duration::from_millis(200))?;
                 let text = log.lock().unwrap_or_else(|e| e.into_inner()).join("\n");
@@ -188,16 +203,24 @@ impl PrivateSshd {
             self.dir.path().join("known_hosts").display()
         ));
         c.args([
-            "-o", "StrictHostKeyChecking=no",
-            "-o", "GlobalKnownHostsFile=/dev/null",
-            "-o", "BatchMode=yes",
-            "-o", "IdentitiesOnly=yes",
-            "-o", "LogLevel=ERROR",
-            "-o", "ConnectTimeout=15",
+            "-o",
+            "StrictHostKeyChecking=no",
+            "-o",
+            "GlobalKnownHostsFile=/dev/null",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "IdentitiesOnly=yes",
+            "-o",
+            "LogLevel=ERROR",
+            "-o",
+            "ConnectTimeout=15",
             // roam keeps the session; ssh's own keepalives would add a
             // second, shorter liveness deadline on top of it.
-            "-o", "ServerAliveInterval=0",
-            "-o", "TCPKeepAlive=no",
+            "-o",
+            "ServerAliveInterval=0",
+            "-o",
+            "TCPKeepAlive=no",
         ]);
         if let Some(pc) = proxy_command {
             c.arg("-o").arg(format!("ProxyCommand={pc}"));

@@ -71,10 +71,31 @@ impl Workload {
         sim.run_until(deadline, |s| s.client.id().is_some());
         let mut client = Side::default();
         for i in 0..streams {
-            let id = sim.client.open_stream(format!("stream-{i}").as_bytes()).expect("open");
-            client.streams.insert(id.0, (Flow { total: bytes_each_way, ..Flow::default() }, Flow { total: bytes_each_way, ..Flow::default() }));
+            let id = sim
+                .client
+                .open_stream(format!("stream-{i}").as_bytes())
+                .expect("open");
+            client.streams.insert(
+                id.0,
+                (
+                    Flow {
+                        total: bytes_each_way,
+                        ..Flow::default()
+                    },
+                    Flow {
+                        total: bytes_each_way,
+                        ..Flow::default()
+                    },
+                ),
+            );
         }
-        Self { client, server: Side::default(), bytes_each_way, error: None, scratch: vec![0; 64 * 1024] }
+        Self {
+            client,
+            server: Side::default(),
+            bytes_each_way,
+            error: None,
+            scratch: vec![0; 64 * 1024],
+        }
     }
 
     /// Moves data on both sides and verifies it. Returns `true` when every
@@ -84,9 +105,21 @@ impl Workload {
             return true;
         }
         let total = self.bytes_each_way;
-        let r1 = pump_side(&mut sim.client, &sim.client_events, &mut self.client, &mut self.scratch, None);
+        let r1 = pump_side(
+            &mut sim.client,
+            &sim.client_events,
+            &mut self.client,
+            &mut self.scratch,
+            None,
+        );
         let r2 = match sim.server.as_mut() {
-            Some(s) => pump_side(s, &sim.server_events, &mut self.server, &mut self.scratch, Some(total)),
+            Some(s) => pump_side(
+                s,
+                &sim.server_events,
+                &mut self.server,
+                &mut self.scratch,
+                Some(total),
+            ),
             None => Ok(()),
         };
         if let Err(e) = r1.and(r2) {
@@ -99,12 +132,19 @@ impl Workload {
     /// Every flow complete both ways.
     pub fn done(&self) -> bool {
         let side_done = |s: &Side| s.streams.values().all(|(tx, rx)| tx.acked && rx.eof);
-        self.server.streams.len() == self.client.streams.len() && side_done(&self.client) && side_done(&self.server)
+        self.server.streams.len() == self.client.streams.len()
+            && side_done(&self.client)
+            && side_done(&self.server)
     }
 
     /// Bytes verified on both sides.
     pub fn verified_bytes(&self) -> u64 {
-        let s = |side: &Side| side.streams.values().map(|(_, rx)| rx.received).sum::<u64>();
+        let s = |side: &Side| {
+            side.streams
+                .values()
+                .map(|(_, rx)| rx.received)
+                .sum::<u64>()
+        };
         s(&self.client) + s(&self.server)
     }
 }
@@ -120,7 +160,19 @@ fn pump_side(
         match e {
             Event::StreamOpened { stream } => {
                 if let Some(total) = answer_total {
-                    side.streams.insert(stream.0, (Flow { total, ..Flow::default() }, Flow { total, ..Flow::default() }));
+                    side.streams.insert(
+                        stream.0,
+                        (
+                            Flow {
+                                total,
+                                ..Flow::default()
+                            },
+                            Flow {
+                                total,
+                                ..Flow::default()
+                            },
+                        ),
+                    );
                 }
             }
             Event::StreamSendComplete { stream } => {
@@ -131,7 +183,9 @@ fn pump_side(
                     tx.acked = true;
                 }
             }
-            Event::StreamReset { stream, code } => return Err(format!("stream {} reset with {code}", stream.0)),
+            Event::StreamReset { stream, code } => {
+                return Err(format!("stream {} reset with {code}", stream.0))
+            }
             _ => {}
         }
     }
@@ -147,14 +201,18 @@ fn pump_side(
             for (k, b) in scratch[..n].iter_mut().enumerate() {
                 *b = pattern(id, tx.sent + k as u64);
             }
-            let w = session.write(sid, &scratch[..n]).map_err(|e| format!("stream {id}: write: {e}"))?;
+            let w = session
+                .write(sid, &scratch[..n])
+                .map_err(|e| format!("stream {id}: write: {e}"))?;
             tx.sent += w as u64;
             if w < n {
                 break;
             }
         }
         if tx.sent == tx.total && !tx.fin {
-            session.finish_stream(sid).map_err(|e| format!("stream {id}: finish: {e}"))?;
+            session
+                .finish_stream(sid)
+                .map_err(|e| format!("stream {id}: finish: {e}"))?;
             tx.fin = true;
         }
         // read
@@ -166,7 +224,10 @@ fn pump_side(
                 Ok(None) => break,
                 Ok(Some(0)) => {
                     if rx.received != rx.total {
-                        return Err(format!("stream {id}: EOF after {} of {} bytes", rx.received, rx.total));
+                        return Err(format!(
+                            "stream {id}: EOF after {} of {} bytes",
+                            rx.received, rx.total
+                        ));
                     }
                     rx.eof = true;
                     break;
@@ -175,12 +236,17 @@ fn pump_side(
                     for (k, b) in scratch[..n].iter().enumerate() {
                         let i = rx.received + k as u64;
                         if *b != pattern(id, i) {
-                            return Err(format!("stream {id}: byte {i} wrong (lost, duplicated or reordered data)"));
+                            return Err(format!(
+                                "stream {id}: byte {i} wrong (lost, duplicated or reordered data)"
+                            ));
                         }
                     }
                     rx.received += n as u64;
                     if rx.received > rx.total {
-                        return Err(format!("stream {id}: {} bytes, more than the {} sent", rx.received, rx.total));
+                        return Err(format!(
+                            "stream {id}: {} bytes, more than the {} sent",
+                            rx.received, rx.total
+                        ));
                     }
                 }
                 Err(e) => return Err(format!("stream {id}: read: {e}")),

@@ -24,14 +24,19 @@ const T: Duration = Duration::from_secs(5);
 
 fn ours(prefix: &str) -> Vec<String> {
     let stem = format!("roam-{prefix}-{}-", std::process::id());
-    netns::roam_namespaces().into_iter().filter(|n| n.starts_with(&stem)).collect()
+    netns::roam_namespaces()
+        .into_iter()
+        .filter(|n| n.starts_with(&stem))
+        .collect()
 }
 
 /// Echo server on `side` at its address: echoes each accepted connection
 /// until EOF, for `conns` connections.
 fn echo_server(pair: &NetPair, conns: usize) -> thread::JoinHandle<Vec<SocketAddr>> {
     let at = SocketAddr::V4(SocketAddrV4::new(pair.server_addr(), PORT));
-    let l = pair.tcp_listen(Side::Server, at).expect("listen in server ns");
+    let l = pair
+        .tcp_listen(Side::Server, at)
+        .expect("listen in server ns");
     thread::spawn(move || {
         let mut peers = Vec::new();
         for _ in 0..conns {
@@ -67,11 +72,14 @@ fn transfer_link_flap_and_address_changes() {
     // 2. Link down: the connection stalls but survives a short outage.
     pair.link_down().unwrap();
     c.write_all(b"during outage").unwrap();
-    c.set_read_timeout(Some(Duration::from_millis(500))).unwrap();
+    c.set_read_timeout(Some(Duration::from_millis(500)))
+        .unwrap();
     let mut b = [0u8; 13];
     assert!(c.read_exact(&mut b).is_err(), "data crossed a downed link");
     // New connections fail while down.
-    assert!(pair.tcp_connect(Side::Client, srv, Duration::from_millis(300)).is_err());
+    assert!(pair
+        .tcp_connect(Side::Client, srv, Duration::from_millis(300))
+        .is_err());
     let up_at = Instant::now();
     pair.link_up().unwrap();
     c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
@@ -84,7 +92,9 @@ fn transfer_link_flap_and_address_changes() {
     let old = pair.change_client_addr(pair.subnet_addr(11)).unwrap();
     assert_eq!(pair.client_addr(), pair.subnet_addr(11));
     assert_ne!(old, pair.client_addr());
-    let mut c = pair.tcp_connect(Side::Client, srv, T).expect("connect from new addr");
+    let mut c = pair
+        .tcp_connect(Side::Client, srv, T)
+        .expect("connect from new addr");
     c.write_all(b"x").unwrap();
     c.read_exact(&mut b[..1]).unwrap();
     drop(c);
@@ -92,11 +102,15 @@ fn transfer_link_flap_and_address_changes() {
     // 4. Server address change: the old address stops answering.
     let old_srv = srv;
     pair.change_server_addr(pair.subnet_addr(12)).unwrap();
-    assert!(pair.tcp_connect(Side::Client, old_srv, Duration::from_millis(500)).is_err());
+    assert!(pair
+        .tcp_connect(Side::Client, old_srv, Duration::from_millis(500))
+        .is_err());
     // The listener was bound to the old address; listen again on the new one.
     let new_srv = SocketAddr::V4(SocketAddrV4::new(pair.server_addr(), PORT));
     let l2 = pair.tcp_listen(Side::Server, new_srv).unwrap();
-    let c = pair.tcp_connect(Side::Client, new_srv, T).expect("connect to new server addr");
+    let c = pair
+        .tcp_connect(Side::Client, new_srv, T)
+        .expect("connect to new server addr");
     let (_s, peer) = l2.accept().unwrap();
     assert_eq!(peer.ip(), std::net::IpAddr::V4(pair.subnet_addr(11)));
     drop(c);
@@ -105,16 +119,39 @@ fn transfer_link_flap_and_address_changes() {
     assert_eq!(peers[0].ip(), std::net::IpAddr::V4(old));
     assert_eq!(peers[1].ip(), std::net::IpAddr::V4(pair.subnet_addr(11)));
     drop(pair);
-    assert!(ours("fixt").is_empty(), "namespaces left behind: {:?}", ours("fixt"));
+    assert!(
+        ours("fixt").is_empty(),
+        "namespaces left behind: {:?}",
+        ours("fixt")
+    );
 }
 
 #[test]
 fn run_spawn_and_cleanup_kills_processes() {
     require_netns!();
     let pair = NetPair::new("procs").expect("make pair");
-    let out = pair.run_in(Side::Client, Command::new("ip").args(["-o", "-4", "addr", "show", "roam0"])).unwrap();
+    let out = pair
+        .run_in(
+            Side::Client,
+            Command::new("ip").args(["-o", "-4", "addr", "show", "roam0"]),
+        )
+        .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains(&format!("{}/24", pair.client_addr())), "{text}");
+    assert!(
+        text.contains(&format!("{}/24", pair.client_addr())),
+        "{text}"
+    );
+
+    // Names for programs in the namespace, changeable while they run.
+    let srv = std::net::IpAddr::V4(pair.server_addr());
+    pair.set_hosts(Side::Client, &[("relay", srv)]).unwrap();
+    let out = pair.run_in(Side::Client, Command::new("getent").args(["hosts", "relay"])).unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).contains(&srv.to_string()));
+    let moved = std::net::IpAddr::V4(pair.subnet_addr(99));
+    pair.set_hosts(Side::Client, &[("relay", moved)]).unwrap();
+    let out = pair.run_in(Side::Client, Command::new("getent").args(["hosts", "relay"])).unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).contains(&moved.to_string()));
+    let hosts_dir = format!("/etc/netns/{}", pair.ns(Side::Client));
 
     // A process left running inside is killed when the pair drops.
     let mut sleeper = pair
@@ -123,18 +160,27 @@ fn run_spawn_and_cleanup_kills_processes() {
         .spawn()
         .expect("spawn sleep in ns");
     let pid = sleeper.id();
-    let guarded = pair.spawn_in(Side::Client, Command::new("sleep").arg("1000")).unwrap();
+    let guarded = pair
+        .spawn_in(Side::Client, Command::new("sleep").arg("1000"))
+        .unwrap();
     let guarded_pid = guarded.id();
-    let ns_pids = Command::new("ip").args(["netns", "pids", pair.ns(Side::Server)]).output().unwrap();
+    let ns_pids = Command::new("ip")
+        .args(["netns", "pids", pair.ns(Side::Server)])
+        .output()
+        .unwrap();
     assert!(String::from_utf8_lossy(&ns_pids.stdout).contains(&pid.to_string()));
     drop(guarded);
-    assert!(!std::path::Path::new(&format!("/proc/{guarded_pid}/cmdline")).exists()
-        || std::fs::read_to_string(format!("/proc/{guarded_pid}/stat")).map_or(true, |s| s.contains(") Z")));
+    assert!(
+        !std::path::Path::new(&format!("/proc/{guarded_pid}/cmdline")).exists()
+            || std::fs::read_to_string(format!("/proc/{guarded_pid}/stat"))
+                .map_or(true, |s| s.contains(") Z"))
+    );
 
     drop(pair);
     let st = sleeper.wait().unwrap();
     assert!(!st.success(), "sleep should have been killed");
     assert!(ours("procs").is_empty());
+    assert!(!std::path::Path::new(&hosts_dir).exists(), "{hosts_dir} left behind");
 }
 
 #[test]
@@ -146,7 +192,11 @@ fn cleanup_on_panic() {
         panic!("test failure inside a netns test");
     });
     assert!(r.is_err());
-    assert!(ours("panics").is_empty(), "left behind: {:?}", ours("panics"));
+    assert!(
+        ours("panics").is_empty(),
+        "left behind: {:?}",
+        ours("panics")
+    );
 }
 
 #[test]

@@ -14,8 +14,15 @@ fn clean_transfer_completes() {
     let deadline = sim.now + Duration::from_secs(60);
     let ok = sim.run_until(deadline, |s| w.pump(s));
     assert!(w.error.is_none(), "{:?}", w.error);
-    assert!(ok, "not done: client {:?} server {:?}", sim.client, sim.server);
+    assert!(
+        ok,
+        "not done: client {:?} server {:?}",
+        sim.client, sim.server
+    );
     assert_eq!(sim.client.state(), State::Active);
-    assert!(sim.client_events.iter().any(|e| matches!(e, Event::Connected { .. })));
+    assert!(sim
+        .client_events
+        .iter()
+        .any(|e| matches!(e, Event::Connected { .. })));
     assert_eq!(w.verified_bytes(), 2 * 4 * 300_000);
 }

@@ -73,7 +73,11 @@ fn run_kill_seed(seed: u64) -> Result<(u64, u64), String> {
 #[test]
 fn random_transport_kills_100_streams_every_byte_verified() {
     let first = seed_from_env(0);
-    let count = if std::env::var("ROAM_SIM_SEED").is_ok() { 1 } else { seeds_from_env(1000) };
+    let count = if std::env::var("ROAM_SIM_SEED").is_ok() {
+        1
+    } else {
+        seeds_from_env(1000)
+    };
     let (mut faults, mut bytes) = (0u64, 0u64);
     for seed in first..first + count {
         match run_kill_seed(seed) {
@@ -104,7 +108,10 @@ fn three_day_suspension_then_resume() {
         false
     });
     assert_eq!(sim.client.state(), State::Suspended, "seed {seed}");
-    assert_eq!(sim.server.as_ref().map(|s| s.state()), Some(State::Suspended));
+    assert_eq!(
+        sim.server.as_ref().map(|s| s.state()),
+        Some(State::Suspended)
+    );
     sim.heal();
     let t = sim.now + Duration::from_secs(120);
     let done = sim.run_until(t, |s| w.pump(s));
@@ -124,7 +131,10 @@ fn three_day_suspension_then_resume() {
         _ => None,
     });
     let d = resumed.expect("client saw Resumed");
-    assert!(d > Duration::from_secs(3 * 24 * 3600 - 300), "suspended for {d:?}");
+    assert!(
+        d > Duration::from_secs(3 * 24 * 3600 - 300),
+        "suspended for {d:?}"
+    );
 }
 
 #[test]
@@ -143,14 +153,30 @@ fn four_day_suspension_expires_on_both_sides() {
     });
     let expired = |evs: &[Event]| {
         evs.iter().any(|e| {
-            matches!(e, Event::Closed { reason: roam_proto::CloseReason::Error(roam_proto::Error::Expired) })
+            matches!(
+                e,
+                Event::Closed {
+                    reason: roam_proto::CloseReason::Error(roam_proto::Error::Expired)
+                }
+            )
         })
     };
     assert_eq!(sim.client.state(), State::Closed);
-    assert!(expired(&sim.client_events), "client: {:?}", sim.client.close_reason());
+    assert!(
+        expired(&sim.client_events),
+        "client: {:?}",
+        sim.client.close_reason()
+    );
     assert_eq!(sim.server.as_ref().map(|s| s.state()), Some(State::Closed));
-    assert!(expired(&sim.server_events), "server: {:?}", sim.server.as_ref().map(|s| s.close_reason()));
+    assert!(
+        expired(&sim.server_events),
+        "server: {:?}",
+        sim.server.as_ref().map(|s| s.close_reason())
+    );
     // The client stops trying, and its streams report the closed session.
     assert!(sim.client.write(roam_proto::StreamId(0), b"x").is_err());
-    assert!(sim.client.poll_timeout().is_none(), "expired session still wants timers");
+    assert!(
+        sim.client.poll_timeout().is_none(),
+        "expired session still wants timers"
+    );
 }

@@ -15,7 +15,8 @@ fn connected(seed: u64) -> Sim {
     let mut sim = Sim::new(SimConfig::new(seed));
     sim.dial();
     let t = sim.now + Duration::from_secs(10);
-    assert!(sim.run_until(t, |s| s.client.state() == State::Active && s.server.is_some()));
+    assert!(sim.run_until(t, |s| s.client.state() == State::Active
+        && s.server.is_some()));
     sim
 }
 
@@ -44,19 +45,37 @@ fn stalled_stream_does_not_block_the_others() {
     let t = sim.now + Duration::from_secs(120);
     let others_done = sim.run_until(t, |s| {
         w.pump(s);
-        w.server.streams.iter().filter(|(id, _)| **id != stalled).count() == 5
-            && w.server.streams.iter().filter(|(id, _)| **id != stalled).all(|(_, (_, rx))| rx.eof)
+        w.server
+            .streams
+            .iter()
+            .filter(|(id, _)| **id != stalled)
+            .count()
+            == 5
+            && w.server
+                .streams
+                .iter()
+                .filter(|(id, _)| **id != stalled)
+                .all(|(_, (_, rx))| rx.eof)
     });
     assert!(w.error.is_none(), "seed {seed}: {:?}", w.error);
-    assert!(others_done, "seed {seed}: other streams were blocked by the stalled one");
+    assert!(
+        others_done,
+        "seed {seed}: other streams were blocked by the stalled one"
+    );
     // The stalled stream holds at most its window at the receiver.
     let server = sim.server.as_ref().expect("server");
     let buffered = server.readable_len(StreamId(stalled));
-    assert!(buffered > 0 && buffered <= 64 * 1024, "stalled stream buffered {buffered}");
+    assert!(
+        buffered > 0 && buffered <= 64 * 1024,
+        "stalled stream buffered {buffered}"
+    );
     // Once the reader wakes up, the stalled stream completes too.
     w.server.stalled.clear();
     let t = sim.now + Duration::from_secs(120);
-    assert!(sim.run_until(t, |s| w.pump(s)), "seed {seed}: stalled stream never finished");
+    assert!(
+        sim.run_until(t, |s| w.pump(s)),
+        "seed {seed}: stalled stream never finished"
+    );
     assert!(w.error.is_none(), "{:?}", w.error);
 }
 
@@ -88,13 +107,22 @@ fn half_close_in_both_directions() {
         }
     }
     assert_eq!(got.len(), 5000);
-    assert!(got.chunks(1000).enumerate().all(|(i, c)| c.iter().all(|b| *b == i as u8)));
-    let complete = |evs: &[Event]| evs.iter().any(|e| matches!(e, Event::StreamSendComplete { stream } if *stream == id));
+    assert!(got
+        .chunks(1000)
+        .enumerate()
+        .all(|(i, c)| c.iter().all(|b| *b == i as u8)));
+    let complete = |evs: &[Event]| {
+        evs.iter()
+            .any(|e| matches!(e, Event::StreamSendComplete { stream } if *stream == id))
+    };
     assert!(complete(&sim.client_events) && complete(&sim.server_events));
     // Both directions are over: the stream is forgotten on both sides.
     assert_eq!(sim.client.stream_count(), 0);
     assert_eq!(sim.server.as_ref().map(|s| s.stream_count()), Some(0));
-    assert_eq!(sim.client.write(id, b"x"), Err(roam_proto::StreamError::UnknownStream));
+    assert_eq!(
+        sim.client.write(id, b"x"),
+        Err(roam_proto::StreamError::UnknownStream)
+    );
 }
 
 #[test]
@@ -106,14 +134,26 @@ fn finish_while_suspended_completes_after_resume() {
     sim.partition();
     sim.run_for(Duration::from_secs(10));
     assert_eq!(sim.client.state(), State::Suspended);
-    sim.client.write(id, b"written while suspended").expect("write");
+    sim.client
+        .write(id, b"written while suspended")
+        .expect("write");
     sim.client.finish_stream(id).expect("finish");
     sim.run_for(Duration::from_secs(30));
-    let done = |s: &Sim| s.client_events.iter().any(|e| matches!(e, Event::StreamSendComplete { .. }));
-    assert!(!done(&sim), "finish cannot complete while the peer is unreachable");
+    let done = |s: &Sim| {
+        s.client_events
+            .iter()
+            .any(|e| matches!(e, Event::StreamSendComplete { .. }))
+    };
+    assert!(
+        !done(&sim),
+        "finish cannot complete while the peer is unreachable"
+    );
     sim.heal();
     let t = sim.now + Duration::from_secs(30);
-    assert!(sim.run_until(t, |s| done(s)), "seed {seed}: finish never completed after resume");
+    assert!(
+        sim.run_until(t, |s| done(s)),
+        "seed {seed}: finish never completed after resume"
+    );
     let mut buf = [0u8; 64];
     let server = sim.server.as_mut().expect("server");
     assert_eq!(server.read(id, &mut buf), Ok(Some(23)));
@@ -134,9 +174,13 @@ fn graceful_close_delivers_everything_then_ends_both_sides() {
             sim.run_for(Duration::from_millis(50));
         }
     }
-    sim.client.close(roam_proto::code::NO_ERROR, "done for today");
+    sim.client
+        .close(roam_proto::code::NO_ERROR, "done for today");
     assert_eq!(sim.client.state(), State::Closing);
-    assert!(sim.client.write(id, b"more").is_err(), "no writes after close");
+    assert!(
+        sim.client.write(id, b"more").is_err(),
+        "no writes after close"
+    );
     let mut got = Vec::new();
     let t = sim.now + Duration::from_secs(30);
     sim.run_until(t, |s| {
@@ -152,19 +196,35 @@ fn graceful_close_delivers_everything_then_ends_both_sides() {
         s.client.state() == State::Closed
     });
     assert_eq!(sim.client.state(), State::Closed);
-    assert_eq!(closed_with(&sim.client_events), Some(CloseReason::Local { code: 0 }));
+    assert_eq!(
+        closed_with(&sim.client_events),
+        Some(CloseReason::Local { code: 0 })
+    );
     assert_eq!(
         closed_with(&sim.server_events),
-        Some(CloseReason::Peer { code: 0, reason: "done for today".into() })
+        Some(CloseReason::Peer {
+            code: 0,
+            reason: "done for today".into()
+        })
     );
-    assert_eq!(got.len(), data.len(), "all data written before close arrived");
+    assert_eq!(
+        got.len(),
+        data.len(),
+        "all data written before close arrived"
+    );
     assert!(got == data);
     // Both sides let go of their transport (reported, or closed by the peer first).
     sim.run_for(Duration::from_millis(500));
     assert_eq!(sim.client.active_transport(), None);
     assert_eq!(sim.server.as_ref().and_then(|s| s.active_transport()), None);
-    assert!(sim.server_events.iter().any(|e| matches!(e, Event::TransportClosed { .. })));
-    assert!(sim.client.poll_timeout().is_none() && sim.server.as_ref().and_then(|s| s.poll_timeout()).is_none());
+    assert!(sim
+        .server_events
+        .iter()
+        .any(|e| matches!(e, Event::TransportClosed { .. })));
+    assert!(
+        sim.client.poll_timeout().is_none()
+            && sim.server.as_ref().and_then(|s| s.poll_timeout()).is_none()
+    );
 }
 
 #[test]
@@ -177,17 +237,32 @@ fn wrong_pinned_server_key_is_refused() {
         server_trust: ServerTrust::Pinned(impostor_pin),
         session: Config::default(),
     };
-    let server = ServerConfig { keypair: server_kp.clone(), authorized_keys: None, addresses: vec![], session: Config::default() };
+    let server = ServerConfig {
+        keypair: server_kp.clone(),
+        authorized_keys: None,
+        addresses: vec![],
+        session: Config::default(),
+    };
     let mut sim = Sim::with_configs(SimConfig::new(seed), client, server);
     sim.dial();
     sim.run_for(Duration::from_secs(5));
     assert_eq!(sim.client.state(), State::Closed);
     assert_eq!(
         sim.client.close_reason(),
-        Some(&CloseReason::Error(Error::ServerKeyMismatch { expected: impostor_pin, actual: server_kp.public() }))
+        Some(&CloseReason::Error(Error::ServerKeyMismatch {
+            expected: impostor_pin,
+            actual: server_kp.public()
+        }))
     );
-    let msg = Error::ServerKeyMismatch { expected: impostor_pin, actual: server_kp.public() }.to_string();
-    assert!(msg.contains("known-servers"), "error tells the user what to do: {msg}");
+    let msg = Error::ServerKeyMismatch {
+        expected: impostor_pin,
+        actual: server_kp.public(),
+    }
+    .to_string();
+    assert!(
+        msg.contains("known-servers"),
+        "error tells the user what to do: {msg}"
+    );
 }
 
 #[test]
@@ -209,8 +284,14 @@ fn unauthorized_client_key_is_refused() {
     let mut sim = Sim::with_configs(SimConfig::new(seed), client, server);
     sim.dial();
     sim.run_for(Duration::from_secs(5));
-    assert_eq!(sim.client.close_reason(), Some(&CloseReason::Error(Error::Unauthorized)));
-    assert_eq!(sim.server.as_ref().and_then(|s| s.close_reason().cloned()), Some(CloseReason::Error(Error::Unauthorized)));
+    assert_eq!(
+        sim.client.close_reason(),
+        Some(&CloseReason::Error(Error::Unauthorized))
+    );
+    assert_eq!(
+        sim.server.as_ref().and_then(|s| s.close_reason().cloned()),
+        Some(CloseReason::Error(Error::Unauthorized))
+    );
 }
 
 #[test]
@@ -233,9 +314,19 @@ fn authorized_client_key_is_accepted() {
     sim.dial();
     sim.run_for(Duration::from_secs(2));
     assert_eq!(sim.client.state(), State::Active);
-    assert_eq!(sim.client.peer_key(), Some(server_kp.public()), "TOFU learns the server key");
-    assert_eq!(sim.server.as_ref().and_then(|s| s.peer_key()), Some(client_kp.public()));
-    assert!(sim.client_events.iter().any(|e| matches!(e, Event::AddressesUpdated { addrs } if addrs == &["203.0.113.7:7447"])));
+    assert_eq!(
+        sim.client.peer_key(),
+        Some(server_kp.public()),
+        "TOFU learns the server key"
+    );
+    assert_eq!(
+        sim.server.as_ref().and_then(|s| s.peer_key()),
+        Some(client_kp.public())
+    );
+    assert!(sim
+        .client_events
+        .iter()
+        .any(|e| matches!(e, Event::AddressesUpdated { addrs } if addrs == &["203.0.113.7:7447"])));
 }
 
 #[test]
@@ -256,9 +347,15 @@ fn forged_session_id_is_refused_and_session_unharmed() {
     wrong_secret.extend_from_slice(&[7; 48]);
     sim.inject_connection(wrong_secret);
     let t = sim.now + Duration::from_secs(30);
-    assert!(sim.run_until(t, |s| w.pump(s)), "seed {seed}: transfer disturbed");
+    assert!(
+        sim.run_until(t, |s| w.pump(s)),
+        "seed {seed}: transfer disturbed"
+    );
     assert!(w.error.is_none(), "{:?}", w.error);
-    assert_eq!(sim.endpoint_errors, vec![Error::UnknownSession, Error::ResumeRejected]);
+    assert_eq!(
+        sim.endpoint_errors,
+        vec![Error::UnknownSession, Error::ResumeRejected]
+    );
     assert_eq!(sim.server.as_ref().map(|s| s.state()), Some(State::Active));
 }
 
@@ -276,11 +373,20 @@ fn replayed_resume_is_refused_and_session_unharmed() {
     });
     sim.reset_transport();
     let t = sim.now + Duration::from_secs(60);
-    assert!(sim.run_until(t, |s| w.pump(s)), "seed {seed}: transfer did not finish");
-    assert!(sim.client_events.iter().any(|e| matches!(e, Event::Resumed { .. })));
+    assert!(
+        sim.run_until(t, |s| w.pump(s)),
+        "seed {seed}: transfer did not finish"
+    );
+    assert!(sim
+        .client_events
+        .iter()
+        .any(|e| matches!(e, Event::Resumed { .. })));
     // The attacker captured the whole resume connection and plays it again.
     let capture = sim.recorded.last().cloned().expect("a resume connection");
-    assert!(capture.starts_with(b"ROAM\x01\x01\x02"), "last connection was a resume");
+    assert!(
+        capture.starts_with(b"ROAM\x01\x01\x02"),
+        "last connection was a resume"
+    );
     sim.inject_connection(capture);
     sim.run_for(Duration::from_secs(2));
     assert_eq!(sim.endpoint_errors, vec![Error::ReplayedResume]);
@@ -291,7 +397,10 @@ fn replayed_resume_is_refused_and_session_unharmed() {
     sim.client.write(id, b"ping").expect("write");
     sim.run_for(Duration::from_millis(500));
     let mut buf = [0u8; 8];
-    assert_eq!(sim.server.as_mut().expect("server").read(id, &mut buf), Ok(Some(4)));
+    assert_eq!(
+        sim.server.as_mut().expect("server").read(id, &mut buf),
+        Ok(Some(4))
+    );
 }
 
 #[test]
@@ -307,25 +416,43 @@ fn client_address_change_is_seen_by_the_server() {
     let new_addr = "192.0.2.99:50000".parse().expect("addr");
     sim.change_client_addr(new_addr);
     let t = sim.now + Duration::from_secs(60);
-    assert!(sim.run_until(t, |s| w.pump(s)), "seed {seed}: transfer did not finish");
+    assert!(
+        sim.run_until(t, |s| w.pump(s)),
+        "seed {seed}: transfer did not finish"
+    );
     assert!(w.error.is_none(), "{:?}", w.error);
-    assert!(sim.server_events.iter().any(|e| matches!(e, Event::PeerAddressChanged { to: Some(a), .. } if *a == new_addr)));
-    assert_eq!(sim.server.as_ref().and_then(|s| s.peer_addr()), Some(new_addr));
+    assert!(sim
+        .server_events
+        .iter()
+        .any(|e| matches!(e, Event::PeerAddressChanged { to: Some(a), .. } if *a == new_addr)));
+    assert_eq!(
+        sim.server.as_ref().and_then(|s| s.peer_addr()),
+        Some(new_addr)
+    );
 }
 
 #[test]
 fn server_move_request_reaches_the_client() {
     let seed = seed_from_env(21);
     let mut sim = connected(seed);
-    sim.server.as_mut().expect("server").move_to("198.51.100.2:7447".into());
+    sim.server
+        .as_mut()
+        .expect("server")
+        .move_to("198.51.100.2:7447".into());
     sim.run_for(Duration::from_millis(500));
-    assert!(sim.client_events.iter().any(|e| matches!(e, Event::MoveRequested { addr } if addr == "198.51.100.2:7447")));
+    assert!(sim
+        .client_events
+        .iter()
+        .any(|e| matches!(e, Event::MoveRequested { addr } if addr == "198.51.100.2:7447")));
     // The client moves: drops its transport and resumes on a new one.
     sim.dial();
     let mut w = Workload::start(&mut sim, 2, 50_000);
     let t = sim.now + Duration::from_secs(30);
     assert!(sim.run_until(t, |s| w.pump(s)));
-    assert!(sim.server_events.iter().any(|e| matches!(e, Event::Resumed { .. })));
+    assert!(sim
+        .server_events
+        .iter()
+        .any(|e| matches!(e, Event::Resumed { .. })));
 }
 
 #[test]
@@ -333,16 +460,26 @@ fn idle_session_detects_a_black_hole_and_resumes() {
     let seed = seed_from_env(22);
     let mut sim = connected(seed);
     sim.run_for(Duration::from_secs(60));
-    assert_eq!(sim.client.state(), State::Active, "heartbeats keep an idle session up");
+    assert_eq!(
+        sim.client.state(),
+        State::Active,
+        "heartbeats keep an idle session up"
+    );
     assert!(sim.client.stats().rtt.is_some(), "heartbeats measure RTT");
     sim.blackhole_transport();
     let start = sim.now;
     let t = sim.now + Duration::from_secs(30);
     sim.run_until(t, |s| s.client.state() == State::Suspended);
     let detect = sim.now - start;
-    assert!(detect <= Duration::from_secs(6), "suspension detected after {detect:?}");
+    assert!(
+        detect <= Duration::from_secs(6),
+        "suspension detected after {detect:?}"
+    );
     let t = sim.now + Duration::from_secs(30);
-    assert!(sim.run_until(t, |s| s.client.state() == State::Active), "resumes by itself");
+    assert!(
+        sim.run_until(t, |s| s.client.state() == State::Active),
+        "resumes by itself"
+    );
 }
 
 #[test]
@@ -352,6 +489,9 @@ fn first_connect_failure_is_a_clear_error() {
     sim.partition();
     sim.dial();
     sim.run_for(Duration::from_secs(30));
-    assert_eq!(sim.client.close_reason(), Some(&CloseReason::Error(Error::HandshakeFailed)));
+    assert_eq!(
+        sim.client.close_reason(),
+        Some(&CloseReason::Error(Error::HandshakeFailed))
+    );
     assert!(sim.client.poll_timeout().is_none());
 }

@@ -13,25 +13,51 @@ fn ssh_echo_on_loopback() {
         return;
     }
     let port = sshd::free_loopback_port().unwrap();
-    let d = PrivateSshd::start(None, SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port)).unwrap();
+    let d =
+        PrivateSshd::start(None, SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port)).unwrap();
     let out = d.ssh_command(None).arg("echo hello").output().unwrap();
-    assert!(out.status.success(), "ssh failed: {}\nsshd log:\n{}", String::from_utf8_lossy(&out.stderr), d.log().join("\n"));
+    assert!(
+        out.status.success(),
+        "ssh failed: {}\nsshd log:\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        d.log().join("\n")
+    );
     assert_eq!(String::from_utf8_lossy(&out.stdout), "hello\n");
 
     // Through a ProxyCommand (here a plain TCP relay, socat or nc if present,
     // else skipped): the shape roam's `pipe` is used in.
     let relay = ["socat", "nc.openbsd"].into_iter().find(|t| {
-        std::process::Command::new("sh").arg("-c").arg(format!("command -v {t}")).output().is_ok_and(|o| o.status.success())
+        std::process::Command::new("sh")
+            .arg("-c")
+            .arg(format!("command -v {t}"))
+            .output()
+            .is_ok_and(|o| o.status.success())
     });
     match relay {
         Some("socat") => {
-            let out = d.ssh_command(Some("socat - TCP:%h:%p")).arg("echo via proxy").output().unwrap();
-            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+            let out = d
+                .ssh_command(Some("socat - TCP:%h:%p"))
+                .arg("echo via proxy")
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
             assert_eq!(String::from_utf8_lossy(&out.stdout), "via proxy\n");
         }
         Some(nc) => {
-            let out = d.ssh_command(Some(&format!("{nc} %h %p"))).arg("echo via proxy").output().unwrap();
-            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+            let out = d
+                .ssh_command(Some(&format!("{nc} %h %p")))
+                .arg("echo via proxy")
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
         }
         None => eprintln!("no socat/nc: ProxyCommand path not exercised"),
     }
@@ -49,7 +75,12 @@ fn ssh_into_a_namespace() {
     let mut ssh = d.ssh_command(None);
     ssh.arg("ip -o -4 addr show roam0");
     let out = pair.run_in(Side::Client, &ssh).unwrap();
-    assert!(out.status.success(), "ssh failed: {}\nsshd log:\n{}", String::from_utf8_lossy(&out.stderr), d.log().join("\n"));
+    assert!(
+        out.status.success(),
+        "ssh failed: {}\nsshd log:\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        d.log().join("\n")
+    );
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains(&pair.server_addr().to_string()), "{text}");
 }

@@ -87,12 +87,26 @@ pub struct Stats {
 #[derive(Debug, Clone)]
 enum Entry {
     Open(u64),
-    Data { stream: u64, offset: u64, len: u32, fin: bool },
-    Reset { stream: u64, code: u64 },
-    MaxStreamData { stream: u64, max: u64 },
+    Data {
+        stream: u64,
+        offset: u64,
+        len: u32,
+        fin: bool,
+    },
+    Reset {
+        stream: u64,
+        code: u64,
+    },
+    MaxStreamData {
+        stream: u64,
+        max: u64,
+    },
     MaxData(u64),
     MaxStreams(u64),
-    Close { code: u64, reason: Vec<u8> },
+    Close {
+        code: u64,
+        reason: Vec<u8>,
+    },
     Addresses(Vec<String>),
     MoveTo(String),
 }
@@ -308,7 +322,7 @@ impl Session {
         s.secret = Some(secret);
         let mut out = Vec::new();
         let hs = handshake::server_new(hello, &config.keypair, &s.config.params(), &mut out)?;
-        let id = s.new_transport(now, peer, Phase::ServerNew(hs));
+        let id = s.new_transport(now, peer, Phase::ServerNew(Box::new(hs)));
         if let Some(t) = s.active.as_mut() {
             t.out = out;
         }
@@ -319,9 +333,15 @@ impl Session {
     /// Client: start a transport to the server (a new session the first time, a
     /// resume afterwards). Any current transport is abandoned. The opening bytes
     /// are ready from `poll_transmit`.
-    pub fn connect(&mut self, now: Instant, peer: Option<SocketAddr>) -> Result<TransportId, Error> {
+    pub fn connect(
+        &mut self,
+        now: Instant,
+        peer: Option<SocketAddr>,
+    ) -> Result<TransportId, Error> {
         if self.role != Role::Client {
-            return Err(Error::ProtocolViolation("connect called on a server session"));
+            return Err(Error::ProtocolViolation(
+                "connect called on a server session",
+            ));
         }
         if let Some(reason) = &self.close_reason {
             return Err(match reason {
@@ -330,17 +350,22 @@ impl Session {
             });
         }
         if let Some(old) = self.active.take() {
-            self.events.push_back(Event::TransportClosed { transport: old.id, error: None });
+            self.events.push_back(Event::TransportClosed {
+                transport: old.id,
+                error: None,
+            });
             if old.is_open() && self.secret.is_some() {
                 self.enter_suspended(now, SuspendReason::Reconnecting);
             }
         }
         let mut out = Vec::new();
         let phase = match (&self.id, &self.secret) {
-            (Some(id), Some(secret)) => Phase::ClientResume(handshake::client_resume(id, secret, &mut out)?),
+            (Some(id), Some(secret)) => {
+                Phase::ClientResume(Box::new(handshake::client_resume(id, secret, &mut out)?))
+            }
             _ => {
                 let kp = self.keypair.as_ref().ok_or(Error::HandshakeFailed)?;
-                Phase::ClientNew(handshake::client_new(kp, &mut out)?)
+                Phase::ClientNew(Box::new(handshake::client_new(kp, &mut out)?))
             }
         };
         let id = self.new_transport(now, peer, phase);
@@ -382,7 +407,7 @@ impl Session {
         self.replay_memory.push_back(eph);
         self.next_transport += 1;
         let id = TransportId(self.next_transport);
-        let mut t = Transport::new(id, now, peer, Phase::Open(keys));
+        let mut t = Transport::new(id, now, peer, Phase::Open(Box::new(keys)));
         t.out = out;
         t.pending_resume = true;
         t.is_resume = true;
@@ -396,7 +421,12 @@ impl Session {
         Ok(id)
     }
 
-    fn new_transport(&mut self, now: Instant, peer: Option<SocketAddr>, phase: Phase) -> TransportId {
+    fn new_transport(
+        &mut self,
+        now: Instant,
+        peer: Option<SocketAddr>,
+        phase: Phase,
+    ) -> TransportId {
         self.next_transport += 1;
         let id = TransportId(self.next_transport);
         self.active = Some(Transport::new(id, now, peer, phase));
@@ -545,7 +575,8 @@ impl Session {
             self.state = State::Suspended;
         }
         let expires_at = self.suspended_since.unwrap_or(now) + self.resume_timeout;
-        self.events.push_back(Event::Suspended { reason, expires_at });
+        self.events
+            .push_back(Event::Suspended { reason, expires_at });
     }
 
     /// The active transport is gone (and the caller knows): suspend or fail.
@@ -582,7 +613,10 @@ impl Session {
                 SuspendReason::TransportError(e) => Some(e.clone()),
                 _ => None,
             };
-            self.events.push_back(Event::TransportClosed { transport: t.id, error });
+            self.events.push_back(Event::TransportClosed {
+                transport: t.id,
+                error,
+            });
         }
         self.lose_active_quiet(now, reason);
     }
@@ -596,7 +630,10 @@ impl Session {
         }
         self.state = State::Closed;
         if let Some(p) = self.pending.take() {
-            self.events.push_back(Event::TransportClosed { transport: p.id, error: None });
+            self.events.push_back(Event::TransportClosed {
+                transport: p.id,
+                error: None,
+            });
         }
         self.final_close = match &reason {
             CloseReason::Error(Error::ProtocolViolation(_) | Error::Decode(_)) => {
@@ -610,7 +647,10 @@ impl Session {
             Some(t) if t.retire => {}
             _ => {
                 if let Some(t) = self.active.take() {
-                    self.events.push_back(Event::TransportClosed { transport: t.id, error: None });
+                    self.events.push_back(Event::TransportClosed {
+                        transport: t.id,
+                        error: None,
+                    });
                 }
             }
         }
@@ -661,7 +701,10 @@ impl Session {
         if self.state == State::Closed {
             return Err(StreamError::SessionClosed);
         }
-        let s = self.streams.get_mut(&id.0).ok_or(StreamError::UnknownStream)?;
+        let s = self
+            .streams
+            .get_mut(&id.0)
+            .ok_or(StreamError::UnknownStream)?;
         if let Some(code) = s.reset {
             return Err(StreamError::Reset(code));
         }
@@ -672,13 +715,18 @@ impl Session {
     /// taken (0 when the buffers are full: wait for `StreamWritable`).
     pub fn write(&mut self, id: StreamId, data: &[u8]) -> Result<usize, StreamError> {
         self.check_open()?;
-        let session_room = self.config.session_send_buffer.saturating_sub(self.send_buffered);
+        let session_room = self
+            .config
+            .session_send_buffer
+            .saturating_sub(self.send_buffered);
         let stream_limit = self.config.stream_send_buffer;
         let s = self.stream_mut(id)?;
         if s.fin_requested {
             return Err(StreamError::Finished);
         }
-        let room = stream_limit.saturating_sub(s.send_buf.len() as u64).min(session_room);
+        let room = stream_limit
+            .saturating_sub(s.send_buf.len() as u64)
+            .min(session_room);
         let n = (data.len() as u64).min(room) as usize;
         s.send_buf.extend(&data[..n]);
         if n < data.len() {
@@ -748,7 +796,8 @@ impl Session {
             update = Some(s.recv_max);
         }
         if let Some(max) = update {
-            self.log.push_back(Entry::MaxStreamData { stream: id.0, max });
+            self.log
+                .push_back(Entry::MaxStreamData { stream: id.0, max });
         }
         self.consume(n as u64);
         Ok(Some(n))
@@ -756,12 +805,22 @@ impl Session {
 
     /// Reads what arrived before the session closed; then end-of-stream if the
     /// peer had finished the stream, else `SessionClosed`.
-    fn read_after_close(&mut self, id: StreamId, buf: &mut [u8]) -> Result<Option<usize>, StreamError> {
-        let Some(s) = self.streams.get_mut(&id.0) else { return Err(StreamError::SessionClosed) };
+    fn read_after_close(
+        &mut self,
+        id: StreamId,
+        buf: &mut [u8],
+    ) -> Result<Option<usize>, StreamError> {
+        let Some(s) = self.streams.get_mut(&id.0) else {
+            return Err(StreamError::SessionClosed);
+        };
         if s.recv_buf.is_empty() {
             let fin = s.fin_received;
             self.streams.remove(&id.0);
-            return if fin { Ok(Some(0)) } else { Err(StreamError::SessionClosed) };
+            return if fin {
+                Ok(Some(0))
+            } else {
+                Err(StreamError::SessionClosed)
+            };
         }
         let n = buf.len().min(s.recv_buf.len());
         for (d, b) in buf.iter_mut().zip(s.recv_buf.drain(..n)) {
@@ -836,7 +895,8 @@ impl Session {
                 // Grant the peer a new stream for each one forgotten, in batches (§6.5).
                 self.peer_streams_forgotten += 1;
                 let target = self.peer_streams_forgotten + self.config.params().max_streams;
-                if target - self.peer_stream_limit >= (self.config.params().max_streams / 2).max(1) {
+                if target - self.peer_stream_limit >= (self.config.params().max_streams / 2).max(1)
+                {
                     self.peer_stream_limit = target;
                     self.log.push_back(Entry::MaxStreams(target));
                 }
@@ -849,7 +909,11 @@ impl Session {
     }
 
     fn peer_params_or_default(&self) -> Params {
-        self.peer_params.unwrap_or(Params { stream_window: 0, session_window: 0, max_streams: 0 })
+        self.peer_params.unwrap_or(Params {
+            stream_window: 0,
+            session_window: 0,
+            max_streams: 0,
+        })
     }
 
     fn set_peer_params(&mut self, p: Params) {
@@ -882,4 +946,3 @@ impl Error {
         }
     }
 }
-

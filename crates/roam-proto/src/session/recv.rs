@@ -14,7 +14,12 @@ use crate::Error;
 const ACK_EAGER_BYTES: u64 = 128 * 1024;
 
 impl Session {
-    pub(super) fn on_frame(&mut self, now: Instant, t: &mut Transport, f: Frame<'_>) -> Result<(), Error> {
+    pub(super) fn on_frame(
+        &mut self,
+        now: Instant,
+        t: &mut Transport,
+        f: Frame<'_>,
+    ) -> Result<(), Error> {
         match f {
             Frame::Ping { token } => self.pong_due = Some(token),
             Frame::Pong { token } => {
@@ -48,7 +53,11 @@ impl Session {
                     self.emit_resumed(now, t.peer);
                 }
             }
-            Frame::SessionInfo { session_id, resume_secret, resume_timeout_secs } => {
+            Frame::SessionInfo {
+                session_id,
+                resume_secret,
+                resume_timeout_secs,
+            } => {
                 if self.role != Role::Client || self.secret.is_some() {
                     return Err(Error::ProtocolViolation("unexpected SESSION_INFO"));
                 }
@@ -70,7 +79,10 @@ impl Session {
                 // A refusal before the session started (e.g. unauthorized client key).
                 let reason = match code {
                     crate::error::code::UNAUTHORIZED => CloseReason::Error(Error::Unauthorized),
-                    _ => CloseReason::Peer { code, reason: String::from_utf8_lossy(reason).into_owned() },
+                    _ => CloseReason::Peer {
+                        code,
+                        reason: String::from_utf8_lossy(reason).into_owned(),
+                    },
                 };
                 self.finish(reason);
             }
@@ -117,25 +129,32 @@ impl Session {
     fn on_acked(&mut self, e: Entry) {
         let stream = e.stream();
         match e {
-            Entry::Data { stream, offset, len, fin } => {
+            Entry::Data {
+                stream,
+                offset,
+                len,
+                fin,
+            } => {
                 if let Some(s) = self.streams.get_mut(&stream) {
                     let before = s.send_buf.len();
                     s.ack_to(offset + u64::from(len));
                     self.send_buffered -= (before - s.send_buf.len()) as u64;
                     if s.write_blocked && s.reset.is_none() {
                         s.write_blocked = false;
-                        self.events.push_back(Event::StreamWritable { stream: StreamId(stream) });
+                        self.events.push_back(Event::StreamWritable {
+                            stream: StreamId(stream),
+                        });
                     }
                     if fin && s.reset.is_none() {
                         s.fin_acked = true;
-                        self.events.push_back(Event::StreamSendComplete { stream: StreamId(stream) });
+                        self.events.push_back(Event::StreamSendComplete {
+                            stream: StreamId(stream),
+                        });
                     }
                 }
             }
-            Entry::Close { code, .. } => {
-                if self.state == State::Closing {
-                    self.mark_closing_done(code);
-                }
+            Entry::Close { code, .. } if self.state == State::Closing => {
+                self.mark_closing_done(code)
             }
             _ => {}
         }
@@ -151,7 +170,9 @@ impl Session {
         match f {
             Frame::Open { stream, meta } => {
                 if self.is_local_stream(stream) || stream < self.next_peer_stream {
-                    return Err(Error::ProtocolViolation("OPEN with a stream id out of sequence"));
+                    return Err(Error::ProtocolViolation(
+                        "OPEN with a stream id out of sequence",
+                    ));
                 }
                 if self.peer_streams_opened >= self.peer_stream_limit {
                     return Err(Error::ProtocolViolation("peer exceeded its stream limit"));
@@ -159,13 +180,25 @@ impl Session {
                 self.next_peer_stream = stream + 2;
                 self.peer_streams_opened += 1;
                 let p = self.peer_params_or_default();
-                self.streams.insert(stream, Stream::new(meta.to_vec(), p.stream_window, self.config.stream_window));
-                self.events.push_back(Event::StreamOpened { stream: StreamId(stream) });
+                self.streams.insert(
+                    stream,
+                    Stream::new(meta.to_vec(), p.stream_window, self.config.stream_window),
+                );
+                self.events.push_back(Event::StreamOpened {
+                    stream: StreamId(stream),
+                });
             }
-            Frame::Data { stream, offset, fin, data } => self.on_data(stream, offset, fin, data)?,
+            Frame::Data {
+                stream,
+                offset,
+                fin,
+                data,
+            } => self.on_data(stream, offset, fin, data)?,
             Frame::Reset { stream, code } => {
                 self.check_known(stream)?;
-                let Some(s) = self.streams.get_mut(&stream) else { return Ok(()) };
+                let Some(s) = self.streams.get_mut(&stream) else {
+                    return Ok(());
+                };
                 if s.reset.is_some() {
                     return Ok(());
                 }
@@ -177,7 +210,10 @@ impl Session {
                 s.recv_buf = Default::default();
                 self.send_buffered -= unsent;
                 self.consume(released);
-                self.events.push_back(Event::StreamReset { stream: StreamId(stream), code });
+                self.events.push_back(Event::StreamReset {
+                    stream: StreamId(stream),
+                    code,
+                });
                 self.maybe_forget(stream);
             }
             Frame::MaxStreamData { stream, max } => {
@@ -194,10 +230,15 @@ impl Session {
                 self.finish(CloseReason::Peer { code, reason });
             }
             Frame::Addresses { .. } | Frame::MoveTo { .. } if self.role == Role::Server => {
-                return Err(Error::ProtocolViolation("ADDRESSES/MOVE_TO sent by a client"));
+                return Err(Error::ProtocolViolation(
+                    "ADDRESSES/MOVE_TO sent by a client",
+                ));
             }
             Frame::Addresses { addrs } => {
-                let addrs = addrs.iter().map(|a| String::from_utf8_lossy(a).into_owned()).collect();
+                let addrs = addrs
+                    .iter()
+                    .map(|a| String::from_utf8_lossy(a).into_owned())
+                    .collect();
                 self.events.push_back(Event::AddressesUpdated { addrs });
             }
             Frame::MoveTo { addr } => {
@@ -215,7 +256,11 @@ impl Session {
 
     /// Frames may name streams that were closed and forgotten, never ones not yet opened.
     fn check_known(&self, stream: u64) -> Result<(), Error> {
-        let next = if self.is_local_stream(stream) { self.next_local_stream } else { self.next_peer_stream };
+        let next = if self.is_local_stream(stream) {
+            self.next_local_stream
+        } else {
+            self.next_peer_stream
+        };
         if stream >= next {
             return Err(Error::ProtocolViolation("frame for a stream never opened"));
         }
@@ -255,7 +300,9 @@ impl Session {
             s.fin_received = true;
         }
         if (was_empty && len > 0) || fin {
-            self.events.push_back(Event::StreamReadable { stream: StreamId(stream) });
+            self.events.push_back(Event::StreamReadable {
+                stream: StreamId(stream),
+            });
         }
         Ok(())
     }

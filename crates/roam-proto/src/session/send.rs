@@ -54,7 +54,10 @@ impl Session {
             t.last_send = now;
         }
         if t.retire {
-            self.events.push_back(Event::TransportClosed { transport: id, error: None });
+            self.events.push_back(Event::TransportClosed {
+                transport: id,
+                error: None,
+            });
         } else {
             self.active = Some(t);
         }
@@ -80,7 +83,10 @@ impl Session {
                     substantive = true;
                 }
                 if self.recv_seq > self.ack_sent {
-                    Frame::Ack { received: self.recv_seq }.encode(out);
+                    Frame::Ack {
+                        received: self.recv_seq,
+                    }
+                    .encode(out);
                     self.ack_sent = self.recv_seq;
                     substantive = true;
                 }
@@ -107,7 +113,11 @@ impl Session {
                 substantive = true;
             }
             if !t.sync_sent {
-                Frame::Sync { received: self.recv_seq, next: self.send_cursor }.encode(out);
+                Frame::Sync {
+                    received: self.recv_seq,
+                    next: self.send_cursor,
+                }
+                .encode(out);
                 self.ack_sent = self.recv_seq;
                 self.ack_deadline = None;
                 self.ack_now = false;
@@ -116,7 +126,10 @@ impl Session {
             }
             let ack_written = self.recv_seq > self.ack_sent;
             if ack_written {
-                Frame::Ack { received: self.recv_seq }.encode(out);
+                Frame::Ack {
+                    received: self.recv_seq,
+                }
+                .encode(out);
             }
             if let Some(token) = self.pong_due.take() {
                 Frame::Pong { token }.encode(out);
@@ -124,7 +137,10 @@ impl Session {
             }
             if now >= t.last_send + self.config.heartbeat_interval {
                 self.ping_token += 1;
-                Frame::Ping { token: self.ping_token }.encode(out);
+                Frame::Ping {
+                    token: self.ping_token,
+                }
+                .encode(out);
                 self.ping_outstanding = Some((self.ping_token, now));
                 substantive = true;
             }
@@ -189,26 +205,50 @@ impl Session {
     fn encode_entry(&self, idx: usize, out: &mut Vec<u8>) -> u64 {
         let meta = |id: &u64| self.streams.get(id).map_or(&[][..], |s| s.meta.as_slice());
         match &self.log[idx] {
-            Entry::Open(id) => Frame::Open { stream: *id, meta: meta(id) }.encode(out),
-            Entry::Data { stream, offset, len, fin } => {
+            Entry::Open(id) => Frame::Open {
+                stream: *id,
+                meta: meta(id),
+            }
+            .encode(out),
+            Entry::Data {
+                stream,
+                offset,
+                len,
+                fin,
+            } => {
                 encode_data_header(out, *stream, *offset, *len as usize, *fin);
                 if let Some(s) = self.streams.get(stream) {
                     s.copy_out(*offset, *len as usize, out);
                 }
                 return u64::from(*len);
             }
-            Entry::Reset { stream, code } => Frame::Reset { stream: *stream, code: *code }.encode(out),
+            Entry::Reset { stream, code } => Frame::Reset {
+                stream: *stream,
+                code: *code,
+            }
+            .encode(out),
             Entry::MaxStreamData { stream, max } => {
-                Frame::MaxStreamData { stream: *stream, max: *max }.encode(out);
+                Frame::MaxStreamData {
+                    stream: *stream,
+                    max: *max,
+                }
+                .encode(out);
             }
             Entry::MaxData(max) => Frame::MaxData { max: *max }.encode(out),
             Entry::MaxStreams(max) => Frame::MaxStreams { max: *max }.encode(out),
-            Entry::Close { code, reason } => Frame::Close { code: *code, reason }.encode(out),
+            Entry::Close { code, reason } => Frame::Close {
+                code: *code,
+                reason,
+            }
+            .encode(out),
             Entry::Addresses(addrs) => {
                 let addrs = addrs.iter().map(|a| a.as_bytes()).collect();
                 Frame::Addresses { addrs }.encode(out);
             }
-            Entry::MoveTo(addr) => Frame::MoveTo { addr: addr.as_bytes() }.encode(out),
+            Entry::MoveTo(addr) => Frame::MoveTo {
+                addr: addr.as_bytes(),
+            }
+            .encode(out),
         }
         0
     }
@@ -234,7 +274,10 @@ impl Session {
             let avail = s.written() - s.sent;
             let stream_credit = s.send_max.saturating_sub(s.sent);
             let max_payload = room - data_header_len(id, s.sent, room);
-            let len = avail.min(stream_credit).min(conn_credit).min(max_payload as u64) as usize;
+            let len = avail
+                .min(stream_credit)
+                .min(conn_credit)
+                .min(max_payload as u64) as usize;
             let fin = s.fin_requested && s.sent + len as u64 == s.written();
             if len == 0 && !fin {
                 if conn_credit == 0 && stream_credit > 0 {
@@ -256,7 +299,12 @@ impl Session {
             let again = s.wants_send();
             self.conn_sent += len as u64;
             self.stats.bytes_sent += len as u64;
-            self.log.push_back(Entry::Data { stream: id, offset, len: len as u32, fin });
+            self.log.push_back(Entry::Data {
+                stream: id,
+                offset,
+                len: len as u32,
+                fin,
+            });
             self.send_cursor += 1;
             self.high_sent = self.send_cursor.max(self.high_sent);
             self.high_sent_changed = true;

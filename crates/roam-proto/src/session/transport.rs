@@ -13,10 +13,11 @@ use crate::record::next_record;
 use crate::Error;
 
 pub(super) enum Phase {
-    ClientNew(ClientNewSent),
-    ClientResume(ClientResumeSent),
-    ServerNew(ServerNewSent),
-    Open(Established),
+    // Boxed: Noise handshake states are large and short-lived.
+    ClientNew(Box<ClientNewSent>),
+    ClientResume(Box<ClientResumeSent>),
+    ServerNew(Box<ServerNewSent>),
+    Open(Box<Established>),
     /// Transient while a phase is being advanced.
     Taken,
 }
@@ -47,7 +48,12 @@ pub(super) struct Transport {
 }
 
 impl Transport {
-    pub(super) fn new(id: TransportId, now: Instant, peer: Option<SocketAddr>, phase: Phase) -> Self {
+    pub(super) fn new(
+        id: TransportId,
+        now: Instant,
+        peer: Option<SocketAddr>,
+        phase: Phase,
+    ) -> Self {
         Self {
             id,
             peer,
@@ -76,7 +82,12 @@ impl Session {
     /// Bytes received on transport `id`. An `Err` means that transport is dead
     /// (the session suspends or, for fatal errors, closes; events say which);
     /// the caller closes it. Bytes for an unknown or retired transport are ignored.
-    pub fn handle_input(&mut self, now: Instant, id: TransportId, data: &[u8]) -> Result<(), Error> {
+    pub fn handle_input(
+        &mut self,
+        now: Instant,
+        id: TransportId,
+        data: &[u8],
+    ) -> Result<(), Error> {
         let from_pending = self.pending.as_ref().is_some_and(|p| p.id == id);
         let slot = if from_pending {
             self.pending.take()
@@ -105,7 +116,10 @@ impl Session {
                 if was_pending && !t.pending_resume {
                     // The client proved it is live: this transport takes over.
                     if let Some(old) = self.active.take() {
-                        self.events.push_back(Event::TransportClosed { transport: old.id, error: None });
+                        self.events.push_back(Event::TransportClosed {
+                            transport: old.id,
+                            error: None,
+                        });
                     }
                     self.active = Some(t);
                 } else if t.pending_resume {
@@ -126,11 +140,17 @@ impl Session {
         let fatal = self.is_fatal(&e, &t);
         if fatal {
             if let Some(old) = self.active.replace(t) {
-                self.events.push_back(Event::TransportClosed { transport: old.id, error: None });
+                self.events.push_back(Event::TransportClosed {
+                    transport: old.id,
+                    error: None,
+                });
             }
             self.finish(CloseReason::Error(e));
         } else if was_pending {
-            self.events.push_back(Event::TransportClosed { transport: t.id, error: Some(e) });
+            self.events.push_back(Event::TransportClosed {
+                transport: t.id,
+                error: Some(e),
+            });
         } else {
             self.active = Some(t);
             self.lose_active(now, SuspendReason::TransportError(e));
@@ -164,7 +184,7 @@ impl Session {
                     let params = self.config.params();
                     match hs.read_reply(&t.inbuf[pos..], &params, &mut t.out)? {
                         Err(hs) => {
-                            t.phase = Phase::ClientNew(hs);
+                            t.phase = Phase::ClientNew(Box::new(hs));
                             break;
                         }
                         Ok(done) => {
@@ -179,7 +199,7 @@ impl Session {
                             }
                             self.peer_key = Some(done.server_key);
                             self.set_peer_params(done.server_params);
-                            t.phase = Phase::Open(done.keys);
+                            t.phase = Phase::Open(Box::new(done.keys));
                             t.may_send = true;
                             self.peer_addr = t.peer;
                         }
@@ -187,12 +207,12 @@ impl Session {
                 }
                 Phase::ClientResume(hs) => match hs.read_reply(&t.inbuf[pos..])? {
                     Err(hs) => {
-                        t.phase = Phase::ClientResume(hs);
+                        t.phase = Phase::ClientResume(Box::new(hs));
                         break;
                     }
                     Ok((keys, server_received, used)) => {
                         pos += used;
-                        t.phase = Phase::Open(keys);
+                        t.phase = Phase::Open(Box::new(keys));
                         t.may_send = true;
                         self.on_ack(server_received, true)?;
                         self.send_cursor = server_received;
@@ -201,16 +221,18 @@ impl Session {
                 },
                 Phase::ServerNew(hs) => match hs.read_msg3(&t.inbuf[pos..])? {
                     Err(hs) => {
-                        t.phase = Phase::ServerNew(hs);
+                        t.phase = Phase::ServerNew(Box::new(hs));
                         break;
                     }
                     Ok((keys, client_key, params, used)) => {
                         pos += used;
-                        t.phase = Phase::Open(keys);
+                        t.phase = Phase::Open(Box::new(keys));
                         self.peer_key = Some(client_key);
                         self.set_peer_params(params);
-                        let allowed =
-                            self.authorized.as_ref().is_none_or(|keys| keys.contains(&client_key));
+                        let allowed = self
+                            .authorized
+                            .as_ref()
+                            .is_none_or(|keys| keys.contains(&client_key));
                         t.may_send = true;
                         if !allowed {
                             self.refuse_unauthorized(t)?;
@@ -223,7 +245,10 @@ impl Session {
                             self.log.push_back(super::Entry::Addresses(addrs));
                         }
                         if let (Some(session_id), Some(peer_key)) = (self.id, self.peer_key) {
-                            self.events.push_back(Event::Connected { session_id, peer_key });
+                            self.events.push_back(Event::Connected {
+                                session_id,
+                                peer_key,
+                            });
                         }
                     }
                 },
@@ -276,8 +301,11 @@ impl Session {
     fn refuse_unauthorized(&mut self, t: &mut Transport) -> Result<(), Error> {
         if let Phase::Open(keys) = &mut t.phase {
             let start = crate::record::RecordCipher::begin(&mut t.out);
-            Frame::Close { code: crate::error::code::UNAUTHORIZED, reason: b"client key not authorized" }
-                .encode(&mut t.out);
+            Frame::Close {
+                code: crate::error::code::UNAUTHORIZED,
+                reason: b"client key not authorized",
+            }
+            .encode(&mut t.out);
             keys.tx.seal(&mut t.out, start)?;
         }
         // Keep the transport (it still has the CLOSE to flush) but end the session.
@@ -296,7 +324,10 @@ impl Session {
         let (mut frames, mut bytes) = (0u64, 0u64);
         let from = self.send_cursor.saturating_sub(self.log_base) as usize;
         let to = self.high_sent.saturating_sub(self.log_base) as usize;
-        for e in self.log.range(from.min(self.log.len())..to.min(self.log.len())) {
+        for e in self
+            .log
+            .range(from.min(self.log.len())..to.min(self.log.len()))
+        {
             frames += 1;
             if let super::Entry::Data { len, .. } = e {
                 bytes += u64::from(*len);
@@ -309,10 +340,11 @@ impl Session {
             bytes_replayed: bytes,
         });
         if peer != self.peer_addr {
-            self.events.push_back(Event::PeerAddressChanged { from: self.peer_addr, to: peer });
+            self.events.push_back(Event::PeerAddressChanged {
+                from: self.peer_addr,
+                to: peer,
+            });
             self.peer_addr = peer;
         }
     }
 }
-
-
