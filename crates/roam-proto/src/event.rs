@@ -98,6 +98,12 @@ pub enum Event {
         /// Which stream.
         stream: StreamId,
     },
+    /// The peer finished its direction of the stream (FIN received); reading
+    /// reaches end-of-stream after the bytes still buffered.
+    StreamFinished {
+        /// Which stream.
+        stream: StreamId,
+    },
     /// A write that was refused for lack of buffer can be retried.
     StreamWritable {
         /// Which stream.

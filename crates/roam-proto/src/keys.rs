@@ -131,7 +131,7 @@ fn write_hex(f: &mut fmt::Formatter<'_>, bytes: &[u8]) -> fmt::Result {
 
 fn parse_hex<const N: usize>(s: &str) -> Result<[u8; N], KeyParseError> {
     let err = KeyParseError { expected_bytes: N };
-    if s.len() != N * 2 || !s.is_ascii() {
+    if s.len() != N * 2 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
         return Err(err);
     }
     let mut out = [0u8; N];
@@ -153,6 +153,7 @@ mod tests {
         assert_eq!(text.parse::<PublicKey>().unwrap(), kp.public());
         assert!("abc".parse::<PublicKey>().is_err());
         assert!("zz".repeat(32).parse::<PublicKey>().is_err());
+        assert!(format!("+{}", &text[1..]).parse::<PublicKey>().is_err());
     }
 
     #[test]

@@ -145,11 +145,21 @@ fn run_spawn_and_cleanup_kills_processes() {
     // Names for programs in the namespace, changeable while they run.
     let srv = std::net::IpAddr::V4(pair.server_addr());
     pair.set_hosts(Side::Client, &[("relay", srv)]).unwrap();
-    let out = pair.run_in(Side::Client, Command::new("getent").args(["hosts", "relay"])).unwrap();
+    let out = pair
+        .run_in(
+            Side::Client,
+            Command::new("getent").args(["hosts", "relay"]),
+        )
+        .unwrap();
     assert!(String::from_utf8_lossy(&out.stdout).contains(&srv.to_string()));
     let moved = std::net::IpAddr::V4(pair.subnet_addr(99));
     pair.set_hosts(Side::Client, &[("relay", moved)]).unwrap();
-    let out = pair.run_in(Side::Client, Command::new("getent").args(["hosts", "relay"])).unwrap();
+    let out = pair
+        .run_in(
+            Side::Client,
+            Command::new("getent").args(["hosts", "relay"]),
+        )
+        .unwrap();
     assert!(String::from_utf8_lossy(&out.stdout).contains(&moved.to_string()));
     let hosts_dir = format!("/etc/netns/{}", pair.ns(Side::Client));
 
@@ -180,7 +190,10 @@ fn run_spawn_and_cleanup_kills_processes() {
     let st = sleeper.wait().unwrap();
     assert!(!st.success(), "sleep should have been killed");
     assert!(ours("procs").is_empty());
-    assert!(!std::path::Path::new(&hosts_dir).exists(), "{hosts_dir} left behind");
+    assert!(
+        !std::path::Path::new(&hosts_dir).exists(),
+        "{hosts_dir} left behind"
+    );
 }
 
 #[test]

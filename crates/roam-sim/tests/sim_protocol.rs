@@ -111,6 +111,10 @@ fn half_close_in_both_directions() {
         .chunks(1000)
         .enumerate()
         .all(|(i, c)| c.iter().all(|b| *b == i as u8)));
+    assert!(sim
+        .server_events
+        .iter()
+        .any(|e| matches!(e, Event::StreamFinished { stream } if *stream == id)));
     let complete = |evs: &[Event]| {
         evs.iter()
             .any(|e| matches!(e, Event::StreamSendComplete { stream } if *stream == id))

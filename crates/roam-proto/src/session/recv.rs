@@ -304,6 +304,11 @@ impl Session {
                 stream: StreamId(stream),
             });
         }
+        if fin {
+            self.events.push_back(Event::StreamFinished {
+                stream: StreamId(stream),
+            });
+        }
         Ok(())
     }
 }
