@@ -242,6 +242,8 @@ impl World {
     /// Delivers up to `max` queued bytes (all if `max` is 0) to `to`; an empty
     /// pipe whose sender closed delivers EOF. Returns whether anything happened.
     fn deliver(&mut self, to: Side, max: usize) -> bool {
+        // Application calls since the last step may have left output to poll.
+        self.settle();
         let pipe = match to {
             Side::Client => &mut self.link.to_client,
             Side::Server => &mut self.link.to_server,
@@ -582,7 +584,9 @@ impl World {
         }
     }
 
+    /// The link towards `to`, with everything the sessions have to send on it.
     fn pipe(&mut self, to: Side) -> &mut Pipe {
+        self.settle();
         match to {
             Side::Client => &mut self.link.to_client,
             Side::Server => &mut self.link.to_server,

@@ -55,6 +55,9 @@ pub(crate) struct Stream {
 
     /// Reset by either side, with the code; both directions are over.
     pub(crate) reset: Option<u64>,
+    /// The application knows of the reset (it reset the stream, or a call
+    /// returned `Reset`), so the stream may be forgotten.
+    pub(crate) reset_seen: bool,
 }
 
 impl Stream {
@@ -77,6 +80,7 @@ impl Stream {
             fin_received: false,
             eof_delivered: false,
             reset: None,
+            reset_seen: false,
         }
     }
 
@@ -118,7 +122,7 @@ impl Stream {
     pub(crate) fn is_done(&self) -> bool {
         self.in_log == 0
             && match self.reset {
-                Some(_) => true,
+                Some(_) => self.reset_seen,
                 None => self.fin_acked && self.eof_delivered,
             }
     }

@@ -627,6 +627,36 @@ impl Sim {
         }
     }
 
+    /// The server process "restarts": its session is exported to bytes, every
+    /// server-side connection dies with the process, and a fresh session is
+    /// restored from the bytes after `offline`. Returns the blob's size.
+    pub fn restart_server(&mut self, offline: Duration) -> Result<usize, String> {
+        let Some(old) = self.server.take() else {
+            return Err("no server session".into());
+        };
+        let blob = old.export(self.now).map_err(|e| e.to_string())?;
+        drop(old);
+        for c in &mut self.conns {
+            if !matches!(c.server, ServerEnd::Closed) {
+                c.server = ServerEnd::Closed;
+                c.c2s.clear();
+                if !c.blackholed {
+                    c.reset_at = Some((Some(self.now + c.delay), None));
+                }
+            }
+        }
+        self.now += offline;
+        let restored = Session::restore_server(&self.server_cfg, self.now, &blob, offline)
+            .map_err(|e| e.to_string())?;
+        self.server = Some(restored);
+        Ok(blob.len())
+    }
+
+    /// The server configuration (for restoring exported sessions in tests).
+    pub fn server_config(&self) -> &ServerConfig {
+        &self.server_cfg
+    }
+
     /// Number of simulated connections still tracked.
     pub fn conn_count(&self) -> usize {
         self.conns.len()

@@ -499,3 +499,63 @@ fn first_connect_failure_is_a_clear_error() {
     );
     assert!(sim.client.poll_timeout().is_none());
 }
+
+#[test]
+fn peer_reset_is_reported_to_the_reader() {
+    let mut sim = connected(seed_from_env(24));
+    let id = sim.client.open_stream(b"doomed").expect("open");
+    sim.client.write(id, b"some bytes").expect("write");
+    sim.run_for(Duration::from_millis(200));
+    sim.server
+        .as_mut()
+        .expect("server")
+        .reset_stream(id, 0x101)
+        .expect("reset");
+    sim.run_for(Duration::from_millis(200));
+    assert!(sim
+        .client_events
+        .iter()
+        .any(|e| matches!(e, Event::StreamReset { stream, code: 0x101 } if *stream == id)));
+    let mut buf = [0u8; 16];
+    assert_eq!(
+        sim.client.read(id, &mut buf),
+        Err(roam_proto::StreamError::Reset(0x101))
+    );
+    // Once reported, the stream is gone.
+    assert_eq!(
+        sim.client.read(id, &mut buf),
+        Err(roam_proto::StreamError::UnknownStream)
+    );
+}
+
+#[test]
+fn writer_blocked_by_the_session_buffer_is_woken() {
+    let seed = seed_from_env(25);
+    let mut cfg = SimConfig::new(seed);
+    cfg.session = Config {
+        stream_send_buffer: 1 << 20,
+        session_send_buffer: 1 << 20,
+        ..Config::default()
+    };
+    let mut sim = Sim::new(cfg);
+    sim.dial();
+    let t = sim.now + Duration::from_secs(5);
+    assert!(sim.run_until(t, |s| s.client.state() == State::Active));
+    let a = sim.client.open_stream(b"a").expect("open");
+    let b = sim.client.open_stream(b"b").expect("open");
+    let big = vec![7u8; 1 << 20];
+    assert_eq!(sim.client.write(a, &big).expect("write"), 1 << 20);
+    assert_eq!(
+        sim.client.write(b, b"x").expect("write"),
+        0,
+        "session buffer full"
+    );
+    let t = sim.now + Duration::from_secs(10);
+    let woke = sim.run_until(t, |s| {
+        s.client_events
+            .iter()
+            .any(|e| matches!(e, Event::StreamWritable { stream } if *stream == b))
+    });
+    assert!(woke, "seed {seed}: stream b never became writable");
+    assert_eq!(sim.client.write(b, b"x").expect("write"), 1);
+}

@@ -19,8 +19,16 @@ use crate::{ClientConfig, Error};
 pub async fn connect(addr: &str, config: ClientConfig) -> Result<SessionHandle, Error> {
     let (sock, peer) = tokio::time::timeout(config.connect_timeout, dial(addr))
         .await
-        .unwrap_or_else(|_| Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out")))
-        .map_err(|source| Error::Unreachable { addr: addr.to_string(), source })?;
+        .unwrap_or_else(|_| {
+            Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "connect timed out",
+            ))
+        })
+        .map_err(|source| Error::Unreachable {
+            addr: addr.to_string(),
+            source,
+        })?;
     crate::sockopt::configure(&sock, config.proto.session.suspend_after * 2);
 
     let mut session = Session::client(config.proto.clone());
@@ -28,13 +36,19 @@ pub async fn connect(addr: &str, config: ClientConfig) -> Result<SessionHandle, 
     let inner = Inner::new(session);
     let mut events = inner.events.subscribe();
     let handle = SessionHandle::new(inner.clone());
-    let driver = Driver::new(inner, Conn::new(tid, sock, peer, None), Kind::Client(Box::new(Dialer::new(addr.to_string(), config))));
+    let driver = Driver::new(
+        inner,
+        Conn::new(tid, sock, peer, None),
+        Kind::Client(Box::new(Dialer::new(addr.to_string(), config))),
+    );
     tokio::spawn(driver.run());
 
     loop {
         match events.recv().await {
             Ok(SessionEvent::Connected { .. }) => return Ok(handle),
-            Ok(SessionEvent::Closed { reason: roam_proto::CloseReason::Error(e) }) => return Err(Error::Protocol(e)),
+            Ok(SessionEvent::Closed {
+                reason: roam_proto::CloseReason::Error(e),
+            }) => return Err(Error::Protocol(e)),
             Ok(SessionEvent::Closed { reason }) => return Err(Error::Closed(reason)),
             Ok(_) => {}
             Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
@@ -43,7 +57,9 @@ pub async fn connect(addr: &str, config: ClientConfig) -> Result<SessionHandle, 
                 }
             }
             Err(tokio::sync::broadcast::error::RecvError::Closed) => {
-                return Err(Error::Closed(roam_proto::CloseReason::Error(roam_proto::Error::HandshakeFailed)))
+                return Err(Error::Closed(roam_proto::CloseReason::Error(
+                    roam_proto::Error::HandshakeFailed,
+                )))
             }
         }
     }

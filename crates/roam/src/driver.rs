@@ -91,7 +91,9 @@ fn poll_conns(conns: &mut [Conn], cx: &mut Context<'_>) -> Poll<Io> {
     for (i, c) in conns.iter_mut().enumerate() {
         while c.pos < c.out.len() {
             match Pin::new(&mut c.sock).poll_write(cx, &c.out[c.pos..]) {
-                Poll::Ready(Ok(0)) => return Poll::Ready(Io::Failed(i, io::ErrorKind::WriteZero.into())),
+                Poll::Ready(Ok(0)) => {
+                    return Poll::Ready(Io::Failed(i, io::ErrorKind::WriteZero.into()))
+                }
                 Poll::Ready(Ok(n)) => {
                     c.pos += n;
                     wrote = true;
@@ -123,7 +125,8 @@ fn poll_conns(conns: &mut [Conn], cx: &mut Context<'_>) -> Poll<Io> {
     }
 }
 
-type DialFuture = Pin<Box<dyn std::future::Future<Output = io::Result<(TcpStream, SocketAddr)>> + Send>>;
+type DialFuture =
+    Pin<Box<dyn std::future::Future<Output = io::Result<(TcpStream, SocketAddr)>> + Send>>;
 
 /// Client side: where and when to re-dial.
 pub(crate) struct Dialer {
@@ -141,8 +144,20 @@ pub(crate) struct Dialer {
 
 impl Dialer {
     pub(crate) fn new(addr: String, config: crate::ClientConfig) -> Self {
-        let net = if config.watch_network { NetworkChanges::subscribe() } else { None };
-        Self { addr, config, attempt: 0, redial_at: None, force: false, dial: None, net }
+        let net = if config.watch_network {
+            NetworkChanges::subscribe()
+        } else {
+            None
+        };
+        Self {
+            addr,
+            config,
+            attempt: 0,
+            redial_at: None,
+            force: false,
+            dial: None,
+            net,
+        }
     }
 
     /// Delay before attempt number `self.attempt`: none for the first, then
@@ -153,7 +168,11 @@ impl Dialer {
             return Duration::ZERO;
         }
         let exp = (self.attempt - 1).min(16);
-        let d = self.config.backoff_initial.saturating_mul(1 << exp).min(self.config.backoff_max);
+        let d = self
+            .config
+            .backoff_initial
+            .saturating_mul(1 << exp)
+            .min(self.config.backoff_max);
         let half = d / 2;
         half + rand::thread_rng().gen_range(Duration::ZERO..=d - half)
     }
@@ -179,13 +198,19 @@ pub(crate) async fn dial(addr: &str) -> io::Result<(TcpStream, SocketAddr)> {
             Err(e) => last = Some(e),
         }
     }
-    Err(last.unwrap_or_else(|| io::Error::new(io::ErrorKind::NotFound, "name resolved to no addresses")))
+    Err(last.unwrap_or_else(|| {
+        io::Error::new(io::ErrorKind::NotFound, "name resolved to no addresses")
+    }))
 }
 
 /// The local address the kernel would use now to reach `peer` (a UDP
 /// `connect` picks a route without sending anything).
 fn route_source(peer: SocketAddr) -> Option<std::net::IpAddr> {
-    let any: SocketAddr = if peer.is_ipv4() { ([0, 0, 0, 0], 0).into() } else { ([0u16; 8], 0).into() };
+    let any: SocketAddr = if peer.is_ipv4() {
+        ([0, 0, 0, 0], 0).into()
+    } else {
+        ([0u16; 8], 0).into()
+    };
     let s = std::net::UdpSocket::bind(any).ok()?;
     s.connect(peer).ok()?;
     s.local_addr().ok().map(|a| a.ip())
@@ -315,7 +340,8 @@ impl Driver {
             && sh.session.state() == State::Handshaking
             && sh.session.active_transport().is_none()
         {
-            sh.session.close(roam_proto::code::NO_ERROR, "handshake not completed");
+            sh.session
+                .close(roam_proto::code::NO_ERROR, "handshake not completed");
         }
         self.transmit(&mut sh, std_now);
         let mut new_session = None;
@@ -336,14 +362,23 @@ impl Driver {
             let need = sh.closed.is_none()
                 && sh.session.active_transport().is_none()
                 && sh.session.state() != State::Handshaking;
-            if need && d.dial.is_none() && d.redial_at.is_none() {
+            if std::mem::take(&mut sh.redial_requested) && need {
+                d.attempt = 0;
+                d.dial = None;
+                d.redial_at = None;
+                d.force = true;
+            }
+            if need && !d.force && d.dial.is_none() && d.redial_at.is_none() {
                 let delay = d.backoff();
                 d.attempt += 1;
                 d.redial_at = Some(now + delay);
                 if delay > Duration::ZERO {
                     tracing::debug!("re-dialing {} in {delay:?} (attempt {})", d.addr, d.attempt);
                 }
-                let _ = inner.events.send(SessionEvent::Redialing { attempt: d.attempt, delay });
+                let _ = inner.events.send(SessionEvent::Redialing {
+                    attempt: d.attempt,
+                    delay,
+                });
             }
             if !need {
                 d.redial_at = None;
@@ -363,7 +398,8 @@ impl Driver {
                 c.retire_by.get_or_insert(now + RETIRE_LINGER);
             }
         }
-        self.conns.retain(|c| !c.retire_by.is_some_and(|t| c.unwritten() == 0 || t <= now));
+        self.conns
+            .retain(|c| !c.retire_by.is_some_and(|t| c.unwritten() == 0 || t <= now));
 
         let give_up = self.give_up_at.is_some_and(|t| t <= now);
         let done = (sh.closed.is_some() && self.conns.is_empty()) || give_up;
@@ -424,7 +460,9 @@ impl Driver {
                 break;
             }
             self.scratch.clear();
-            let Some(tid) = sh.session.poll_transmit(now, &mut self.scratch) else { break };
+            let Some(tid) = sh.session.poll_transmit(now, &mut self.scratch) else {
+                break;
+            };
             match self.conns.iter_mut().find(|c| c.tid == tid) {
                 Some(c) if c.out.is_empty() => std::mem::swap(&mut c.out, &mut self.scratch),
                 Some(c) => c.out.extend_from_slice(&self.scratch),
@@ -438,10 +476,16 @@ impl Driver {
         let events = &self.inner.events;
         let role = sh.session.role();
         match ev {
-            Event::Connected { session_id, peer_key } => {
+            Event::Connected {
+                session_id,
+                peer_key,
+            } => {
                 sh.connected = true;
                 tracing::debug!("session {session_id} connected, peer key {peer_key}");
-                let _ = events.send(SessionEvent::Connected { session_id, peer_key });
+                let _ = events.send(SessionEvent::Connected {
+                    session_id,
+                    peer_key,
+                });
                 if role == Role::Server {
                     return Some(SessionHandle::new(self.inner.clone()));
                 }
@@ -450,7 +494,11 @@ impl Driver {
                 tracing::info!("session {} suspended: {reason:?}", id_text(sh));
                 let _ = events.send(SessionEvent::Suspended { reason });
             }
-            Event::Resumed { suspended_for, frames_replayed, bytes_replayed } => {
+            Event::Resumed {
+                suspended_for,
+                frames_replayed,
+                bytes_replayed,
+            } => {
                 tracing::info!(
                     "session {} resumed after {suspended_for:?}, replaying {bytes_replayed} bytes",
                     id_text(sh)
@@ -458,10 +506,17 @@ impl Driver {
                 if let Kind::Client(d) = &mut self.kind {
                     d.attempt = 0;
                 }
-                let _ = events.send(SessionEvent::Resumed { suspended_for, bytes_replayed, frames_replayed });
+                let _ = events.send(SessionEvent::Resumed {
+                    suspended_for,
+                    bytes_replayed,
+                    frames_replayed,
+                });
             }
             Event::PeerAddressChanged { from, to } => {
-                tracing::info!("session {}: peer moved from {from:?} to {to:?}", id_text(sh));
+                tracing::info!(
+                    "session {}: peer moved from {from:?} to {to:?}",
+                    id_text(sh)
+                );
                 let _ = events.send(SessionEvent::PeerAddressChanged { from, to });
             }
             Event::TransportClosed { transport, error } => {
@@ -498,7 +553,9 @@ impl Driver {
             Event::StreamWritable { .. } | Event::StreamSendComplete { .. } => sh.wake_writers(),
             Event::StreamReset { stream, code } => {
                 tracing::debug!("stream {stream} reset by peer (code {code})");
-                sh.orphans.remove(&stream);
+                if !sh.orphans.remove(&stream) {
+                    sh.resets.insert(stream, code);
+                }
                 if let Some(w) = sh.read_wakers.remove(&stream) {
                     w.wake();
                 }
@@ -516,7 +573,11 @@ impl Driver {
                 }
             }
             Event::Closed { reason } => {
-                tracing::info!("session {} closed: {}", id_text(sh), crate::error::describe_close(&reason));
+                tracing::info!(
+                    "session {} closed: {}",
+                    id_text(sh),
+                    crate::error::describe_close(&reason)
+                );
                 sh.closed = Some(reason.clone());
                 sh.wake_all();
                 self.closed_sent = true;
@@ -528,7 +589,14 @@ impl Driver {
     }
 
     async fn wait(&mut self, deadline: Option<Instant>) -> Wake {
-        let Self { inner, conns, kind, shutting_down, handoffs_open, .. } = self;
+        let Self {
+            inner,
+            conns,
+            kind,
+            shutting_down,
+            handoffs_open,
+            ..
+        } = self;
         let sleep = async move {
             match deadline {
                 Some(t) => sleep_until(t).await,
@@ -598,7 +666,9 @@ impl Driver {
             }
             Wake::Io(Io::Wrote) | Wake::Notified | Wake::Timer => {}
             Wake::Dialed(result) => {
-                let Kind::Client(d) = &mut self.kind else { return };
+                let Kind::Client(d) = &mut self.kind else {
+                    return;
+                };
                 d.dial = None;
                 match result {
                     Ok((sock, peer)) => {
@@ -616,7 +686,9 @@ impl Driver {
                 }
             }
             Wake::NetChange(alive) => {
-                let Kind::Client(d) = &mut self.kind else { return };
+                let Kind::Client(d) = &mut self.kind else {
+                    return;
+                };
                 if !alive {
                     d.net = None;
                     return;
@@ -663,7 +735,11 @@ impl Driver {
                         self.conns.push(conn);
                     }
                     Err(e) => {
-                        tracing::info!("refused resume of session {} from {}: {e}", id_text(&sh), h.peer);
+                        tracing::info!(
+                            "refused resume of session {} from {}: {e}",
+                            id_text(&sh),
+                            h.peer
+                        );
                         tokio::spawn(reject(h.sock, h.hello, e));
                     }
                 }
@@ -671,7 +747,10 @@ impl Driver {
             Wake::Shutdown => {
                 self.shutting_down = true;
                 let Kind::Server(s) = &self.kind else { return };
-                inner.lock().session.close(roam_proto::code::NO_ERROR, "server shutting down");
+                inner
+                    .lock()
+                    .session
+                    .close(roam_proto::code::NO_ERROR, "server shutting down");
                 self.give_up_at = Some(now + s.shutdown_grace);
             }
         }
@@ -680,7 +759,9 @@ impl Driver {
     fn exit(mut self) {
         let mut sh = self.inner.lock();
         if sh.closed.is_none() {
-            sh.closed = Some(roam_proto::CloseReason::Local { code: roam_proto::code::NO_ERROR });
+            sh.closed = Some(roam_proto::CloseReason::Local {
+                code: roam_proto::code::NO_ERROR,
+            });
         }
         sh.wake_all();
         if !self.closed_sent {
@@ -697,7 +778,9 @@ impl Driver {
 }
 
 fn id_text(sh: &Shared) -> String {
-    sh.session.id().map_or_else(|| "(new)".to_string(), |id| id.to_string())
+    sh.session
+        .id()
+        .map_or_else(|| "(new)".to_string(), |id| id.to_string())
 }
 
 /// Answers a refused transport with its status and closes it.
@@ -709,4 +792,50 @@ pub(crate) async fn reject(mut sock: TcpStream, hello: Hello, err: roam_proto::E
         let _ = sock.shutdown().await;
     })
     .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dialer() -> Dialer {
+        let proto = roam_proto::ClientConfig {
+            keypair: roam_proto::Keypair::generate().unwrap(),
+            server_trust: roam_proto::ServerTrust::FirstUse,
+            session: Default::default(),
+        };
+        let mut config = crate::ClientConfig::new(proto);
+        config.watch_network = false;
+        Dialer::new("127.0.0.1:1".into(), config)
+    }
+
+    #[test]
+    fn backoff_starts_at_once_doubles_and_caps_with_jitter() {
+        let mut d = dialer();
+        assert_eq!(
+            d.backoff(),
+            Duration::ZERO,
+            "first re-dial goes out at once"
+        );
+        for attempt in 1..40u32 {
+            d.attempt = attempt;
+            let full = Duration::from_millis(100)
+                .saturating_mul(1 << (attempt - 1).min(16))
+                .min(Duration::from_secs(5));
+            for _ in 0..20 {
+                let b = d.backoff();
+                assert!(
+                    b >= full / 2 && b <= full,
+                    "attempt {attempt}: {b:?} outside [{:?}, {full:?}]",
+                    full / 2
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn route_source_finds_loopback() {
+        let src = route_source("127.0.0.1:9".parse().unwrap());
+        assert!(src.is_some_and(|ip| ip.is_loopback()));
+    }
 }

@@ -57,7 +57,9 @@ pub(crate) fn describe_close(reason: &CloseReason) -> String {
         CloseReason::Peer { code, reason } if reason.is_empty() => {
             format!("peer closed the session (code {code})")
         }
-        CloseReason::Peer { code, reason } => format!("peer closed the session (code {code}): {reason}"),
+        CloseReason::Peer { code, reason } => {
+            format!("peer closed the session (code {code}): {reason}")
+        }
         CloseReason::Error(e) => e.to_string(),
         other => format!("session closed: {other:?}"),
     }

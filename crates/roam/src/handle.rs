@@ -8,7 +8,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Poll, Waker};
 use std::time::Duration;
 
-use roam_proto::{CloseReason, PublicKey, Role, Session, SessionId, State, StreamId, SuspendReason};
+use roam_proto::{
+    CloseReason, PublicKey, Role, Session, SessionId, State, StreamId, SuspendReason,
+};
 use tokio::sync::{broadcast, Notify};
 
 use crate::stream::RoamStream;
@@ -117,6 +119,12 @@ pub(crate) struct Shared {
     pub(crate) addresses: Vec<String>,
     /// Every application handle was dropped: close and let the driver finish.
     pub(crate) abandoned: bool,
+    /// Codes of streams the peer reset. The protocol forgets a reset stream
+    /// at once, so later reads would only say "unknown stream"; this keeps
+    /// the code until the stream's handle is dropped.
+    pub(crate) resets: HashMap<StreamId, u64>,
+    /// The application asked for an immediate re-dial.
+    pub(crate) redial_requested: bool,
 }
 
 impl Shared {
@@ -133,6 +141,8 @@ impl Shared {
             connected: false,
             addresses: Vec::new(),
             abandoned: false,
+            redial_requested: false,
+            resets: HashMap::new(),
         }
     }
 
@@ -147,7 +157,11 @@ impl Shared {
         for (_, w) in self.read_wakers.drain() {
             w.wake();
         }
-        for w in self.accept_wakers.drain(..).chain(self.closed_wakers.drain(..)) {
+        for w in self
+            .accept_wakers
+            .drain(..)
+            .chain(self.closed_wakers.drain(..))
+        {
             w.wake();
         }
     }
@@ -164,7 +178,11 @@ pub(crate) struct Inner {
 impl Inner {
     pub(crate) fn new(session: Session) -> Arc<Self> {
         let (events, _) = broadcast::channel(EVENT_CAPACITY);
-        Arc::new(Self { shared: Mutex::new(Shared::new(session)), notify: Notify::new(), events })
+        Arc::new(Self {
+            shared: Mutex::new(Shared::new(session)),
+            notify: Notify::new(),
+            events,
+        })
     }
 
     /// Locks the shared state. A panic while holding the lock leaves the
@@ -192,7 +210,9 @@ impl Inner {
             resumes: st.resumes,
             transports: st.transports,
             streams: s.stream_count(),
-            suspended_for: s.suspended_since().map(|t| now.saturating_duration_since(t)),
+            suspended_for: s
+                .suspended_since()
+                .map(|t| now.saturating_duration_since(t)),
         }
     }
 }
@@ -220,13 +240,17 @@ pub struct SessionHandle {
 
 impl std::fmt::Debug for SessionHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SessionHandle").field("id", &self.guard.0.lock().session.id()).finish()
+        f.debug_struct("SessionHandle")
+            .field("id", &self.guard.0.lock().session.id())
+            .finish()
     }
 }
 
 impl SessionHandle {
     pub(crate) fn new(inner: Arc<Inner>) -> Self {
-        Self { guard: Arc::new(Guard(inner)) }
+        Self {
+            guard: Arc::new(Guard(inner)),
+        }
     }
 
     fn inner(&self) -> &Arc<Inner> {
@@ -264,7 +288,13 @@ impl SessionHandle {
             Poll::Pending
         })
         .await?;
-        let meta = self.inner().lock().session.stream_meta(id).map(<[u8]>::to_vec).unwrap_or_default();
+        let meta = self
+            .inner()
+            .lock()
+            .session
+            .stream_meta(id)
+            .map(<[u8]>::to_vec)
+            .unwrap_or_default();
         Ok((RoamStream::new(self.guard.clone(), id), meta))
     }
 
@@ -293,6 +323,15 @@ impl SessionHandle {
         self.inner().lock().addresses.clone()
     }
 
+    /// Client: if the session is suspended, re-dial at once instead of
+    /// waiting out the backoff — for applications that learn the network is
+    /// back by other means (a resume-from-sleep hook, a VPN coming up).
+    /// Linux link and address changes already do this automatically.
+    pub fn redial_now(&self) {
+        self.inner().lock().redial_requested = true;
+        self.inner().notify.notify_one();
+    }
+
     /// Server: asks the client to resume at `addr` (`host:port`).
     pub fn move_to(&self, addr: String) {
         self.inner().lock().session.move_to(addr);
@@ -316,7 +355,9 @@ impl SessionHandle {
             if let Some(reason) = &sh.closed {
                 return Poll::Ready(reason.clone());
             }
-            sh.closed_wakers.push(cx.waker().clone());
+            if !sh.closed_wakers.iter().any(|w| w.will_wake(cx.waker())) {
+                sh.closed_wakers.push(cx.waker().clone());
+            }
             Poll::Pending
         })
         .await

@@ -54,33 +54,37 @@ fn start() -> Option<watch::Sender<u64>> {
     let socket = match socket {
         Ok(s) => s,
         Err(e) => {
-            tracing::info!("network change notifications unavailable ({e}); re-dialing on backoff only");
+            tracing::info!(
+                "network change notifications unavailable ({e}); re-dialing on backoff only"
+            );
             return None;
         }
     };
     let (tx, _) = watch::channel(0u64);
     let sender = tx.clone();
-    let spawned = std::thread::Builder::new().name("roam-netlink".into()).spawn(move || {
-        let mut failures = 0u32;
-        loop {
-            match socket.recv_from_full() {
-                Ok(_) => {
-                    failures = 0;
-                    sender.send_modify(|n| *n += 1);
-                }
-                Err(e) => {
-                    // ENOBUFS means we missed some messages: still a change.
-                    sender.send_modify(|n| *n += 1);
-                    failures += 1;
-                    if failures > 100 {
-                        tracing::warn!("network change watcher stopped: {e}");
-                        return;
+    let spawned = std::thread::Builder::new()
+        .name("roam-netlink".into())
+        .spawn(move || {
+            let mut failures = 0u32;
+            loop {
+                match socket.recv_from_full() {
+                    Ok(_) => {
+                        failures = 0;
+                        sender.send_modify(|n| *n += 1);
                     }
-                    std::thread::sleep(std::time::Duration::from_millis(100));
+                    Err(e) => {
+                        // ENOBUFS means we missed some messages: still a change.
+                        sender.send_modify(|n| *n += 1);
+                        failures += 1;
+                        if failures > 100 {
+                            tracing::warn!("network change watcher stopped: {e}");
+                            return;
+                        }
+                        std::thread::sleep(std::time::Duration::from_millis(100));
+                    }
                 }
             }
-        }
-    });
+        });
     if let Err(e) = spawned {
         tracing::info!("network change watcher not started ({e}); re-dialing on backoff only");
         return None;

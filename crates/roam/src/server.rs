@@ -105,8 +105,15 @@ where
     result
 }
 
-async fn accept(listener: &TcpListener, limit: &Arc<Semaphore>) -> io::Result<(TcpStream, SocketAddr, OwnedSemaphorePermit)> {
-    let permit = limit.clone().acquire_owned().await.map_err(io::Error::other)?;
+async fn accept(
+    listener: &TcpListener,
+    limit: &Arc<Semaphore>,
+) -> io::Result<(TcpStream, SocketAddr, OwnedSemaphorePermit)> {
+    let permit = limit
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(io::Error::other)?;
     let (sock, peer) = listener.accept().await?;
     Ok((sock, peer, permit))
 }
@@ -114,11 +121,18 @@ async fn accept(listener: &TcpListener, limit: &Arc<Semaphore>) -> io::Result<(T
 /// Accept errors that concern one connection or a passing resource shortage.
 fn is_transient(e: &io::Error) -> bool {
     use io::ErrorKind::*;
-    matches!(e.kind(), ConnectionAborted | ConnectionReset | Interrupted | WouldBlock)
-        || e.raw_os_error().is_some_and(|c| c == 23 || c == 24) // ENFILE, EMFILE
+    matches!(
+        e.kind(),
+        ConnectionAborted | ConnectionReset | Interrupted | WouldBlock
+    ) || e.raw_os_error().is_some_and(|c| c == 23 || c == 24) // ENFILE, EMFILE
 }
 
-async fn handle_connection(ctx: Arc<Ctx>, mut sock: TcpStream, peer: SocketAddr, permit: OwnedSemaphorePermit) {
+async fn handle_connection(
+    ctx: Arc<Ctx>,
+    mut sock: TcpStream,
+    peer: SocketAddr,
+    permit: OwnedSemaphorePermit,
+) {
     let _running = ctx.running.clone();
     let mut buf = Vec::with_capacity(512);
     let read_hello = async {
@@ -143,7 +157,10 @@ async fn handle_connection(ctx: Arc<Ctx>, mut sock: TcpStream, peer: SocketAddr,
             return;
         }
         Err(_) => {
-            tracing::debug!("connection from {peer}: no opening within {:?}", ctx.config.hello_timeout);
+            tracing::debug!(
+                "connection from {peer}: no opening within {:?}",
+                ctx.config.hello_timeout
+            );
             return;
         }
     };
@@ -155,13 +172,25 @@ async fn handle_connection(ctx: Arc<Ctx>, mut sock: TcpStream, peer: SocketAddr,
                 reject(sock, hello, roam_proto::Error::UnknownSession).await;
                 return;
             };
-            if let Err(mpsc::error::SendError(h)) = tx.send(Handoff { sock, hello, rest, peer, permit }).await {
+            if let Err(mpsc::error::SendError(h)) = tx
+                .send(Handoff {
+                    sock,
+                    hello,
+                    rest,
+                    peer,
+                    permit,
+                })
+                .await
+            {
                 reject(h.sock, h.hello, roam_proto::Error::UnknownSession).await;
             }
         }
         None => {
             if ctx.registry.len() >= ctx.config.max_sessions {
-                tracing::warn!("refused new session from {peer}: at the limit of {} sessions", ctx.config.max_sessions);
+                tracing::warn!(
+                    "refused new session from {peer}: at the limit of {} sessions",
+                    ctx.config.max_sessions
+                );
                 reject(sock, hello, roam_proto::Error::ServerBusy).await;
                 return;
             }
@@ -188,7 +217,11 @@ async fn handle_connection(ctx: Arc<Ctx>, mut sock: TcpStream, peer: SocketAddr,
                 shutdown_grace: ctx.config.shutdown_grace,
                 _running: ctx.running.clone(),
             };
-            let mut driver = Driver::new(inner, Conn::new(tid, sock, peer, Some(permit)), Kind::Server(side));
+            let mut driver = Driver::new(
+                inner,
+                Conn::new(tid, sock, peer, Some(permit)),
+                Kind::Server(side),
+            );
             driver.initial_input(&rest);
             tracing::debug!("new session {id} from {peer}");
             driver.run().await;

@@ -27,13 +27,20 @@ pub struct RoamStream {
 
 impl std::fmt::Debug for RoamStream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RoamStream").field("id", &self.id).finish_non_exhaustive()
+        f.debug_struct("RoamStream")
+            .field("id", &self.id)
+            .finish_non_exhaustive()
     }
 }
 
 impl RoamStream {
     pub(crate) fn new(guard: Arc<Guard>, id: StreamId) -> Self {
-        Self { guard, id, read_eof: false, write_done: false }
+        Self {
+            guard,
+            id,
+            read_eof: false,
+            write_done: false,
+        }
     }
 
     /// The stream's id within its session.
@@ -55,19 +62,28 @@ impl RoamStream {
         inner.notify.notify_one();
     }
 
-    fn session_error(sh: &crate::handle::Shared, e: StreamError) -> io::Error {
+    fn session_error(&self, sh: &crate::handle::Shared, e: StreamError) -> io::Error {
+        if let (StreamError::UnknownStream, Some(code)) = (e, sh.resets.get(&self.id)) {
+            return StreamError::Reset(*code).into();
+        }
         match (&sh.closed, e) {
-            (Some(reason), StreamError::SessionClosed | StreamError::UnknownStream) => io::Error::new(
-                io::ErrorKind::ConnectionAborted,
-                crate::error::describe_close(reason),
-            ),
+            (Some(reason), StreamError::SessionClosed | StreamError::UnknownStream) => {
+                io::Error::new(
+                    io::ErrorKind::ConnectionAborted,
+                    crate::error::describe_close(reason),
+                )
+            }
             (_, e) => e.into(),
         }
     }
 }
 
 impl AsyncRead for RoamStream {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
         if self.read_eof || buf.remaining() == 0 {
             return Poll::Ready(Ok(()));
         }
@@ -95,13 +111,17 @@ impl AsyncRead for RoamStream {
                 sh.read_wakers.insert(self.id, cx.waker().clone());
                 Poll::Pending
             }
-            Err(e) => Poll::Ready(Err(Self::session_error(&sh, e))),
+            Err(e) => Poll::Ready(Err(self.session_error(&sh, e))),
         }
     }
 }
 
 impl AsyncWrite for RoamStream {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
         if data.is_empty() {
             return Poll::Ready(Ok(0));
         }
@@ -117,7 +137,7 @@ impl AsyncWrite for RoamStream {
                 inner.notify.notify_one();
                 Poll::Ready(Ok(n))
             }
-            Err(e) => Poll::Ready(Err(Self::session_error(&sh, e))),
+            Err(e) => Poll::Ready(Err(self.session_error(&sh, e))),
         }
     }
 
@@ -134,7 +154,7 @@ impl AsyncWrite for RoamStream {
         let inner = self.guard.0.clone();
         let mut sh = inner.lock();
         let r = sh.session.finish_stream(self.id);
-        let r = r.map_err(|e| Self::session_error(&sh, e));
+        let r = r.map_err(|e| self.session_error(&sh, e));
         drop(sh);
         self.write_done = true;
         inner.notify.notify_one();
@@ -148,6 +168,7 @@ impl Drop for RoamStream {
         let mut sh = inner.lock();
         sh.read_wakers.remove(&self.id);
         sh.write_wakers.remove(&self.id);
+        sh.resets.remove(&self.id);
         if sh.closed.is_none() {
             if !self.write_done {
                 let _ = sh.session.finish_stream(self.id);

@@ -19,6 +19,7 @@
 //! Application calls (`open_stream`, `write`, `read`, `finish`, `reset`,
 //! `close`) may happen at any point; follow them with step 2.
 
+mod export;
 mod recv;
 mod send;
 mod transport;
@@ -37,6 +38,7 @@ use crate::keys::{Keypair, PublicKey, SessionId};
 use crate::stream::{Stream, StreamId};
 use crate::Error;
 
+pub use export::{ExportError, RestoreError};
 use transport::{Phase, Transport};
 
 /// Which end of the session this is.
@@ -188,6 +190,8 @@ pub struct Session {
     peer_streams_forgotten: u64,
     peer_stream_limit: u64,
     send_queue: VecDeque<u64>,
+    /// Streams whose last `write` was refused for lack of buffer space.
+    write_waiters: Vec<u64>,
 
     // session flow control (§8)
     conn_send_max: u64,
@@ -274,6 +278,7 @@ impl Session {
             peer_streams_forgotten: 0,
             peer_stream_limit,
             send_queue: VecDeque::new(),
+            write_waiters: Vec::new(),
             conn_send_max: 0,
             conn_sent: 0,
             conn_recv_max,
@@ -706,9 +711,30 @@ impl Session {
             .get_mut(&id.0)
             .ok_or(StreamError::UnknownStream)?;
         if let Some(code) = s.reset {
+            // The application has now seen the reset; the stream can go.
+            s.reset_seen = true;
+            self.maybe_forget(id.0);
             return Err(StreamError::Reset(code));
         }
-        Ok(s)
+        // Re-borrow: maybe_forget above needed `self`.
+        self.streams
+            .get_mut(&id.0)
+            .ok_or(StreamError::UnknownStream)
+    }
+
+    /// Send-buffer space was freed: every writer that was refused may retry
+    /// (a refusal can come from the session-wide limit, not only its stream's).
+    fn wake_writers(&mut self) {
+        for id in std::mem::take(&mut self.write_waiters) {
+            if let Some(s) = self.streams.get_mut(&id) {
+                if s.write_blocked && s.reset.is_none() {
+                    s.write_blocked = false;
+                    self.events.push_back(Event::StreamWritable {
+                        stream: StreamId(id),
+                    });
+                }
+            }
+        }
     }
 
     /// Buffers up to `data.len()` bytes for sending; returns how many were
@@ -730,7 +756,10 @@ impl Session {
         let n = (data.len() as u64).min(room) as usize;
         s.send_buf.extend(&data[..n]);
         if n < data.len() {
-            s.write_blocked = true;
+            if !s.write_blocked {
+                s.write_blocked = true;
+                self.write_waiters.push(id.0);
+            }
         }
         self.send_buffered += n as u64;
         self.enqueue(id.0);
@@ -753,6 +782,7 @@ impl Session {
         self.check_open()?;
         let s = self.stream_mut(id)?;
         s.reset = Some(code);
+        s.reset_seen = true;
         s.in_log += 1;
         let unsent = s.written() - s.sent;
         let keep = (s.sent - s.send_base) as usize;

@@ -135,22 +135,21 @@ impl Session {
                 len,
                 fin,
             } => {
+                let mut freed = false;
                 if let Some(s) = self.streams.get_mut(&stream) {
                     let before = s.send_buf.len();
                     s.ack_to(offset + u64::from(len));
+                    freed = before > s.send_buf.len();
                     self.send_buffered -= (before - s.send_buf.len()) as u64;
-                    if s.write_blocked && s.reset.is_none() {
-                        s.write_blocked = false;
-                        self.events.push_back(Event::StreamWritable {
-                            stream: StreamId(stream),
-                        });
-                    }
                     if fin && s.reset.is_none() {
                         s.fin_acked = true;
                         self.events.push_back(Event::StreamSendComplete {
                             stream: StreamId(stream),
                         });
                     }
+                }
+                if freed {
+                    self.wake_writers();
                 }
             }
             Entry::Close { code, .. } if self.state == State::Closing => {

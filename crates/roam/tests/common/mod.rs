@@ -16,7 +16,9 @@ use tokio::sync::{mpsc, oneshot, watch};
 /// Byte `i` of the pattern with `seed`: depends on the absolute offset, so any
 /// lost, repeated or reordered chunk changes what the reader sees.
 pub fn pattern_byte(seed: u64, i: u64) -> u8 {
-    (i.wrapping_add(seed << 40).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as u8
+    (i.wrapping_add(seed << 40)
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        >> 56) as u8
 }
 
 pub fn fill_pattern(seed: u64, offset: u64, buf: &mut [u8]) {
@@ -26,7 +28,11 @@ pub fn fill_pattern(seed: u64, offset: u64, buf: &mut [u8]) {
 }
 
 /// Writes `len` pattern bytes, then finishes the stream.
-pub async fn write_pattern<W: tokio::io::AsyncWrite + Unpin>(w: &mut W, seed: u64, len: u64) -> std::io::Result<()> {
+pub async fn write_pattern<W: tokio::io::AsyncWrite + Unpin>(
+    w: &mut W,
+    seed: u64,
+    len: u64,
+) -> std::io::Result<()> {
     let mut buf = vec![0u8; 32 * 1024];
     let mut off = 0;
     while off < len {
@@ -39,18 +45,27 @@ pub async fn write_pattern<W: tokio::io::AsyncWrite + Unpin>(w: &mut W, seed: u6
 }
 
 /// Reads to end-of-stream checking every byte; returns how many were read.
-pub async fn read_pattern<R: tokio::io::AsyncRead + Unpin>(r: &mut R, seed: u64) -> Result<u64, String> {
+pub async fn read_pattern<R: tokio::io::AsyncRead + Unpin>(
+    r: &mut R,
+    seed: u64,
+) -> Result<u64, String> {
     let mut buf = vec![0u8; 32 * 1024];
     let mut off = 0u64;
     loop {
-        let n = r.read(&mut buf).await.map_err(|e| format!("read at {off}: {e}"))?;
+        let n = r
+            .read(&mut buf)
+            .await
+            .map_err(|e| format!("read at {off}: {e}"))?;
         if n == 0 {
             return Ok(off);
         }
         for (k, b) in buf[..n].iter().enumerate() {
             let want = pattern_byte(seed, off + k as u64);
             if *b != want {
-                return Err(format!("byte {} is {b:#x}, expected {want:#x}", off + k as u64));
+                return Err(format!(
+                    "byte {} is {b:#x}, expected {want:#x}",
+                    off + k as u64
+                ));
             }
         }
         off += n as u64;
@@ -142,16 +157,28 @@ impl TestServer {
                             let mut it = text.split(' ').map(|x| x.parse::<u64>().unwrap_or(0));
                             let (seed, len) = (it.next().unwrap_or(0), it.next().unwrap_or(0));
                             let (mut r, mut w) = tokio::io::split(stream);
-                            let writer = tokio::spawn(async move { write_pattern(&mut w, seed + 1000, len).await });
+                            let writer = tokio::spawn(async move {
+                                write_pattern(&mut w, seed + 1000, len).await
+                            });
                             let got = read_pattern(&mut r, seed).await;
-                            let wrote = writer.await.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string()));
+                            let wrote = writer
+                                .await
+                                .map_err(|e| e.to_string())
+                                .and_then(|r| r.map_err(|e| e.to_string()));
                             let _ = rtx.send(got.and_then(|n| wrote.map(|_| (meta, n))));
                         });
                     }
                 });
             },
         ));
-        Self { addr, key, reports, sessions, stop: Some(stop), task }
+        Self {
+            addr,
+            key,
+            reports,
+            sessions,
+            stop: Some(stop),
+            task,
+        }
     }
 
     pub fn stop(&mut self) {
@@ -180,7 +207,9 @@ impl Proxy {
         let (upstream_tx, upstream_rx) = watch::channel(upstream);
         let task = tokio::spawn(async move {
             loop {
-                let Ok((client, _)) = listener.accept().await else { return };
+                let Ok((client, _)) = listener.accept().await else {
+                    return;
+                };
                 if !*up_rx.borrow() {
                     drop(client); // link down: the connection dies at once
                     continue;
@@ -189,7 +218,9 @@ impl Proxy {
                 kill_rx.mark_unchanged();
                 let upstream = *upstream_rx.borrow();
                 tokio::spawn(async move {
-                    let Ok(server) = TcpStream::connect(upstream).await else { return };
+                    let Ok(server) = TcpStream::connect(upstream).await else {
+                        return;
+                    };
                     let (mut c, mut s) = (client, server);
                     tokio::select! {
                         _ = tokio::io::copy_bidirectional(&mut c, &mut s) => {}
@@ -202,7 +233,13 @@ impl Proxy {
                 });
             }
         });
-        Self { addr, kill, up, upstream: upstream_tx, task }
+        Self {
+            addr,
+            kill,
+            up,
+            upstream: upstream_tx,
+            task,
+        }
     }
 
     /// Cuts every connection now open.

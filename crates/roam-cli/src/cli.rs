@@ -1,0 +1,267 @@
+//! Command-line interface: argument definitions (with examples in every
+//! `--help`), logging setup and dispatch.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::config::FileConfig;
+
+/// Keeps TCP sessions alive across Wi-Fi drops, laptop sleep and address changes.
+///
+/// A `roam serve` relay runs next to the services (like rocks' rockd); clients
+/// reach them through it with `roam pipe` (e.g. as an ssh ProxyCommand) or
+/// `roam forward`. When the network goes away the session suspends instead of
+/// failing, and resumes — exactly once, in order — when the client can reach
+/// the relay again, from any address.
+///
+/// Configuration file (TOML, `--config FILE`, default
+/// `~/.config/roam/config.toml`); every key is optional and flags win:
+///
+///   state_dir = "/home/me/.local/state/roam"
+///
+///   [serve]
+///   listen = "0.0.0.0:7447"
+///   allow = ["127.0.0.1:22", "127.0.0.1:5432"]
+///   key = "/etc/roam/server.key"
+///   authorized_keys = "/etc/roam/authorized_keys"
+///   suspend_timeout = "3d"
+///
+///   [client]            # pipe and forward
+///   key = "/home/me/.local/state/roam/client.key"
+///   no_fallback = false
+///
+/// State (keys, known_servers, control sockets) lives in `$ROAM_STATE_DIR`, or
+/// `$XDG_STATE_HOME/roam`, or `~/.local/state/roam`.
+#[derive(Debug, Parser)]
+#[command(
+    name = "roam",
+    version,
+    verbatim_doc_comment,
+    after_help = "\
+Examples:
+  roam demo                                   # see a session survive a dead link
+  roam serve                                  # relay on :7447 to 127.0.0.1:22 only
+  ssh -o ProxyCommand='roam pipe %h %p' host  # ssh that survives network changes
+  roam forward relay 127.0.0.1:5433 127.0.0.1:5432
+  roam status"
+)]
+pub(crate) struct Cli {
+    /// Configuration file (TOML). Default: ~/.config/roam/config.toml if it exists.
+    #[arg(long, global = true, value_name = "FILE")]
+    pub(crate) config: Option<PathBuf>,
+    /// More log output (-v: info, -vv: debug). `RUST_LOG` overrides.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    pub(crate) verbose: u8,
+    #[command(subcommand)]
+    pub(crate) command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum Command {
+    /// Run a relay (rockd): accept roam sessions and connect their streams to allowed targets.
+    #[command(after_help = "\
+Examples:
+  roam serve                                       # 0.0.0.0:7447, target 127.0.0.1:22 only
+  roam serve --allow 127.0.0.1:22 --allow 127.0.0.1:5432
+  roam serve --listen 127.0.0.1:7447 --authorized-keys ~/.config/roam/authorized_keys
+  roam serve --suspend-timeout 12h
+
+Each stream names its target as `host:port`; only targets on the allow-list
+are connected (`*` matches any host or any port, e.g. `127.0.0.1:*`). Others
+are refused with a stream reset (code 0x101) and a log line. The target
+connection stays open while its client is suspended.")]
+    Serve(ServeArgs),
+    /// Connect stdin/stdout to TARGET through the relay on HOST (for ssh ProxyCommand).
+    #[command(after_help = "\
+Examples:
+  ssh -o ProxyCommand='roam pipe %h %p' host    # %p=22 -> target 127.0.0.1:22 on the relay
+  roam pipe relay.example 22                    # relay port 7447, target 127.0.0.1:22
+  roam pipe relay.example:9000 db.internal:5432 # relay on port 9000, target as the relay sees it
+
+TARGET is `PORT` (meaning 127.0.0.1:PORT as seen from the relay) or `HOST:PORT`.
+If HOST runs no roam relay (connection refused, or another protocol answers),
+roam warns once on stderr and connects directly to HOST:PORT instead (for a
+loopback TARGET) or to TARGET itself; --no-fallback forbids that.")]
+    Pipe(PipeArgs),
+    /// Forward a local port through the relay: each local connection is a stream of one session.
+    #[command(after_help = "\
+Examples:
+  roam forward relay.example 127.0.0.1:5433 127.0.0.1:5432
+  psql -h 127.0.0.1 -p 5433                     # reaches 127.0.0.1:5432 on the relay host")]
+    Forward(ForwardArgs),
+    /// List this user's live sessions (from running pipe, forward and serve processes).
+    #[command(after_help = "\
+Examples:
+  roam status
+  roam status --json | jq '.[].sessions[].state'")]
+    Status(StatusArgs),
+    /// Generate a static key pair; prints the public key.
+    #[command(after_help = "\
+Examples:
+  roam keygen                         # writes <state dir>/client.key
+  roam keygen --out /etc/roam/server.key
+  roam serve --key /etc/roam/server.key")]
+    Keygen(KeygenArgs),
+    /// Self-contained demonstration: a session survives its connection being killed.
+    #[command(after_help = "\
+Examples:
+  roam demo
+  cargo run --release -p roam-cli -- demo
+
+Starts a relay and an echo target on loopback, streams data through a client
+session, cuts the link mid-transfer, and shows the session suspend, resume and
+deliver every byte exactly once (checked with SHA-256). Touches nothing outside
+127.0.0.1 and writes no files.")]
+    Demo(DemoArgs),
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct ServeArgs {
+    /// Address to listen on [default: 0.0.0.0:7447].
+    #[arg(long, value_name = "ADDR")]
+    pub(crate) listen: Option<String>,
+    /// Allowed target `host:port` (repeatable; `*` wildcards). Default: 127.0.0.1:22 only.
+    #[arg(long = "allow", value_name = "HOST:PORT")]
+    pub(crate) allow: Vec<String>,
+    /// Server key file [default: <state dir>/server.key, created with mode 0600].
+    #[arg(long, value_name = "FILE")]
+    pub(crate) key: Option<PathBuf>,
+    /// Only accept clients whose public key is listed (one hex key per line).
+    #[arg(long, value_name = "FILE")]
+    pub(crate) authorized_keys: Option<PathBuf>,
+    /// Keep a suspended session this long (e.g. 3d, 12h, 30m, 90s) [default: 3d].
+    #[arg(long, value_name = "DURATION")]
+    pub(crate) suspend_timeout: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct ClientArgs {
+    /// Client key file [default: <state dir>/client.key, created with mode 0600].
+    #[arg(long, value_name = "FILE")]
+    pub(crate) key: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct PipeArgs {
+    /// Relay host, with optional port (default 7447): `host`, `host:port`, `[v6]:port`.
+    #[arg(value_name = "HOST[:PORT]")]
+    pub(crate) relay: String,
+    /// `PORT` (127.0.0.1:PORT on the relay) or `HOST:PORT`.
+    #[arg(value_name = "TARGET")]
+    pub(crate) target: String,
+    /// Never fall back to a direct TCP connection.
+    #[arg(long)]
+    pub(crate) no_fallback: bool,
+    #[command(flatten)]
+    pub(crate) client: ClientArgs,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct ForwardArgs {
+    /// Relay host, with optional port (default 7447).
+    #[arg(value_name = "HOST[:PORT]")]
+    pub(crate) relay: String,
+    /// Local address to listen on, e.g. 127.0.0.1:5433.
+    #[arg(value_name = "LISTEN_ADDR:PORT")]
+    pub(crate) listen: String,
+    /// Target as seen from the relay, e.g. 127.0.0.1:5432.
+    #[arg(value_name = "TARGET:PORT")]
+    pub(crate) target: String,
+    #[command(flatten)]
+    pub(crate) client: ClientArgs,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct StatusArgs {
+    /// Machine-readable output: a JSON array of processes with their sessions.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct KeygenArgs {
+    /// Where to write the private key [default: <state dir>/client.key].
+    #[arg(long, value_name = "FILE")]
+    pub(crate) out: Option<PathBuf>,
+    /// Overwrite an existing key file.
+    #[arg(long)]
+    pub(crate) force: bool,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct DemoArgs {
+    /// Bytes to stream each way (suffixes K, M accepted).
+    #[arg(long, default_value = "16M", value_name = "SIZE")]
+    pub(crate) size: String,
+}
+
+pub(crate) fn init_logging(cli: &Cli) {
+    let default = match cli.verbose {
+        0 => "warn",
+        1 => "info,roam=info",
+        _ => "debug",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .try_init();
+}
+
+/// Runs the command; returns the process exit code.
+pub(crate) fn run(cli: Cli) -> i32 {
+    let config = match FileConfig::load(cli.config.as_deref()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("roam: {e}");
+            return 2;
+        }
+    };
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("roam: cannot start the async runtime: {e}");
+            return 1;
+        }
+    };
+    let result = rt.block_on(async move {
+        match cli.command {
+            Command::Serve(a) => crate::serve::run(a, &config).await,
+            Command::Pipe(a) => crate::pipe::run(a, &config).await,
+            Command::Forward(a) => crate::forward::run(a, &config).await,
+            Command::Status(a) => crate::control::status(a, &config).await,
+            Command::Keygen(a) => crate::keys::keygen(a, &config),
+            Command::Demo(a) => crate::demo::run(a).await,
+        }
+    });
+    // stdin is read on a blocking thread that cannot be interrupted: do not wait for it.
+    rt.shutdown_timeout(Duration::from_millis(200));
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("roam: {}", e.0);
+            1
+        }
+    }
+}
+
+/// Errors for the user: a message saying what happened and what to do.
+pub(crate) type CliResult = Result<i32, CliError>;
+
+/// A user-facing error message. (Not `Display` itself, so that anything
+/// displayable converts into it with `?`.)
+#[derive(Debug)]
+pub(crate) struct CliError(pub(crate) String);
+
+impl<E: std::fmt::Display> From<E> for CliError {
+    fn from(e: E) -> Self {
+        CliError(e.to_string())
+    }
+}

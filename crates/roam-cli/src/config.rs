@@ -1,0 +1,138 @@
+//! The TOML configuration file (format in `roam --help`). Flags win over it.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+/// Everything the file may set.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct FileConfig {
+    /// Overrides the state directory (keys, known_servers, control sockets).
+    pub(crate) state_dir: Option<PathBuf>,
+    #[serde(default)]
+    pub(crate) serve: ServeConfig,
+    #[serde(default)]
+    pub(crate) client: ClientFileConfig,
+}
+
+/// `[serve]`: defaults for `roam serve`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ServeConfig {
+    pub(crate) listen: Option<String>,
+    pub(crate) allow: Option<Vec<String>>,
+    pub(crate) key: Option<PathBuf>,
+    pub(crate) authorized_keys: Option<PathBuf>,
+    pub(crate) suspend_timeout: Option<String>,
+}
+
+/// `[client]`: defaults for `roam pipe` and `roam forward`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ClientFileConfig {
+    pub(crate) key: Option<PathBuf>,
+    #[serde(default)]
+    pub(crate) no_fallback: bool,
+}
+
+impl FileConfig {
+    /// Loads `path`, or the default file if it exists, or built-in defaults.
+    pub(crate) fn load(path: Option<&Path>) -> Result<Self, String> {
+        let (path, required) = match path {
+            Some(p) => (p.to_path_buf(), true),
+            None => (crate::paths::default_config_file(), false),
+        };
+        let text = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if !required && e.kind() == std::io::ErrorKind::NotFound => {
+                return Ok(Self::default())
+            }
+            Err(e) => return Err(format!("cannot read config file {}: {e}", path.display())),
+        };
+        toml::from_str(&text).map_err(|e| format!("config file {}: {e}", path.display()))
+    }
+}
+
+/// Parses durations like `3d`, `12h`, `30m`, `90s`, `500ms` (a bare number is seconds).
+pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("invalid duration {text:?}: use e.g. 3d, 12h, 30m, 90s"))?;
+    let secs = match unit.trim() {
+        "" | "s" => n,
+        "ms" => n / 1000.0,
+        "m" | "min" => n * 60.0,
+        "h" => n * 3600.0,
+        "d" => n * 86400.0,
+        _ => {
+            return Err(format!(
+                "invalid duration unit in {text:?}: use ms, s, m, h or d"
+            ))
+        }
+    };
+    if !secs.is_finite() || secs <= 0.0 {
+        return Err(format!("duration {text:?} must be positive"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// Parses sizes like `16M`, `512K`, `1G` or plain bytes.
+pub(crate) fn parse_size(text: &str) -> Result<u64, String> {
+    let t = text
+        .trim()
+        .trim_end_matches(['B', 'b'])
+        .trim_end_matches("i");
+    let (num, mult) = match t.chars().last() {
+        Some('K' | 'k') => (&t[..t.len() - 1], 1u64 << 10),
+        Some('M' | 'm') => (&t[..t.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&t[..t.len() - 1], 1 << 30),
+        _ => (t, 1),
+    };
+    let n: u64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("invalid size {text:?}: use e.g. 16M"))?;
+    Ok(n * mult)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(
+            parse_duration("3d").unwrap(),
+            Duration::from_secs(3 * 86400)
+        );
+        assert_eq!(parse_duration("90s").unwrap(), Duration::from_secs(90));
+        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
+        assert_eq!(parse_duration("12").unwrap(), Duration::from_secs(12));
+        assert!(parse_duration("3 weeks").is_err());
+        assert!(parse_duration("0s").is_err());
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("16M").unwrap(), 16 << 20);
+        assert_eq!(parse_size("2MiB").unwrap(), 2 << 20);
+        assert_eq!(parse_size("100").unwrap(), 100);
+    }
+
+    #[test]
+    fn config_file_parses() {
+        let c: FileConfig = toml::from_str(
+            "state_dir = \"/tmp/x\"\n[serve]\nlisten = \"127.0.0.1:1\"\nallow = [\"127.0.0.1:22\"]\n[client]\nno_fallback = true\n",
+        )
+        .unwrap();
+        assert_eq!(c.serve.allow.unwrap(), vec!["127.0.0.1:22".to_string()]);
+        assert!(c.client.no_fallback);
+    }
+}

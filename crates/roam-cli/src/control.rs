@@ -1,0 +1,271 @@
+//! Per-process control sockets and `roam status`.
+//!
+//! Every `pipe`, `forward` and `serve` process listens on
+//! `<state dir>/control/<pid>.sock` (directory mode 0700, so only this user
+//! can connect). A connection receives one JSON document describing the
+//! process and its live sessions, then is closed. `roam status` asks every
+//! socket in the directory and removes the ones whose process is gone.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{UnixListener, UnixStream};
+
+use crate::cli::{CliError, CliResult, StatusArgs};
+use crate::config::FileConfig;
+
+/// One session as `roam status` shows it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct SessionStatus {
+    pub(crate) label: String,
+    pub(crate) session_id: Option<String>,
+    pub(crate) role: String,
+    pub(crate) state: String,
+    pub(crate) peer_addr: Option<String>,
+    pub(crate) rtt_ms: Option<f64>,
+    pub(crate) bytes_sent: u64,
+    pub(crate) bytes_received: u64,
+    pub(crate) bytes_replayed: u64,
+    pub(crate) resumes: u64,
+    pub(crate) streams: usize,
+    /// Unix time (seconds) the session lost its transport, if suspended.
+    pub(crate) suspended_since: Option<u64>,
+    pub(crate) suspended_for_secs: Option<f64>,
+}
+
+/// One process as `roam status --json` shows it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct ProcessStatus {
+    pub(crate) pid: u32,
+    pub(crate) command: String,
+    pub(crate) started: u64,
+    pub(crate) sessions: Vec<SessionStatus>,
+}
+
+struct Entry {
+    label: String,
+    handle: roam::SessionHandle,
+}
+
+/// The sessions of this process.
+#[derive(Clone, Default)]
+pub(crate) struct Registry {
+    entries: Arc<Mutex<Vec<Entry>>>,
+}
+
+impl Registry {
+    /// Lists `handle` under `label` until the session closes.
+    pub(crate) fn add(&self, label: String, handle: roam::SessionHandle) {
+        let entries = self.entries.clone();
+        let watch = handle.clone();
+        self.lock_entries().push(Entry { label, handle });
+        tokio::spawn(async move {
+            watch.closed().await;
+            let mut e = entries.lock().unwrap_or_else(|e| e.into_inner());
+            e.retain(|x| !x.handle.is_closed());
+        });
+    }
+
+    fn lock_entries(&self) -> std::sync::MutexGuard<'_, Vec<Entry>> {
+        self.entries.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn snapshot(&self) -> Vec<SessionStatus> {
+        let now = SystemTime::now();
+        self.lock_entries()
+            .iter()
+            .map(|e| {
+                let s = e.handle.stats();
+                SessionStatus {
+                    label: e.label.clone(),
+                    session_id: s.session_id.map(|i| i.to_string()),
+                    role: format!("{:?}", s.role).to_lowercase(),
+                    state: format!("{:?}", s.state).to_lowercase(),
+                    peer_addr: s.peer_addr.map(|a| a.to_string()),
+                    rtt_ms: s.rtt.map(|d| d.as_secs_f64() * 1000.0),
+                    bytes_sent: s.bytes_sent,
+                    bytes_received: s.bytes_received,
+                    bytes_replayed: s.bytes_replayed,
+                    resumes: s.resumes,
+                    streams: s.streams,
+                    suspended_since: s
+                        .suspended_for
+                        .and_then(|d| now.checked_sub(d))
+                        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+                        .map(|d| d.as_secs()),
+                    suspended_for_secs: s.suspended_for.map(|d| d.as_secs_f64()),
+                }
+            })
+            .collect()
+    }
+}
+
+/// Removes the control socket when the process ends.
+pub(crate) struct ControlSocket {
+    path: PathBuf,
+}
+
+impl Drop for ControlSocket {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+fn control_dir(config: &FileConfig) -> PathBuf {
+    crate::paths::state_dir(config).join("control")
+}
+
+/// Starts this process's control socket. Failure is not fatal (status just
+/// will not list this process).
+pub(crate) fn start(
+    config: &FileConfig,
+    command: String,
+    registry: Registry,
+) -> Option<ControlSocket> {
+    let dir = control_dir(config);
+    if let Err(e) = crate::paths::ensure_private_dir(&dir) {
+        tracing::warn!(
+            "no control socket ({}: {e}); `roam status` will not list this process",
+            dir.display()
+        );
+        return None;
+    }
+    let pid = std::process::id();
+    let path = dir.join(format!("{pid}.sock"));
+    let _ = std::fs::remove_file(&path);
+    let listener = match UnixListener::bind(&path) {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::warn!(
+                "no control socket ({}: {e}); `roam status` will not list this process",
+                path.display()
+            );
+            return None;
+        }
+    };
+    let started = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let doc = ProcessStatus {
+                pid,
+                command: command.clone(),
+                started,
+                sessions: registry.snapshot(),
+            };
+            tokio::spawn(async move {
+                if let Ok(json) = serde_json::to_vec(&doc) {
+                    let _ =
+                        tokio::time::timeout(Duration::from_secs(2), conn.write_all(&json)).await;
+                }
+            });
+        }
+    });
+    Some(ControlSocket { path })
+}
+
+async fn query(path: &Path) -> Option<ProcessStatus> {
+    let fetch = async {
+        let mut conn = UnixStream::connect(path).await.ok()?;
+        let mut buf = Vec::new();
+        conn.read_to_end(&mut buf).await.ok()?;
+        serde_json::from_slice(&buf).ok()
+    };
+    tokio::time::timeout(Duration::from_secs(2), fetch)
+        .await
+        .ok()
+        .flatten()
+}
+
+/// `roam status`.
+pub(crate) async fn status(args: StatusArgs, config: &FileConfig) -> CliResult {
+    let dir = control_dir(config);
+    let mut procs = Vec::new();
+    if let Ok(rd) = std::fs::read_dir(&dir) {
+        let mut paths: Vec<PathBuf> = rd
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "sock"))
+            .collect();
+        paths.sort();
+        for p in paths {
+            match query(&p).await {
+                Some(s) => procs.push(s),
+                None => {
+                    // The process is gone (or hung): drop its stale socket if nobody listens.
+                    if UnixStream::connect(&p).await.is_err() {
+                        let _ = std::fs::remove_file(&p);
+                    }
+                }
+            }
+        }
+    }
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&procs).map_err(|e| CliError(e.to_string()))?
+        );
+        return Ok(0);
+    }
+    if procs.is_empty() {
+        println!(
+            "no running roam processes (state dir {})",
+            crate::paths::state_dir(config).display()
+        );
+        return Ok(0);
+    }
+    for p in &procs {
+        println!("pid {}  {}", p.pid, p.command);
+        if p.sessions.is_empty() {
+            println!("  (no sessions)");
+        }
+        for s in &p.sessions {
+            let id = s
+                .session_id
+                .as_deref()
+                .map_or("-", |i| &i[..i.len().min(12)]);
+            let rtt = s.rtt_ms.map_or("-".to_string(), |r| format!("{r:.1} ms"));
+            let suspended = s.suspended_for_secs.map_or(String::new(), |d| {
+                format!("  suspended for {}", human_secs(d))
+            });
+            println!(
+                "  {id}  {:<10} {:<6} peer {:<22} rtt {:<9} sent {:<10} recv {:<10} replayed {}{suspended}  {}",
+                s.state,
+                s.role,
+                s.peer_addr.as_deref().unwrap_or("-"),
+                rtt,
+                human_bytes(s.bytes_sent),
+                human_bytes(s.bytes_received),
+                human_bytes(s.bytes_replayed),
+                s.label,
+            );
+        }
+    }
+    Ok(0)
+}
+
+pub(crate) fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+fn human_secs(s: f64) -> String {
+    match s {
+        s if s < 120.0 => format!("{s:.0}s"),
+        s if s < 7200.0 => format!("{:.0}m", s / 60.0),
+        s => format!("{:.1}h", s / 3600.0),
+    }
+}

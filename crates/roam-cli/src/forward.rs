@@ -1,0 +1,80 @@
+//! `roam forward`: a local port forward; every accepted connection is a new
+//! stream of one shared session, so all of them survive network changes.
+
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::cli::{CliError, CliResult, ForwardArgs};
+use crate::config::FileConfig;
+use crate::connect::{connect_relay, explain_stream_error};
+use crate::control::Registry;
+use crate::target::{relay_addr, split_host_port};
+
+/// Copy buffer per direction (bytes).
+const COPY_BUF: usize = 64 * 1024;
+
+/// `roam forward`.
+pub(crate) async fn run(args: ForwardArgs, config: &FileConfig) -> CliResult {
+    let (_, relay) = relay_addr(&args.relay)?;
+    match split_host_port(&args.target)? {
+        (h, Some(_)) if !h.is_empty() => {}
+        _ => {
+            return Err(CliError(format!(
+                "target {:?} must be HOST:PORT",
+                args.target
+            )))
+        }
+    }
+    let listener = TcpListener::bind(&args.listen)
+        .await
+        .map_err(|e| CliError(format!("cannot listen on {}: {e}", args.listen)))?;
+    let local = listener
+        .local_addr()
+        .map_or(args.listen.clone(), |a| a.to_string());
+    let session = connect_relay(&relay, args.client.key.as_deref(), config)
+        .await
+        .map_err(|e| e.into_cli())?;
+    let label = format!("forward {local} -> {relay} -> {}", args.target);
+    let registry = Registry::default();
+    registry.add(label.clone(), session.clone());
+    let _control = crate::control::start(config, label, registry);
+    eprintln!("roam forward: {local} -> {} via {relay}", args.target);
+    let result = loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((tcp, from)) => {
+                    let stream = match session.open_stream(args.target.as_bytes()) {
+                        Ok(s) => s,
+                        Err(e) => break Err(CliError(format!("session ended: {e}"))),
+                    };
+                    tokio::spawn(forward_one(tcp, stream, args.target.clone(), from));
+                }
+                Err(e) => tracing::warn!("accept failed: {e}"),
+            },
+            reason = session.closed() => break Err(CliError(roam::Error::Closed(reason).to_string())),
+            _ = crate::serve::shutdown_signal() => break Ok(0),
+        }
+    };
+    let _ = tokio::time::timeout(
+        std::time::Duration::from_secs(3),
+        session.close(roam_proto::code::NO_ERROR, ""),
+    )
+    .await;
+    result
+}
+
+async fn forward_one(
+    mut tcp: TcpStream,
+    mut stream: roam::RoamStream,
+    target: String,
+    from: std::net::SocketAddr,
+) {
+    let _ = tcp.set_nodelay(true);
+    if let Err(e) =
+        tokio::io::copy_bidirectional_with_sizes(&mut tcp, &mut stream, COPY_BUF, COPY_BUF).await
+    {
+        eprintln!(
+            "roam forward: connection from {from}: {}",
+            explain_stream_error(&e, &target)
+        );
+    }
+}

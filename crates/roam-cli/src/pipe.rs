@@ -1,0 +1,91 @@
+//! `roam pipe`: stdin/stdout as one stream to a target through the relay
+//! (an ssh `ProxyCommand`), with a direct-TCP fallback when the host runs no relay.
+
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
+
+use crate::cli::{CliError, CliResult, PipeArgs};
+use crate::config::FileConfig;
+use crate::connect::{connect_relay, explain_stream_error, ConnectFailure};
+use crate::control::Registry;
+use crate::target::{is_loopback_host, join, pipe_target, relay_addr, split_host_port};
+
+/// Copy buffer (bytes).
+const COPY_BUF: usize = 64 * 1024;
+/// How long to wait for the relay to acknowledge our close on exit.
+const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// `roam pipe`.
+pub(crate) async fn run(args: PipeArgs, config: &FileConfig) -> CliResult {
+    let (relay_host, relay) = relay_addr(&args.relay)?;
+    let (target, target_port) = pipe_target(&args.target)?;
+    let no_fallback = args.no_fallback || config.client.no_fallback;
+    let session = match connect_relay(&relay, args.client.key.as_deref(), config).await {
+        Ok(s) => s,
+        Err(ConnectFailure::Roam(e)) if e.is_no_roam_server() && !no_fallback => {
+            let target_host = split_host_port(&target)?.0;
+            let direct = if is_loopback_host(&target_host) {
+                join(&relay_host, target_port)
+            } else {
+                target.clone()
+            };
+            eprintln!("roam: no roam relay at {relay} ({e}); connecting directly to {direct} without session protection");
+            return direct_pipe(&direct).await;
+        }
+        Err(e) => return Err(e.into_cli()),
+    };
+    let registry = Registry::default();
+    registry.add(format!("pipe {relay} -> {target}"), session.clone());
+    let _control = crate::control::start(config, format!("pipe {relay} -> {target}"), registry);
+    let stream = session
+        .open_stream(target.as_bytes())
+        .map_err(|e| CliError(e.to_string()))?;
+    let (rd, wr) = tokio::io::split(stream);
+    let result = shuttle(rd, wr).await;
+    let _ = tokio::time::timeout(CLOSE_WAIT, session.close(roam_proto::code::NO_ERROR, "")).await;
+    result.map_err(|e| CliError(explain_stream_error(&e, &target)))?;
+    Ok(0)
+}
+
+/// Copies stdin → `wr` and `rd` → stdout. Done when the remote side ends
+/// (end-of-stream or error); stdin reaching its end only finishes our direction.
+async fn shuttle<R, W>(rd: R, mut wr: W) -> std::io::Result<()>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let up = async move {
+        let mut stdin = BufReader::with_capacity(COPY_BUF, tokio::io::stdin());
+        let r = tokio::io::copy_buf(&mut stdin, &mut wr).await;
+        let _ = wr.shutdown().await;
+        r
+    };
+    let down = async move {
+        let mut rd = BufReader::with_capacity(COPY_BUF, rd);
+        let mut stdout = tokio::io::stdout();
+        tokio::io::copy_buf(&mut rd, &mut stdout).await?;
+        stdout.flush().await
+    };
+    tokio::pin!(up);
+    tokio::pin!(down);
+    tokio::select! {
+        r = &mut down => r,
+        r = &mut up => {
+            if let Err(e) = r {
+                tracing::debug!("stdin: {e}");
+            }
+            down.await
+        }
+    }
+}
+
+async fn direct_pipe(addr: &str) -> CliResult {
+    let tcp = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| CliError(format!("direct connection to {addr} failed too: {e}")))?;
+    let _ = tcp.set_nodelay(true);
+    let (rd, wr) = tcp.into_split();
+    shuttle(rd, wr)
+        .await
+        .map_err(|e| CliError(format!("connection to {addr}: {e}")))?;
+    Ok(0)
+}

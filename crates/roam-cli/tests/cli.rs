@@ -1,0 +1,359 @@
+//! End-to-end tests of the `roam` binary: relay + pipe moving data with a
+//! SHA-256 check, refusal of a disallowed target, `status --json`, the direct
+//! fallback, and `demo`. Every child process is killed when its guard drops,
+//! even when a test fails. All traffic stays on 127.0.0.1.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use sha2::{Digest, Sha256};
+
+const BIN: &str = env!("CARGO_BIN_EXE_roam");
+
+/// Kills the child when dropped.
+struct Guard(Child);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn roam(state: &Path) -> Command {
+    let mut c = Command::new(BIN);
+    c.env("ROAM_STATE_DIR", state)
+        .env("HOME", state)
+        .env_remove("RUST_LOG")
+        .env_remove("XDG_CONFIG_HOME");
+    c
+}
+
+/// A target that hashes everything it receives and answers `"<sha256> <len>\n"`.
+fn start_sink() -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for conn in l.incoming() {
+            let Ok(mut c) = conn else { return };
+            std::thread::spawn(move || {
+                let mut h = Sha256::new();
+                let mut n = 0u64;
+                let mut buf = [0u8; 65536];
+                loop {
+                    match c.read(&mut buf) {
+                        Ok(0) | Err(_) => break,
+                        Ok(k) => {
+                            h.update(&buf[..k]);
+                            n += k as u64;
+                        }
+                    }
+                }
+                let _ = writeln!(c, "{} {n}", hex(&h.finalize()));
+            });
+        }
+    });
+    port
+}
+
+/// A target that holds connections open and echoes.
+fn start_echo() -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for conn in l.incoming() {
+            let Ok(mut c) = conn else { return };
+            std::thread::spawn(move || {
+                let mut w = c.try_clone().unwrap();
+                let _ = std::io::copy(&mut c, &mut w);
+            });
+        }
+    });
+    port
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A running relay; its stderr lines are collected.
+struct Relay {
+    _child: Guard,
+    port: u16,
+    lines: mpsc::Receiver<String>,
+}
+
+impl Relay {
+    fn start(state: &Path, allow: &[String]) -> Relay {
+        let port = free_port();
+        let mut cmd = roam(state);
+        cmd.args(["serve", "--listen", &format!("127.0.0.1:{port}")]);
+        for a in allow {
+            cmd.args(["--allow", a]);
+        }
+        let mut child = cmd
+            .stderr(Stdio::piped())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { return };
+                let _ = tx.send(line);
+            }
+        });
+        let relay = Relay {
+            _child: Guard(child),
+            port,
+            lines,
+        };
+        relay.wait_for("listening on", Duration::from_secs(20));
+        relay
+    }
+
+    fn wait_for(&self, needle: &str, limit: Duration) -> String {
+        let end = Instant::now() + limit;
+        loop {
+            let left = end.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) if l.contains(needle) => return l,
+                Ok(_) => {}
+                Err(_) => panic!("relay never logged {needle:?}"),
+            }
+        }
+    }
+}
+
+/// Runs a child to completion with `input` on stdin, bounded in time.
+fn run_with_input(mut cmd: Command, input: Vec<u8>, limit: Duration) -> (i32, Vec<u8>, String) {
+    let mut child = Guard(
+        cmd.stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let mut stdin = child.0.stdin.take().unwrap();
+    let feeder = std::thread::spawn(move || {
+        let _ = stdin.write_all(&input);
+    });
+    let mut stdout = child.0.stdout.take().unwrap();
+    let mut stderr = child.0.stderr.take().unwrap();
+    let out = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        let _ = stdout.read_to_end(&mut v);
+        v
+    });
+    let err = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    let end = Instant::now() + limit;
+    let code = loop {
+        if let Some(st) = child.0.try_wait().unwrap() {
+            break st.code().unwrap_or(-1);
+        }
+        assert!(
+            Instant::now() < end,
+            "child did not finish within {limit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let _ = feeder.join();
+    (code, out.join().unwrap(), err.join().unwrap())
+}
+
+fn random_bytes(n: usize) -> Vec<u8> {
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+#[test]
+fn serve_and_pipe_move_data_with_checksum() {
+    let state = tempfile::tempdir().unwrap();
+    let sink = start_sink();
+    let relay = Relay::start(state.path(), &[format!("127.0.0.1:{sink}")]);
+    let data = random_bytes(3 << 20);
+    let want = format!("{} {}\n", hex(&Sha256::digest(&data)), data.len());
+    let mut cmd = roam(state.path());
+    cmd.args([
+        "pipe",
+        &format!("127.0.0.1:{}", relay.port),
+        &sink.to_string(),
+    ]);
+    let (code, out, err) = run_with_input(cmd, data, Duration::from_secs(60));
+    assert_eq!(code, 0, "stderr: {err}");
+    assert_eq!(String::from_utf8_lossy(&out), want, "stderr: {err}");
+    assert!(
+        err.contains("trusting relay"),
+        "first use is announced: {err}"
+    );
+    let known = std::fs::read_to_string(state.path().join("known_servers")).unwrap();
+    assert!(
+        known.starts_with(&format!("127.0.0.1:{} ", relay.port)),
+        "{known}"
+    );
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(state.path().join("server.key"))
+            .unwrap()
+            .permissions(),
+    );
+    assert_eq!(mode & 0o777, 0o600);
+}
+
+#[test]
+fn disallowed_target_is_refused_with_message() {
+    let state = tempfile::tempdir().unwrap();
+    let sink = start_sink();
+    let relay = Relay::start(state.path(), &[]); // default: 127.0.0.1:22 only
+    let mut cmd = roam(state.path());
+    cmd.args([
+        "pipe",
+        "--no-fallback",
+        &format!("127.0.0.1:{}", relay.port),
+        &sink.to_string(),
+    ]);
+    let (code, out, err) = run_with_input(cmd, b"hello".to_vec(), Duration::from_secs(30));
+    assert_ne!(code, 0);
+    assert!(out.is_empty());
+    assert!(
+        err.contains(&format!(
+            "relay refused target 127.0.0.1:{sink}: not allowed"
+        )),
+        "client said: {err}"
+    );
+    let line = relay.wait_for("refused stream", Duration::from_secs(10));
+    assert!(
+        line.contains(&format!("127.0.0.1:{sink}")) && line.contains("--allow"),
+        "{line}"
+    );
+}
+
+#[test]
+fn status_json_lists_live_sessions() {
+    let state = tempfile::tempdir().unwrap();
+    let echo = start_echo();
+    let relay = Relay::start(state.path(), &[format!("127.0.0.1:{echo}")]);
+    let mut cmd = roam(state.path());
+    cmd.args([
+        "pipe",
+        &format!("127.0.0.1:{}", relay.port),
+        &echo.to_string(),
+    ]);
+    let mut pipe = Guard(
+        cmd.stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    // Prove the stream is up: one line echoed back.
+    let mut stdin = pipe.0.stdin.take().unwrap();
+    stdin.write_all(b"ping\n").unwrap();
+    let mut line = String::new();
+    BufReader::new(pipe.0.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line, "ping\n");
+
+    let out = roam(state.path())
+        .args(["status", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let procs = v.as_array().unwrap();
+    let pipe_proc = procs
+        .iter()
+        .find(|p| p["command"].as_str().unwrap_or("").starts_with("pipe"))
+        .unwrap_or_else(|| panic!("no pipe process in {v}"));
+    let s = &pipe_proc["sessions"][0];
+    assert_eq!(s["state"], "active", "{v}");
+    assert_eq!(s["role"], "client");
+    assert_eq!(s["peer_addr"], format!("127.0.0.1:{}", relay.port));
+    assert!(s["bytes_sent"].as_u64().unwrap() >= 5);
+    let serve_proc = procs
+        .iter()
+        .find(|p| p["command"].as_str().unwrap_or("").starts_with("serve"))
+        .unwrap();
+    assert_eq!(serve_proc["sessions"][0]["role"], "server", "{v}");
+
+    // Human-readable form too.
+    let text = roam(state.path()).arg("status").output().unwrap();
+    assert!(String::from_utf8_lossy(&text.stdout).contains("active"));
+    drop(stdin);
+}
+
+#[test]
+fn pipe_falls_back_to_direct_tcp_without_relay() {
+    let state = tempfile::tempdir().unwrap();
+    let sink = start_sink();
+    let no_relay = free_port();
+    let data = random_bytes(100_000);
+    let want = format!("{} {}\n", hex(&Sha256::digest(&data)), data.len());
+    let mut cmd = roam(state.path());
+    cmd.args(["pipe", &format!("127.0.0.1:{no_relay}"), &sink.to_string()]);
+    let (code, out, err) = run_with_input(cmd, data.clone(), Duration::from_secs(30));
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(String::from_utf8_lossy(&out), want);
+    assert!(err.contains("connecting directly"), "{err}");
+
+    let mut cmd = roam(state.path());
+    cmd.args([
+        "pipe",
+        "--no-fallback",
+        &format!("127.0.0.1:{no_relay}"),
+        &sink.to_string(),
+    ]);
+    let (code, _, err) = run_with_input(cmd, data, Duration::from_secs(30));
+    assert_ne!(code, 0);
+    assert!(err.contains("cannot reach"), "{err}");
+}
+
+#[test]
+fn demo_exits_zero() {
+    let state = tempfile::tempdir().unwrap();
+    let mut cmd = roam(state.path());
+    cmd.args(["demo", "--size", "2M"]);
+    let (code, out, err) = run_with_input(cmd, Vec::new(), Duration::from_secs(60));
+    let out = String::from_utf8_lossy(&out);
+    assert_eq!(code, 0, "stdout: {out}\nstderr: {err}");
+    assert!(
+        out.contains("RESUMED") && out.contains("exactly once"),
+        "{out}"
+    );
+}
+
+#[test]
+fn help_has_examples_everywhere() {
+    for sub in ["serve", "pipe", "forward", "status", "keygen", "demo"] {
+        let out = Command::new(BIN).args([sub, "--help"]).output().unwrap();
+        assert!(out.status.success());
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains("Examples:"),
+            "{sub} --help has examples"
+        );
+    }
+}
