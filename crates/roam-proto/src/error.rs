@@ -108,7 +108,7 @@ pub enum StreamError {
     Reset(u64),
     /// The session is closed.
     SessionClosed,
-    /// Too many open streams (the peer's limit, §8).
+    /// Too many open streams (the peer's limit, §6.5).
     TooManyStreams,
     /// Metadata longer than [`crate::frame::MAX_META_LEN`].
     MetaTooLong,

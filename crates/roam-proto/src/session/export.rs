@@ -385,6 +385,9 @@ impl Session {
                 return Err(RestoreError::Invalid("stream send offsets"));
             }
             self.send_buffered += s.send_buf.len() as u64;
+            if s.write_blocked {
+                self.write_waiters.push(id);
+            }
             self.streams.insert(id, s);
         }
         r.finish()

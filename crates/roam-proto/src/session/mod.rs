@@ -228,7 +228,12 @@ impl std::fmt::Debug for Session {
 }
 
 impl Session {
-    fn new(role: Role, config: Config) -> Self {
+    fn new(role: Role, mut config: Config) -> Self {
+        // Enforce exactly what we announce (§8): windows of at least one byte.
+        let p = config.params();
+        config.stream_window = p.stream_window;
+        config.session_window = p.session_window;
+        config.max_streams = p.max_streams;
         let resume_timeout = config.resume_timeout;
         let peer_stream_limit = config.params().max_streams;
         let conn_recv_max = config.session_window;
@@ -591,6 +596,7 @@ impl Session {
         self.pong_due = None;
         self.ack_deadline = None;
         self.ack_now = false;
+        self.unacked_bytes = 0;
         if self.state == State::Handshaking {
             // No session yet to preserve (first connect, or a server whose
             // client never finished the handshake): it ends here.
@@ -664,7 +670,8 @@ impl Session {
         // Nothing will be sent again: free every send buffer now. Received
         // bytes stay readable (a graceful close follows the data it ends).
         self.log.clear();
-        self.streams.retain(|_, s| !s.recv_buf.is_empty());
+        self.streams
+            .retain(|_, s| !s.recv_buf.is_empty() || (s.fin_received && !s.eof_delivered));
         for s in self.streams.values_mut() {
             s.send_buf = Default::default();
         }
@@ -755,11 +762,9 @@ impl Session {
             .min(session_room);
         let n = (data.len() as u64).min(room) as usize;
         s.send_buf.extend(&data[..n]);
-        if n < data.len() {
-            if !s.write_blocked {
-                s.write_blocked = true;
-                self.write_waiters.push(id.0);
-            }
+        if n < data.len() && !s.write_blocked {
+            s.write_blocked = true;
+            self.write_waiters.push(id.0);
         }
         self.send_buffered += n as u64;
         self.enqueue(id.0);
@@ -866,7 +871,8 @@ impl Session {
         if matches!(self.state, State::Closed | State::Closing) {
             return;
         }
-        if self.state == State::Handshaking && self.active.is_none() {
+        if self.state == State::Handshaking {
+            // Nothing established to close gracefully: abandon the handshake.
             self.finish(CloseReason::Local { code });
             return;
         }
@@ -881,7 +887,7 @@ impl Session {
 
     /// Server: announce the addresses this session's server can be reached at.
     pub fn set_addresses(&mut self, addrs: Vec<String>) {
-        if self.check_open().is_ok() {
+        if self.role == Role::Server && self.check_open().is_ok() {
             let addrs = addrs
                 .into_iter()
                 .filter(|a| a.len() <= crate::frame::MAX_TEXT_LEN)
@@ -893,7 +899,10 @@ impl Session {
 
     /// Server: ask the client to resume at `addr` (e.g. before this host drains).
     pub fn move_to(&mut self, addr: String) {
-        if self.check_open().is_ok() && addr.len() <= crate::frame::MAX_TEXT_LEN {
+        if self.role == Role::Server
+            && self.check_open().is_ok()
+            && addr.len() <= crate::frame::MAX_TEXT_LEN
+        {
             self.log.push_back(Entry::MoveTo(addr));
         }
     }

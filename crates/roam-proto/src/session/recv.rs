@@ -20,6 +20,9 @@ impl Session {
         t: &mut Transport,
         f: Frame<'_>,
     ) -> Result<(), Error> {
+        if self.state == State::Closed {
+            return Ok(()); // frames after a CLOSE in the same record
+        }
         match f {
             Frame::Ping { token } => self.pong_due = Some(token),
             Frame::Pong { token } => {

@@ -121,6 +121,7 @@ impl Session {
                 self.ack_sent = self.recv_seq;
                 self.ack_deadline = None;
                 self.ack_now = false;
+                self.unacked_bytes = 0;
                 t.sync_sent = true;
                 substantive = true;
             }

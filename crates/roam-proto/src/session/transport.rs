@@ -242,7 +242,7 @@ impl Session {
                         self.state = State::Active;
                         if !self.announce.is_empty() {
                             let addrs = self.announce.clone();
-                            self.log.push_back(super::Entry::Addresses(addrs));
+                            self.set_addresses(addrs);
                         }
                         if let (Some(session_id), Some(peer_key)) = (self.id, self.peer_key) {
                             self.events.push_back(Event::Connected {
