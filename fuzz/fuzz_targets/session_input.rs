@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use arbitrary::{Arbitrary, Unstructured};
 use libfuzzer_sys::fuzz_target;
 use roam_proto::{
-    parse_hello, ClientConfig, Config, Event, Keypair, ServerConfig, ServerTrust, Session,
+    parse_hello, ClientConfig, Config, Event, Keypair, ServerConfig, ServerTrust, Session, State,
     StreamId, TransportId,
 };
 
@@ -202,16 +202,9 @@ impl World {
                 eprintln!("{side:?} event: {event:?}");
             }
             if self.book(side).closed {
+                // `Event::Closed`: "no further events follow except `TransportClosed`".
                 assert!(
-                    matches!(
-                        event,
-                        Event::TransportClosed { .. }
-                            | Event::AddressesUpdated { .. }
-                            | Event::MoveRequested { .. }
-                            | Event::StreamOpened { .. }
-                            | Event::StreamReadable { .. }
-                            | Event::StreamReset { .. }
-                    ),
+                    matches!(event, Event::TransportClosed { .. }),
                     "{side:?}: event after Closed: {event:?}"
                 );
             }
@@ -222,6 +215,17 @@ impl World {
                 Event::Closed { .. } => self.book(side).closed = true,
                 _ => {}
             }
+        }
+        let state = match side {
+            Side::Client => Some(self.client.state()),
+            Side::Server => self.server.as_ref().map(Session::state),
+        };
+        if let Some(state) = state {
+            assert_eq!(
+                state == State::Closed,
+                self.book(side).closed,
+                "{side:?}: state {state:?} disagrees with the events"
+            );
         }
     }
 
