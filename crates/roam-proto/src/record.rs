@@ -75,7 +75,8 @@ impl RecordCipher {
             return Err(crate::Error::Decrypt);
         }
         let (ct, tag) = body.split_at_mut(body.len() - TAG_LEN);
-        let nonce = self.next_nonce()?;
+        // Exhausting the receive counter ends this transport, not the session.
+        let nonce = self.next_nonce().map_err(|_| crate::Error::Decrypt)?;
         self.aead
             .decrypt_in_place_detached(&nonce, &[], ct, aes_gcm::Tag::from_slice(tag))
             .map_err(|_| crate::Error::Decrypt)?;
