@@ -271,6 +271,8 @@ pub(crate) struct Driver {
     handoffs_open: bool,
     /// Announced `Closed` to the application already.
     closed_sent: bool,
+    /// Taken out by `SessionHandle::detach`: already out of the routing map.
+    detached: bool,
 }
 
 impl Driver {
@@ -285,7 +287,54 @@ impl Driver {
             shutting_down: false,
             handoffs_open: true,
             closed_sent: false,
+            detached: false,
         }
+    }
+
+    /// A driver for a restored session that has no connection yet (its
+    /// resume arrives as a handoff).
+    pub(crate) fn restored(inner: Arc<Inner>, kind: Kind) -> Self {
+        Self {
+            inner,
+            conns: Vec::new(),
+            kind,
+            scratch: Vec::new(),
+            send_buffered: 0,
+            give_up_at: None,
+            shutting_down: false,
+            handoffs_open: true,
+            closed_sent: false,
+            detached: false,
+        }
+    }
+
+    /// Exports the session for `SessionHandle::detach` and shuts this driver
+    /// down without closing the session: connections dropped, out of the
+    /// routing map (before the caller learns the result, so a resume that
+    /// arrives meanwhile goes to the caller's lookup, not to this driver).
+    fn detach(&mut self, sh: &mut Shared, now: std::time::Instant) -> Result<crate::Detached, roam_proto::ExportError> {
+        if sh.closed.is_some() {
+            return Err(roam_proto::ExportError::Closed);
+        }
+        let blob = sh.session.export(now)?;
+        let detached = crate::Detached {
+            blob,
+            unaccepted: sh.incoming.drain(..).collect(),
+            orphans: sh.orphans.iter().copied().collect(),
+        };
+        sh.closed = Some(roam_proto::CloseReason::Local {
+            code: roam_proto::code::NO_ERROR,
+        });
+        sh.wake_all();
+        self.closed_sent = true;
+        self.detached = true;
+        self.conns.clear();
+        if let Kind::Server(s) = &self.kind {
+            s.registry.remove(&s.id);
+        }
+        tracing::debug!("session {} detached", id_text(sh));
+        let _ = self.inner.events.send(SessionEvent::Detached);
+        Ok(detached)
     }
 
     /// Feeds bytes that arrived with the hello (server) before the loop starts.
@@ -324,6 +373,14 @@ impl Driver {
         let std_now = now.into_std();
         let inner = self.inner.clone();
         let mut sh = inner.lock();
+        if let Some(reply) = sh.detach.take() {
+            let result = self.detach(&mut sh, std_now);
+            let done = result.is_ok();
+            let _ = reply.send(result);
+            if done {
+                return (None, true, None);
+            }
+        }
         if sh.session.poll_timeout().is_some_and(|t| t <= std_now) {
             // Input that arrived while this task was busy or descheduled
             // counts as life: take it before the silence timer can fire.
@@ -772,7 +829,9 @@ impl Driver {
         drop(sh);
         self.conns.clear();
         if let Kind::Server(s) = &self.kind {
-            s.registry.remove(&s.id);
+            if !self.detached {
+                s.registry.remove(&s.id);
+            }
         }
     }
 }

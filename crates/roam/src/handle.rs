@@ -11,8 +11,10 @@ use std::time::Duration;
 use roam_proto::{
     CloseReason, PublicKey, Role, Session, SessionId, State, StreamId, SuspendReason,
 };
-use tokio::sync::{broadcast, Notify};
+use roam_proto::{ExportError, StreamError};
+use tokio::sync::{broadcast, oneshot, Notify};
 
+use crate::detach::Detached;
 use crate::stream::RoamStream;
 use crate::Error;
 
@@ -63,6 +65,9 @@ pub enum SessionEvent {
         /// Why.
         reason: CloseReason,
     },
+    /// The session was taken out of its driver by
+    /// [`SessionHandle::detach`]: it lives on only in the continuation.
+    Detached,
 }
 
 /// A snapshot of a session for status displays.
@@ -125,6 +130,8 @@ pub(crate) struct Shared {
     pub(crate) resets: HashMap<StreamId, u64>,
     /// The application asked for an immediate re-dial.
     pub(crate) redial_requested: bool,
+    /// [`SessionHandle::detach`] is waiting for the driver to export and stop.
+    pub(crate) detach: Option<oneshot::Sender<Result<Detached, ExportError>>>,
 }
 
 impl Shared {
@@ -143,6 +150,7 @@ impl Shared {
             abandoned: false,
             redial_requested: false,
             resets: HashMap::new(),
+            detach: None,
         }
     }
 
@@ -366,5 +374,49 @@ impl SessionHandle {
     /// Whether the session is over.
     pub fn is_closed(&self) -> bool {
         self.inner().lock().closed.is_some()
+    }
+
+    /// Takes the session out of its driver as a continuation (PROTOCOL.md
+    /// §13): the driver exports the session, drops its connections (the peer
+    /// sees its transport end and starts resuming), leaves the server's
+    /// routing map and stops. Every handle and stream of the session then
+    /// fails as closed, and nothing they do reaches the peer; drop them to
+    /// free the session's memory. Works while the session is active or
+    /// suspended.
+    ///
+    /// A server puts the session back with
+    /// [`serve_with_restore`](crate::serve_with_restore) when its client
+    /// resumes. Errors: `NotEstablished` during the first handshake,
+    /// `Closed` once the session is over.
+    pub async fn detach(&self) -> Result<Detached, ExportError> {
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut sh = self.inner().lock();
+            if sh.closed.is_some() {
+                return Err(ExportError::Closed);
+            }
+            sh.detach = Some(tx);
+        }
+        self.inner().notify.notify_one();
+        rx.await.unwrap_or(Err(ExportError::Closed))
+    }
+
+    /// A handle to a stream the session already holds, e.g. after a restore
+    /// (the continuation records stream ids, not handles). Takes the stream
+    /// out of the `accept_stream` queue if it was waiting there and stops
+    /// discarding its input if its earlier handle was dropped. Keep at most
+    /// one handle per stream: two would interleave reads and writes.
+    pub fn stream(&self, id: StreamId) -> Result<RoamStream, Error> {
+        let mut sh = self.inner().lock();
+        if let Some(reason) = &sh.closed {
+            return Err(Error::Closed(reason.clone()));
+        }
+        if sh.session.stream_meta(id).is_none() {
+            return Err(Error::Stream(StreamError::UnknownStream));
+        }
+        sh.incoming.retain(|s| *s != id);
+        sh.orphans.remove(&id);
+        drop(sh);
+        Ok(RoamStream::new(self.guard.clone(), id))
     }
 }

@@ -51,6 +51,7 @@
 
 mod client;
 mod config;
+mod detach;
 mod driver;
 mod error;
 mod handle;
@@ -61,10 +62,11 @@ mod stream;
 
 pub use client::connect;
 pub use config::{ClientConfig, ServerConfig};
+pub use detach::{Detached, LookupResult, OnInstalled, Restored};
 pub use error::Error;
 pub use handle::{SessionEvent, SessionHandle, SessionStats};
 pub use netwatch::NetworkChanges;
-pub use server::serve;
+pub use server::{serve, serve_with_restore};
 pub use stream::RoamStream;
 
 /// Re-exported so applications need not depend on `roam-proto` for common types.

@@ -14,6 +14,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
+use crate::detach::{Lookup, LookupResult, Restored};
 use crate::driver::{reject, Conn, Driver, Handoff, Kind, OnSession, ServerSide};
 use crate::handle::{Inner, SessionHandle};
 use crate::ServerConfig;
@@ -51,6 +52,8 @@ struct Ctx {
     on_session: OnSession,
     shutdown: watch::Receiver<bool>,
     running: mpsc::Sender<()>,
+    /// Asked about resumes for sessions not in the registry (continuations).
+    lookup: Option<Lookup>,
 }
 
 /// Runs a roam server on `listener` until `shutdown` completes.
@@ -69,6 +72,39 @@ pub async fn serve<F>(
 where
     F: Fn(SessionHandle) + Send + Sync + 'static,
 {
+    serve_inner(listener, config, shutdown, Arc::new(on_session), None).await
+}
+
+/// [`serve`], plus a `lookup` asked whenever a resume names a session that
+/// is not in the routing map — one taken out with
+/// [`SessionHandle::detach`] and kept as a continuation (PROTOCOL.md §13),
+/// possibly by an earlier process. See [`LookupResult`] for its answers; a
+/// session it returns is installed (routing map, new driver), its
+/// [`Restored::on_installed`] gets the handle, and the resume proceeds on it.
+/// `on_session` still sees only new sessions.
+pub async fn serve_with_restore<F, L, Fut>(
+    listener: TcpListener,
+    config: ServerConfig,
+    shutdown: impl Future<Output = ()>,
+    on_session: F,
+    lookup: L,
+) -> io::Result<()>
+where
+    F: Fn(SessionHandle) + Send + Sync + 'static,
+    L: Fn(SessionId) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = LookupResult> + Send + 'static,
+{
+    let lookup: Lookup = Arc::new(move |id| Box::pin(lookup(id)));
+    serve_inner(listener, config, shutdown, Arc::new(on_session), Some(lookup)).await
+}
+
+async fn serve_inner(
+    listener: TcpListener,
+    config: ServerConfig,
+    shutdown: impl Future<Output = ()>,
+    on_session: OnSession,
+    lookup: Option<Lookup>,
+) -> io::Result<()> {
     let limit = Arc::new(Semaphore::new(config.max_connections.max(1)));
     let (stop_tx, stop_rx) = watch::channel(false);
     let (running_tx, mut running_rx) = mpsc::channel::<()>(1);
@@ -76,9 +112,10 @@ where
     let ctx = Arc::new(Ctx {
         config,
         registry: Arc::new(Registry::default()),
-        on_session: Arc::new(on_session),
+        on_session,
         shutdown: stop_rx,
         running: running_tx,
+        lookup,
     });
     tokio::pin!(shutdown);
     let result = loop {
@@ -167,23 +204,43 @@ async fn handle_connection(
     let rest = buf[used..].to_vec();
     match hello.resume_session() {
         Some(id) => {
-            let Some(tx) = ctx.registry.get(&id) else {
-                tracing::info!("refused resume from {peer}: no session {id} (expired, closed or server restarted)");
-                reject(sock, hello, roam_proto::Error::UnknownSession).await;
-                return;
+            let mut h = Handoff {
+                sock,
+                hello,
+                rest,
+                peer,
+                permit,
             };
-            if let Err(mpsc::error::SendError(h)) = tx
-                .send(Handoff {
-                    sock,
-                    hello,
-                    rest,
-                    peer,
-                    permit,
-                })
-                .await
-            {
-                reject(h.sock, h.hello, roam_proto::Error::UnknownSession).await;
+            // Registry first; on a miss (or a driver that just stopped) ask
+            // the lookup once, then look again: the lookup may have waited
+            // for another connection to install the session.
+            let mut asked = false;
+            loop {
+                if let Some(tx) = ctx.registry.get(&id) {
+                    match tx.send(h).await {
+                        Ok(()) => return,
+                        Err(mpsc::error::SendError(back)) => h = back,
+                    }
+                }
+                let Some(lookup) = ctx.lookup.as_ref().filter(|_| !asked) else {
+                    break;
+                };
+                asked = true;
+                match lookup(id).await {
+                    Ok(Some(restored)) => {
+                        install(&ctx, id, restored, h).await;
+                        return;
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        tracing::info!("refused resume of session {id} from {peer}: {e}");
+                        reject(h.sock, h.hello, e).await;
+                        return;
+                    }
+                }
             }
+            tracing::info!("refused resume from {peer}: no session {id} (expired, closed or server restarted)");
+            reject(h.sock, h.hello, roam_proto::Error::UnknownSession).await;
         }
         None => {
             if ctx.registry.len() >= ctx.config.max_sessions {
@@ -227,4 +284,51 @@ async fn handle_connection(
             driver.run().await;
         }
     }
+}
+
+/// Puts a restored session into the routing map, queues the resume that
+/// asked for it, tells the caller its handle and runs its driver.
+async fn install(ctx: &Arc<Ctx>, id: SessionId, restored: Restored, h: Handoff) {
+    let (tx, rx) = mpsc::channel(HANDOFF_QUEUE);
+    {
+        let mut reg = ctx.registry.lock();
+        if let Some(existing) = reg.get(&id).cloned() {
+            // Installed by another connection meanwhile: that copy wins.
+            drop(reg);
+            tracing::warn!("session {id} restored twice; keeping the first");
+            if let Err(mpsc::error::SendError(h)) = existing.send(h).await {
+                reject(h.sock, h.hello, roam_proto::Error::UnknownSession).await;
+            }
+            return;
+        }
+        reg.insert(id, tx.clone());
+    }
+    // A fresh channel has room for the first handoff.
+    let _ = tx.try_send(h);
+    drop(tx);
+    let Restored {
+        session,
+        unaccepted,
+        orphans,
+        on_installed,
+    } = restored;
+    let inner = Inner::new(session);
+    {
+        let mut sh = inner.lock();
+        sh.connected = true;
+        sh.incoming.extend(unaccepted);
+        sh.orphans.extend(orphans);
+    }
+    on_installed(SessionHandle::new(inner.clone()));
+    let side = ServerSide {
+        id,
+        handoffs: rx,
+        registry: ctx.registry.clone(),
+        on_session: ctx.on_session.clone(),
+        shutdown: ctx.shutdown.clone(),
+        shutdown_grace: ctx.config.shutdown_grace,
+        _running: ctx.running.clone(),
+    };
+    tracing::debug!("restored session {id}");
+    Driver::restored(inner, Kind::Server(side)).run().await;
 }

@@ -428,9 +428,13 @@ pub(crate) fn roam_command(place: Place<'_>, state: &std::path::Path) -> Command
         Some((pair, side)) => pair.command(side, roam_bin()),
         None => Command::new(roam_bin()),
     };
-    c.env("ROAM_STATE_DIR", state)
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null());
+    c.env("ROAM_STATE_DIR", state).stdin(Stdio::null());
+    // `ROAM_FAULT_RUST_LOG=debug` turns up the children's logging (see
+    // `ROAM_FAULT_VERBOSE` to echo it); an inherited RUST_LOG is ignored.
+    match std::env::var_os("ROAM_FAULT_RUST_LOG") {
+        Some(level) => c.env("RUST_LOG", level),
+        None => c.env_remove("RUST_LOG"),
+    };
     c
 }
 
@@ -542,4 +546,94 @@ pub(crate) fn check_bulk(client: ClientTransfer, target: Target, len: u64) {
 /// `Some(reason)` when this test must skip (not root, no netns support).
 pub(crate) fn netns_skip_reason() -> Option<String> {
     roam_sim::netns::available().err()
+}
+
+/// Times how long a session takes to come back after a fault ends: until the
+/// client logs a resume, and until bytes flow again each way.
+pub(crate) struct Resumption {
+    start: Instant,
+    log_lines: usize,
+    down0: u64,
+    up0: Option<u64>,
+}
+
+/// What [`Resumption::wait`] measured (`None`: not within the limit).
+#[derive(Debug)]
+pub(crate) struct Resumed {
+    /// Until the client logged "resumed".
+    pub(crate) session: Option<Duration>,
+    /// Until the client received more.
+    pub(crate) down: Option<Duration>,
+    /// Until the target received more (outer `None`: not tracked).
+    pub(crate) up: Option<Option<Duration>>,
+}
+
+impl std::fmt::Display for Resumed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ms = |d: Option<Duration>| {
+            d.map_or("never".to_string(), |d| format!("{} ms", d.as_millis()))
+        };
+        write!(
+            f,
+            "session resumed after {}, bytes flowing to the client after {}",
+            ms(self.session),
+            ms(self.down)
+        )?;
+        if let Some(up) = self.up {
+            write!(f, ", to the target after {}", ms(up))?;
+        }
+        Ok(())
+    }
+}
+
+impl Resumption {
+    /// Starts the clock now. `client_log` is the process whose stderr
+    /// carries roam's client log (the pipe, or ssh running it); `up` is
+    /// tracked if given.
+    pub(crate) fn start(client_log: &Proc, down: &Progress, up: Option<&Progress>) -> Resumption {
+        Resumption {
+            start: Instant::now(),
+            log_lines: client_log.log.lock().unwrap().len(),
+            down0: down.get(),
+            up0: up.map(Progress::get),
+        }
+    }
+
+    /// Waits (at most `limit`) until all of it happened.
+    pub(crate) fn wait(
+        &self,
+        client_log: &Proc,
+        down: &Progress,
+        up: Option<&Progress>,
+        limit: Duration,
+    ) -> Resumed {
+        let mut r = Resumed {
+            session: None,
+            down: None,
+            up: self.up0.map(|_| None),
+        };
+        let done = |r: &Resumed| {
+            r.session.is_some() && r.down.is_some() && r.up.is_none_or(|u| u.is_some())
+        };
+        while self.start.elapsed() < limit && !done(&r) {
+            let now = self.start.elapsed();
+            if r.session.is_none()
+                && client_log.log.lock().unwrap()[self.log_lines..]
+                    .iter()
+                    .any(|l| l.contains(" resumed "))
+            {
+                r.session = Some(now);
+            }
+            if r.down.is_none() && down.get() > self.down0 {
+                r.down = Some(now);
+            }
+            if let (Some(None), Some(up), Some(up0)) = (r.up, up, self.up0) {
+                if up.get() > up0 {
+                    r.up = Some(Some(now));
+                }
+            }
+            thread::sleep(Duration::from_millis(2));
+        }
+        r
+    }
 }
