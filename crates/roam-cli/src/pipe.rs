@@ -46,8 +46,10 @@ pub(crate) async fn run(args: PipeArgs, config: &FileConfig) -> CliResult {
     Ok(0)
 }
 
-/// Copies stdin → `wr` and `rd` → stdout. Done when the remote side ends
-/// (end-of-stream or error); stdin reaching its end only finishes our direction.
+/// Copies stdin → `wr` and `rd` → stdout. Each direction ends on its own: the
+/// remote finishing its side (half-close) does not stop the upload, and stdin
+/// reaching its end only finishes ours. Done when both are done, or when the
+/// remote side fails (reset).
 async fn shuttle<R, W>(rd: R, mut wr: W) -> std::io::Result<()>
 where
     R: AsyncRead + Unpin,
@@ -68,7 +70,16 @@ where
     tokio::pin!(up);
     tokio::pin!(down);
     tokio::select! {
-        r = &mut down => r,
+        r = &mut down => {
+            r?;
+            // The remote finished sending; keep uploading until stdin ends or
+            // the remote refuses more (a reset surfaces as a write error,
+            // which after the remote's end is no failure of ours).
+            if let Err(e) = up.await {
+                tracing::debug!("upload after the remote finished: {e}");
+            }
+            Ok(())
+        }
         r = &mut up => {
             if let Err(e) = r {
                 tracing::debug!("stdin: {e}");

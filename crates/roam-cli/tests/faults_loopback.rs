@@ -157,8 +157,7 @@ fn suspended_past_timeout_expires_cleanly() {
     let relay_reason = relay
         .log()
         .lines()
-        .filter(|l| l.contains("closed"))
-        .last()
+        .rfind(|l| l.contains("closed"))
         .unwrap_or_default()
         .to_string();
     eprintln!("expiry: relay says: {relay_reason}");
@@ -190,8 +189,6 @@ fn suspended_past_timeout_expires_cleanly() {
 /// sending side while the client is still uploading. `roam pipe` must keep
 /// uploading until its stdin ends, as a TCP connection would.
 #[test]
-#[ignore = "roam pipe returns as soon as the remote side half-closes and drops the rest of stdin \
-            (crates/roam-cli/src/pipe.rs, shuttle); run with --ignored once fixed"]
 fn half_close_keeps_the_other_direction() {
     let wd = Watchdog::new(
         "half_close_keeps_the_other_direction",
@@ -225,5 +222,66 @@ fn half_close_keeps_the_other_direction() {
         status.is_some_and(|s| s.success()),
         "roam pipe: {status:?}; stderr:\n{}",
         pipe.log()
+    );
+}
+
+/// The path dies silently mid-transfer while a new one works (the proxy
+/// black-holes the current connection only): both ends declare it dead
+/// after their 5 s of silence, and the client's first re-dial must resume
+/// the session at once. (On the loopback the dead connection's kernel
+/// buffers absorb roam's in-flight window; `faults_netns`'s server move
+/// covers the case where they do not.)
+#[test]
+fn silent_path_loss_resumes_on_first_redial() {
+    let wd = Watchdog::new(
+        "silent_path_loss_resumes_on_first_redial",
+        Duration::from_secs(120),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let len = 64 << 20;
+    // Fast enough to fill the kernel buffers behind the dead path.
+    let rate = 8 << 20;
+    let target_listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let target_addr = target_listener.local_addr().unwrap();
+    let target = Target::start(target_listener, UP_SEED, DOWN_SEED, len, Some(rate), false);
+    let (relay, relay_addr) = start_relay(
+        None,
+        dir.path(),
+        "127.0.0.1:0",
+        &target_addr.to_string(),
+        &[],
+    );
+    wd.watch(&relay);
+    let proxy = FaultProxy::spawn(relay_addr).unwrap();
+    let mut pipe = start_pipe(
+        None,
+        dir.path(),
+        &proxy.addr().to_string(),
+        &target_addr.to_string(),
+    );
+    wd.watch(&pipe);
+    let client = ClientTransfer::start(&mut pipe, len, Some(rate));
+    assert!(client.received.wait_for(4 << 20, Duration::from_secs(30)));
+    let r = Resumption::start(&pipe, &client.received, Some(&target.up));
+    proxy.blackhole_current();
+    let resumed = r.wait(
+        &pipe,
+        &client.received,
+        Some(&target.up),
+        Duration::from_secs(60),
+    );
+    eprintln!("silent path loss: {resumed}");
+    let status = pipe.wait_timeout(Duration::from_secs(60));
+    check_bulk(client, target, len);
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "roam pipe: {status:?}; stderr:\n{}",
+        pipe.log()
+    );
+    let session = resumed.session.expect("never resumed");
+    // 5 s of silence before the transport is declared dead, then one dial.
+    assert!(
+        session < Duration::from_secs(8),
+        "resumed only after {session:?}"
     );
 }

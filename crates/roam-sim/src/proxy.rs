@@ -15,6 +15,9 @@
 //!   upstream connection until the hole is lifted;
 //! - [`set_delay`](FaultProxy::set_delay): add one-way latency to every chunk,
 //!   preserving order;
+//! - [`blackhole_current`](FaultProxy::blackhole_current): silence every
+//!   current connection for good while new ones work (the old path died
+//!   quietly, a new one exists: an address change, a NAT rebinding);
 //! - [`refuse`](FaultProxy::refuse): reset new connections right after accept;
 //! - [`reset_every`](FaultProxy::reset_every): periodic chaos, a
 //!   [`reset_all`](FaultProxy::reset_all) every period.
@@ -59,6 +62,8 @@ pub struct ProxyStats {
     pub active: u64,
     /// Connections aborted by [`FaultProxy::reset_all`] or chaos mode.
     pub resets: u64,
+    /// Connections stalled for good by [`FaultProxy::blackhole_current`].
+    pub stalled: u64,
     /// Times chaos mode ([`FaultProxy::reset_every`]) fired.
     pub chaos_rounds: u64,
     /// Bytes delivered from clients to the upstream.
@@ -75,6 +80,9 @@ struct Shared {
     /// Bumped by every reset; each connection resets on a change it did not
     /// see at accept time.
     reset_gen: watch::Sender<u64>,
+    /// Bumped by [`FaultProxy::blackhole_current`]; each connection stalls
+    /// for good on a change it did not see at accept time.
+    stall_gen: watch::Sender<u64>,
     /// Chaos period; `None` disables chaos mode.
     chaos: watch::Sender<Option<Duration>>,
     /// `true` makes the accept loop reset new connections.
@@ -85,6 +93,7 @@ struct Shared {
     refused: AtomicU64,
     active: AtomicU64,
     resets: AtomicU64,
+    stalled: AtomicU64,
     chaos_rounds: AtomicU64,
     bytes_up: AtomicU64,
     bytes_down: AtomicU64,
@@ -96,6 +105,7 @@ impl Shared {
             upstream,
             blackhole: watch::Sender::new(false),
             reset_gen: watch::Sender::new(0),
+            stall_gen: watch::Sender::new(0),
             chaos: watch::Sender::new(None),
             refuse: watch::Sender::new(false),
             delay_ns: AtomicU64::new(0),
@@ -103,6 +113,7 @@ impl Shared {
             refused: AtomicU64::new(0),
             active: AtomicU64::new(0),
             resets: AtomicU64::new(0),
+            stalled: AtomicU64::new(0),
             chaos_rounds: AtomicU64::new(0),
             bytes_up: AtomicU64::new(0),
             bytes_down: AtomicU64::new(0),
@@ -253,6 +264,15 @@ impl FaultProxy {
         self.shared.blackhole.send_replace(on);
     }
 
+    /// Black-holes every current connection for good, while new connections
+    /// work normally: the path an endpoint was using died silently (its
+    /// address went away, a NAT forgot it), but a new path is there. Bytes
+    /// queued in the proxy are dropped; the sockets stay open, silent, until
+    /// [`reset_all`](Self::reset_all) or the proxy stops.
+    pub fn blackhole_current(&self) {
+        self.shared.stall_gen.send_modify(|g| *g += 1);
+    }
+
     /// Sets the one-way latency added to every chunk from now on, in both
     /// directions. Order is preserved; [`Duration::ZERO`] turns it off.
     pub fn set_delay(&self, delay: Duration) {
@@ -281,6 +301,7 @@ impl FaultProxy {
             refused: s.refused.load(Ordering::Relaxed),
             active: s.active.load(Ordering::Relaxed),
             resets: s.resets.load(Ordering::Relaxed),
+            stalled: s.stalled.load(Ordering::Relaxed),
             chaos_rounds: s.chaos_rounds.load(Ordering::Relaxed),
             bytes_up: s.bytes_up.load(Ordering::Relaxed),
             bytes_down: s.bytes_down.load(Ordering::Relaxed),
@@ -325,13 +346,17 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, mut stop: watch
             continue;
         }
         let _ = client.set_nodelay(true);
-        let mut reset_rx = shared.reset_gen.subscribe();
-        reset_rx.borrow_and_update();
+        let mut signals = Signals {
+            reset: shared.reset_gen.subscribe(),
+            stall: shared.stall_gen.subscribe(),
+            stop: stop.clone(),
+        };
+        signals.reset.borrow_and_update();
+        signals.stall.borrow_and_update();
         shared.active.fetch_add(1, Ordering::Relaxed);
         let shared2 = shared.clone();
-        let stop2 = stop.clone();
         tokio::spawn(async move {
-            connection(client, &shared2, reset_rx, stop2).await;
+            connection(client, &shared2, signals).await;
             shared2.active.fetch_sub(1, Ordering::Relaxed);
         });
     }
@@ -365,14 +390,33 @@ enum End {
     Abort,
     /// The proxy is shutting down.
     Shutdown,
+    /// [`FaultProxy::blackhole_current`]: hold both sockets, silent.
+    Stall,
 }
 
-async fn connection(
-    mut client: TcpStream,
-    shared: &Shared,
-    mut reset_rx: watch::Receiver<u64>,
-    mut stop: watch::Receiver<()>,
-) {
+/// What one connection task listens to besides its sockets.
+struct Signals {
+    reset: watch::Receiver<u64>,
+    stall: watch::Receiver<u64>,
+    stop: watch::Receiver<()>,
+}
+
+impl Signals {
+    /// Holds a stalled connection's sockets until a reset (then RST) or the
+    /// proxy stops.
+    async fn hold_stalled(&mut self, shared: &Shared, socks: &[&TcpStream]) {
+        shared.stalled.fetch_add(1, Ordering::Relaxed);
+        tokio::select! {
+            _ = self.reset.changed() => {
+                shared.resets.fetch_add(1, Ordering::Relaxed);
+                socks.iter().for_each(|s| rst(s));
+            }
+            _ = self.stop.changed() => {}
+        }
+    }
+}
+
+async fn connection(mut client: TcpStream, shared: &Shared, mut sig: Signals) {
     // A black hole swallows SYNs too: do not connect upstream until lifted.
     let mut hole = shared.blackhole.subscribe();
     let upstream = tokio::select! {
@@ -380,12 +424,16 @@ async fn connection(
             wait_open(&mut hole).await;
             TcpStream::connect(shared.upstream).await
         } => r,
-        _ = reset_rx.changed() => {
+        _ = sig.reset.changed() => {
             shared.resets.fetch_add(1, Ordering::Relaxed);
             rst(&client);
             return;
         }
-        _ = stop.changed() => return,
+        _ = sig.stall.changed() => {
+            sig.hold_stalled(shared, &[&client]).await;
+            return;
+        }
+        _ = sig.stop.changed() => return,
     };
     let mut upstream = match upstream {
         Ok(u) => u,
@@ -408,11 +456,12 @@ async fn connection(
                 Ok(_) => End::Clean,
                 Err(_) => End::Abort,
             },
-            _ = reset_rx.changed() => {
+            _ = sig.reset.changed() => {
                 shared.resets.fetch_add(1, Ordering::Relaxed);
                 End::Abort
             }
-            _ = stop.changed() => End::Shutdown,
+            _ = sig.stall.changed() => End::Stall,
+            _ = sig.stop.changed() => End::Shutdown,
         }
     };
     match end {
@@ -421,6 +470,7 @@ async fn connection(
             rst(&client);
             rst(&upstream);
         }
+        End::Stall => sig.hold_stalled(shared, &[&client, &upstream]).await,
     }
 }
 
@@ -597,6 +647,35 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(&b, b"new");
+    }
+
+    #[tokio::test]
+    async fn blackhole_current_spares_new_connections() {
+        let (echo, _stop) = echo_server().await.unwrap();
+        let proxy = FaultProxy::start(echo).await.unwrap();
+        let mut old = TcpStream::connect(proxy.addr()).await.unwrap();
+        let mut b = [0u8; 3];
+        old.write_all(b"old").await.unwrap();
+        old.read_exact(&mut b).await.unwrap();
+        proxy.blackhole_current();
+        old.write_all(b"two").await.unwrap();
+        let stalled =
+            tokio::time::timeout(Duration::from_millis(300), old.read_exact(&mut b)).await;
+        assert!(stalled.is_err(), "a stalled connection forwarded data");
+        let mut new = TcpStream::connect(proxy.addr()).await.unwrap();
+        new.write_all(b"new").await.unwrap();
+        tokio::time::timeout(Duration::from_secs(5), new.read_exact(&mut b))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(&b, b"new");
+        assert_eq!(proxy.stats().stalled, 1);
+        // A reset still reaches the stalled connection.
+        proxy.reset_all();
+        let r = tokio::time::timeout(Duration::from_secs(5), old.read(&mut b))
+            .await
+            .unwrap();
+        assert_eq!(r.unwrap_err().kind(), io::ErrorKind::ConnectionReset);
     }
 
     #[tokio::test]

@@ -312,7 +312,11 @@ impl Driver {
     /// down without closing the session: connections dropped, out of the
     /// routing map (before the caller learns the result, so a resume that
     /// arrives meanwhile goes to the caller's lookup, not to this driver).
-    fn detach(&mut self, sh: &mut Shared, now: std::time::Instant) -> Result<crate::Detached, roam_proto::ExportError> {
+    fn detach(
+        &mut self,
+        sh: &mut Shared,
+        now: std::time::Instant,
+    ) -> Result<crate::Detached, roam_proto::ExportError> {
         if sh.closed.is_some() {
             return Err(roam_proto::ExportError::Closed);
         }
@@ -513,7 +517,13 @@ impl Driver {
 
     fn transmit(&mut self, sh: &mut Shared, now: std::time::Instant) {
         loop {
-            if self.conns.iter().any(|c| c.unwritten() >= WRITE_LOW_WATER) {
+            // A retiring (dead or replaced) connection must not hold back the
+            // others: its unwritten bytes may never drain.
+            if self
+                .conns
+                .iter()
+                .any(|c| c.retire_by.is_none() && c.unwritten() >= WRITE_LOW_WATER)
+            {
                 break;
             }
             self.scratch.clear();

@@ -95,7 +95,14 @@ where
     Fut: Future<Output = LookupResult> + Send + 'static,
 {
     let lookup: Lookup = Arc::new(move |id| Box::pin(lookup(id)));
-    serve_inner(listener, config, shutdown, Arc::new(on_session), Some(lookup)).await
+    serve_inner(
+        listener,
+        config,
+        shutdown,
+        Arc::new(on_session),
+        Some(lookup),
+    )
+    .await
 }
 
 async fn serve_inner(
@@ -239,7 +246,9 @@ async fn handle_connection(
                     }
                 }
             }
-            tracing::info!("refused resume from {peer}: no session {id} (expired, closed or server restarted)");
+            tracing::info!(
+                "refused resume from {peer}: no session {id} (expired, closed or server restarted)"
+            );
             reject(h.sock, h.hello, roam_proto::Error::UnknownSession).await;
         }
         None => {
@@ -290,18 +299,21 @@ async fn handle_connection(
 /// asked for it, tells the caller its handle and runs its driver.
 async fn install(ctx: &Arc<Ctx>, id: SessionId, restored: Restored, h: Handoff) {
     let (tx, rx) = mpsc::channel(HANDOFF_QUEUE);
-    {
+    let existing = {
         let mut reg = ctx.registry.lock();
-        if let Some(existing) = reg.get(&id).cloned() {
-            // Installed by another connection meanwhile: that copy wins.
-            drop(reg);
-            tracing::warn!("session {id} restored twice; keeping the first");
-            if let Err(mpsc::error::SendError(h)) = existing.send(h).await {
-                reject(h.sock, h.hello, roam_proto::Error::UnknownSession).await;
-            }
-            return;
+        let existing = reg.get(&id).cloned();
+        if existing.is_none() {
+            reg.insert(id, tx.clone());
         }
-        reg.insert(id, tx.clone());
+        existing
+    };
+    if let Some(existing) = existing {
+        // Installed by another connection meanwhile: that copy wins.
+        tracing::warn!("session {id} restored twice; keeping the first");
+        if let Err(mpsc::error::SendError(h)) = existing.send(h).await {
+            reject(h.sock, h.hello, roam_proto::Error::UnknownSession).await;
+        }
+        return;
     }
     // A fresh channel has room for the first handoff.
     let _ = tx.try_send(h);

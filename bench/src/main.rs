@@ -1,0 +1,547 @@
+//! # roam-bench — roam against the tools people use today, in one run
+//!
+//! Runs six scenarios (throughput, latency, set-up, failure detection and
+//! resume, memory, many sessions) against direct TCP, a socat relay, an
+//! `ssh -L` tunnel to a private sshd, and `roam forward` / `roam pipe`, all
+//! on 127.0.0.1, and writes `results.json`, `results.md` and PNG plots.
+//!
+//! ## Design
+//! - **One load generator** (`load`): a target process (sink, source, echo)
+//!   and client operations written once; a peer only decides how a
+//!   connection is made (`peers`), so every peer is driven by the same code.
+//! - **Same hops**: each relayed peer has a process next to the client and
+//!   one next to the target (`client → relay → server`).
+//! - **Ratios, not absolutes**: peers alternate within every cell of every
+//!   scenario (rotated order per round), so drift on a shared machine hits
+//!   them alike; reports give medians and roam/peer ratios from one run.
+//! - **Correctness first**: every transfer is checked (counts, payload,
+//!   echoes). A scenario that fails is recorded as `"status": "error"` and
+//!   the run exits non-zero; timing never fails a run.
+//! - **Bounded and clean**: every scenario has a time budget; every child
+//!   process is killed when its guard drops.
+//!
+//! Non-goals: absolute numbers comparable across machines; WAN emulation
+//! (this kernel has no netem; the fault proxy black-holes instead).
+
+#![forbid(unsafe_code)]
+
+mod agent;
+mod load;
+mod peers;
+mod plot;
+mod procs;
+mod report;
+mod scenarios;
+mod stats;
+
+use std::future::Future;
+use std::io;
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use clap::{Parser, Subcommand};
+use serde::Serialize;
+
+use crate::peers::{Env, Lab};
+use crate::scenarios::progress;
+
+/// Benchmark suite of roam: throughput, latency, set-up, resume, memory and
+/// many-session fairness against direct TCP, socat and ssh -L, on loopback.
+#[derive(Debug, Parser)]
+#[command(name = "roam-bench", version)]
+struct Cli {
+    #[command(subcommand)]
+    agent: Option<Top>,
+    /// CI smoke run: every scenario, short (about 2 minutes).
+    #[arg(long, conflicts_with_all = ["full", "self_check"])]
+    quick: bool,
+    /// Full run: more rounds, longer samples, 10,000-session memory.
+    #[arg(long, conflicts_with = "self_check")]
+    full: bool,
+    /// Tiny run of every scenario (tens of seconds): does the harness work?
+    #[arg(long)]
+    self_check: bool,
+    /// Output directory for results.json, results.md and the plots.
+    #[arg(long, default_value = "bench/out")]
+    out: PathBuf,
+    /// The roam binary [default: `roam` next to this binary].
+    #[arg(long)]
+    roam: Option<PathBuf>,
+    /// Only these scenarios (comma-separated): throughput, latency, setup,
+    /// resume, memory, many.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
+    /// Only these peers (comma-separated result names, e.g. socat,roam-forward);
+    /// for investigating one peer. Ratios against missing peers show as –.
+    #[arg(long, value_delimiter = ',')]
+    peers: Vec<String>,
+    /// Clients of the many-sessions scenario instead of the mode's 1,000.
+    #[arg(long)]
+    many_clients: Option<usize>,
+    /// Measuring window (seconds) of the many-sessions scenario instead of the mode's.
+    #[arg(long)]
+    many_seconds: Option<f64>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Top {
+    /// Internal: run a helper process (see the agent module).
+    #[command(subcommand, hide = true)]
+    Agent(agent::AgentCmd),
+}
+
+/// How much of everything a mode runs.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Plan {
+    pub(crate) mode: &'static str,
+    pub(crate) blocks: Vec<usize>,
+    pub(crate) tput_rounds: usize,
+    pub(crate) tput_seconds: f64,
+    pub(crate) lat_rounds: usize,
+    pub(crate) lat_iters: usize,
+    pub(crate) setup_samples: usize,
+    pub(crate) setup_process_samples: usize,
+    pub(crate) resume_rounds: usize,
+    pub(crate) stream_counts: Vec<usize>,
+    pub(crate) mem_counts: Vec<usize>,
+    pub(crate) many_clients: usize,
+    pub(crate) many_warmup_seconds: f64,
+    pub(crate) many_seconds: f64,
+    pub(crate) many_rounds: usize,
+}
+
+/// The write block sizes of scenario 1 (bytes).
+const BLOCKS: [usize; 6] = [1, 16, 100, 1000, 16 * 1024, 64 * 1024];
+
+impl Plan {
+    fn quick() -> Plan {
+        Plan {
+            mode: "quick",
+            blocks: BLOCKS.to_vec(),
+            tput_rounds: 1,
+            tput_seconds: 0.3,
+            lat_rounds: 1,
+            lat_iters: 1000,
+            setup_samples: 20,
+            setup_process_samples: 5,
+            resume_rounds: 1,
+            stream_counts: vec![1, 100, 1000, 10_000],
+            mem_counts: vec![1000],
+            many_clients: 1000,
+            many_warmup_seconds: 3.0,
+            many_seconds: 2.0,
+            many_rounds: 1,
+        }
+    }
+
+    fn full() -> Plan {
+        Plan {
+            mode: "full",
+            blocks: BLOCKS.to_vec(),
+            tput_rounds: 5,
+            tput_seconds: 2.0,
+            lat_rounds: 5,
+            lat_iters: 5000,
+            setup_samples: 200,
+            setup_process_samples: 30,
+            resume_rounds: 3,
+            stream_counts: vec![1, 100, 1000, 10_000],
+            mem_counts: vec![1000, 10_000],
+            many_clients: 1000,
+            many_warmup_seconds: 5.0,
+            many_seconds: 5.0,
+            many_rounds: 3,
+        }
+    }
+
+    fn self_check() -> Plan {
+        Plan {
+            mode: "self-check",
+            blocks: vec![1, 64 * 1024],
+            tput_rounds: 1,
+            tput_seconds: 0.1,
+            lat_rounds: 1,
+            lat_iters: 100,
+            setup_samples: 3,
+            setup_process_samples: 2,
+            resume_rounds: 1,
+            stream_counts: vec![1, 100],
+            mem_counts: vec![20],
+            many_clients: 20,
+            many_warmup_seconds: 0.2,
+            many_seconds: 0.3,
+            many_rounds: 1,
+        }
+    }
+
+    /// Time budget of one scenario; past it the scenario is an error.
+    fn budget(&self) -> Duration {
+        match self.mode {
+            "full" => Duration::from_secs(1800),
+            _ => Duration::from_secs(300),
+        }
+    }
+}
+
+/// What every scenario gets.
+pub(crate) struct Ctx {
+    pub(crate) plan: Plan,
+    pub(crate) env: Env,
+    /// The client key of library sessions (the relays accept any key).
+    pub(crate) keypair: roam::Keypair,
+    /// Open files allowed per process (children inherit it).
+    pub(crate) nofile: u64,
+    /// `--peers`: empty means all.
+    pub(crate) peers: Vec<String>,
+}
+
+impl Ctx {
+    /// Whether peer `name` takes part in this run.
+    pub(crate) fn wants(&self, name: &str) -> bool {
+        self.peers.is_empty() || self.peers.iter().any(|p| p == name)
+    }
+}
+
+/// A scenario's result as the report shows it.
+#[derive(Debug, Serialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub(crate) enum Outcome<T> {
+    Ok(T),
+    Error { error: String },
+    Skipped { why: String },
+}
+
+impl<T> Outcome<T> {
+    fn is_error(&self) -> bool {
+        matches!(self, Outcome::Error { .. })
+    }
+    pub(crate) fn ok(&self) -> Option<&T> {
+        match self {
+            Outcome::Ok(t) => Some(t),
+            _ => None,
+        }
+    }
+}
+
+/// When the run started (for progress lines).
+pub(crate) fn started() -> Instant {
+    static T: OnceLock<Instant> = OnceLock::new();
+    *T.get_or_init(Instant::now)
+}
+
+/// Every scenario's outcome.
+#[derive(Debug, Serialize)]
+pub(crate) struct Scenarios {
+    pub(crate) throughput: Outcome<scenarios::throughput::Throughput>,
+    pub(crate) latency: Outcome<scenarios::latency::Latency>,
+    pub(crate) setup: Outcome<scenarios::setup::Setup>,
+    pub(crate) resume: Outcome<scenarios::resume::Resume>,
+    pub(crate) memory: Outcome<scenarios::memory::Memory>,
+    pub(crate) many: Outcome<scenarios::many::Many>,
+}
+
+impl Scenarios {
+    fn errors(&self) -> Vec<&'static str> {
+        let mut v = Vec::new();
+        let s = self;
+        for (name, err) in [
+            ("throughput", s.throughput.is_error()),
+            ("latency", s.latency.is_error()),
+            ("setup", s.setup.is_error()),
+            ("resume", s.resume.is_error()),
+            ("memory", s.memory.is_error()),
+            ("many", s.many.is_error()),
+        ] {
+            if err {
+                v.push(name);
+            }
+        }
+        v
+    }
+}
+
+/// Runs one scenario on its own task, bounded by the plan's budget; errors,
+/// panics and time-outs become `Outcome::Error`.
+async fn scenario<T, F>(
+    name: &str,
+    only: &[String],
+    lab: &Result<Arc<Lab>, String>,
+    budget: Duration,
+    f: impl FnOnce(Arc<Lab>) -> F,
+) -> Outcome<T>
+where
+    F: Future<Output = io::Result<T>> + Send + 'static,
+    T: Send + 'static,
+{
+    if !only.is_empty() && !only.iter().any(|o| o == name) {
+        return Outcome::Skipped {
+            why: "not selected with --only".into(),
+        };
+    }
+    let lab = match lab {
+        Ok(l) => l.clone(),
+        Err(e) => {
+            return Outcome::Error {
+                error: format!("peers did not start: {e}"),
+            }
+        }
+    };
+    progress(&format!("scenario {name}: start"));
+    let task = tokio::spawn(f(lab));
+    let abort = task.abort_handle();
+    let out = match tokio::time::timeout(budget, task).await {
+        Err(_) => {
+            abort.abort();
+            Outcome::Error {
+                error: format!("did not finish within its budget of {budget:?}"),
+            }
+        }
+        Ok(Err(join)) => Outcome::Error {
+            error: format!("panicked: {join}"),
+        },
+        Ok(Ok(Err(e))) => Outcome::Error {
+            error: e.to_string(),
+        },
+        Ok(Ok(Ok(v))) => Outcome::Ok(v),
+    };
+    match &out {
+        Outcome::Error { error } => progress(&format!("scenario {name}: ERROR: {error}")),
+        _ => progress(&format!("scenario {name}: done")),
+    }
+    out
+}
+
+fn main() {
+    let cli = Cli::parse();
+    if let Some(Top::Agent(cmd)) = cli.agent {
+        std::process::exit(agent::run(cmd));
+    }
+    started();
+    let plan = if cli.full {
+        Plan::full()
+    } else if cli.self_check {
+        Plan::self_check()
+    } else {
+        Plan::quick()
+    };
+    let mut plan = plan;
+    if let Some(n) = cli.many_clients {
+        plan.many_clients = n.max(1);
+    }
+    if let Some(s) = cli.many_seconds {
+        plan.many_seconds = s.max(0.1);
+    }
+    let known = ["throughput", "latency", "setup", "resume", "memory", "many"];
+    if let Some(bad) = cli.only.iter().find(|o| !known.contains(&o.as_str())) {
+        eprintln!(
+            "roam-bench: unknown scenario {bad:?}; choose from {}",
+            known.join(", ")
+        );
+        std::process::exit(2);
+    }
+    let nofile = procs::raise_nofile(1 << 20);
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("roam-bench: cannot start the async runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    let code = rt.block_on(async move {
+        tokio::select! {
+            code = run(cli, plan, nofile) => code,
+            // Dropping `run` drops the peers' guards, which kill them.
+            _ = interrupted() => {
+                eprintln!("roam-bench: interrupted; stopping every peer process");
+                130
+            }
+        }
+    });
+    // Agents and peer processes were killed as their guards dropped; do not
+    // wait for stray blocking tasks.
+    rt.shutdown_timeout(Duration::from_secs(2));
+    std::process::exit(code);
+}
+
+/// Completes on SIGINT or SIGTERM.
+async fn interrupted() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut int), Ok(mut term)) = (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = int.recv() => {}
+        _ = term.recv() => {}
+    }
+}
+
+async fn run(cli: Cli, plan: Plan, nofile: u64) -> i32 {
+    let me = match std::env::current_exe() {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("roam-bench: cannot find my own binary: {e}");
+            return 1;
+        }
+    };
+    let roam = cli
+        .roam
+        .clone()
+        .unwrap_or_else(|| me.with_file_name("roam"));
+    if !roam.exists() {
+        eprintln!(
+            "roam-bench: no roam binary at {} (build it: cargo build --release -p roam-cli, or pass --roam)",
+            roam.display()
+        );
+        return 2;
+    }
+    let dir = match tempfile::Builder::new().prefix("roam-bench-").tempdir() {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("roam-bench: cannot create a scratch directory: {e}");
+            return 1;
+        }
+    };
+    if let Err(e) = std::fs::create_dir_all(&cli.out) {
+        eprintln!("roam-bench: cannot create {}: {e}", cli.out.display());
+        return 1;
+    }
+    let keypair = match roam::Keypair::generate() {
+        Ok(k) => k,
+        Err(e) => {
+            eprintln!("roam-bench: key generation failed: {e}");
+            return 1;
+        }
+    };
+    let machine = report::Machine::probe(nofile);
+    let tools = report::Tools::probe(&roam);
+    progress(&format!(
+        "mode {}; {} cores, {}; roam: {}",
+        plan.mode, machine.cores, machine.cpu_model, tools.roam
+    ));
+    let ctx = Arc::new(Ctx {
+        plan: plan.clone(),
+        env: Env {
+            dir: dir.path().to_path_buf(),
+            roam: roam.clone(),
+            me,
+        },
+        keypair,
+        nofile,
+        peers: cli.peers.clone(),
+    });
+    let lab = match Lab::start(&ctx.env).await {
+        Ok(l) => Ok(Arc::new(l)),
+        Err(e) => {
+            progress(&format!("peers did not start: {e}"));
+            Err(e.to_string())
+        }
+    };
+    let budget = plan.budget();
+    let only = &cli.only;
+    let c = &ctx;
+    let scen = Scenarios {
+        throughput: scenario("throughput", only, &lab, budget, |l| {
+            scenarios::throughput::run(c.clone(), l)
+        })
+        .await,
+        latency: scenario("latency", only, &lab, budget, |l| {
+            scenarios::latency::run(c.clone(), l)
+        })
+        .await,
+        setup: scenario("setup", only, &lab, budget, |l| {
+            scenarios::setup::run(c.clone(), l)
+        })
+        .await,
+        resume: scenario("resume", only, &lab, budget, |l| {
+            scenarios::resume::run(c.clone(), l)
+        })
+        .await,
+        memory: scenario("memory", only, &lab, budget, |l| {
+            scenarios::memory::run(c.clone(), l)
+        })
+        .await,
+        many: scenario("many", only, &lab, budget, |l| {
+            scenarios::many::run(c.clone(), l)
+        })
+        .await,
+    };
+    drop(lab);
+    let errors = scen.errors();
+    let results = report::Results::new(plan, machine, tools, scen);
+    let mut code = 0;
+    match report::write_all(&results, &cli.out) {
+        Ok(files) => {
+            for f in files {
+                progress(&format!("wrote {}", f.display()));
+            }
+        }
+        Err(e) => {
+            eprintln!("roam-bench: writing results: {e}");
+            code = 1;
+        }
+    }
+    if errors.is_empty() {
+        progress("all scenarios ran without error");
+    } else {
+        progress(&format!("scenarios with errors: {}", errors.join(", ")));
+        code = 1;
+    }
+    // Logs of the peers, for a failing run.
+    if code != 0 {
+        let logs = cli.out.join("logs");
+        if std::fs::create_dir_all(&logs).is_ok() {
+            if let Ok(rd) = std::fs::read_dir(dir.path()) {
+                for e in rd.flatten() {
+                    if e.path().extension().is_some_and(|x| x == "log") {
+                        let _ = std::fs::copy(e.path(), logs.join(e.file_name()));
+                    }
+                }
+            }
+            progress(&format!("peer logs copied to {}", logs.display()));
+        }
+    }
+    code
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outcomes_serialize_with_a_status_field() {
+        #[derive(Serialize)]
+        struct Data {
+            x: u32,
+        }
+        let ok = serde_json::to_value(Outcome::Ok(Data { x: 1 })).unwrap();
+        assert_eq!(ok, serde_json::json!({"status": "ok", "x": 1}));
+        let e = serde_json::to_value(Outcome::<Data>::Error {
+            error: "boom".into(),
+        })
+        .unwrap();
+        assert_eq!(e, serde_json::json!({"status": "error", "error": "boom"}));
+    }
+
+    #[test]
+    fn quick_mode_covers_the_issue() {
+        let q = Plan::quick();
+        assert_eq!(q.blocks, [1, 16, 100, 1000, 16384, 65536]);
+        assert_eq!(q.stream_counts, [1, 100, 1000, 10_000]);
+        assert_eq!(q.many_clients, 1000);
+        let f = Plan::full();
+        assert_eq!(f.mem_counts, [1000, 10_000]);
+    }
+
+    #[test]
+    fn peer_order_rotates() {
+        let rounds: Vec<Vec<usize>> = (0..3).map(|r| peers::order(3, r)).collect();
+        assert_eq!(rounds, [vec![0, 1, 2], vec![1, 2, 0], vec![2, 0, 1]]);
+    }
+}

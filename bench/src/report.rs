@@ -1,0 +1,486 @@
+//! The report: `results.json` (everything), `results.md` (medians and
+//! ratios) and the plots.
+
+use std::fmt::Write as _;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use crate::peers::{SOCAT_OPTS, SSH_CIPHER};
+use crate::procs::version_line;
+use crate::scenarios::RatioRow;
+use crate::{Outcome, Plan, Scenarios};
+
+/// The machine the numbers come from.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Machine {
+    pub(crate) cores: usize,
+    pub(crate) cpu_model: String,
+    pub(crate) kernel: String,
+    pub(crate) os: String,
+    pub(crate) mem_total_bytes: u64,
+    /// 1-minute load average when the run started (other work on the machine).
+    pub(crate) loadavg_start: f64,
+    pub(crate) loadavg_end: Option<f64>,
+    pub(crate) open_files_limit: u64,
+}
+
+fn loadavg() -> f64 {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|t| t.split_whitespace().next().and_then(|v| v.parse().ok()))
+        .unwrap_or(f64::NAN)
+}
+
+impl Machine {
+    pub(crate) fn probe(nofile: u64) -> Machine {
+        let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
+        let cpuinfo = read("/proc/cpuinfo");
+        let cpu_model = cpuinfo
+            .lines()
+            .find(|l| l.starts_with("model name"))
+            .and_then(|l| l.split(':').nth(1))
+            .map_or_else(|| "unknown".to_string(), |s| s.trim().to_string());
+        let os = read("/etc/os-release")
+            .lines()
+            .find_map(|l| l.strip_prefix("PRETTY_NAME="))
+            .map_or_else(|| "unknown".into(), |s| s.trim_matches('"').to_string());
+        let mem_total_bytes = read("/proc/meminfo")
+            .lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map_or(0, |k| k * 1024);
+        Machine {
+            cores: std::thread::available_parallelism().map_or(0, |n| n.get()),
+            cpu_model,
+            kernel: read("/proc/sys/kernel/osrelease").trim().to_string(),
+            os,
+            mem_total_bytes,
+            loadavg_start: loadavg(),
+            loadavg_end: None,
+            open_files_limit: nofile,
+        }
+    }
+}
+
+/// Versions and settings of the programs measured.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Tools {
+    pub(crate) roam: String,
+    pub(crate) roam_path: String,
+    pub(crate) socat: String,
+    pub(crate) socat_options: String,
+    pub(crate) ssh: String,
+    pub(crate) sshd: String,
+    pub(crate) ssh_cipher: &'static str,
+}
+
+impl Tools {
+    pub(crate) fn probe(roam: &Path) -> Tools {
+        let socat = std::process::Command::new("socat")
+            .arg("-V")
+            .output()
+            .map(|o| {
+                String::from_utf8_lossy(&o.stdout)
+                    .lines()
+                    .find(|l| l.starts_with("socat version"))
+                    .unwrap_or("")
+                    .to_string()
+            })
+            .unwrap_or_else(|e| format!("unavailable ({e})"));
+        Tools {
+            roam: version_line(&roam.to_string_lossy(), &["--version"]),
+            roam_path: roam.display().to_string(),
+            socat,
+            socat_options: format!(
+                "-t 30 TCP-LISTEN:..,fork,reuseaddr,{SOCAT_OPTS} TCP:..,{SOCAT_OPTS}"
+            ),
+            ssh: version_line("ssh", &["-V"]),
+            sshd: roam_sim::sshd::SSHD.to_string(),
+            ssh_cipher: SSH_CIPHER,
+        }
+    }
+}
+
+/// One peer as the report describes it.
+#[derive(Debug, Serialize)]
+pub(crate) struct PeerInfo {
+    pub(crate) name: &'static str,
+    pub(crate) path: &'static str,
+}
+
+/// The whole `results.json`.
+#[derive(Debug, Serialize)]
+pub(crate) struct Results {
+    pub(crate) schema: u32,
+    pub(crate) mode: &'static str,
+    pub(crate) generated_unix: u64,
+    pub(crate) duration_seconds: f64,
+    pub(crate) machine: Machine,
+    pub(crate) tools: Tools,
+    pub(crate) peers: Vec<PeerInfo>,
+    pub(crate) plan: Plan,
+    pub(crate) scenarios: Scenarios,
+    pub(crate) notes: Vec<String>,
+}
+
+impl Results {
+    pub(crate) fn new(
+        plan: Plan,
+        mut machine: Machine,
+        tools: Tools,
+        scenarios: Scenarios,
+    ) -> Results {
+        machine.loadavg_end = Some(loadavg());
+        let peers = vec![
+            PeerInfo {
+                name: "direct",
+                path: "client -> target (the physical limit)",
+            },
+            PeerInfo {
+                name: "socat",
+                path: "client -> socat relay (fork per connection) -> target",
+            },
+            PeerInfo {
+                name: "ssh-L",
+                path: "client -> ssh -N -L -> private sshd -> target",
+            },
+            PeerInfo {
+                name: "roam-forward",
+                path: "client -> roam forward -> roam serve -> target",
+            },
+            PeerInfo {
+                name: "roam-pipe",
+                path: "client -> roam pipe process (stdin/stdout) -> roam serve -> target",
+            },
+        ];
+        let notes = vec![
+            "Every peer runs on 127.0.0.1 of one machine with other work on it: compare ratios within this run, not absolute numbers across runs.".into(),
+            "Peers alternate within every measured cell (order rotated each round); medians over rounds.".into(),
+            "Throughput: MB = 10^6 bytes; bulk clients keep Nagle on (no TCP_NODELAY), latency clients set TCP_NODELAY.".into(),
+            "Ratios are roam / peer: above 1 is better for roam in throughput, below 1 is better for roam in times.".into(),
+        ];
+        Results {
+            schema: 1,
+            mode: plan.mode,
+            generated_unix: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            duration_seconds: crate::started().elapsed().as_secs_f64(),
+            machine,
+            tools,
+            peers,
+            plan,
+            scenarios,
+            notes,
+        }
+    }
+}
+
+/// Writes every output file into `out`; returns their paths.
+pub(crate) fn write_all(r: &Results, out: &Path) -> io::Result<Vec<PathBuf>> {
+    let mut files = Vec::new();
+    let json = out.join("results.json");
+    std::fs::write(
+        &json,
+        serde_json::to_string_pretty(r).map_err(io::Error::other)? + "\n",
+    )?;
+    files.push(json);
+    let plots = crate::plot::all(r, out);
+    let md = out.join("results.md");
+    std::fs::write(&md, markdown(r, &plots))?;
+    files.push(md);
+    files.extend(plots.iter().filter_map(|p| p.as_ref().ok().cloned()));
+    Ok(files)
+}
+
+fn f(v: f64, digits: usize) -> String {
+    if v.is_finite() {
+        format!("{v:.digits$}")
+    } else {
+        "–".into()
+    }
+}
+
+fn block_label(b: usize) -> String {
+    match b {
+        b if b >= 1024 && b % 1024 == 0 => format!("{} KiB", b / 1024),
+        1000 => "1 KB".into(),
+        b => format!("{b} B"),
+    }
+}
+
+fn status_line<T>(o: &Outcome<T>) -> Option<String> {
+    match o {
+        Outcome::Ok(_) => None,
+        Outcome::Error { error } => Some(format!("**Status: error** — {error}\n")),
+        Outcome::Skipped { why } => Some(format!("Skipped — {why}\n")),
+    }
+}
+
+fn ratio_table(s: &mut String, rows: &[RatioRow]) {
+    let _ = writeln!(s, "| case | roam | vs | ratio |\n|---|---|---|---:|");
+    for r in rows {
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} |",
+            r.case,
+            r.roam,
+            r.versus,
+            f(r.ratio, 2)
+        );
+    }
+}
+
+fn markdown(r: &Results, plots: &[io::Result<PathBuf>]) -> String {
+    let mut s = String::new();
+    let m = &r.machine;
+    let _ = writeln!(
+        s,
+        "# roam benchmark results ({} mode)\n\n\
+         Machine: {} cores, {}, kernel {}, {}, {:.1} GiB RAM; load average {} at start, {} at end. \
+         Run took {:.0} s.\n\n\
+         Peers: direct TCP; socat relay (`{}`); `ssh -L` to a private sshd ({}, cipher `{}`); \
+         roam ({}) via `roam forward` and `roam pipe` to `roam serve`. All on 127.0.0.1.\n",
+        r.mode,
+        m.cores,
+        m.cpu_model,
+        m.kernel,
+        m.os,
+        m.mem_total_bytes as f64 / (1u64 << 30) as f64,
+        f(m.loadavg_start, 2),
+        f(m.loadavg_end.unwrap_or(f64::NAN), 2),
+        r.duration_seconds,
+        r.tools.socat_options,
+        r.tools.ssh,
+        r.tools.ssh_cipher,
+        r.tools.roam,
+    );
+    for n in &r.notes {
+        let _ = writeln!(s, "- {n}");
+    }
+    for p in plots {
+        if let Err(e) = p {
+            let _ = writeln!(s, "- A plot could not be drawn: {e}");
+        }
+    }
+
+    let sc = &r.scenarios;
+    let _ = writeln!(s, "\n## 1. Bulk throughput (MB/s, median)\n");
+    if let Some(x) = status_line(&sc.throughput) {
+        s += &x;
+    }
+    if let Some(t) = sc.throughput.ok() {
+        let _ = writeln!(
+            s,
+            "{} round(s) of {:.1} s per cell. ![throughput](throughput.png)\n",
+            t.rounds, t.seconds_per_sample
+        );
+        let peers: Vec<&str> = dedup(t.rows.iter().map(|r| r.peer));
+        for dir in crate::scenarios::throughput::DIRECTIONS {
+            let _ = writeln!(s, "**{dir}**\n");
+            let _ = writeln!(
+                s,
+                "| block | {} | roam-forward/socat | roam-forward/ssh-L |",
+                peers.join(" | ")
+            );
+            let _ = writeln!(s, "|---|{}---:|---:|", "---:|".repeat(peers.len()));
+            let blocks: Vec<usize> = dedup(t.rows.iter().map(|r| r.block_bytes));
+            for b in blocks {
+                let get = |p: &str| {
+                    t.rows
+                        .iter()
+                        .find(|r| r.direction == dir && r.block_bytes == b && r.peer == p)
+                        .map_or(f64::NAN, |r| r.median_mbps)
+                };
+                let cells: Vec<String> = peers.iter().map(|p| f(get(p), 2)).collect();
+                let _ = writeln!(
+                    s,
+                    "| {} | {} | {} | {} |",
+                    block_label(b),
+                    cells.join(" | "),
+                    f(crate::stats::ratio(get("roam-forward"), get("socat")), 2),
+                    f(crate::stats::ratio(get("roam-forward"), get("ssh-L")), 2),
+                );
+            }
+            s += "\n";
+        }
+    }
+
+    let _ = writeln!(s, "## 2. Request/response latency (µs)\n");
+    if let Some(x) = status_line(&sc.latency) {
+        s += &x;
+    }
+    if let Some(l) = sc.latency.ok() {
+        let _ = writeln!(
+            s,
+            "{} round(s) × {} round trips per peer and size. ![latency CDF](latency_cdf.png)\n",
+            l.rounds, l.round_trips_per_round
+        );
+        let _ = writeln!(s, "| size | peer | median | p99 | roam median ratio vs socat / ssh-L |\n|---|---|---:|---:|---|");
+        for row in &l.rows {
+            let rr: Vec<String> = l
+                .median_ratios
+                .iter()
+                .filter(|x| {
+                    x.roam == row.peer
+                        && x.case == format!("{} B", row.size_bytes)
+                        && x.versus != "direct"
+                })
+                .map(|x| f(x.ratio, 2))
+                .collect();
+            let _ = writeln!(
+                s,
+                "| {} B | {} | {} | {} | {} |",
+                row.size_bytes,
+                row.peer,
+                f(row.rtt_us.median, 1),
+                f(row.rtt_us.p99, 1),
+                rr.join(" / ")
+            );
+        }
+        s += "\n";
+    }
+
+    let _ = writeln!(s, "## 3. Set-up time (µs, until a 1-byte echo returns)\n");
+    if let Some(x) = status_line(&sc.setup) {
+        s += &x;
+    }
+    if let Some(t) = sc.setup.ok() {
+        let _ = writeln!(
+            s,
+            "| kind | peer | what | median | p90 | n |\n|---|---|---|---:|---:|---:|"
+        );
+        for row in &t.rows {
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} | {} |",
+                row.kind,
+                row.peer,
+                row.what,
+                f(row.time_us.median, 0),
+                f(row.time_us.p90, 0),
+                row.time_us.n
+            );
+        }
+        s += "\n";
+        ratio_table(&mut s, &t.ratios);
+        s += "\n";
+    }
+
+    let _ = writeln!(
+        s,
+        "## 4. Failure detection and resume vs open streams (ms)\n"
+    );
+    if let Some(x) = status_line(&sc.resume) {
+        s += &x;
+    }
+    if let Some(t) = sc.resume.ok() {
+        let _ = writeln!(
+            s,
+            "Idle session black-holed by the fault proxy; roam defaults: heartbeat {:.0} ms, suspend after {:.0} ms. \
+             Resume times are from the moment connectivity returns. ![resume](resume.png)\n",
+            t.heartbeat_interval_ms, t.suspend_after_ms
+        );
+        let _ = writeln!(s, "| streams | detect (client) | detect (relay) | Resumed event | first echo | echo on every stream | rocks 1.6+0.55n |\n|---:|---:|---:|---:|---:|---:|---:|");
+        for row in &t.rows {
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} | {} | {} |",
+                row.streams,
+                f(row.detect_client_ms.median, 0),
+                row.detect_relay_ms
+                    .as_ref()
+                    .map_or("–".into(), |x| f(x.median, 0)),
+                f(row.resumed_event_ms.median, 1),
+                f(row.first_echo_ms.median, 1),
+                f(row.all_streams_echo_ms.median, 1),
+                f(row.paper_model_ms, 1),
+            );
+        }
+        let _ = writeln!(
+            s,
+            "\nFit of time-to-first-echo: {} ms + {} µs per stream (rocks: 1.6 ms + 550 µs per stream); flat in streams: {}.\n",
+            f(t.fit_intercept_ms, 2),
+            f(t.fit_slope_ms_per_stream * 1000.0, 4),
+            t.resume_flat_in_streams
+        );
+    }
+
+    let _ = writeln!(s, "## 5. Memory per session (KiB of RSS)\n");
+    if let Some(x) = status_line(&sc.memory) {
+        s += &x;
+    }
+    if let Some(t) = sc.memory.ok() {
+        let _ = writeln!(s, "Relay: {}. Client: {}.\n", t.relay, t.client);
+        let _ = writeln!(s, "| sessions | state | relay streams | relay KiB/session | client KiB/session | relay RSS MiB | client RSS MiB |\n|---:|---|---|---:|---:|---:|---:|");
+        for row in &t.rows {
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} | {} | {} |",
+                row.sessions,
+                row.state,
+                row.relay_streams,
+                f(row.relay_bytes_per_session / 1024.0, 1),
+                f(row.client_bytes_per_session / 1024.0, 1),
+                f(row.relay_rss as f64 / 1048576.0, 1),
+                f(row.client_rss as f64 / 1048576.0, 1),
+            );
+        }
+        for n in &t.not_measured {
+            let _ = writeln!(
+                s,
+                "| {} | {} | not measured: {} | | | | |",
+                n.sessions, n.state, n.why
+            );
+        }
+        s += "\n";
+        for c in &t.caveats {
+            let _ = writeln!(s, "- {c}");
+        }
+        s += "\n";
+    }
+
+    let _ = writeln!(s, "## 6. Many concurrent sessions (MB/s)\n");
+    if let Some(x) = status_line(&sc.many) {
+        s += &x;
+    }
+    if let Some(t) = sc.many.ok() {
+        let _ = writeln!(
+            s,
+            "{} clients, {}, target writes {} B blocks; bytes counted at each client during one common {:.1} s window after a {:.1} s warm-up.\n",
+            t.clients, t.direction, t.block_bytes, t.window_seconds, t.warmup_seconds
+        );
+        let _ = writeln!(s, "| peer | one client is a | aggregate | min | median | max | Jain index | clients starved |\n|---|---|---:|---:|---:|---:|---:|---:|");
+        for row in &t.rows {
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} | {} | {} | {} |",
+                row.peer,
+                row.unit,
+                f(row.aggregate_mbps, 1),
+                f(row.min_mbps, 3),
+                f(row.median_mbps, 3),
+                f(row.max_mbps, 3),
+                f(row.jain_index, 3),
+                f(row.starved, 0)
+            );
+        }
+        s += "\n";
+        ratio_table(&mut s, &t.ratios);
+        s += "\n";
+    }
+    s
+}
+
+/// Distinct values in first-seen order.
+fn dedup<T: PartialEq + Copy>(it: impl Iterator<Item = T>) -> Vec<T> {
+    let mut v: Vec<T> = Vec::new();
+    for x in it {
+        if !v.contains(&x) {
+            v.push(x);
+        }
+    }
+    v
+}

@@ -1,0 +1,282 @@
+//! The way back: a resume names a session roam does not hold, roam asks the
+//! host (`lookup`), the host checks and restores the continuation (`thaw`)
+//! and, once roam installed it, makes it live and runs its routine
+//! (`installed`).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant, SystemTime};
+
+use roam::{Restored, SessionHandle, SessionId};
+use roam_proto::RestoreError;
+
+use super::watcher::{watch_live, Start};
+use super::{Frozen, HostInner, Slot, TRANSITION_WAIT};
+use crate::compat;
+use crate::error::DiscardReason;
+use crate::record::{open_body, Body, Meta};
+use crate::service::Service;
+use crate::session::{Live, ManagedSession, Resumed};
+
+impl HostInner {
+    /// Reads and checks one stored continuation. `Err` names the failed check.
+    pub(super) async fn load(&self, id: SessionId) -> Result<Option<(Meta, Arc<Body>)>, String> {
+        let store = self.store.clone();
+        let raw = tokio::task::spawn_blocking(move || store.get(&id))
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())?;
+        let Some((meta, body)) = raw else {
+            return Ok(None);
+        };
+        let meta = Meta::decode(&meta).map_err(|c| c.0.to_string())?;
+        let body = body.ok_or_else(|| "body missing".to_string())?;
+        let body = open_body(&meta, &body).map_err(|c| c.0.to_string())?;
+        Ok(Some((meta, Arc::new(body))))
+    }
+
+    /// The server's lookup for a resume naming a session not in roam's
+    /// routing map.
+    pub(super) async fn lookup(self: Arc<Self>, id: SessionId) -> roam::LookupResult {
+        let deadline = tokio::time::Instant::now() + TRANSITION_WAIT;
+        let frozen = loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let mut st = self.state();
+                match st.slots.get(&id) {
+                    None | Some(Slot::Live(_)) => return Ok(None),
+                    Some(Slot::Frozen(_)) => {
+                        let Some(Slot::Frozen(f)) = st.slots.insert(id, Slot::Thawing) else {
+                            unreachable!("matched above")
+                        };
+                        if let Some(t) = f.offload_at {
+                            st.offloads.remove(&(t, id));
+                        }
+                        break f;
+                    }
+                    Some(Slot::Freezing | Slot::Thawing) => {}
+                }
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return Err(roam_proto::Error::ServerBusy);
+            }
+        };
+        let result = self.thaw(id, frozen).await;
+        self.changed.notify_waiters();
+        result
+    }
+
+    /// Puts a slot back to Frozen (refused resume).
+    fn refreeze(&self, id: SessionId, meta: Meta, hot: Option<Arc<Body>>) {
+        let mut st = self.state();
+        let offload_at = hot
+            .as_ref()
+            .map(|_| Instant::now() + self.config.offload_after);
+        if let Some(t) = offload_at {
+            st.offloads.insert((t, id));
+        }
+        st.slots.insert(
+            id,
+            Slot::Frozen(Frozen {
+                meta,
+                hot,
+                offload_at,
+            }),
+        );
+        drop(st);
+        self.gc_wake.notify_one();
+    }
+
+    async fn thaw(self: &Arc<Self>, id: SessionId, frozen: Frozen) -> roam::LookupResult {
+        let Frozen { meta, hot, .. } = frozen;
+        let body = match hot {
+            Some(b) => b,
+            None => match self.load(id).await {
+                Ok(Some((_, b))) => b,
+                Ok(None) => {
+                    self.state().slots.remove(&id);
+                    return Ok(None);
+                }
+                Err(what) => {
+                    self.counters.corrupt.fetch_add(1, Ordering::Relaxed);
+                    tracing::error!(
+                        "session {id}: stored continuation is corrupt ({what}); quarantined"
+                    );
+                    if let Err(e) = self.store.quarantine(id.0.to_vec(), what.clone()).await {
+                        tracing::error!("session {id}: quarantine failed: {e}");
+                    }
+                    self.refreeze(id, meta, None);
+                    self.discard_frozen_slot(id, DiscardReason::Corrupt(what))
+                        .await;
+                    return Ok(None);
+                }
+            },
+        };
+        let now_wall = SystemTime::now();
+        if now_wall >= meta.deadline {
+            self.refreeze(id, meta, Some(body));
+            self.discard_frozen_slot(id, DiscardReason::Expired).await;
+            return Ok(None);
+        }
+        if let Err(inc) = compat::check(&self.services, &meta.service, &body) {
+            self.counters.refused.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!("refused resume of session {id}: {inc}");
+            if let Some(f) = &self.on_refused {
+                f(id, &inc);
+            }
+            self.refreeze(id, meta, Some(body));
+            // "Try again later": a compatible host (or version) may take it.
+            return Err(roam_proto::Error::ServerBusy);
+        }
+        let svc = self.services[&meta.service].clone();
+        let offline = now_wall.duration_since(meta.frozen_at).unwrap_or_default();
+        let session = match roam_proto::Session::restore_server(
+            &self.config.server.proto,
+            Instant::now(),
+            &body.blob,
+            offline,
+        ) {
+            Ok(s) => s,
+            Err(e) => {
+                let reason = match e {
+                    RestoreError::Expired => DiscardReason::Expired,
+                    other => {
+                        self.counters.corrupt.fetch_add(1, Ordering::Relaxed);
+                        tracing::error!(
+                            "session {id}: protocol state refused ({other}); quarantined"
+                        );
+                        if let Err(e) = self
+                            .store
+                            .quarantine(id.0.to_vec(), other.to_string())
+                            .await
+                        {
+                            tracing::error!("session {id}: quarantine failed: {e}");
+                        }
+                        DiscardReason::Restore(other)
+                    }
+                };
+                self.refreeze(id, meta, Some(body));
+                self.discard_frozen_slot(id, reason).await;
+                return Ok(None);
+            }
+        };
+        // A continuation is valid only as the latest state of its session
+        // (PROTOCOL.md §13): delete it before the session moves on, so a
+        // crash from here on can never restore a stale copy.
+        if let Err(e) = self.store.delete(vec![id]).await {
+            tracing::error!("session {id}: could not delete its continuation before resuming: {e}");
+            self.refreeze(id, meta, Some(body));
+            return Err(roam_proto::Error::ServerBusy);
+        }
+        {
+            let mut st = self.state();
+            st.expiries.remove(&(meta.deadline, id));
+        }
+        let suspended_for = now_wall
+            .duration_since(meta.suspended_at)
+            .unwrap_or_default();
+        let body = Arc::try_unwrap(body).unwrap_or_else(|b| (*b).clone());
+        let unaccepted = body.unaccepted.clone();
+        let orphans = body.orphans.clone();
+        let guard = InstallGuard {
+            host: Arc::downgrade(self),
+            id,
+            armed: true,
+        };
+        let host = self.clone();
+        let parent = meta.parent;
+        let on_installed = Box::new(move |handle: SessionHandle| {
+            let mut guard = guard;
+            guard.armed = false;
+            host.installed(id, svc, body, parent, suspended_for, handle);
+        });
+        Ok(Some(Restored::new(
+            session,
+            unaccepted,
+            orphans,
+            on_installed,
+        )))
+    }
+
+    /// Discards a session whose slot is Frozen (after a failed thaw).
+    async fn discard_frozen_slot(self: &Arc<Self>, id: SessionId, reason: DiscardReason) {
+        self.discard_many(vec![(id, reason)]).await;
+    }
+
+    /// roam installed a restored session: make it live and run its routine.
+    fn installed(
+        self: &Arc<Self>,
+        id: SessionId,
+        svc: Arc<Service>,
+        body: Body,
+        parent: Option<SessionId>,
+        suspended_for: Duration,
+        handle: SessionHandle,
+    ) {
+        let events = handle.events();
+        let live = Live::new(id, svc.clone(), body.attrs, handle.clone());
+        {
+            let mut st = live.lock();
+            st.requires = body.requires;
+            st.parent = parent;
+            st.expiry = body.expiry;
+        }
+        self.state().slots.insert(id, Slot::Live(live.clone()));
+        self.counters.resumes.fetch_add(1, Ordering::Relaxed);
+        self.changed.notify_waiters();
+        tokio::spawn(watch_live(
+            Arc::downgrade(self),
+            live.clone(),
+            events,
+            Start::Restoring,
+        ));
+        let mut streams = BTreeMap::new();
+        for (name, sid) in body.streams {
+            match handle.stream(sid) {
+                Ok(s) => {
+                    streams.insert(name, s);
+                }
+                Err(e) => tracing::warn!("session {id}: stream {name:?} ({sid}) is gone: {e}"),
+            }
+        }
+        let resumed = Resumed {
+            session: ManagedSession::new(live, self.clone(), handle),
+            routine: body.routine,
+            suspended_for,
+            streams,
+        };
+        if let Some(f) = &svc.on_attach {
+            f(&resumed);
+        }
+        let routine = svc.routines[&resumed.routine].clone();
+        tokio::spawn(routine(resumed));
+    }
+}
+
+/// Clears a Thawing slot if roam drops a restored session without
+/// installing it (it lost a race to a copy already installed).
+struct InstallGuard {
+    host: Weak<HostInner>,
+    id: SessionId,
+    armed: bool,
+}
+
+impl Drop for InstallGuard {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        if let Some(h) = self.host.upgrade() {
+            let mut st = h.state();
+            if matches!(st.slots.get(&self.id), Some(Slot::Thawing)) {
+                st.slots.remove(&self.id);
+            }
+            drop(st);
+            h.changed.notify_waiters();
+            tracing::error!("session {}: restored but never installed", self.id);
+        }
+    }
+}

@@ -1,0 +1,163 @@
+//! Services: what an application registers once per kind of session — its
+//! compatibility properties, resume routines, default expiry and generation
+//! policy, and its attach and discard handlers (the paper's
+//! `register_compat_vector` and `register_attach_handler`).
+
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::session::Resumed;
+use crate::Discarded;
+
+/// When a session's application produces its continuation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Generation {
+    /// As soon as the session is suspended (its transport lost): the session
+    /// holds no task, socket or buffer from then on.
+    Eager,
+    /// The application keeps running through the disconnection; roam asks
+    /// for the continuation (`freeze`) once the session has been suspended
+    /// for `after`, or earlier when it must reclaim resources (a parent
+    /// froze, shutdown, [`Host::freeze`](crate::Host::freeze)).
+    Lazy {
+        /// How long a session may stay suspended with its task and buffers.
+        after: Duration,
+    },
+}
+
+/// A resume routine: gets the restored session and must carry it on.
+pub(crate) type Routine =
+    Arc<dyn Fn(Resumed) -> Pin<Box<dyn Future<Output = ()> + Send>> + Send + Sync>;
+pub(crate) type AttachHandler = Arc<dyn Fn(&Resumed) + Send + Sync>;
+pub(crate) type DiscardHandler = Arc<dyn Fn(&Discarded) + Send + Sync>;
+
+/// Default time a suspended session is kept: one day.
+pub const DEFAULT_EXPIRY: Duration = Duration::from_secs(24 * 3600);
+
+/// One kind of session a host serves (the paper's service id). Build it and
+/// pass it to [`HostBuilder::service`](crate::HostBuilder::service).
+///
+/// ```
+/// use std::time::Duration;
+/// use roam_continuation::{Generation, Service};
+///
+/// let svc = Service::new("bench")
+///     .version("1")
+///     .property("codec", "u64-le")
+///     .expiry(Duration::from_secs(3600))
+///     .generation(Generation::Eager)
+///     .routine("updates", |mut resumed| async move {
+///         let next = resumed.session.retrieve("next");
+///         let stream = resumed.take_stream("updates");
+///         // ... carry on sending from `next` on `stream`
+///         # let _ = (next, stream);
+///     })
+///     .on_discard(|d| println!("session {} discarded: {}", d.id, d.reason));
+/// # let _ = svc;
+/// ```
+pub struct Service {
+    pub(crate) name: String,
+    pub(crate) properties: BTreeMap<String, String>,
+    pub(crate) expiry: Duration,
+    pub(crate) generation: Generation,
+    pub(crate) routines: HashMap<String, Routine>,
+    pub(crate) on_attach: Option<AttachHandler>,
+    pub(crate) on_discard: Option<DiscardHandler>,
+}
+
+impl std::fmt::Debug for Service {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut routines: Vec<&String> = self.routines.keys().collect();
+        routines.sort();
+        f.debug_struct("Service")
+            .field("name", &self.name)
+            .field("properties", &self.properties)
+            .field("expiry", &self.expiry)
+            .field("generation", &self.generation)
+            .field("routines", &routines)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Service {
+    /// A service called `name` (at most 255 bytes), eager, kept for
+    /// [`DEFAULT_EXPIRY`], with no properties or routines yet.
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            properties: BTreeMap::new(),
+            expiry: DEFAULT_EXPIRY,
+            generation: Generation::Eager,
+            routines: HashMap::new(),
+            on_attach: None,
+            on_discard: None,
+        }
+    }
+
+    /// Registers a compatibility property of this host's service (the
+    /// paper's `register_compat_vector`). A continuation that
+    /// [requires](crate::ManagedSession::require) a property resumes only
+    /// where the service has it with the same value.
+    pub fn property(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.properties.insert(name.into(), value.into());
+        self
+    }
+
+    /// Shorthand for `property("version", v)`. Every continuation of the
+    /// service requires the version it was suspended under.
+    pub fn version(self, v: impl Into<String>) -> Self {
+        self.property("version", v)
+    }
+
+    /// How long a suspended session is kept before it is discarded (default
+    /// one day; a session can override it). Also bounded by the protocol's
+    /// resume timeout.
+    pub fn expiry(mut self, d: Duration) -> Self {
+        self.expiry = d;
+        self
+    }
+
+    /// Eager or lazy generation for this service's sessions (default eager).
+    pub fn generation(mut self, g: Generation) -> Self {
+        self.generation = g;
+        self
+    }
+
+    /// Registers the resume routine `name` (at most 255 bytes). A
+    /// continuation names the routine to run when its session resumes; roam
+    /// spawns it with the restored session.
+    pub fn routine<F, Fut>(mut self, name: impl Into<String>, f: F) -> Self
+    where
+        F: Fn(Resumed) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        let r: Routine = Arc::new(move |res| Box::pin(f(res)));
+        self.routines.insert(name.into(), r);
+        self
+    }
+
+    /// Called for every resumed session of this service before its routine
+    /// runs (the paper's attach handler, e.g. to count or index sessions).
+    /// Keep it short: it runs on the accepting task.
+    pub fn on_attach(mut self, f: impl Fn(&Resumed) + Send + Sync + 'static) -> Self {
+        self.on_attach = Some(Arc::new(f));
+        self
+    }
+
+    /// Called when one of this service's suspended sessions is discarded
+    /// (expired, its parent went away, or its stored continuation was
+    /// corrupt), with its last attributes when they could be read.
+    pub fn on_discard(mut self, f: impl Fn(&Discarded) + Send + Sync + 'static) -> Self {
+        self.on_discard = Some(Arc::new(f));
+        self
+    }
+
+    /// The service's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}

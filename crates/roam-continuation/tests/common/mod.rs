@@ -1,0 +1,289 @@
+//! Shared helpers for the integration tests: an in-process host running the
+//! bench service, clients behind fault proxies, bounded waits.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use roam_continuation::{Host, HostConfig, HostStats, OpenReport, Service};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+#[path = "../../examples/support/bench.rs"]
+pub mod bench;
+#[path = "../../examples/support/cli.rs"]
+pub mod cli;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use roam_continuation::{read_attrs, ATTRS_META};
+use roam_sim::proxy::FaultProxy;
+
+/// Logs to the test output when `RUST_LOG` is set.
+pub fn init_logging() {
+    if std::env::var_os("RUST_LOG").is_some() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_test_writer()
+            .try_init();
+    }
+}
+
+/// A host serving on 127.0.0.1.
+pub struct Running {
+    pub host: Host,
+    pub addr: SocketAddr,
+    pub key: roam_proto::PublicKey,
+    pub report: OpenReport,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<std::io::Result<()>>>,
+}
+
+impl Running {
+    /// Graceful stop: sessions are asked for their continuations first.
+    pub async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.task.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(20), t).await;
+        }
+    }
+
+    /// Crash: the serving task is aborted, nothing is asked or flushed
+    /// beyond what was already committed.
+    pub async fn crash(mut self) {
+        if let Some(t) = self.task.take() {
+            t.abort();
+            let _ = t.await;
+        }
+    }
+}
+
+/// Opens a host on `dir` (key kept there) with `services`, serving on
+/// `port` (0 for any), calling `on_session` for new sessions.
+pub async fn start<F>(
+    dir: &Path,
+    port: u16,
+    services: Vec<Service>,
+    tune: impl FnOnce(&mut HostConfig),
+    on_session: F,
+) -> Running
+where
+    F: Fn(&Host, roam::SessionHandle) + Send + Sync + 'static,
+{
+    let keypair = cli::load_or_create_key(dir).expect("server key");
+    let key = keypair.public();
+    let mut config = HostConfig::new(dir, cli::server_config(keypair));
+    tune(&mut config);
+    let mut b = Host::builder(config);
+    for s in services {
+        b = b.service(s);
+    }
+    let (host, report) = b.open().await.expect("open host");
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let h = host.clone();
+    let h2 = host.clone();
+    let task = tokio::spawn(async move {
+        h.serve(
+            listener,
+            async {
+                let _ = stop_rx.await;
+            },
+            move |handle| on_session(&h2, handle),
+        )
+        .await
+    });
+    Running {
+        host,
+        addr,
+        key,
+        report,
+        stop: Some(stop_tx),
+        task: Some(task),
+    }
+}
+
+/// Polls `f` every 10 ms until it holds; panics with `what` after `limit`.
+pub async fn wait_until(limit: Duration, what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + limit;
+    while !f() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out after {limit:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Waits for the host's stats to satisfy `f`.
+pub async fn wait_stats(host: &Host, what: &str, f: impl Fn(&HostStats) -> bool) {
+    let h = host.clone();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let last = h.stats();
+        if f(&last) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}; stats {last:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Runs `fut` with a time limit.
+pub async fn bounded<T>(limit: Duration, what: &str, fut: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(limit, fut).await {
+        Ok(v) => v,
+        Err(_) => panic!("{what} did not finish within {limit:?}"),
+    }
+}
+
+/// Open file descriptors of this process.
+pub fn fd_count() -> usize {
+    std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count())
+}
+
+/// Sockets among this process's open file descriptors.
+pub fn socket_count() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .filter(|e| {
+                    std::fs::read_link(e.path())
+                        .map(|t| t.to_string_lossy().starts_with("socket:"))
+                        .unwrap_or(false)
+                })
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+/// A bench client behind `proxy`: received count, attrs seen, and the task
+/// that returns the final count or an error.
+pub struct Client {
+    pub received: Arc<AtomicU64>,
+    pub attrs_offsets: Arc<std::sync::Mutex<Vec<u64>>>,
+    pub task: tokio::task::JoinHandle<Result<u64, String>>,
+    pub session: roam::SessionHandle,
+}
+
+pub async fn client(
+    proxy: &FaultProxy,
+    key: roam_proto::PublicKey,
+    params: bench::Params,
+) -> Client {
+    let session = roam::connect(&proxy.addr().to_string(), cli::client_config(Some(key)))
+        .await
+        .expect("connect");
+    let mut stream = session.open_stream(params.meta().as_bytes()).expect("open");
+    let received = Arc::new(AtomicU64::new(0));
+    let attrs_offsets = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let s2 = session.clone();
+    let a2 = attrs_offsets.clone();
+    tokio::spawn(async move {
+        while let Ok((mut st, meta)) = s2.accept_stream().await {
+            assert_eq!(meta, ATTRS_META);
+            let a = read_attrs(&mut st).await.expect("attrs");
+            let off = u64::from_le_bytes(a["offset"].as_slice().try_into().expect("u64"));
+            a2.lock().unwrap().push(off);
+        }
+    });
+    let r2 = received.clone();
+    let task = tokio::spawn(async move {
+        bench::read_updates(&mut stream, |n| r2.store(n, Ordering::Relaxed)).await
+    });
+    Client {
+        received,
+        attrs_offsets,
+        task,
+        session,
+    }
+}
+
+/// Cuts the client off (both sides see a reset; re-dials are refused).
+pub fn cut(proxy: &FaultProxy) {
+    proxy.refuse(true);
+    proxy.reset_all();
+}
+
+pub fn heal(proxy: &FaultProxy) {
+    proxy.refuse(false);
+}
+
+/// A bare protocol client (no driver): completes the first handshake over
+/// `sock` and returns the session id. Dropping the socket afterwards looks
+/// to the server like a lost transport.
+pub async fn raw_handshake(
+    sock: &mut tokio::net::TcpStream,
+    server_key: roam_proto::PublicKey,
+) -> roam::SessionId {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let cfg = roam_proto::ClientConfig {
+        keypair: roam_proto::Keypair::generate().expect("keygen"),
+        server_trust: roam_proto::ServerTrust::Pinned(server_key),
+        session: cli::session_config(),
+    };
+    let mut s = roam_proto::Session::client(cfg);
+    let now = std::time::Instant::now();
+    let tid = s.connect(now, None).expect("connect");
+    let mut out = Vec::new();
+    let mut buf = vec![0u8; 4096];
+    loop {
+        let now = std::time::Instant::now();
+        while s.poll_transmit(now, &mut out).is_some() {
+            sock.write_all(&out).await.expect("write");
+            out.clear();
+        }
+        while let Some(ev) = s.poll_event() {
+            if let roam_proto::Event::Connected { session_id, .. } = ev {
+                // Flush what the handshake still has to say.
+                while s.poll_transmit(now, &mut out).is_some() {
+                    sock.write_all(&out).await.expect("write");
+                    out.clear();
+                }
+                return session_id;
+            }
+        }
+        let n = sock.read(&mut buf).await.expect("read");
+        assert!(n > 0, "server closed during the handshake");
+        s.handle_input(now, tid, &buf[..n])
+            .expect("handshake input");
+    }
+}
+
+/// A minimal service for counting tests: it stores one attribute and
+/// suspends as soon as roam asks.
+pub fn idle_service() -> Service {
+    Service::new("idle")
+        .version("1")
+        .routine("idle", |r| async move {
+            idle_loop(r.session).await;
+        })
+}
+
+/// Adopts into the idle service.
+pub fn idle_on_session(host: &Host, handle: roam::SessionHandle) {
+    let Ok(s) = host.adopt("idle", handle) else {
+        return;
+    };
+    s.store("user", b"someone").ok();
+    tokio::spawn(idle_loop(s));
+}
+
+async fn idle_loop(s: roam_continuation::ManagedSession) {
+    s.freeze_requested().await;
+    let _ = s
+        .suspend(roam_continuation::Continuation::new("idle"))
+        .await;
+}
