@@ -59,6 +59,9 @@ pub const DEFAULT_EXPIRY: Duration = Duration::from_secs(24 * 3600);
 ///     .on_discard(|d| println!("session {} discarded: {}", d.id, d.reason));
 /// # let _ = svc;
 /// ```
+///
+/// Cloning is cheap (handlers and routines are shared).
+#[derive(Clone)]
 pub struct Service {
     pub(crate) name: String,
     pub(crate) properties: BTreeMap<String, String>,

@@ -81,7 +81,7 @@ async fn lazy_generation_keeps_running_until_the_threshold() {
         0,
         vec![bench::service(
             Generation::Lazy {
-                after: Duration::from_millis(800),
+                after: Duration::from_millis(2000),
             },
             Duration::from_secs(60),
         )],

@@ -189,11 +189,39 @@ impl Dialer {
     }
 }
 
+/// After this long without an answer, a second SYN goes out beside the first.
+/// Right after a link comes back the first SYN is often lost, and the
+/// kernel's own retry waits a whole second (its initial RTO).
+const HEDGE_AFTER: Duration = Duration::from_millis(200);
+
+/// Connects to `a`, starting a second attempt if the first is slow; the first
+/// to succeed wins (the other is dropped), an error ends only its own attempt.
+async fn connect_hedged(a: SocketAddr) -> io::Result<TcpStream> {
+    let first = TcpStream::connect(a);
+    tokio::pin!(first);
+    tokio::select! {
+        r = &mut first => return r,
+        _ = tokio::time::sleep(HEDGE_AFTER) => {}
+    }
+    let second = TcpStream::connect(a);
+    tokio::pin!(second);
+    tokio::select! {
+        r = &mut first => match r {
+            Ok(s) => Ok(s),
+            Err(_) => second.await,
+        },
+        r = &mut second => match r {
+            Ok(s) => Ok(s),
+            Err(_) => first.await,
+        },
+    }
+}
+
 /// Resolves `addr` and connects to the first address that answers.
 pub(crate) async fn dial(addr: &str) -> io::Result<(TcpStream, SocketAddr)> {
     let mut last = None;
     for a in tokio::net::lookup_host(addr).await? {
-        match TcpStream::connect(a).await {
+        match connect_hedged(a).await {
             Ok(s) => return Ok((s, a)),
             Err(e) => last = Some(e),
         }

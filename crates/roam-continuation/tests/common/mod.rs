@@ -80,11 +80,25 @@ where
     let key = keypair.public();
     let mut config = HostConfig::new(dir, cli::server_config(keypair));
     tune(&mut config);
-    let mut b = Host::builder(config);
-    for s in services {
-        b = b.service(s);
-    }
-    let (host, report) = b.open().await.expect("open host");
+    // A host dropped just before (an in-process "restart") may still be
+    // releasing the database on one of its tasks: retry briefly.
+    let mut tries = 0;
+    let (host, report) = loop {
+        let mut b = Host::builder(config.clone());
+        for s in &services {
+            b = b.service(s.clone());
+        }
+        match b.open().await {
+            Ok(x) => break x,
+            Err(roam_continuation::Error::Store(e))
+                if tries < 100 && e.to_string().contains("already open") =>
+            {
+                tries += 1;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("open host: {e}"),
+        }
+    };
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
         .await
         .expect("bind");
