@@ -7,8 +7,8 @@
 //! - `U` upload: the client writes any number of bytes, then half-closes;
 //!   the target answers with the count it received (u64, big endian) and
 //!   closes. The client checks the count.
-//! - `D` download: the client sends `block: u32` and `millis: u32`; the
-//!   target writes `block`-sized blocks of [`FILL`] for that long, then
+//! - `D` download: the client sends `block: u32` and `millis: u32` (and
+//!   half-closes, in [`download`]); the target writes `block`-sized blocks of [`FILL`] for that long, then
 //!   [`END`] and the count it wrote (u64), then half-closes. The client
 //!   checks both, so a lost or corrupted byte fails the run.
 //! - `E` echo: everything is written back until end-of-stream.
@@ -194,6 +194,11 @@ pub(crate) async fn download(
     req[5..9].copy_from_slice(&(duration.as_millis().min(u32::MAX as u128) as u32).to_be_bytes());
     conn.write_all(&req).await?;
     conn.flush().await?;
+    // Nothing more to send: half-close, as a request/response client does.
+    // (`roam pipe` keeps its stdout open until its stdin ends, so a client
+    // that waited for end-of-file with its request side open would wait
+    // forever.)
+    conn.shutdown().await?;
     let mut buf = vec![0u8; READ_BUF];
     let mut payload: u64 = 0;
     // Bytes of the trailer after END, once END was seen.

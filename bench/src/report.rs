@@ -203,6 +203,15 @@ fn f(v: f64, digits: usize) -> String {
     }
 }
 
+/// A ratio: two decimals, or three significant digits when small.
+fn fr(v: f64) -> String {
+    if v.is_finite() && v != 0.0 && v.abs() < 0.1 {
+        format!("{v:.2e}")
+    } else {
+        f(v, 2)
+    }
+}
+
 fn block_label(b: usize) -> String {
     match b {
         b if b >= 1024 && b % 1024 == 0 => format!("{} KiB", b / 1024),
@@ -228,7 +237,7 @@ fn ratio_table(s: &mut String, rows: &[RatioRow]) {
             r.case,
             r.roam,
             r.versus,
-            f(r.ratio, 2)
+            fr(r.ratio)
         );
     }
 }

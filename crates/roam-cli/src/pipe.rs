@@ -72,6 +72,9 @@ where
     tokio::select! {
         r = &mut down => {
             r?;
+            // Tell our reader the remote is done, as a TCP half-close would:
+            // fd 1 now points at /dev/null, so the pipe's reader sees EOF.
+            release_stdout();
             // The remote finished sending; keep uploading until stdin ends or
             // the remote refuses more (a reset surfaces as a write error,
             // which after the remote's end is no failure of ours).
@@ -86,6 +89,19 @@ where
             }
             down.await
         }
+    }
+}
+
+/// Replaces standard output by `/dev/null`, closing our end of the pipe or
+/// socket the caller reads.
+fn release_stdout() {
+    match std::fs::OpenOptions::new().write(true).open("/dev/null") {
+        Ok(null) => {
+            if let Err(e) = nix::unistd::dup2_stdout(&null) {
+                tracing::debug!("closing stdout: {e}");
+            }
+        }
+        Err(e) => tracing::debug!("opening /dev/null: {e}"),
     }
 }
 

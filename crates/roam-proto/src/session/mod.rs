@@ -729,19 +729,40 @@ impl Session {
             .ok_or(StreamError::UnknownStream)
     }
 
-    /// Send-buffer space was freed: every writer that was refused may retry
-    /// (a refusal can come from the session-wide limit, not only its stream's).
+    /// Send-buffer space was freed: writers that were refused may retry (a
+    /// refusal can come from the session-wide limit, not only the stream's).
+    /// A writer is told only once a useful amount is free both for it and for
+    /// the session (an eighth of the buffer, at most 64 KiB), so a thousand
+    /// blocked streams are not all woken for every small acknowledgement.
     fn wake_writers(&mut self) {
+        let want = |limit: u64| (limit / 8).clamp(1, 64 * 1024);
+        let session_room = self
+            .config
+            .session_send_buffer
+            .saturating_sub(self.send_buffered);
+        if session_room < want(self.config.session_send_buffer) || self.write_waiters.is_empty() {
+            return;
+        }
+        let stream_want = want(self.config.stream_send_buffer);
+        let stream_limit = self.config.stream_send_buffer;
+        let mut still = Vec::new();
         for id in std::mem::take(&mut self.write_waiters) {
-            if let Some(s) = self.streams.get_mut(&id) {
-                if s.write_blocked && s.reset.is_none() {
-                    s.write_blocked = false;
-                    self.events.push_back(Event::StreamWritable {
-                        stream: StreamId(id),
-                    });
-                }
+            let Some(s) = self.streams.get_mut(&id) else {
+                continue;
+            };
+            if !s.write_blocked || s.reset.is_some() {
+                continue;
+            }
+            if stream_limit.saturating_sub(s.send_buf.len() as u64) >= stream_want {
+                s.write_blocked = false;
+                self.events.push_back(Event::StreamWritable {
+                    stream: StreamId(id),
+                });
+            } else {
+                still.push(id);
             }
         }
+        self.write_waiters = still;
     }
 
     /// Buffers up to `data.len()` bytes for sending; returns how many were
