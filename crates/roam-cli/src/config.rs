@@ -51,7 +51,12 @@ impl FileConfig {
             }
             Err(e) => return Err(format!("cannot read config file {}: {e}", path.display())),
         };
-        toml::from_str(&text).map_err(|e| format!("config file {}: {e}", path.display()))
+        Self::parse(&text, &path.display().to_string())
+    }
+
+    /// Parses the text of a configuration file; `source` names it in errors.
+    pub(crate) fn parse(text: &str, source: &str) -> Result<Self, String> {
+        toml::from_str(text).map_err(|e| format!("config file {source}: {e}"))
     }
 }
 

@@ -2,8 +2,9 @@
 //!
 //! Every `pipe`, `forward` and `serve` process listens on
 //! `<state dir>/control/<pid>.sock` (directory mode 0700, so only this user
-//! can connect). A connection receives one JSON document describing the
-//! process and its live sessions, then is closed. `roam status` asks every
+//! can connect). A client sends one request, a JSON object on one line (at
+//! most [`MAX_REQUEST`] bytes, e.g. `{"op":"status"}`); the process answers
+//! with one JSON document and closes the connection. `roam status` asks every
 //! socket in the directory and removes the ones whose process is gone.
 
 use std::path::{Path, PathBuf};
@@ -11,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
 use tokio::net::{UnixListener, UnixStream};
 
 use crate::cli::{CliError, CliResult, StatusArgs};
@@ -43,6 +44,61 @@ pub(crate) struct ProcessStatus {
     pub(crate) command: String,
     pub(crate) started: u64,
     pub(crate) sessions: Vec<SessionStatus>,
+}
+
+/// Longest request line a control socket reads (bytes).
+pub(crate) const MAX_REQUEST: usize = 4096;
+/// Longest reply `roam status` reads (bytes).
+const MAX_REPLY: u64 = 64 << 20;
+/// How long either side waits for the other on a control connection.
+const CONTROL_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A request to a control socket.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+pub(crate) enum Request {
+    /// Describe the process and its sessions ([`ProcessStatus`]).
+    Status,
+}
+
+impl Request {
+    /// Decodes one request (a JSON object, optionally newline-terminated).
+    pub(crate) fn decode(bytes: &[u8]) -> Result<Self, String> {
+        if bytes.len() > MAX_REQUEST {
+            return Err(format!("control request longer than {MAX_REQUEST} bytes"));
+        }
+        let line = bytes.strip_suffix(b"\n").unwrap_or(bytes);
+        if line.contains(&b'\n') {
+            return Err("control request spans several lines".to_string());
+        }
+        serde_json::from_slice(line).map_err(|e| format!("bad control request: {e}"))
+    }
+
+    /// Encodes the request as one line, newline included.
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut v = serde_json::to_vec(self).unwrap_or_default();
+        v.push(b'\n');
+        v
+    }
+}
+
+/// An error answer from a control socket.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct ErrorReply {
+    error: String,
+}
+
+/// Decodes a control socket's status reply.
+pub(crate) fn decode_reply(bytes: &[u8]) -> Result<ProcessStatus, String> {
+    if let Ok(e) = serde_json::from_slice::<ErrorReply>(bytes) {
+        return Err(format!("control socket refused the request: {}", e.error));
+    }
+    serde_json::from_slice(bytes).map_err(|e| format!("bad control reply: {e}"))
+}
+
+/// Encodes a status reply.
+pub(crate) fn encode_reply(p: &ProcessStatus) -> Result<Vec<u8>, String> {
+    serde_json::to_vec(p).map_err(|e| e.to_string())
 }
 
 struct Entry {
@@ -149,33 +205,73 @@ pub(crate) fn start(
     let started = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
+    let command = Arc::new(command);
     tokio::spawn(async move {
-        while let Ok((mut conn, _)) = listener.accept().await {
-            let doc = ProcessStatus {
-                pid,
-                command: command.clone(),
-                started,
-                sessions: registry.snapshot(),
-            };
-            tokio::spawn(async move {
-                if let Ok(json) = serde_json::to_vec(&doc) {
-                    let _ =
-                        tokio::time::timeout(Duration::from_secs(2), conn.write_all(&json)).await;
+        loop {
+            let conn = match listener.accept().await {
+                Ok((conn, _)) => conn,
+                Err(e) => {
+                    // Out of file descriptors or similar: wait, never give up.
+                    tracing::debug!("control socket accept: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
                 }
+            };
+            let (registry, command) = (registry.clone(), command.clone());
+            tokio::spawn(async move {
+                let _ = tokio::time::timeout(
+                    CONTROL_TIMEOUT,
+                    answer(conn, pid, &command, started, &registry),
+                )
+                .await;
             });
         }
     });
     Some(ControlSocket { path })
 }
 
+/// Reads one request from `conn` and answers it.
+async fn answer(
+    conn: UnixStream,
+    pid: u32,
+    command: &str,
+    started: u64,
+    registry: &Registry,
+) -> std::io::Result<()> {
+    let mut conn = tokio::io::BufReader::new(conn);
+    let mut line = Vec::new();
+    (&mut conn)
+        .take(MAX_REQUEST as u64 + 1)
+        .read_until(b'\n', &mut line)
+        .await?;
+    let reply = match Request::decode(&line) {
+        Ok(Request::Status) => encode_reply(&ProcessStatus {
+            pid,
+            command: command.to_string(),
+            started,
+            sessions: registry.snapshot(),
+        }),
+        Err(e) => Err(e),
+    };
+    let bytes =
+        reply.unwrap_or_else(|error| serde_json::to_vec(&ErrorReply { error }).unwrap_or_default());
+    conn.get_mut().write_all(&bytes).await?;
+    conn.get_mut().shutdown().await
+}
+
 async fn query(path: &Path) -> Option<ProcessStatus> {
     let fetch = async {
         let mut conn = UnixStream::connect(path).await.ok()?;
+        conn.write_all(&Request::Status.encode()).await.ok()?;
         let mut buf = Vec::new();
-        conn.read_to_end(&mut buf).await.ok()?;
-        serde_json::from_slice(&buf).ok()
+        (&mut conn)
+            .take(MAX_REPLY)
+            .read_to_end(&mut buf)
+            .await
+            .ok()?;
+        decode_reply(&buf).ok()
     };
-    tokio::time::timeout(Duration::from_secs(2), fetch)
+    tokio::time::timeout(CONTROL_TIMEOUT, fetch)
         .await
         .ok()
         .flatten()

@@ -97,6 +97,11 @@ pub(crate) fn read_authorized(path: &Path) -> Result<Vec<PublicKey>, CliError> {
             path.display()
         ))
     })?;
+    parse_authorized(&text, &path.display().to_string()).map_err(CliError)
+}
+
+/// Parses the text of an authorized-keys file; `source` names it in errors.
+pub(crate) fn parse_authorized(text: &str, source: &str) -> Result<Vec<PublicKey>, String> {
     let mut keys = Vec::new();
     for (n, line) in text.lines().enumerate() {
         let line = line.trim();
@@ -104,15 +109,39 @@ pub(crate) fn read_authorized(path: &Path) -> Result<Vec<PublicKey>, CliError> {
             continue;
         }
         let word = line.split_whitespace().next().unwrap_or("");
-        keys.push(word.parse().map_err(|e| {
-            CliError(format!(
-                "{}:{}: not a public key ({e})",
-                path.display(),
-                n + 1
-            ))
-        })?);
+        keys.push(
+            word.parse()
+                .map_err(|e| format!("{source}:{}: not a public key ({e})", n + 1))?,
+        );
     }
     Ok(keys)
+}
+
+/// Parses the text of a known-servers file: `(name, key)` per entry, in file
+/// order; blank and `#` lines skipped. `source` names the file in errors.
+pub(crate) fn parse_known(text: &str, source: &str) -> Result<Vec<(String, PublicKey)>, String> {
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let mut words = line.split_whitespace();
+        let name = words.next().unwrap_or("");
+        let key = words.next().unwrap_or("").parse().map_err(|e| {
+            format!(
+                "{source}:{}: bad key for {name} ({e}); fix or delete that line",
+                n + 1
+            )
+        })?;
+        out.push((name.to_string(), key));
+    }
+    Ok(out)
+}
+
+/// One known-servers line (with its newline).
+pub(crate) fn known_line(name: &str, key: &impl std::fmt::Display) -> String {
+    format!("{name} {key}\n")
 }
 
 /// The known-servers file: lines `host:port hexkey`.
@@ -139,19 +168,11 @@ impl KnownServers {
                 )))
             }
         };
-        for line in text.lines() {
-            let mut words = line.split_whitespace();
-            if words.next() == Some(server) {
-                let key = words.next().unwrap_or("");
-                return key.parse().map(Some).map_err(|e| {
-                    CliError(format!(
-                        "{}: bad key for {server} ({e}); fix or delete that line",
-                        self.path.display()
-                    ))
-                });
-            }
-        }
-        Ok(None)
+        let entries = parse_known(&text, &self.path.display().to_string()).map_err(CliError)?;
+        Ok(entries
+            .into_iter()
+            .find(|(n, _)| n == server)
+            .map(|(_, k)| k))
     }
 
     /// Records a first-use key.
@@ -166,7 +187,7 @@ impl KnownServers {
             .mode(0o600)
             .open(&self.path)
             .map_err(|e| CliError(format!("cannot write {}: {e}", self.path.display())))?;
-        writeln!(f, "{server} {key}")
+        f.write_all(known_line(server, key).as_bytes())
             .map_err(|e| CliError(format!("cannot write {}: {e}", self.path.display())))?;
         Ok(())
     }

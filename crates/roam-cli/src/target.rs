@@ -101,6 +101,20 @@ impl AllowRule {
     }
 }
 
+impl std::fmt::Display for AllowRule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let host = if self.host.contains(':') {
+            format!("[{}]", self.host)
+        } else {
+            self.host.clone()
+        };
+        match self.port {
+            Some(p) => write!(f, "{host}:{p}"),
+            None => write!(f, "{host}:*"),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,84 @@
+//! Every decoder of untrusted or user-written text in the `roam` command, as
+//! plain functions over bytes, for the fuzz targets (`fuzz/`) and tests. Each
+//! returns an error message, never panics, and re-encodes what it decoded where
+//! the format has an encoder, so a fuzz target can check the round trip.
+
+/// Parses a configuration file (TOML); `Ok` carries a canonical re-encoding
+/// (parsing that again must give the same configuration).
+pub fn config_file(text: &str) -> Result<String, String> {
+    crate::config::FileConfig::parse(text, "<input>").map(|c| format!("{c:?}"))
+}
+
+/// Parses an authorized-keys file; `Ok` carries the keys in hex, one per entry.
+pub fn authorized_keys(text: &str) -> Result<Vec<String>, String> {
+    crate::keys::parse_authorized(text, "<input>")
+        .map(|keys| keys.iter().map(ToString::to_string).collect())
+}
+
+/// Parses a known-servers file; `Ok` carries `(name, hex key)` per entry in file order.
+pub fn known_servers(text: &str) -> Result<Vec<(String, String)>, String> {
+    crate::keys::parse_known(text, "<input>")
+        .map(|v| v.into_iter().map(|(n, k)| (n, k.to_string())).collect())
+}
+
+/// Formats known-servers entries as the file stores them (the encoder
+/// [`known_servers`] decodes).
+pub fn format_known_servers(entries: &[(String, String)]) -> String {
+    entries
+        .iter()
+        .map(|(n, k)| crate::keys::known_line(n, k))
+        .collect()
+}
+
+/// Parses one allow-list rule (`HOST:PORT`, `*` wildcards); `Ok` carries its canonical text.
+pub fn allow_rule(text: &str) -> Result<String, String> {
+    crate::target::AllowRule::parse(text).map(|r| r.to_string())
+}
+
+/// Parses a duration such as `3d` or `500ms`; `Ok` carries milliseconds.
+pub fn duration(text: &str) -> Result<u128, String> {
+    crate::config::parse_duration(text).map(|d| d.as_millis())
+}
+
+/// Parses a request sent to a control socket; `Ok` carries its canonical encoding.
+pub fn control_request(bytes: &[u8]) -> Result<Vec<u8>, String> {
+    crate::control::Request::decode(bytes).map(|r| r.encode())
+}
+
+/// Parses a control socket's reply (a process status document); `Ok` carries
+/// its canonical encoding.
+pub fn control_reply(bytes: &[u8]) -> Result<Vec<u8>, String> {
+    crate::control::decode_reply(bytes).and_then(|p| crate::control::encode_reply(&p))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn control_requests_round_trip_and_refuse_garbage() {
+        let enc = control_request(b"{\"op\":\"status\"}\n").unwrap();
+        assert_eq!(control_request(&enc).unwrap(), enc);
+        assert!(control_request(b"{\"op\":\"shutdown\"}").is_err());
+        assert!(control_request(b"{\"op\":\"status\"}\n{}").is_err());
+        assert!(control_request(&[b' '; 5000]).is_err());
+    }
+
+    #[test]
+    fn known_servers_round_trip() {
+        let key = roam_proto::Keypair::generate()
+            .unwrap()
+            .public()
+            .to_string();
+        let entries = vec![("relay:7447".to_string(), key)];
+        let text = format_known_servers(&entries);
+        assert_eq!(known_servers(&text).unwrap(), entries);
+        assert!(known_servers("relay:7447 nothex\n").is_err());
+    }
+
+    #[test]
+    fn allow_rules_print_canonically() {
+        assert_eq!(allow_rule("[::1]:*").unwrap(), "[::1]:*");
+        assert_eq!(allow_rule("127.0.0.1:22").unwrap(), "127.0.0.1:22");
+    }
+}
