@@ -32,6 +32,13 @@ pub struct Config {
     pub max_streams: u64,
     /// Delay before a standalone `ACK` when no other frame carries it (default 2 ms).
     pub ack_delay: Duration,
+    /// Client: how long resume refusals sent in clear (`UnknownSession`,
+    /// `ResumeRejected`) must persist before they end the session (default
+    /// 10 s). They are unauthenticated, so one forged refusal on the path costs
+    /// a retry instead of the session (§12); a server that really lost the
+    /// session keeps refusing and the session ends after this grace. Zero ends
+    /// it at the first refusal.
+    pub refusal_grace: Duration,
 }
 
 impl Default for Config {
@@ -47,6 +54,7 @@ impl Default for Config {
             session_send_buffer: 16 << 20,
             max_streams: 65_536,
             ack_delay: Duration::from_millis(2),
+            refusal_grace: Duration::from_secs(10),
         }
     }
 }

@@ -559,3 +559,68 @@ fn writer_blocked_by_the_session_buffer_is_woken() {
     assert!(woke, "seed {seed}: stream b never became writable");
     assert_eq!(sim.client.write(b, b"x").expect("write"), 1);
 }
+
+/// A refusal in clear answers the client's resume (forged on the path, or a
+/// server that briefly lost track): the client keeps its session, retries, and
+/// resumes with every byte once the genuine server answers again (§12).
+#[test]
+fn a_cleartext_refusal_costs_a_retry_not_the_session() {
+    let seed = seed_from_env(23);
+    let mut sim = connected(seed);
+    let mut w = Workload::start(&mut sim, 4, 200_000);
+    let t = sim.now + Duration::from_millis(30);
+    sim.run_until(t, |s| {
+        w.pump(s);
+        false
+    });
+    // Whoever answers the next resumes does not know the session.
+    let genuine = sim.server.take();
+    sim.reset_transport();
+    let t = sim.now + Duration::from_secs(3);
+    sim.run_until(t, |s| {
+        w.pump(s);
+        false
+    });
+    assert!(
+        sim.endpoint_errors.contains(&Error::UnknownSession),
+        "seed {seed}: the resume was refused"
+    );
+    assert_eq!(sim.client.state(), State::Suspended, "seed {seed}");
+    // The genuine server answers again: the session resumes and finishes.
+    sim.server = genuine;
+    let t = sim.now + Duration::from_secs(60);
+    assert!(
+        sim.run_until(t, |s| w.pump(s)),
+        "seed {seed}: transfer did not finish after the refusal"
+    );
+    assert!(w.error.is_none(), "{:?}", w.error);
+    assert_eq!(closed_with(&sim.client_events), None);
+}
+
+/// A server that really lost the session keeps refusing: the client's session
+/// ends with `UnknownSession`, but only once refusals have lasted the grace.
+#[test]
+fn persistent_refusals_end_the_session_after_the_grace() {
+    let seed = seed_from_env(24);
+    let mut sim = connected(seed);
+    let grace = Config::default().refusal_grace;
+    sim.server = None;
+    sim.reset_transport();
+    let t = sim.now + Duration::from_secs(120);
+    assert!(sim.run_until(t, |s| s.client.state() == State::Closed));
+    assert_eq!(
+        closed_with(&sim.client_events),
+        Some(CloseReason::Error(Error::UnknownSession))
+    );
+    let refusals = sim
+        .endpoint_errors
+        .iter()
+        .filter(|e| **e == Error::UnknownSession)
+        .count();
+    assert!(refusals >= 2, "seed {seed}: {refusals} refusals");
+    assert!(
+        sim.elapsed() >= grace,
+        "seed {seed}: ended after {:?}, before the {grace:?} grace",
+        sim.elapsed()
+    );
+}

@@ -234,13 +234,22 @@ async fn server_restart_ends_session_with_unknown_session() {
         // A new server with no memory of the session takes the old one's place.
         let other = TestServer::start().await;
         proxy.redirect(other.addr);
+        let killed = std::time::Instant::now();
         proxy.kill();
-        let reason = timeout(Duration::from_secs(10), session.closed())
+        let reason = timeout(Duration::from_secs(20), session.closed())
             .await
             .expect("closed");
         assert_eq!(
             reason,
             roam::CloseReason::Error(roam_proto::Error::UnknownSession)
+        );
+        // Refusals in clear are unauthenticated: they end the session only
+        // once they have persisted for the grace (PROTOCOL.md §12).
+        let grace = common::fast_session().refusal_grace;
+        assert!(
+            killed.elapsed() >= grace,
+            "ended after {:?}",
+            killed.elapsed()
         );
     })
     .await

@@ -155,6 +155,9 @@ pub struct Session {
     pending: Option<Transport>,
     peer_addr: Option<SocketAddr>,
     suspended_since: Option<Instant>,
+    /// Client: when the first of an unbroken run of cleartext resume refusals
+    /// arrived (cleared by a successful resume); see `Config::refusal_grace`.
+    refused_since: Option<Instant>,
     replay_memory: VecDeque<[u8; 32]>,
 
     // reliable log (§7): entry i has sequence log_base + i
@@ -256,6 +259,7 @@ impl Session {
             pending: None,
             peer_addr: None,
             suspended_since: None,
+            refused_since: None,
             replay_memory: VecDeque::new(),
             log: VecDeque::new(),
             log_base: 0,

@@ -137,7 +137,7 @@ impl Session {
     }
 
     fn fail_transport(&mut self, now: Instant, t: Transport, was_pending: bool, e: Error) {
-        let fatal = self.is_fatal(&e, &t);
+        let fatal = self.is_fatal(&e, &t) && !self.within_refusal_grace(now, &e);
         if fatal {
             if let Some(old) = self.active.replace(t) {
                 self.events.push_back(Event::TransportClosed {
@@ -174,6 +174,20 @@ impl Session {
             }
             _ => false,
         }
+    }
+
+    /// Client: a cleartext resume refusal that arrived within
+    /// `Config::refusal_grace` of the first in its run costs a retry, not the
+    /// session (§12: refusals are unauthenticated, so they may be forged).
+    fn within_refusal_grace(&mut self, now: Instant, e: &Error) -> bool {
+        if self.role != Role::Client
+            || self.secret.is_none()
+            || !matches!(e, Error::UnknownSession | Error::ResumeRejected)
+        {
+            return false;
+        }
+        let since = *self.refused_since.get_or_insert(now);
+        now.saturating_duration_since(since) < self.config.refusal_grace
     }
 
     fn advance(&mut self, now: Instant, t: &mut Transport) -> Result<(), Error> {
@@ -317,6 +331,7 @@ impl Session {
 
     pub(super) fn emit_resumed(&mut self, now: Instant, peer: Option<std::net::SocketAddr>) {
         let since = self.suspended_since.take().unwrap_or(now);
+        self.refused_since = None;
         if self.state == State::Suspended {
             self.state = State::Active;
         }

@@ -88,6 +88,8 @@ pub fn fast_session() -> roam_proto::Config {
         // Generous: debug builds on a loaded 2-core machine can stall for a
         // second or two. Tests cut connections explicitly instead.
         suspend_after: Duration::from_secs(5),
+        // Short, so that tests of a server that lost a session end quickly.
+        refusal_grace: Duration::from_secs(2),
         ..Default::default()
     }
 }
