@@ -30,7 +30,7 @@ use crate::config::FileConfig;
 ///
 ///   [client]            # pipe and forward
 ///   key = "/home/me/.local/state/roam/client.key"
-///   no_fallback = false
+///   fallback = "auto"   # or "always", "never" (see `roam pipe --help`)
 ///
 /// State (keys, known_servers, control sockets) lives in `$ROAM_STATE_DIR`, or
 /// `$XDG_STATE_HOME/roam`, or `~/.local/state/roam`.
@@ -83,13 +83,31 @@ Examples:
 TARGET is `PORT` (meaning 127.0.0.1:PORT as seen from the relay) or `HOST:PORT`.
 If HOST runs no roam relay (connection refused, or another protocol answers),
 roam warns once on stderr and connects directly to HOST:PORT instead (for a
-loopback TARGET) or to TARGET itself; --no-fallback forbids that.")]
+loopback TARGET) or to TARGET itself, without session protection and without
+roam's encryption. It never does that for a relay whose key is pinned in
+known_servers (an attacker could otherwise turn a pinned relay into a plain
+connection by blocking it), unless --fallback always; --no-fallback (or
+--fallback never) forbids it altogether.
+
+On SIGHUP (ssh sends it on exit), SIGINT or SIGTERM roam finishes the stream,
+closes the session (waiting at most 3 s for the relay) and exits 128+signal.
+While the relay is unreachable the session stays suspended and roam says so
+on stderr; it resumes by itself when the relay can be reached again.
+
+Exit status: 0 done; 1 an error (message on stderr); 2 bad arguments or
+configuration; 3 the session was lost (the relay restarted without it,
+expired it or refused it); 128+N ended by signal N.")]
     Pipe(PipeArgs),
     /// Forward a local port through the relay: each local connection is a stream of one session.
     #[command(after_help = "\
 Examples:
   roam forward relay.example 127.0.0.1:5433 127.0.0.1:5432
-  psql -h 127.0.0.1 -p 5433                     # reaches 127.0.0.1:5432 on the relay host")]
+  psql -h 127.0.0.1 -p 5433                     # reaches 127.0.0.1:5432 on the relay host
+
+On SIGHUP, SIGINT or SIGTERM roam closes the session (waiting at most 3 s for
+the relay) and exits 128+signal. If the relay loses the session (it restarted,
+or reclaimed a session left without connections), the next local connection
+opens a new session.")]
     Forward(ForwardArgs),
     /// List this user's live sessions (from running pipe, forward and serve processes).
     #[command(after_help = "\
@@ -151,11 +169,27 @@ pub(crate) struct PipeArgs {
     /// `PORT` (127.0.0.1:PORT on the relay) or `HOST:PORT`.
     #[arg(value_name = "TARGET")]
     pub(crate) target: String,
-    /// Never fall back to a direct TCP connection.
-    #[arg(long)]
+    /// Never fall back to a direct TCP connection (same as `--fallback never`).
+    #[arg(long, conflicts_with = "fallback")]
     pub(crate) no_fallback: bool,
+    /// When to fall back to a direct, unprotected TCP connection if HOST runs
+    /// no relay: `auto` (only for relays never pinned), `always`, `never`.
+    #[arg(long, value_enum, value_name = "WHEN")]
+    pub(crate) fallback: Option<Fallback>,
     #[command(flatten)]
     pub(crate) client: ClientArgs,
+}
+
+/// When `roam pipe` may fall back to a direct TCP connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum Fallback {
+    /// Only for a relay whose key was never pinned (the default).
+    Auto,
+    /// Even for a pinned relay.
+    Always,
+    /// Never.
+    Never,
 }
 
 #[derive(Debug, Args)]

@@ -33,8 +33,11 @@ pub(crate) struct ServeConfig {
 #[serde(deny_unknown_fields)]
 pub(crate) struct ClientFileConfig {
     pub(crate) key: Option<PathBuf>,
+    /// Older spelling of `fallback = "never"`.
     #[serde(default)]
     pub(crate) no_fallback: bool,
+    /// When `roam pipe` may connect directly (see `roam pipe --help`).
+    pub(crate) fallback: Option<crate::cli::Fallback>,
 }
 
 impl FileConfig {

@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use roam_proto::ServerTrust;
+use roam_proto::{PublicKey, ServerTrust};
 
 use crate::cli::CliError;
 use crate::config::FileConfig;
@@ -31,8 +31,64 @@ impl ConnectFailure {
     }
 }
 
+/// The key a relay is pinned to, and under which `known_servers` entry.
+pub(crate) struct Pin {
+    /// The pinned key.
+    pub(crate) key: PublicKey,
+    /// The entry it came from: the relay's name, or one of its addresses.
+    pub(crate) entry: String,
+}
+
+/// Resolves `relay` (`host:port`) to its addresses (empty if it does not resolve).
+async fn resolve(relay: &str) -> Vec<std::net::SocketAddr> {
+    match tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        tokio::net::lookup_host(relay),
+    )
+    .await
+    {
+        Ok(Ok(addrs)) => addrs.collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// The key pinned for `relay`, by its name first and else by any address it
+/// resolves to (as ssh's CheckHostIP): so `localhost:P` is not trusted anew
+/// when `127.0.0.1:P` was pinned with another key. Warns when the name and
+/// an address are pinned to different keys.
+pub(crate) async fn pinned_key(relay: &str, known: &KnownServers) -> Result<Option<Pin>, CliError> {
+    let by_name = known.lookup(relay)?;
+    let mut by_addr = Vec::new();
+    for a in resolve(relay).await {
+        let entry = a.to_string();
+        if entry != relay {
+            if let Some(k) = known.lookup(&entry)? {
+                by_addr.push(Pin { key: k, entry });
+            }
+        }
+    }
+    match by_name {
+        Some(key) => {
+            for p in by_addr.iter().filter(|p| p.key != key) {
+                crate::notices::notice(&format!(
+                    "warning: relay {relay} is pinned with key {key}, but its address {} is pinned with key {} (in {}); using the key pinned for {relay}",
+                    p.entry,
+                    p.key,
+                    known.path().display()
+                ));
+            }
+            Ok(Some(Pin {
+                key,
+                entry: relay.to_string(),
+            }))
+        }
+        None => Ok(by_addr.into_iter().next()),
+    }
+}
+
 /// Connects to the relay at `relay` (`host:port`) with the user's client key,
-/// pinning its key on first use and refusing loudly if a pinned key changed.
+/// pinning its key on first use (under its name and the address reached) and
+/// refusing loudly if a pinned key changed.
 pub(crate) async fn connect_relay(
     relay: &str,
     key: Option<&Path>,
@@ -44,30 +100,62 @@ pub(crate) async fn connect_relay(
         .or_else(|| config.client.key.clone())
         .unwrap_or_else(|| state.join("client.key"));
     let keypair = crate::keys::load_or_create(&key_path)?;
+    let public = keypair.public();
     let known = KnownServers::new(&state);
-    let pinned = known.lookup(relay)?;
+    let pinned = pinned_key(relay, &known).await?;
     let proto = roam_proto::ClientConfig {
         keypair,
-        server_trust: pinned.map_or(ServerTrust::FirstUse, ServerTrust::Pinned),
+        server_trust: pinned
+            .as_ref()
+            .map_or(ServerTrust::FirstUse, |p| ServerTrust::Pinned(p.key)),
         session: roam_proto::Config::default(),
     };
     match roam::connect(relay, roam::ClientConfig::new(proto)).await {
         Ok(session) => {
-            if pinned.is_none() {
-                if let Some(k) = session.peer_key() {
-                    known.add(relay, &k)?;
-                    eprintln!("roam: trusting relay {relay} on first use (key {k})");
+            if let Some(k) = session.peer_key() {
+                let addr = session.stats().peer_addr.map(|a| a.to_string());
+                let mut names = vec![relay.to_string()];
+                names.extend(addr.filter(|a| a != relay));
+                let mut added = Vec::new();
+                for name in names {
+                    match known.lookup(&name) {
+                        Ok(None) => match known.add(&name, &k) {
+                            Ok(()) => added.push(name),
+                            // Like ssh: the connection stands, the user is told.
+                            Err(e) => crate::notices::notice(&format!(
+                                "warning: could not pin relay key for {name}: {}",
+                                e.0
+                            )),
+                        },
+                        Ok(Some(_)) => {}
+                        Err(e) => crate::notices::notice(&format!("warning: {}", e.0)),
+                    }
+                }
+                if pinned.is_none() && !added.is_empty() {
+                    eprintln!(
+                        "roam: trusting relay {relay} on first use (key {k}); pinned for {}",
+                        added.join(" and ")
+                    );
                 }
             }
             Ok(session)
         }
         Err(e) => match e.protocol() {
             Some(roam_proto::Error::ServerKeyMismatch { expected, actual }) => {
-                Err(ConnectFailure::Cli(CliError(known.mismatch_message(relay, expected, actual))))
+                let entry = pinned.map_or_else(|| relay.to_string(), |p| p.entry);
+                let mut msg = known.mismatch_message(&entry, expected, actual);
+                if entry != relay {
+                    msg.push_str(&format!(
+                        "\n(The key was pinned for {entry}, an address {relay} resolves to.)"
+                    ));
+                }
+                Err(ConnectFailure::Cli(CliError(msg)))
             }
             Some(roam_proto::Error::Unauthorized) => Err(ConnectFailure::Cli(CliError(format!(
-                "relay {relay} refused our client key: add this line to its authorized keys file:\n{}",
-                crate::keys::load_or_create(&key_path).map(|k| k.public().to_string()).unwrap_or_default()
+                "relay {relay} refused our client key: add this line to its authorized keys file:\n{public}"
+            )))),
+            Some(roam_proto::Error::ServerBusy) => Err(ConnectFailure::Cli(CliError(format!(
+                "relay {relay} is busy (at one of its connection or session limits); try again later, or ask its operator (`roam status` on the relay shows the limits)"
             )))),
             _ => Err(ConnectFailure::Roam(e)),
         },

@@ -30,28 +30,63 @@ pub(crate) async fn run(args: ForwardArgs, config: &FileConfig) -> CliResult {
     let local = listener
         .local_addr()
         .map_or(args.listen.clone(), |a| a.to_string());
-    let session = connect_relay(&relay, args.client.key.as_deref(), config)
+    let mut session = connect_relay(&relay, args.client.key.as_deref(), config)
         .await
         .map_err(|e| e.into_cli())?;
     let label = format!("forward {local} -> {relay} -> {}", args.target);
     let registry = Registry::default();
     registry.add(label.clone(), session.clone());
-    let _control = crate::control::start(config, label, registry);
+    tokio::spawn(crate::notices::watch(session.clone(), relay.clone()));
+    let _control = crate::control::start(config, label.clone(), registry.clone());
     eprintln!("roam forward: {local} -> {} via {relay}", args.target);
+    // Set when the relay lost the session: the next local connection opens a
+    // new one (nothing else is lost: its streams are gone either way).
+    let mut lost = false;
     let result = loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((tcp, from)) => {
+                    if lost {
+                        match connect_relay(&relay, args.client.key.as_deref(), config).await {
+                            Ok(s) => {
+                                session = s;
+                                lost = false;
+                                registry.add(label.clone(), session.clone());
+                                tokio::spawn(crate::notices::watch(session.clone(), relay.clone()));
+                                crate::notices::notice(&format!("new session with relay {relay}"));
+                            }
+                            Err(e) => {
+                                crate::notices::notice(&format!(
+                                    "connection from {from} dropped: {}", e.into_cli().0
+                                ));
+                                continue;
+                            }
+                        }
+                    }
                     let stream = match session.open_stream(args.target.as_bytes()) {
                         Ok(s) => s,
                         Err(e) => break Err(CliError(format!("session ended: {e}"))),
                     };
                     tokio::spawn(forward_one(tcp, stream, args.target.clone(), from));
                 }
-                Err(e) => tracing::warn!("accept failed: {e}"),
+                Err(e) => {
+                    // Out of file descriptors, say: wait instead of spinning.
+                    tracing::warn!("accept failed: {e}");
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                }
             },
-            reason = session.closed() => break Err(CliError(roam::Error::Closed(reason).to_string())),
-            _ = crate::serve::shutdown_signal() => break Ok(0),
+            reason = session.closed(), if !lost => {
+                if crate::notices::is_session_lost(&reason) {
+                    crate::notices::notice(&format!(
+                        "{}; the next connection to {local} opens a new session",
+                        crate::notices::lost_message(&reason, &relay)
+                    ));
+                    lost = true;
+                } else {
+                    break Err(CliError(roam::Error::Closed(reason).to_string()));
+                }
+            }
+            sig = crate::signals::exit_signal() => break Ok(128 + sig),
         }
     };
     let _ = tokio::time::timeout(

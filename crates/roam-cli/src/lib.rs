@@ -12,9 +12,11 @@ mod control;
 mod demo;
 mod forward;
 mod keys;
+mod notices;
 mod paths;
 mod pipe;
 mod serve;
+mod signals;
 mod target;
 
 pub mod parsers;

@@ -3,7 +3,7 @@
 
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
 
-use crate::cli::{CliError, CliResult, PipeArgs};
+use crate::cli::{CliError, CliResult, Fallback, PipeArgs};
 use crate::config::FileConfig;
 use crate::connect::{connect_relay, explain_stream_error, ConnectFailure};
 use crate::control::Registry;
@@ -18,10 +18,31 @@ const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
 pub(crate) async fn run(args: PipeArgs, config: &FileConfig) -> CliResult {
     let (relay_host, relay) = relay_addr(&args.relay)?;
     let (target, target_port) = pipe_target(&args.target)?;
-    let no_fallback = args.no_fallback || config.client.no_fallback;
+    let fallback = if args.no_fallback {
+        Fallback::Never
+    } else {
+        args.fallback
+            .or(config.client.fallback)
+            .unwrap_or(if config.client.no_fallback {
+                Fallback::Never
+            } else {
+                Fallback::Auto
+            })
+    };
     let session = match connect_relay(&relay, args.client.key.as_deref(), config).await {
         Ok(s) => s,
-        Err(ConnectFailure::Roam(e)) if e.is_no_roam_server() && !no_fallback => {
+        Err(ConnectFailure::Roam(e)) if e.is_no_roam_server() && fallback != Fallback::Never => {
+            let state = crate::paths::state_dir(config);
+            let known = crate::keys::KnownServers::new(&state);
+            if fallback == Fallback::Auto {
+                if let Some(pin) = crate::connect::pinned_key(&relay, &known).await? {
+                    return Err(CliError(format!(
+                        "no roam relay answers at {relay} ({e}), but its key is pinned (as {} in {}): refusing to fall back to an unprotected direct connection. Check that `roam serve` runs there; pass --fallback always to connect directly anyway",
+                        pin.entry,
+                        known.path().display()
+                    )));
+                }
+            }
             let target_host = split_host_port(&target)?.0;
             let direct = if is_loopback_host(&target_host) {
                 join(&relay_host, target_port)
@@ -36,14 +57,40 @@ pub(crate) async fn run(args: PipeArgs, config: &FileConfig) -> CliResult {
     let registry = Registry::default();
     registry.add(format!("pipe {relay} -> {target}"), session.clone());
     let _control = crate::control::start(config, format!("pipe {relay} -> {target}"), registry);
+    tokio::spawn(crate::notices::watch(session.clone(), relay.clone()));
     let stream = session
         .open_stream(target.as_bytes())
         .map_err(|e| CliError(e.to_string()))?;
     let (rd, wr) = tokio::io::split(stream);
-    let result = shuttle(rd, wr).await;
-    let _ = tokio::time::timeout(CLOSE_WAIT, session.close(roam_proto::code::NO_ERROR, "")).await;
-    result.map_err(|e| CliError(explain_stream_error(&e, &target)))?;
-    Ok(0)
+    // A signal (ssh sends SIGHUP to its ProxyCommand on exit) drops the copy:
+    // the stream is finished with what was written, and the session closed.
+    let outcome = tokio::select! {
+        r = shuttle(rd, wr) => Ok(r),
+        sig = crate::signals::exit_signal() => Err(sig),
+    };
+    let closed =
+        tokio::time::timeout(CLOSE_WAIT, session.close(roam_proto::code::NO_ERROR, "")).await;
+    match outcome {
+        Err(sig) => {
+            tracing::info!(
+                "signal {sig}: session closed ({})",
+                if closed.is_ok() {
+                    "acknowledged"
+                } else {
+                    "relay did not answer in time"
+                }
+            );
+            Ok(128 + sig)
+        }
+        Ok(Ok(())) => Ok(0),
+        Ok(Err(e)) => match closed {
+            Ok(reason) if crate::notices::is_session_lost(&reason) => {
+                crate::notices::notice(&crate::notices::lost_message(&reason, &relay));
+                Ok(crate::notices::EXIT_SESSION_LOST)
+            }
+            _ => Err(CliError(explain_stream_error(&e, &target))),
+        },
+    }
 }
 
 /// Copies stdin → `wr` and `rd` → stdout. Each direction ends on its own: the

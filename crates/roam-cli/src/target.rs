@@ -92,6 +92,16 @@ impl AllowRule {
                 }
             },
         };
+        if host.contains('*') && host != "*" {
+            return Err(format!(
+                "allow rule {text:?}: `*` must stand for the whole host (as in `*:22`); partial wildcards such as `10.0.0.*` are not supported, list each address instead"
+            ));
+        }
+        if host.is_empty() {
+            return Err(format!(
+                "allow rule {text:?} has no host (use `*` for any host)"
+            ));
+        }
         Ok(Self { host, port })
     }
 
@@ -148,5 +158,15 @@ mod tests {
         assert!(r.matches("127.0.0.1", 5432));
         let r = AllowRule::parse("*:*").unwrap();
         assert!(r.matches("example.com", 80));
+        // Partial wildcards would never match: refused at start-up.
+        for bad in [
+            "127.0.0.*:22",
+            "*.example.com:22",
+            "[::*]:22",
+            ":22",
+            "host:2*",
+        ] {
+            assert!(AllowRule::parse(bad).is_err(), "{bad}");
+        }
     }
 }
