@@ -5,7 +5,7 @@
 use std::io::{IsTerminal, Write};
 use std::time::Duration;
 
-use roam::{CloseReason, SessionEvent, SessionHandle, SuspendReason};
+use roam::{CloseReason, SessionEvent, SessionHandle};
 
 /// Exit code when the session is lost: the relay restarted without it,
 /// expired it, or refused to resume it (documented in `roam pipe --help`).
@@ -53,6 +53,8 @@ pub(crate) fn lost_message(reason: &CloseReason, relay: &str) -> String {
 pub(crate) async fn watch(session: SessionHandle, relay: String) {
     let mut events = session.events();
     let mut reported = false;
+    // A refusal was reported since the last resume.
+    let mut refused = false;
     let mut pending: Option<tokio::time::Instant> = None;
     loop {
         let ev = match pending {
@@ -68,16 +70,17 @@ pub(crate) async fn watch(session: SessionHandle, relay: String) {
             None => events.recv().await,
         };
         match ev {
-            Ok(SessionEvent::Suspended { reason }) => {
-                if let SuspendReason::TransportError(
-                    e @ (roam_proto::Error::UnknownSession | roam_proto::Error::ResumeRejected),
-                ) = &reason
-                {
+            Ok(SessionEvent::ResumeRefused { error }) => {
+                if !refused {
                     notice(&format!(
-                        "relay {relay} refused to resume the session ({e}); retrying in case the refusal was forged"
+                        "relay {relay} refused to resume the session ({error}); retrying for a few seconds in case the refusal was forged"
                     ));
-                    reported = true;
-                } else if !reported && pending.is_none() {
+                }
+                refused = true;
+                reported = true;
+            }
+            Ok(SessionEvent::Suspended { .. }) => {
+                if !reported && pending.is_none() {
                     pending = Some(tokio::time::Instant::now() + QUIET_SUSPENSION);
                 }
             }
@@ -90,6 +93,7 @@ pub(crate) async fn watch(session: SessionHandle, relay: String) {
                     ));
                 }
                 reported = false;
+                refused = false;
             }
             Ok(SessionEvent::Closed { .. })
             | Err(tokio::sync::broadcast::error::RecvError::Closed) => return,

@@ -606,6 +606,14 @@ impl Driver {
             Event::TransportClosed { transport, error } => {
                 if let Some(e) = error {
                     tracing::debug!("transport {transport:?} closed: {e}");
+                    if role == Role::Client
+                        && matches!(
+                            e,
+                            roam_proto::Error::UnknownSession | roam_proto::Error::ResumeRejected
+                        )
+                    {
+                        let _ = events.send(SessionEvent::ResumeRefused { error: e });
+                    }
                 }
                 if let Some(c) = self.conns.iter_mut().find(|c| c.tid == transport) {
                     c.retire_by.get_or_insert(now + RETIRE_LINGER);

@@ -53,6 +53,14 @@ pub enum SessionEvent {
         /// Reliable frames this side retransmits.
         frames_replayed: u64,
     },
+    /// Client: the server refused a resume in clear (it does not know the
+    /// session, or the resume did not authenticate). Such refusals are
+    /// unauthenticated, so the session goes on retrying; it ends with the
+    /// error only when refusals persist for `refusal_grace` (PROTOCOL.md §12).
+    ResumeRefused {
+        /// `UnknownSession` or `ResumeRejected`.
+        error: roam_proto::Error,
+    },
     /// The peer came back from another address.
     PeerAddressChanged {
         /// Its previous address.
