@@ -79,10 +79,8 @@ pub(crate) async fn watch(session: SessionHandle, relay: String) {
                 refused = true;
                 reported = true;
             }
-            Ok(SessionEvent::Suspended { .. }) => {
-                if !reported && pending.is_none() {
-                    pending = Some(tokio::time::Instant::now() + QUIET_SUSPENSION);
-                }
+            Ok(SessionEvent::Suspended { .. }) if !reported && pending.is_none() => {
+                pending = Some(tokio::time::Instant::now() + QUIET_SUSPENSION);
             }
             Ok(SessionEvent::Resumed { suspended_for, .. }) => {
                 pending = None;
