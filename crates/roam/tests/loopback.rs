@@ -222,6 +222,64 @@ async fn link_down_then_up_resumes_and_reports_address() {
     .expect("test timed out");
 }
 
+/// Something on the path answers the client's resumes with a forged
+/// cleartext refusal (UnknownSession) for a second: the session survives,
+/// resumes at the genuine server, and every byte arrives (PROTOCOL.md §12).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_refusals_shorter_than_the_grace_cost_only_a_retry() {
+    timeout(Duration::from_secs(60), async {
+        let mut server = TestServer::start().await;
+        let proxy = Proxy::start(server.addr).await;
+        let session = roam::connect(&proxy.addr.to_string(), client_config(Some(server.key)))
+            .await
+            .unwrap();
+        let mut events = session.events();
+        let tasks = run_transfer(&session, 4, 16 * MB).await;
+        // The forger: answers every connection with "ROAM" 00 02 and hangs up.
+        let forger = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let forger_addr = forger.local_addr().unwrap();
+        let forged = tokio::spawn(async move {
+            let mut n = 0u32;
+            while let Ok((mut c, _)) = forger.accept().await {
+                use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                let mut buf = [0u8; 256];
+                let _ = c.read(&mut buf).await;
+                let _ = c.write_all(b"ROAM\x00\x02").await;
+                n += 1;
+            }
+            n
+        });
+        while session.stats().bytes_received < MB {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        proxy.redirect(forger_addr);
+        proxy.kill();
+        assert!(session.stats().bytes_received < 64 * MB, "cut mid-transfer");
+        // Refused at least once, then the path heals within the grace.
+        let refused = timeout(Duration::from_secs(5), async {
+            loop {
+                if let Ok(SessionEvent::ResumeRefused { error }) = events.recv().await {
+                    return error;
+                }
+            }
+        })
+        .await
+        .expect("a refusal reached the client");
+        assert_eq!(refused, roam_proto::Error::UnknownSession);
+        assert!(!session.is_closed(), "one forged refusal ended the session");
+        proxy.redirect(server.addr);
+        for t in tasks {
+            assert_eq!(t.await.unwrap().unwrap(), 16 * MB);
+        }
+        check_server_reports(&mut server, 4, 16 * MB).await;
+        assert!(session.stats().resumes >= 1);
+        forged.abort();
+        server.stop();
+    })
+    .await
+    .expect("test timed out");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_restart_ends_session_with_unknown_session() {
     timeout(Duration::from_secs(30), async {
