@@ -88,7 +88,7 @@ pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
     if !secs.is_finite() || secs <= 0.0 {
         return Err(format!("duration {text:?} must be positive"));
     }
-    Ok(Duration::from_secs_f64(secs))
+    Duration::try_from_secs_f64(secs).map_err(|_| format!("duration {text:?} is too long"))
 }
 
 /// Parses sizes like `16M`, `512K`, `1G` or plain bytes.
@@ -107,7 +107,8 @@ pub(crate) fn parse_size(text: &str) -> Result<u64, String> {
         .trim()
         .parse()
         .map_err(|_| format!("invalid size {text:?}: use e.g. 16M"))?;
-    Ok(n * mult)
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("size {text:?} is too large"))
 }
 
 #[cfg(test)]
@@ -125,6 +126,8 @@ mod tests {
         assert_eq!(parse_duration("12").unwrap(), Duration::from_secs(12));
         assert!(parse_duration("3 weeks").is_err());
         assert!(parse_duration("0s").is_err());
+        // Found by fuzzing: an overflowing duration is an error, not a panic.
+        assert!(parse_duration("99999999999999999999999d").is_err());
     }
 
     #[test]
@@ -132,6 +135,7 @@ mod tests {
         assert_eq!(parse_size("16M").unwrap(), 16 << 20);
         assert_eq!(parse_size("2MiB").unwrap(), 2 << 20);
         assert_eq!(parse_size("100").unwrap(), 100);
+        assert!(parse_size("99999999999999G").is_err());
     }
 
     #[test]
