@@ -26,6 +26,13 @@ pub(crate) struct ServeConfig {
     pub(crate) key: Option<PathBuf>,
     pub(crate) authorized_keys: Option<PathBuf>,
     pub(crate) suspend_timeout: Option<String>,
+    pub(crate) idle_suspend_timeout: Option<String>,
+    pub(crate) max_connections: Option<usize>,
+    pub(crate) max_sessions: Option<usize>,
+    pub(crate) max_sessions_per_ip: Option<usize>,
+    pub(crate) max_sessions_per_key: Option<usize>,
+    pub(crate) max_targets: Option<usize>,
+    pub(crate) max_targets_per_session: Option<usize>,
 }
 
 /// `[client]`: defaults for `roam pipe` and `roam forward`.

@@ -69,6 +69,9 @@ pub(crate) async fn connect_relay(
                 "relay {relay} refused our client key: add this line to its authorized keys file:\n{}",
                 crate::keys::load_or_create(&key_path).map(|k| k.public().to_string()).unwrap_or_default()
             )))),
+            Some(roam_proto::Error::ServerBusy) => Err(ConnectFailure::Cli(CliError(format!(
+                "relay {relay} is busy (at its connection or session limit); try again later, or ask its operator (`roam status` on the relay shows the limits)"
+            )))),
             _ => Err(ConnectFailure::Roam(e)),
         },
     }

@@ -24,6 +24,7 @@ pub(crate) async fn run(args: ForwardArgs, config: &FileConfig) -> CliResult {
             )))
         }
     }
+    crate::limits::raise_fd_limit();
     let listener = TcpListener::bind(&args.listen)
         .await
         .map_err(|e| CliError(format!("cannot listen on {}: {e}", args.listen)))?;
@@ -38,6 +39,7 @@ pub(crate) async fn run(args: ForwardArgs, config: &FileConfig) -> CliResult {
     registry.add(label.clone(), session.clone());
     let _control = crate::control::start(config, label, registry);
     eprintln!("roam forward: {local} -> {} via {relay}", args.target);
+    let mut accept_log = roam::LogThrottle::new(std::time::Duration::from_secs(10));
     let result = loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -48,7 +50,15 @@ pub(crate) async fn run(args: ForwardArgs, config: &FileConfig) -> CliResult {
                     };
                     tokio::spawn(forward_one(tcp, stream, args.target.clone(), from));
                 }
-                Err(e) => tracing::warn!("accept failed: {e}"),
+                Err(e) => {
+                    // Out of file descriptors (or a connection that died in
+                    // the backlog): retrying at once would spin, so pause,
+                    // and log once per 10 s.
+                    if let Some(n) = accept_log.allow(std::time::Instant::now()) {
+                        tracing::warn!("accept failed: {e}; retrying ({n} more not logged)");
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                }
             },
             reason = session.closed() => break Err(CliError(roam::Error::Closed(reason).to_string())),
             _ = crate::serve::shutdown_signal() => break Ok(0),

@@ -12,6 +12,7 @@ mod control;
 mod demo;
 mod forward;
 mod keys;
+mod limits;
 mod paths;
 mod pipe;
 mod serve;
