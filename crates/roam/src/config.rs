@@ -62,7 +62,8 @@ pub struct ServerConfig {
     /// On shutdown, wait this long for sessions to close gracefully (default 2 s).
     pub shutdown_grace: Duration,
     /// Where the running server publishes its usage of these limits; keep a
-    /// clone to read it (default: a fresh, private one).
+    /// clone to read it (default: a fresh, private one). Clones of this
+    /// config share it: give each server it runs its own.
     pub stats: crate::ServerStats,
 }
 
