@@ -79,7 +79,8 @@ Examples:
 Each stream names its target as `host:port`; only targets on the allow-list
 are connected (`*` matches any host or any port, e.g. `127.0.0.1:*`). Others
 are refused with a stream reset (code 0x101) and a log line. The target
-connection stays open while its client is suspended.
+connection stays open while its client is suspended, and closes when the
+session ends (closed, or expired after --suspend-timeout).
 
 Limits: at start-up the open-file limit is raised to its hard limit, and the
 default caps are derived from it so that clients, busy answers and targets
