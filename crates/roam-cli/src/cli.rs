@@ -27,6 +27,13 @@ use crate::config::FileConfig;
 ///   key = "/etc/roam/server.key"
 ///   authorized_keys = "/etc/roam/authorized_keys"
 ///   suspend_timeout = "3d"
+///   idle_suspend_timeout = "60s"
+///   max_connections = 1024
+///   max_sessions = 4096
+///   max_sessions_per_ip = 128
+///   max_sessions_per_key = 128
+///   max_targets = 8192
+///   max_targets_per_session = 256
 ///
 ///   [client]            # pipe and forward
 ///   key = "/home/me/.local/state/roam/client.key"
@@ -67,11 +74,19 @@ Examples:
   roam serve --allow 127.0.0.1:22 --allow 127.0.0.1:5432
   roam serve --listen 127.0.0.1:7447 --authorized-keys ~/.config/roam/authorized_keys
   roam serve --suspend-timeout 12h
+  roam serve --max-sessions-per-ip 16 --max-targets-per-session 32
 
 Each stream names its target as `host:port`; only targets on the allow-list
 are connected (`*` matches any host or any port, e.g. `127.0.0.1:*`). Others
 are refused with a stream reset (code 0x101) and a log line. The target
-connection stays open while its client is suspended.")]
+connection stays open while its client is suspended, and closes when the
+session ends (closed, or expired after --suspend-timeout).
+
+Limits: at start-up the open-file limit is raised to its hard limit, and the
+default caps are derived from it so that clients, busy answers and targets
+never exhaust it. Over a connection or session cap a client is answered
+\"busy\" at once; a stream over a target cap is reset with code 0x104.
+`roam status` shows each cap and its use.")]
     Serve(ServeArgs),
     /// Connect stdin/stdout to TARGET through the relay on HOST (for ssh ProxyCommand).
     #[command(after_help = "\
@@ -152,6 +167,35 @@ pub(crate) struct ServeArgs {
     /// Keep a suspended session this long (e.g. 3d, 12h, 30m, 90s) [default: 3d].
     #[arg(long, value_name = "DURATION")]
     pub(crate) suspend_timeout: Option<String>,
+    /// Keep a suspended session with no open stream only this long [default: 60s].
+    /// Such a session holds nothing its client could lose (a `roam forward`
+    /// whose empty session was reclaimed opens a fresh one), so reclaiming it
+    /// early stops vanished clients and handshake floods from filling the
+    /// session table for the whole --suspend-timeout.
+    #[arg(long, value_name = "DURATION", verbatim_doc_comment)]
+    pub(crate) idle_suspend_timeout: Option<String>,
+    /// Client connections handled at once [default: 1024, less if the open-file
+    /// limit is low]. Further ones are answered "busy" at once.
+    #[arg(long, value_name = "N", verbatim_doc_comment)]
+    pub(crate) max_connections: Option<usize>,
+    /// Sessions held at once, suspended ones included [default: 4096].
+    #[arg(long, value_name = "N")]
+    pub(crate) max_sessions: Option<usize>,
+    /// Sessions one client IP address may hold [default: 128].
+    #[arg(long, value_name = "N")]
+    pub(crate) max_sessions_per_ip: Option<usize>,
+    /// Sessions one client key may hold [default: 128].
+    #[arg(long, value_name = "N")]
+    pub(crate) max_sessions_per_key: Option<usize>,
+    /// Target connections held at once by all sessions [default: derived from
+    /// the open-file limit so the relay never runs out of descriptors, at most
+    /// 8192]. Streams beyond it are reset with code 0x104.
+    #[arg(long, value_name = "N", verbatim_doc_comment)]
+    pub(crate) max_targets: Option<usize>,
+    /// Target connections one session may hold [default: 256]. Streams beyond
+    /// it are reset with code 0x104.
+    #[arg(long, value_name = "N", verbatim_doc_comment)]
+    pub(crate) max_targets_per_session: Option<usize>,
 }
 
 #[derive(Debug, Args)]

@@ -26,6 +26,13 @@ pub(crate) struct ServeConfig {
     pub(crate) key: Option<PathBuf>,
     pub(crate) authorized_keys: Option<PathBuf>,
     pub(crate) suspend_timeout: Option<String>,
+    pub(crate) idle_suspend_timeout: Option<String>,
+    pub(crate) max_connections: Option<usize>,
+    pub(crate) max_sessions: Option<usize>,
+    pub(crate) max_sessions_per_ip: Option<usize>,
+    pub(crate) max_sessions_per_key: Option<usize>,
+    pub(crate) max_targets: Option<usize>,
+    pub(crate) max_targets_per_session: Option<usize>,
 }
 
 /// `[client]`: defaults for `roam pipe` and `roam forward`.
@@ -146,5 +153,27 @@ mod tests {
         .unwrap();
         assert_eq!(c.serve.allow.unwrap(), vec!["127.0.0.1:22".to_string()]);
         assert!(c.client.no_fallback);
+    }
+
+    #[test]
+    fn serve_limits_parse() {
+        let c = FileConfig::parse(
+            "[serve]\nidle_suspend_timeout = \"2s\"\nmax_connections = 10\nmax_sessions = 20\nmax_sessions_per_ip = 3\nmax_sessions_per_key = 4\nmax_targets = 50\nmax_targets_per_session = 5\n",
+            "test",
+        )
+        .unwrap();
+        assert_eq!(c.serve.idle_suspend_timeout.as_deref(), Some("2s"));
+        assert_eq!(
+            (
+                c.serve.max_connections,
+                c.serve.max_sessions,
+                c.serve.max_sessions_per_ip,
+                c.serve.max_sessions_per_key,
+                c.serve.max_targets,
+                c.serve.max_targets_per_session
+            ),
+            (Some(10), Some(20), Some(3), Some(4), Some(50), Some(5))
+        );
+        assert!(FileConfig::parse("[serve]\nmax_targets = -1\n", "test").is_err());
     }
 }

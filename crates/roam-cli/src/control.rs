@@ -17,6 +17,7 @@ use tokio::net::{UnixListener, UnixStream};
 
 use crate::cli::{CliError, CliResult, StatusArgs};
 use crate::config::FileConfig;
+use crate::limits::Limit;
 
 /// One session as `roam status` shows it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -44,6 +45,10 @@ pub(crate) struct ProcessStatus {
     pub(crate) command: String,
     pub(crate) started: u64,
     pub(crate) sessions: Vec<SessionStatus>,
+    /// A relay's caps and their use (empty for other processes, and in
+    /// replies from versions that did not report them).
+    #[serde(default)]
+    pub(crate) limits: Vec<Limit>,
 }
 
 /// Longest request line a control socket reads (bytes).
@@ -106,13 +111,32 @@ struct Entry {
     handle: roam::SessionHandle,
 }
 
+/// Reports a process's caps and their use when asked.
+type LimitsFn = Arc<dyn Fn() -> Vec<Limit> + Send + Sync>;
+
 /// The sessions of this process.
 #[derive(Clone, Default)]
 pub(crate) struct Registry {
     entries: Arc<Mutex<Vec<Entry>>>,
+    limits: Arc<Mutex<Option<LimitsFn>>>,
 }
 
 impl Registry {
+    /// Makes status replies include the limits `f` reports.
+    pub(crate) fn set_limits(&self, f: impl Fn() -> Vec<Limit> + Send + Sync + 'static) {
+        *self.limits.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(f));
+    }
+
+    /// The limits to report, if any.
+    pub(crate) fn limits(&self) -> Vec<Limit> {
+        let f = self
+            .limits
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        f.map_or_else(Vec::new, |f| f())
+    }
+
     /// Lists `handle` under `label` until the session closes.
     pub(crate) fn add(&self, label: String, handle: roam::SessionHandle) {
         let entries = self.entries.clone();
@@ -250,6 +274,7 @@ async fn answer(
             command: command.to_string(),
             started,
             sessions: registry.snapshot(),
+            limits: registry.limits(),
         }),
         Err(e) => Err(e),
     };
@@ -315,6 +340,19 @@ pub(crate) async fn status(args: StatusArgs, config: &FileConfig) -> CliResult {
     }
     for p in &procs {
         println!("pid {}  {}", p.pid, p.command);
+        if !p.limits.is_empty() {
+            let parts: Vec<String> = p
+                .limits
+                .iter()
+                .map(|l| {
+                    let by = l.holder.as_deref().map_or(String::new(), |h| {
+                        format!(" ({})", h.chars().take(16).collect::<String>())
+                    });
+                    format!("{} {}/{}{by}", l.name, l.used, l.max)
+                })
+                .collect();
+            println!("  limits: {}", parts.join(", "));
+        }
         if p.sessions.is_empty() {
             println!("  (no sessions)");
         }

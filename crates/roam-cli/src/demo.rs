@@ -64,6 +64,7 @@ async fn story(size: u64) -> CliResult {
         relay_listener,
         server,
         rules,
+        crate::limits::TargetCaps::new(1024, crate::limits::DEFAULT_TARGETS_PER_SESSION),
         None,
         async move {
             let _ = stop_rx.wait_for(|s| *s).await;

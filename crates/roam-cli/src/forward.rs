@@ -24,6 +24,7 @@ pub(crate) async fn run(args: ForwardArgs, config: &FileConfig) -> CliResult {
             )))
         }
     }
+    crate::limits::raise_fd_limit();
     let listener = TcpListener::bind(&args.listen)
         .await
         .map_err(|e| CliError(format!("cannot listen on {}: {e}", args.listen)))?;
@@ -42,6 +43,7 @@ pub(crate) async fn run(args: ForwardArgs, config: &FileConfig) -> CliResult {
     // Set when the relay lost the session: the next local connection opens a
     // new one (nothing else is lost: its streams are gone either way).
     let mut lost = false;
+    let mut accept_log = roam::LogThrottle::new(std::time::Duration::from_secs(10));
     let result = loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -70,8 +72,12 @@ pub(crate) async fn run(args: ForwardArgs, config: &FileConfig) -> CliResult {
                     tokio::spawn(forward_one(tcp, stream, args.target.clone(), from));
                 }
                 Err(e) => {
-                    // Out of file descriptors, say: wait instead of spinning.
-                    tracing::warn!("accept failed: {e}");
+                    // Out of file descriptors (or a connection that died in
+                    // the backlog): retrying at once would spin, so pause,
+                    // and log once per 10 s.
+                    if let Some(n) = accept_log.allow(std::time::Instant::now()) {
+                        tracing::warn!("accept failed: {e}; retrying ({n} more not logged)");
+                    }
                     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
                 }
             },

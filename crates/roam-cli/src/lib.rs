@@ -12,6 +12,7 @@ mod control;
 mod demo;
 mod forward;
 mod keys;
+mod limits;
 mod notices;
 mod paths;
 mod pipe;

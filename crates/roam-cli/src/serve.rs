@@ -13,6 +13,7 @@ use tokio::net::{TcpListener, TcpStream};
 use crate::cli::{CliError, CliResult, ServeArgs};
 use crate::config::{parse_duration, FileConfig};
 use crate::control::Registry;
+use crate::limits::{server_limits, FdBudget, TargetCaps};
 use crate::target::{split_host_port, AllowRule};
 
 /// Default listen address.
@@ -32,6 +33,8 @@ pub(crate) mod reset {
     pub(crate) const TARGET_UNREACHABLE: u64 = roam_proto::code::APPLICATION_BASE + 2;
     /// The stream's metadata is not a `host:port` target.
     pub(crate) const BAD_TARGET: u64 = roam_proto::code::APPLICATION_BASE + 3;
+    /// The relay is at its target-connection limit (per session or overall).
+    pub(crate) const TARGET_LIMIT: u64 = roam_proto::code::APPLICATION_BASE + 4;
 }
 
 /// What a client tells its user when the relay reset its stream.
@@ -44,6 +47,9 @@ pub(crate) fn describe_reset(code: u64, target: &str) -> String {
             format!("relay could not connect to {target} (code {code:#x}); check that the service runs on the relay host")
         }
         reset::BAD_TARGET => format!("relay rejected target {target:?} as malformed (code {code:#x}); use HOST:PORT"),
+        reset::TARGET_LIMIT => format!(
+            "relay refused the connection to {target}: it is at its target-connection limit (code {code:#x}); close other connections through this relay or try again later (its operator sees the limits in `roam status`)"
+        ),
         c => format!("stream to {target} was reset by the relay (code {c:#x})"),
     }
 }
@@ -86,6 +92,46 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
             .or(config.serve.suspend_timeout.as_deref())
             .unwrap_or("3d"),
     )?;
+    let idle_suspend_timeout = parse_duration(
+        args.idle_suspend_timeout
+            .as_deref()
+            .or(config.serve.idle_suspend_timeout.as_deref())
+            .unwrap_or("60s"),
+    )?;
+    let nofile = crate::limits::raise_fd_limit();
+    let budget = FdBudget::for_limit(nofile);
+    let pick = |flag: Option<usize>, file: Option<usize>, default: usize, name: &str| {
+        let v = flag.or(file).unwrap_or(default);
+        if v == 0 {
+            Err(CliError(format!("--{name} must be at least 1")))
+        } else {
+            Ok(v)
+        }
+    };
+    let max_connections = pick(
+        args.max_connections,
+        config.serve.max_connections,
+        budget.connections,
+        "max-connections",
+    )?;
+    let max_targets = pick(
+        args.max_targets,
+        config.serve.max_targets,
+        budget.targets,
+        "max-targets",
+    )?;
+    let max_targets_per_session = pick(
+        args.max_targets_per_session,
+        config.serve.max_targets_per_session,
+        crate::limits::DEFAULT_TARGETS_PER_SESSION,
+        "max-targets-per-session",
+    )?;
+    let needed = budget.needed(max_connections, max_targets);
+    if needed as u64 > nofile {
+        tracing::warn!(
+            "--max-connections {max_connections} and --max-targets {max_targets} may need {needed} file descriptors, more than the open-file limit {nofile}; the relay may run out of descriptors under load"
+        );
+    }
     let listener = TcpListener::bind(&listen).await.map_err(|e| {
         CliError(format!("cannot listen on {listen}: {e}; is another relay running? choose another address with --listen"))
     })?;
@@ -93,15 +139,45 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
         .local_addr()
         .map_or(listen.clone(), |a| a.to_string());
     let public = keypair.public();
-    let server = roam::ServerConfig::new(roam_proto::ServerConfig {
+    let mut server = roam::ServerConfig::new(roam_proto::ServerConfig {
         keypair,
         authorized_keys: authorized.clone(),
         addresses: Vec::new(),
         session: roam_proto::Config {
             resume_timeout: suspend_timeout,
+            idle_resume_timeout: Some(idle_suspend_timeout),
             ..Default::default()
         },
     });
+    server.max_connections = max_connections;
+    server.busy_overflow = budget.busy_overflow;
+    server.max_sessions = pick(
+        args.max_sessions,
+        config.serve.max_sessions,
+        server.max_sessions,
+        "max-sessions",
+    )?;
+    server.max_sessions_per_ip = pick(
+        args.max_sessions_per_ip,
+        config.serve.max_sessions_per_ip,
+        server.max_sessions_per_ip,
+        "max-sessions-per-ip",
+    )?;
+    server.max_sessions_per_key = pick(
+        args.max_sessions_per_key,
+        config.serve.max_sessions_per_key,
+        server.max_sessions_per_key,
+        "max-sessions-per-key",
+    )?;
+    let targets = TargetCaps::new(max_targets, max_targets_per_session);
+    tracing::info!(
+        "limits: {} connections (+{} busy answers), {} sessions, {} per IP, {} per key, {max_targets} targets, {max_targets_per_session} per session; open-file limit {nofile}",
+        server.max_connections,
+        server.busy_overflow,
+        server.max_sessions,
+        server.max_sessions_per_ip,
+        server.max_sessions_per_key,
+    );
     eprintln!(
         "roam serve: listening on {local}; server key {public}; allowed targets: {}; clients: {}",
         allow_text.join(", "),
@@ -113,11 +189,20 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
             )),
     );
     let registry = Registry::default();
+    {
+        let (server, targets) = (server.clone(), targets.clone());
+        registry.set_limits(move || {
+            let mut l = server_limits(&server);
+            l.extend(targets.limits());
+            l
+        });
+    }
     let _control = crate::control::start(config, format!("serve {local}"), registry.clone());
     run_relay(
         listener,
         server,
         Arc::new(rules),
+        targets,
         Some(registry),
         shutdown_signal(),
     )
@@ -140,6 +225,7 @@ pub(crate) async fn run_relay(
     listener: TcpListener,
     config: roam::ServerConfig,
     rules: Arc<Vec<AllowRule>>,
+    targets: Arc<TargetCaps>,
     registry: Option<Registry>,
     shutdown: impl Future<Output = ()>,
 ) -> std::io::Result<()> {
@@ -161,10 +247,16 @@ pub(crate) async fn run_relay(
                 );
             }
             let rules = rules.clone();
+            let targets = targets.clone();
             tokio::spawn(async move {
                 while let Ok((stream, meta)) = session.accept_stream().await {
-                    let peer = session.stats().peer_addr;
-                    tokio::spawn(relay_stream(stream, meta, rules.clone(), peer));
+                    tokio::spawn(relay_stream(
+                        stream,
+                        meta,
+                        rules.clone(),
+                        targets.clone(),
+                        session.clone(),
+                    ));
                 }
             });
         },
@@ -176,13 +268,16 @@ fn fmt_peer(peer: Option<SocketAddr>) -> String {
     peer.map_or_else(|| "?".to_string(), |p| p.to_string())
 }
 
+/// Connects one stream to its target (if allowed and under the caps) and
+/// copies both ways until either side ends or the session does.
 async fn relay_stream(
     mut stream: RoamStream,
     meta: Vec<u8>,
     rules: Arc<Vec<AllowRule>>,
-    peer: Option<SocketAddr>,
+    targets: Arc<TargetCaps>,
+    session: roam::SessionHandle,
 ) {
-    let peer = fmt_peer(peer);
+    let peer = fmt_peer(session.stats().peer_addr);
     let target = String::from_utf8_lossy(&meta).into_owned();
     let parsed = match split_host_port(&target) {
         Ok((host, Some(port))) if !host.is_empty() => Some((host, port)),
@@ -200,6 +295,28 @@ async fn relay_stream(
         stream.reset(reset::TARGET_NOT_ALLOWED);
         return;
     }
+    let session_label = session
+        .id()
+        .map_or_else(|| "?".to_string(), |i| i.to_string());
+    // Held until the target connection is closed (dialing included).
+    let _permit = match targets.take(&session_label) {
+        Ok(p) => p,
+        Err(why) => {
+            if let Some(n) = targets.log_allowed() {
+                let note = if n == 0 {
+                    String::new()
+                } else {
+                    format!(" ({n} similar refusals in the last interval not logged)")
+                };
+                tracing::warn!(
+                    "refused stream of session {session_label} from {peer} to {target}: {why}; reset with code {:#x}{note}",
+                    reset::TARGET_LIMIT
+                );
+            }
+            stream.reset(reset::TARGET_LIMIT);
+            return;
+        }
+    };
     let dial = tokio::time::timeout(
         TARGET_CONNECT_TIMEOUT,
         TcpStream::connect((host.as_str(), port)),
@@ -220,8 +337,16 @@ async fn relay_stream(
     };
     let _ = tcp.set_nodelay(true);
     tracing::info!("stream from {peer} connected to {target}");
-    match tokio::io::copy_bidirectional_with_sizes(&mut stream, &mut tcp, COPY_BUF, COPY_BUF).await
-    {
+    let copied = tokio::select! {
+        r = tokio::io::copy_bidirectional_with_sizes(&mut stream, &mut tcp, COPY_BUF, COPY_BUF) => r,
+        // The session expired or was closed: nobody can use this target
+        // connection again, so it closes now rather than when a read fails.
+        reason = session.closed() => {
+            tracing::info!("stream from {peer} to {target} ended with its session: {}", roam::Error::Closed(reason));
+            return;
+        }
+    };
+    match copied {
         Ok((up, down)) => {
             tracing::info!("stream from {peer} to {target} done: {up} bytes up, {down} down")
         }

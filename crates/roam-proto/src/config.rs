@@ -16,6 +16,12 @@ pub struct Config {
     pub suspend_after: Duration,
     /// Keep a suspended session resumable this long (default 3 days, as rocks).
     pub resume_timeout: Duration,
+    /// Keep a suspended session that has no open stream only this long
+    /// (default `None`: as long as [`Config::resume_timeout`]). Such a
+    /// session holds nothing its peer could lose, so a server can reclaim it
+    /// quickly; one with an open stream still lives for `resume_timeout`.
+    /// Local only: it is not announced to the peer (PROTOCOL.md §10.3).
+    pub idle_resume_timeout: Option<Duration>,
     /// Give up on a transport whose handshake has not finished after this long (default 10 s).
     pub handshake_timeout: Duration,
     /// Receive window per stream, bytes (default 1 MiB).
@@ -47,6 +53,7 @@ impl Default for Config {
             heartbeat_interval: Duration::from_secs(1),
             suspend_after: Duration::from_secs(5),
             resume_timeout: Duration::from_secs(3 * 24 * 3600),
+            idle_resume_timeout: None,
             handshake_timeout: Duration::from_secs(10),
             stream_window: 1 << 20,
             session_window: 16 << 20,

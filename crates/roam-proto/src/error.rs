@@ -157,6 +157,9 @@ pub mod code {
     pub const INTERNAL: u64 = 4;
     /// Refused: too many streams.
     pub const STREAM_REFUSED: u64 = 5;
+    /// The server is at one of its limits (e.g. sessions per client key);
+    /// the reason says which. Try again later.
+    pub const SERVER_BUSY: u64 = 6;
     /// First code free for applications; roam's relay uses a few (see the CLI docs).
     pub const APPLICATION_BASE: u64 = 0x100;
 }

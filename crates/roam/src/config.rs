@@ -37,16 +37,34 @@ impl ClientConfig {
 pub struct ServerConfig {
     /// Identity, authorized keys and session knobs for the protocol.
     pub proto: roam_proto::ServerConfig,
-    /// TCP connections handled at once (default 1,024); further ones wait in
-    /// the listen backlog.
+    /// TCP connections handled at once (default 1,024). Each holds a file
+    /// descriptor until its session moves to another one or ends.
     pub max_connections: usize,
+    /// Connections accepted beyond `max_connections` only to be answered
+    /// "busy" (refusal status 5) at once instead of hanging in the listen
+    /// backlog (default 64). Past this many, a connection is closed without
+    /// an answer, so that answering cannot itself exhaust file descriptors.
+    pub busy_overflow: usize,
     /// Sessions held at once, suspended ones included (default 4,096); new
     /// sessions beyond it are refused as busy.
     pub max_sessions: usize,
+    /// Sessions one source IP address may hold (default 128), counted from
+    /// the address that opened them and checked before any cryptography;
+    /// further new sessions from it are refused as busy. Generous enough for
+    /// a NATed office; small enough that one host cannot fill `max_sessions`.
+    pub max_sessions_per_ip: usize,
+    /// Sessions one client static key may hold (default 128), checked as soon
+    /// as the handshake reveals the key; a session beyond it is closed at once
+    /// with [`roam_proto::code::SERVER_BUSY`] and a reason naming the limit.
+    pub max_sessions_per_key: usize,
     /// Drop a connection whose opening has not arrived after this long (default 10 s).
     pub hello_timeout: Duration,
     /// On shutdown, wait this long for sessions to close gracefully (default 2 s).
     pub shutdown_grace: Duration,
+    /// Where the running server publishes its usage of these limits; keep a
+    /// clone to read it (default: a fresh, private one). Clones of this
+    /// config share it: give each server it runs its own.
+    pub stats: crate::ServerStats,
 }
 
 impl ServerConfig {
@@ -55,9 +73,13 @@ impl ServerConfig {
         Self {
             proto,
             max_connections: 1024,
+            busy_overflow: 64,
             max_sessions: 4096,
+            max_sessions_per_ip: 128,
+            max_sessions_per_key: 128,
             hello_timeout: Duration::from_secs(10),
             shutdown_grace: Duration::from_secs(2),
+            stats: crate::ServerStats::default(),
         }
     }
 }

@@ -254,6 +254,11 @@ pub(crate) struct Handoff {
     pub(crate) permit: OwnedSemaphorePermit,
 }
 
+/// Throttles warnings about clients refused after their handshake (unknown
+/// key, too many sessions for the key): one line per 10 s, with a count.
+static REFUSALS: crate::limits::SharedThrottle =
+    crate::limits::SharedThrottle::new(Duration::from_secs(10));
+
 /// Callback receiving each new server session once its handshake completes.
 pub(crate) type OnSession = Arc<dyn Fn(SessionHandle) + Send + Sync>;
 
@@ -267,6 +272,11 @@ pub(crate) struct ServerSide {
     pub(crate) shutdown_grace: Duration,
     /// Dropped when the driver ends: the server waits for all of these.
     pub(crate) _running: mpsc::Sender<()>,
+    /// This session's place in the server's per-IP and per-key counts;
+    /// released when the driver ends.
+    pub(crate) slot: crate::limits::SessionSlot,
+    /// Sessions one client key may hold (`ServerConfig::max_sessions_per_key`).
+    pub(crate) max_sessions_per_key: usize,
 }
 
 pub(crate) enum Kind {
@@ -564,6 +574,23 @@ impl Driver {
                 session_id,
                 peer_key,
             } => {
+                if let Kind::Server(s) = &mut self.kind {
+                    if let Err(held) = s.slot.set_key(peer_key, s.max_sessions_per_key) {
+                        let peer = sh.session.peer_addr();
+                        if let Some(n) = REFUSALS.allow() {
+                            tracing::warn!(
+                                "refused new session {session_id} from {} with client key {peer_key}: the key already holds {held} sessions, its limit{}",
+                                peer.map_or_else(|| "?".to_string(), |p| p.to_string()),
+                                crate::limits::suppressed_note(n)
+                            );
+                        }
+                        sh.session.close(
+                            roam_proto::code::SERVER_BUSY,
+                            &format!("server busy: this client key already holds {held} sessions, the server's limit; close some or try again later"),
+                        );
+                        return None;
+                    }
+                }
                 sh.connected = true;
                 tracing::debug!("session {session_id} connected, peer key {peer_key}");
                 let _ = events.send(SessionEvent::Connected {
@@ -671,6 +698,25 @@ impl Driver {
                 }
             }
             Event::Closed { reason } => {
+                if role == Role::Server
+                    && matches!(
+                        reason,
+                        roam_proto::CloseReason::Error(roam_proto::Error::Unauthorized)
+                    )
+                {
+                    if let Some(n) = REFUSALS.allow() {
+                        tracing::warn!(
+                            "refused client {} with key {}: not in the authorized keys{}",
+                            sh.session
+                                .peer_addr()
+                                .map_or_else(|| "?".to_string(), |p| p.to_string()),
+                            sh.session
+                                .peer_key()
+                                .map_or_else(|| "?".to_string(), |k| k.to_string()),
+                            crate::limits::suppressed_note(n)
+                        );
+                    }
+                }
                 tracing::info!(
                     "session {} closed: {}",
                     id_text(sh),

@@ -23,9 +23,12 @@
 //!   unsent data stays in the session's bounded buffers and `poll_write`
 //!   waits for `StreamWritable`.
 //! - **Server**: [`serve`] takes an already-bound listener and a shutdown
-//!   future. A semaphore caps concurrent connections; each connection's
-//!   preamble is parsed with [`roam_proto::parse_hello`] and routed to a new
-//!   session or, for a resume, to the driver that owns the named session.
+//!   future. A semaphore caps concurrent connections (one over it is answered
+//!   "busy" at once, within a small overflow); each connection's preamble is
+//!   parsed with [`roam_proto::parse_hello`] and routed to a new session or,
+//!   for a resume, to the driver that owns the named session. Sessions are
+//!   capped overall, per source address and per client key
+//!   ([`ServerConfig`]); [`ServerStats`] reports their use.
 //!
 //! Non-goals: running several transports of one session at once, UDP, and
 //! anything but Linux for network-change notifications (elsewhere the client
@@ -55,6 +58,7 @@ mod detach;
 mod driver;
 mod error;
 mod handle;
+mod limits;
 mod netwatch;
 mod server;
 mod sockopt;
@@ -65,6 +69,7 @@ pub use config::{ClientConfig, ServerConfig};
 pub use detach::{Detached, LookupResult, OnInstalled, Restored};
 pub use error::Error;
 pub use handle::{SessionEvent, SessionHandle, SessionStats};
+pub use limits::{LogThrottle, ServerStats, ServerUsage};
 pub use netwatch::NetworkChanges;
 pub use server::{serve, serve_with_restore};
 pub use stream::RoamStream;

@@ -17,12 +17,19 @@ use tokio::time::Instant;
 use crate::detach::{Lookup, LookupResult, Restored};
 use crate::driver::{reject, Conn, Driver, Handoff, Kind, OnSession, ServerSide};
 use crate::handle::{Inner, SessionHandle};
+use crate::limits::{suppressed_note, BusySlot, LogThrottle, Refusal, SharedThrottle};
 use crate::ServerConfig;
 
 /// Largest opening accepted before the hello parses (bytes). Real ones are < 100.
 const MAX_HELLO: usize = 4096;
 /// Resumes queued for one session's driver.
 const HANDOFF_QUEUE: usize = 4;
+/// Longest wait for the opening of a connection that will be answered busy:
+/// short, since it holds a file descriptor beyond the connection cap.
+const BUSY_HELLO_TIMEOUT: Duration = Duration::from_secs(2);
+/// At most one line per this interval for each kind of flood (accept
+/// errors, connections over the cap, refused sessions).
+const LOG_EVERY: Duration = Duration::from_secs(10);
 
 /// Routes resumes: session id → the channel into that session's driver.
 #[derive(Default)]
@@ -40,9 +47,6 @@ impl Registry {
     fn get(&self, id: &SessionId) -> Option<mpsc::Sender<Handoff>> {
         self.lock().get(id).cloned()
     }
-    fn len(&self) -> usize {
-        self.lock().len()
-    }
 }
 
 /// Everything a connection task needs, shared.
@@ -54,6 +58,8 @@ struct Ctx {
     running: mpsc::Sender<()>,
     /// Asked about resumes for sessions not in the registry (continuations).
     lookup: Option<Lookup>,
+    /// Throttles the warnings about refused new sessions.
+    refusals: SharedThrottle,
 }
 
 /// Runs a roam server on `listener` until `shutdown` completes.
@@ -112,7 +118,11 @@ async fn serve_inner(
     on_session: OnSession,
     lookup: Option<Lookup>,
 ) -> io::Result<()> {
-    let limit = Arc::new(Semaphore::new(config.max_connections.max(1)));
+    let max_connections = config.max_connections.max(1);
+    let limit = Arc::new(Semaphore::new(max_connections));
+    config
+        .stats
+        .set_connection_limit(limit.clone(), max_connections);
     let (stop_tx, stop_rx) = watch::channel(false);
     let (running_tx, mut running_rx) = mpsc::channel::<()>(1);
     let grace = config.shutdown_grace;
@@ -123,19 +133,44 @@ async fn serve_inner(
         shutdown: stop_rx,
         running: running_tx,
         lookup,
+        refusals: SharedThrottle::new(LOG_EVERY),
     });
+    // Accept errors and connections over the cap come in floods: one line per
+    // LOG_EVERY each, with a count of the rest.
+    let mut accept_errors = LogThrottle::new(LOG_EVERY);
+    let mut over_cap = LogThrottle::new(LOG_EVERY);
     tokio::pin!(shutdown);
     let result = loop {
         let accepted = tokio::select! {
             _ = &mut shutdown => break Ok(()),
-            r = accept(&listener, &limit) => r,
+            r = listener.accept() => r,
         };
         match accepted {
-            Ok((sock, peer, permit)) => {
-                tokio::spawn(handle_connection(ctx.clone(), sock, peer, permit));
-            }
+            Ok((sock, peer)) => match limit.clone().try_acquire_owned() {
+                Ok(permit) => {
+                    tokio::spawn(handle_connection(ctx.clone(), sock, peer, permit));
+                }
+                Err(_) => {
+                    let busy = ctx.config.stats.busy_slot(ctx.config.busy_overflow);
+                    if let Some(n) = over_cap.allow(std::time::Instant::now()) {
+                        tracing::warn!(
+                            "at the limit of {max_connections} connections: answering new ones \"busy\" (raise it with max_connections){}",
+                            suppressed_note(n)
+                        );
+                    }
+                    match busy {
+                        Some(slot) => {
+                            tokio::spawn(answer_busy(ctx.clone(), sock, peer, slot));
+                        }
+                        // Even the busy answers are at their cap: close at once.
+                        None => drop(sock),
+                    }
+                }
+            },
             Err(e) if is_transient(&e) => {
-                tracing::warn!("accept failed: {e}; retrying");
+                if let Some(n) = accept_errors.allow(std::time::Instant::now()) {
+                    tracing::warn!("accept failed: {e}; retrying{}", suppressed_note(n));
+                }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
             Err(e) => break Err(e),
@@ -149,17 +184,40 @@ async fn serve_inner(
     result
 }
 
-async fn accept(
-    listener: &TcpListener,
-    limit: &Arc<Semaphore>,
-) -> io::Result<(TcpStream, SocketAddr, OwnedSemaphorePermit)> {
-    let permit = limit
-        .clone()
-        .acquire_owned()
-        .await
-        .map_err(io::Error::other)?;
-    let (sock, peer) = listener.accept().await?;
-    Ok((sock, peer, permit))
+/// Answers a connection over the connection cap with the Busy refusal
+/// (status 5): reads its hello for at most [`BUSY_HELLO_TIMEOUT`], so the
+/// client learns at once to try later instead of waiting in the backlog.
+async fn answer_busy(ctx: Arc<Ctx>, mut sock: TcpStream, peer: SocketAddr, _slot: BusySlot) {
+    let _running = ctx.running.clone();
+    let timeout = ctx.config.hello_timeout.min(BUSY_HELLO_TIMEOUT);
+    match tokio::time::timeout(timeout, read_hello(&mut sock)).await {
+        Ok(Ok((hello, _, _))) => {
+            tracing::debug!("connection from {peer}: at the connection limit, answered busy");
+            reject(sock, hello, roam_proto::Error::ServerBusy).await;
+        }
+        _ => tracing::debug!("connection from {peer}: at the connection limit, no opening"),
+    }
+}
+
+/// Reads a connection's opening: the hello, how many bytes of the returned
+/// buffer it used, and the buffer.
+async fn read_hello(
+    sock: &mut TcpStream,
+) -> Result<(roam_proto::Hello, usize, Vec<u8>), roam_proto::Error> {
+    let mut buf = Vec::with_capacity(512);
+    let mut chunk = [0u8; 1024];
+    loop {
+        match parse_hello(&buf) {
+            Ok(Some((hello, used))) => return Ok((hello, used, buf)),
+            Ok(None) if buf.len() < MAX_HELLO => {}
+            Ok(None) => return Err(roam_proto::Error::ProtocolViolation("opening too long")),
+            Err(e) => return Err(e),
+        }
+        match sock.read(&mut chunk).await {
+            Ok(0) | Err(_) => return Err(roam_proto::Error::HandshakeFailed),
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
 }
 
 /// Accept errors that concern one connection or a passing resource shortage.
@@ -178,36 +236,21 @@ async fn handle_connection(
     permit: OwnedSemaphorePermit,
 ) {
     let _running = ctx.running.clone();
-    let mut buf = Vec::with_capacity(512);
-    let read_hello = async {
-        let mut chunk = [0u8; 1024];
-        loop {
-            match parse_hello(&buf) {
-                Ok(Some((hello, used))) => return Ok((hello, used)),
-                Ok(None) if buf.len() < MAX_HELLO => {}
-                Ok(None) => return Err(roam_proto::Error::ProtocolViolation("opening too long")),
-                Err(e) => return Err(e),
+    let (hello, used, buf) =
+        match tokio::time::timeout(ctx.config.hello_timeout, read_hello(&mut sock)).await {
+            Ok(Ok(h)) => h,
+            Ok(Err(e)) => {
+                tracing::debug!("connection from {peer}: {e}");
+                return;
             }
-            match sock.read(&mut chunk).await {
-                Ok(0) | Err(_) => return Err(roam_proto::Error::HandshakeFailed),
-                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            Err(_) => {
+                tracing::debug!(
+                    "connection from {peer}: no opening within {:?}",
+                    ctx.config.hello_timeout
+                );
+                return;
             }
-        }
-    };
-    let (hello, used) = match tokio::time::timeout(ctx.config.hello_timeout, read_hello).await {
-        Ok(Ok(h)) => h,
-        Ok(Err(e)) => {
-            tracing::debug!("connection from {peer}: {e}");
-            return;
-        }
-        Err(_) => {
-            tracing::debug!(
-                "connection from {peer}: no opening within {:?}",
-                ctx.config.hello_timeout
-            );
-            return;
-        }
-    };
+        };
     let rest = buf[used..].to_vec();
     match hello.resume_session() {
         Some(id) => {
@@ -252,19 +295,39 @@ async fn handle_connection(
             reject(h.sock, h.hello, roam_proto::Error::UnknownSession).await;
         }
         None => {
-            if ctx.registry.len() >= ctx.config.max_sessions {
-                tracing::warn!(
-                    "refused new session from {peer}: at the limit of {} sessions",
-                    ctx.config.max_sessions
-                );
-                reject(sock, hello, roam_proto::Error::ServerBusy).await;
-                return;
-            }
+            let slot = match ctx.config.stats.admit(
+                Some(peer.ip()),
+                ctx.config.max_sessions,
+                ctx.config.max_sessions_per_ip,
+            ) {
+                Ok(slot) => slot,
+                Err(refusal) => {
+                    if let Some(n) = ctx.refusals.allow() {
+                        let why = match refusal {
+                            Refusal::Sessions(max) => format!("at the limit of {max} sessions"),
+                            Refusal::PerIp(max) => {
+                                format!("{} already holds {max} sessions, its limit", peer.ip())
+                            }
+                        };
+                        tracing::warn!(
+                            "refused new session from {peer}: {why}; answered busy{}",
+                            suppressed_note(n)
+                        );
+                    }
+                    reject(sock, hello, roam_proto::Error::ServerBusy).await;
+                    return;
+                }
+            };
             let now = Instant::now().into_std();
             let (session, tid) = match Session::accept(&ctx.config.proto, now, &hello, Some(peer)) {
                 Ok(s) => s,
                 Err(e) => {
-                    tracing::info!("refused new session from {peer}: {e}");
+                    if let Some(n) = ctx.refusals.allow() {
+                        tracing::warn!(
+                            "refused new session from {peer}: {e}{}",
+                            suppressed_note(n)
+                        );
+                    }
                     reject(sock, hello, e).await;
                     return;
                 }
@@ -282,6 +345,8 @@ async fn handle_connection(
                 shutdown: ctx.shutdown.clone(),
                 shutdown_grace: ctx.config.shutdown_grace,
                 _running: ctx.running.clone(),
+                slot,
+                max_sessions_per_key: ctx.config.max_sessions_per_key,
             };
             let mut driver = Driver::new(
                 inner,
@@ -340,6 +405,8 @@ async fn install(ctx: &Arc<Ctx>, id: SessionId, restored: Restored, h: Handoff) 
         shutdown: ctx.shutdown.clone(),
         shutdown_grace: ctx.config.shutdown_grace,
         _running: ctx.running.clone(),
+        slot: ctx.config.stats.slot_unchecked(),
+        max_sessions_per_key: usize::MAX,
     };
     tracing::debug!("restored session {id}");
     Driver::restored(inner, Kind::Server(side)).run().await;

@@ -535,21 +535,32 @@ impl Session {
         if let Some(d) = self.ack_deadline {
             at(d);
         }
-        if let Some(since) = self.suspended_since {
-            if self.state != State::Closed {
-                at(since + self.resume_timeout);
-            }
+        if let Some(expiry) = self.expires_at() {
+            at(expiry);
         }
         t
     }
 
+    /// When a suspended session expires: `resume_timeout` after it lost its
+    /// transport, or `idle_resume_timeout` after if it has no open stream
+    /// (§4.6). `None` while it has a transport or once closed.
+    fn expires_at(&self) -> Option<Instant> {
+        let since = self.suspended_since?;
+        if self.state == State::Closed {
+            return None;
+        }
+        let timeout = match self.config.idle_resume_timeout {
+            Some(idle) if self.streams.is_empty() => idle.min(self.resume_timeout),
+            _ => self.resume_timeout,
+        };
+        Some(since + timeout)
+    }
+
     /// Processes timers due at `now`. Calling it early is harmless.
     pub fn handle_timeout(&mut self, now: Instant) {
-        if let Some(since) = self.suspended_since {
-            if self.state != State::Closed && now >= since + self.resume_timeout {
-                self.finish(CloseReason::Error(Error::Expired));
-                return;
-            }
+        if self.expires_at().is_some_and(|t| now >= t) {
+            self.finish(CloseReason::Error(Error::Expired));
+            return;
         }
         if let Some(p) = &self.pending {
             if now >= p.started + self.config.handshake_timeout {
@@ -588,7 +599,9 @@ impl Session {
         if matches!(self.state, State::Active) {
             self.state = State::Suspended;
         }
-        let expires_at = self.suspended_since.unwrap_or(now) + self.resume_timeout;
+        let expires_at = self
+            .expires_at()
+            .unwrap_or_else(|| self.suspended_since.unwrap_or(now) + self.resume_timeout);
         self.events
             .push_back(Event::Suspended { reason, expires_at });
     }
