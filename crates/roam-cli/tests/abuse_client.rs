@@ -662,3 +662,52 @@ fn a_relay_restarted_without_the_session_is_reported_with_exit_code_3() {
         started.elapsed()
     );
 }
+
+#[test]
+fn forward_opens_a_new_session_after_the_relay_lost_its_own() {
+    let state = tempfile::tempdir().unwrap();
+    let relay_state = tempfile::tempdir().unwrap();
+    let target = start_target();
+    let port = free_port();
+    let allow = format!("127.0.0.1:{}", target.port);
+    let relay = Relay::start(relay_state.path(), port, &allow);
+    let local = free_port();
+    let mut child = roam(state.path())
+        .args([
+            "forward",
+            &format!("127.0.0.1:{port}"),
+            &format!("127.0.0.1:{local}"),
+            &allow,
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = lines_of(&mut child);
+    let mut forward = Guard(child);
+    wait_line(&lines, "roam forward:", Duration::from_secs(10)).expect("forward started");
+    let echo = |tag: &[u8]| {
+        let mut c = std::net::TcpStream::connect(("127.0.0.1", local)).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        c.write_all(tag).unwrap();
+        let mut buf = vec![0u8; tag.len()];
+        c.read_exact(&mut buf).unwrap();
+        assert_eq!(buf, tag);
+    };
+    echo(b"before\n");
+    // The relay dies with the session and comes back without it.
+    drop(relay);
+    let _relay = Relay::start(relay_state.path(), port, &allow);
+    wait_line(&lines, "no longer knows", Duration::from_secs(40))
+        .unwrap_or_else(|seen| panic!("forward did not notice the lost session:\n{seen}"));
+    assert_eq!(
+        forward.0.try_wait().unwrap(),
+        None,
+        "forward must keep running"
+    );
+    echo(b"after the relay restarted\n");
+    wait_line(&lines, "new session", Duration::from_secs(5)).expect("new session announced");
+    forward.signal("TERM");
+    assert_eq!(forward.wait_exit(Duration::from_secs(6)), Some(143));
+}
