@@ -179,39 +179,10 @@ fn wait_until(limit: Duration, mut ok: impl FnMut() -> bool) -> bool {
     ok()
 }
 
-/// Starts `roam pipe` to the relay with stdin/stdout piped; checks an echo
-/// round trip of numbered lines through it.
+/// Starts `roam pipe` to the relay at 127.0.0.1 with stdin/stdout piped;
+/// checks an echo round trip of numbered lines through it.
 fn start_pipe(state: &Path, relay_port: u16, target_port: u16) -> (Guard, mpsc::Receiver<String>) {
-    let mut child = roam(state)
-        .args([
-            "pipe",
-            &format!("127.0.0.1:{relay_port}"),
-            &target_port.to_string(),
-        ])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let lines = lines_of(&mut child);
-    let mut stdin = child.stdin.take().unwrap();
-    let mut stdout = BufReader::new(child.stdout.take().unwrap());
-    let guard = Guard(child);
-    for i in 0..100u32 {
-        writeln!(stdin, "line {i}").unwrap();
-    }
-    stdin.flush().unwrap();
-    for i in 0..100u32 {
-        let mut l = String::new();
-        stdout.read_line(&mut l).unwrap();
-        assert_eq!(l, format!("line {i}\n"), "echo through the pipe");
-    }
-    // Keep stdin open (leaked into the thread) so only the signal ends the pipe.
-    std::thread::spawn(move || {
-        let _keep = (stdin, stdout);
-        std::thread::sleep(Duration::from_secs(120));
-    });
-    (guard, lines)
+    start_pipe_named(state, "127.0.0.1", relay_port, target_port)
 }
 
 #[test]
@@ -544,6 +515,8 @@ fn relay_keys_are_pinned_by_name_and_address() {
     assert!(err.contains(&format!("127.0.0.1:{}", relay.port)), "{err}");
 }
 
+/// Starts `roam pipe` to the relay at `host:relay_port` with stdin/stdout
+/// piped; checks an echo round trip of 100 numbered lines through it.
 fn start_pipe_named(
     state: &Path,
     host: &str,
@@ -565,13 +538,19 @@ fn start_pipe_named(
     let mut stdin = child.stdin.take().unwrap();
     let mut stdout = BufReader::new(child.stdout.take().unwrap());
     let guard = Guard(child);
-    stdin.write_all(b"hello\n").unwrap();
-    let mut l = String::new();
-    stdout.read_line(&mut l).unwrap();
-    assert_eq!(l, "hello\n");
+    for i in 0..100u32 {
+        writeln!(stdin, "line {i}").unwrap();
+    }
+    stdin.flush().unwrap();
+    for i in 0..100u32 {
+        let mut l = String::new();
+        stdout.read_line(&mut l).unwrap();
+        assert_eq!(l, format!("line {i}\n"), "echo through the pipe");
+    }
+    // Keep stdin open (leaked into the thread) so only a signal ends the pipe.
     std::thread::spawn(move || {
         let _keep = (stdin, stdout);
-        std::thread::sleep(Duration::from_secs(60));
+        std::thread::sleep(Duration::from_secs(120));
     });
     (guard, lines)
 }
