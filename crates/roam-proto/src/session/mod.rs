@@ -20,7 +20,12 @@
 //! `close`) may happen at any point; follow them with step 2.
 
 mod export;
+// Hooks for the session fuzz targets; like `suite_fuzzing.rs`, only under cargo-fuzz.
+#[cfg(fuzzing)]
+mod fuzzing;
 mod recv;
+#[cfg(test)]
+mod regressions;
 mod send;
 mod transport;
 
