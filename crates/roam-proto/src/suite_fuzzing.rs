@@ -29,37 +29,57 @@ pub(crate) const FUZZING: bool = true;
 
 const TAG_LEN: usize = 16;
 
-/// Cheap keyed digest of `parts` (not cryptographic), `N` ≤ 32 bytes.
+/// Cheap keyed digest of `parts` (not cryptographic), `N` ≤ 32 bytes: four
+/// independent multiply-rotate lanes over 32-byte blocks, mixed at the end.
 fn digest<const N: usize>(key: &[u8], nonce: u64, parts: &[&[u8]]) -> [u8; N] {
+    const K: [u64; 4] = [
+        0x9e37_79b9_7f4a_7c15,
+        0xbf58_476d_1ce4_e5b9,
+        0x94d0_49bb_1331_11eb,
+        0xff51_afd7_ed55_8ccd,
+    ];
     let mut s = [
         0x6a09_e667_f3bc_c908u64,
         0xbb67_ae85_84ca_a73b ^ nonce,
         0x3c6e_f372_fe94_f82b,
         0xa54f_f53a_5f1d_36f1,
     ];
-    let mut len = 0u64;
-    let mut mix = |w: u64| {
-        s[0] = (s[0] ^ w).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        s[1] = s[1].rotate_left(23) ^ s[0];
-        s[2] = s[2].wrapping_add(s[1]).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        s[3] ^= s[2].rotate_left(31);
+    // Straight-line code over fixed-size arrays: under the fuzzer's
+    // instrumentation every loop bound and length check costs a callback.
+    let lanes = |s: &mut [u64; 4], b: &[u8; 32], extra: u64| {
+        let w = |i: usize| {
+            u64::from_le_bytes([
+                b[i],
+                b[i + 1],
+                b[i + 2],
+                b[i + 3],
+                b[i + 4],
+                b[i + 5],
+                b[i + 6],
+                b[i + 7],
+            ])
+        };
+        s[0] = (s[0] ^ w(0) ^ extra).wrapping_mul(K[0]).rotate_left(29);
+        s[1] = (s[1] ^ w(8) ^ extra).wrapping_mul(K[1]).rotate_left(29);
+        s[2] = (s[2] ^ w(16) ^ extra).wrapping_mul(K[2]).rotate_left(29);
+        s[3] = (s[3] ^ w(24) ^ extra).wrapping_mul(K[3]).rotate_left(29);
     };
     for part in std::iter::once(&key).chain(parts.iter()) {
-        let mut chunks = part.chunks_exact(8);
-        for c in &mut chunks {
-            mix(u64::from_le_bytes(c.try_into().unwrap_or_default()));
+        let (blocks, rest) = part.as_chunks::<32>();
+        for b in blocks {
+            lanes(&mut s, b, 0);
         }
-        let mut tail = [0u8; 8];
-        tail[..chunks.remainder().len()].copy_from_slice(chunks.remainder());
-        mix(u64::from_le_bytes(tail) ^ ((part.len() as u64) << 56));
-        len = len.wrapping_add(part.len() as u64);
-        mix(len);
+        let mut tail = [0u8; 32];
+        tail[..rest.len()].copy_from_slice(rest);
+        lanes(&mut s, &tail, part.len() as u64);
+        // Cross the lanes between parts so parts cannot be swapped.
+        s.rotate_left(1);
     }
     let mut out = [0u8; N];
     for (i, chunk) in out.chunks_mut(8).enumerate() {
-        let mut z = s[i] ^ s[(i + 1) % 4].rotate_left(17) ^ (i as u64);
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        let mut z = s[i] ^ s[(i + 1) % 4].rotate_left(17) ^ s[(i + 2) % 4].rotate_left(41);
+        z = (z ^ (z >> 30)).wrapping_mul(K[1]);
+        z = (z ^ (z >> 27)).wrapping_mul(K[2]);
         z ^= z >> 31;
         chunk.copy_from_slice(&z.to_le_bytes()[..chunk.len()]);
     }
@@ -224,6 +244,26 @@ impl Hash for CheapHash {
     fn result(&mut self, out: &mut [u8]) {
         let d: [u8; 32] = digest(b"hash", 0, &[&self.0]);
         out[..32].copy_from_slice(&d);
+    }
+    // HMAC and HKDF as one keyed digest each (the defaults hash padded blocks).
+    fn hmac(&mut self, key: &[u8], data: &[u8], out: &mut [u8]) {
+        let d: [u8; 32] = digest(key, 1, &[data]);
+        out[..32].copy_from_slice(&d);
+    }
+    fn hkdf(
+        &mut self,
+        chaining_key: &[u8],
+        input_key_material: &[u8],
+        outputs: usize,
+        out1: &mut [u8],
+        out2: &mut [u8],
+        out3: &mut [u8],
+    ) {
+        let temp: [u8; 32] = digest(chaining_key, 2, &[input_key_material]);
+        for (i, out) in [out1, out2, out3].into_iter().enumerate().take(outputs) {
+            let d: [u8; 32] = digest(&temp, 3 + i as u64, &[]);
+            out[..32].copy_from_slice(&d);
+        }
     }
 }
 
