@@ -874,6 +874,12 @@ impl Session {
         let Some(s) = self.streams.get_mut(&id.0) else {
             return Err(StreamError::SessionClosed);
         };
+        if let Some(code) = s.reset {
+            // A reset stream's discarded bytes must not read as a clean end
+            // (found by fuzzing): report the reset, as before the close.
+            self.streams.remove(&id.0);
+            return Err(StreamError::Reset(code));
+        }
         if s.recv_buf.is_empty() {
             let fin = s.fin_received;
             self.streams.remove(&id.0);

@@ -123,3 +123,23 @@ fn resume_that_acknowledges_close_emits_no_resumed_after_closed() {
         "events after Closed: {events:?}"
     );
 }
+
+/// A stream the peer finished and then reset read as a clean end-of-stream
+/// once the session had closed (its bytes silently discarded), although the
+/// same read before the close reports the reset.
+#[test]
+fn reset_stream_does_not_read_as_clean_end_after_close() {
+    use crate::error::StreamError;
+    let mut p = Pair::new();
+    let id = p.client.open_stream(b"").unwrap();
+    assert_eq!(p.client.write(id, &[7; 3000]).unwrap(), 3000);
+    p.client.finish_stream(id).unwrap();
+    p.pump();
+    p.client.reset_stream(id, 49).unwrap();
+    p.client.close(1, "bye");
+    p.pump();
+    let server = p.server.as_mut().unwrap();
+    assert_eq!(server.state(), State::Closed);
+    let mut buf = [0u8; 4096];
+    assert_eq!(server.read(id, &mut buf), Err(StreamError::Reset(49)));
+}
