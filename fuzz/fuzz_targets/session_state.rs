@@ -177,6 +177,10 @@ struct Book {
     tainted: bool,
     /// Streams this side's application opened.
     opened: u64,
+    /// `streams` still known to the session, for the memory check.
+    live: Vec<StreamId>,
+    /// How many of `streams` have been added to `live`.
+    checked: usize,
     closed: bool,
     connected: bool,
 }
@@ -753,7 +757,7 @@ impl World {
         let now = self.now;
         let cfg = &self.ids.client.session;
         for side in [Side::Client, Side::Server] {
-            let book = &self.books[side as usize];
+            let book = &mut self.books[side as usize];
             let s = match side {
                 Side::Client => &mut self.client,
                 Side::Server => match self.server.as_mut() {
@@ -782,7 +786,12 @@ impl World {
                 cfg.session_send_buffer
             );
             let mut unread = 0u64;
-            for &id in &book.streams {
+            // Streams the session still knows (forgotten ones hold nothing);
+            // pruned here so the check stays proportional to live streams.
+            book.live.extend_from_slice(&book.streams[book.checked..]);
+            book.checked = book.streams.len();
+            book.live.retain(|&id| s.stream_meta(id).is_some());
+            for &id in &book.live {
                 let n = s.readable_len(id) as u64;
                 assert!(
                     n <= cfg.stream_window,
