@@ -4,7 +4,9 @@
 //! The fuzz input is the continuation *body*; the target adds the magic,
 //! format byte and a valid SHA-256, so the fuzzer explores the parser behind
 //! the checksum rather than the checksum itself. Properties: restoring never
-//! panics; a session that restores exports again to a blob that restores too.
+//! panics; a restored session's export is canonical (restoring it and
+//! exporting again gives the same bytes); after timers and polling, a session
+//! that restores exports again to a blob that restores too.
 
 #![no_main]
 
@@ -34,6 +36,13 @@ fuzz_target!(|body: &[u8]| {
     // Raw input as a whole blob too (mostly rejected by the checksum).
     let _ = Session::restore_server(config(), now, body, Duration::ZERO);
     if let Ok(mut s) = Session::restore_server(config(), now, &blob, Duration::ZERO) {
+        // Round trip: export, restore, export again: the same bytes.
+        if let Ok(first) = s.export(now) {
+            let back = Session::restore_server(config(), now, &first, Duration::ZERO)
+                .expect("an exported continuation restores");
+            let second = back.export(now).expect("a restored session exports");
+            assert!(first == second, "export(restore(export)) changed the blob");
+        }
         // A restored session is usable: timers, polling and export all work.
         s.handle_timeout(now + Duration::from_secs(1));
         let mut out = Vec::new();

@@ -70,10 +70,38 @@ enum Side {
     Server,
 }
 
-/// The byte written at `offset` of `stream` by `writer`: readers check each byte.
-fn pattern(writer: Side, stream: u64, offset: u64) -> u8 {
-    let x = offset.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ stream.wrapping_mul(0x0100_0193);
-    ((x >> 56) as u8) ^ (writer as u8)
+/// Period of the stream byte pattern (a prime, so no framing size divides it).
+const PERIOD: usize = 65_521;
+/// Largest single `write`.
+const MAX_WRITE: usize = 1 << 17;
+
+/// `PERIOD + MAX_WRITE` bytes repeating with period `PERIOD`: stream contents are slices of it.
+fn table() -> &'static [u8] {
+    static TABLE: OnceLock<Vec<u8>> = OnceLock::new();
+    TABLE.get_or_init(|| {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let period: Vec<u8> = (0..PERIOD)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 32) as u8
+            })
+            .collect();
+        period
+            .iter()
+            .cycle()
+            .take(PERIOD + MAX_WRITE)
+            .copied()
+            .collect()
+    })
+}
+
+/// The `len` bytes `writer` writes at `offset` of `stream`: readers check each byte.
+fn pattern(writer: Side, stream: u64, offset: u64, len: usize) -> &'static [u8] {
+    let base = stream.wrapping_mul(7_919) + (writer as u64) * 104_729 + offset;
+    let at = (base % PERIOD as u64) as usize;
+    &table()[at..at + len]
 }
 
 /// One direction of the in-memory link.
@@ -417,11 +445,9 @@ impl World {
             .get(&id.0)
             .copied()
             .unwrap_or(0);
-        let data: Vec<u8> = (0..len as u64)
-            .map(|i| pattern(side, id.0, start + i))
-            .collect();
+        let data = pattern(side, id.0, start, len.min(MAX_WRITE));
         let Some(s) = self.session(side) else { return };
-        if let Ok(n) = s.write(id, &data) {
+        if let Ok(n) = s.write(id, data) {
             assert!(n <= len);
             *self.book(side).written.entry(id.0).or_default() += n as u64;
         }
@@ -465,13 +491,10 @@ impl World {
             pos + n as u64 <= written,
             "{side:?} stream {id}: read past what was written"
         );
-        for (i, b) in buf[..n].iter().enumerate() {
-            let off = pos + i as u64;
-            assert_eq!(
-                *b,
-                pattern(writer, id.0, off),
-                "{side:?} stream {id}: wrong byte at {off}"
-            );
+        if buf[..n] != *pattern(writer, id.0, pos, n) {
+            let expected = pattern(writer, id.0, pos, n);
+            let at = (0..n).find(|&i| buf[i] != expected[i]).unwrap_or(0);
+            panic!("{side:?} stream {id}: wrong byte at {}", pos + at as u64);
         }
         *self.book(side).read.entry(id.0).or_default() += n as u64;
     }
@@ -507,7 +530,7 @@ impl World {
                 len,
                 shift,
             } => {
-                self.write(side.into(), stream, usize::from(len) << (shift % 5));
+                self.write(side.into(), stream, (usize::from(len) << 1) >> (shift % 8));
             }
             Op::Read { side, stream, len } => self.read(side.into(), stream, usize::from(len)),
             Op::Finish { side, stream } => {

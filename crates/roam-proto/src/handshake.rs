@@ -158,7 +158,8 @@ pub(crate) struct ClientResumeSent {
 pub(crate) fn client_new(keypair: &Keypair, out: &mut Vec<u8>) -> Result<ClientNewSent, Error> {
     let pre = preamble(KIND_NEW, None);
     let private = keypair.private_bytes();
-    let mut hs = snow::Builder::new(PATTERN_NEW.parse().map_err(noise_err)?)
+    let mut hs = crate::suite::noise(PATTERN_NEW)
+        .map_err(noise_err)?
         .local_private_key(&private)
         .and_then(|b| b.prologue(&pre))
         .and_then(|b| b.build_initiator())
@@ -177,7 +178,8 @@ pub(crate) fn client_resume(
     out: &mut Vec<u8>,
 ) -> Result<ClientResumeSent, Error> {
     let pre = preamble(KIND_RESUME, Some(session));
-    let mut hs = snow::Builder::new(PATTERN_RESUME.parse().map_err(noise_err)?)
+    let mut hs = crate::suite::noise(PATTERN_RESUME)
+        .map_err(noise_err)?
         .psk(0, secret)
         .and_then(|b| b.prologue(&pre))
         .and_then(|b| b.build_initiator())
@@ -364,7 +366,8 @@ pub(crate) fn server_new(
     out: &mut Vec<u8>,
 ) -> Result<ServerNewSent, Error> {
     let private = keypair.private_bytes();
-    let mut hs = snow::Builder::new(PATTERN_NEW.parse().map_err(noise_err)?)
+    let mut hs = crate::suite::noise(PATTERN_NEW)
+        .map_err(noise_err)?
         .local_private_key(&private)
         .and_then(|b| b.prologue(&hello.preamble))
         .and_then(|b| b.build_responder())
@@ -412,7 +415,8 @@ pub(crate) fn server_resume(
     received: u64,
     out: &mut Vec<u8>,
 ) -> Result<Established, Error> {
-    let mut hs = snow::Builder::new(PATTERN_RESUME.parse().map_err(noise_err)?)
+    let mut hs = crate::suite::noise(PATTERN_RESUME)
+        .map_err(noise_err)?
         .psk(0, secret)
         .and_then(|b| b.prologue(&hello.preamble))
         .and_then(|b| b.build_responder())

@@ -73,8 +73,7 @@ impl Keypair {
 
     /// The key pair whose private half is `private` (the public half is derived).
     pub fn from_private(private: [u8; 32]) -> Self {
-        let public =
-            PublicKey(curve25519_dalek::MontgomeryPoint::mul_base_clamped(private).to_bytes());
+        let public = PublicKey(crate::suite::public_key(private));
         Self { private, public }
     }
 

@@ -6,8 +6,7 @@
 //! Records are sealed and opened in place in the caller's buffer, so a payload
 //! byte is copied once from the stream buffer into the record and never again.
 
-use aes_gcm::aead::AeadInPlace;
-use aes_gcm::{Aes256Gcm, KeyInit};
+use crate::suite::Aead;
 
 /// Bytes of the authentication tag after every ciphertext.
 pub const TAG_LEN: usize = 16;
@@ -20,27 +19,25 @@ pub const RECORD_OVERHEAD: usize = 2 + TAG_LEN;
 
 /// One direction's cipher with its nonce counter.
 pub(crate) struct RecordCipher {
-    aead: Aes256Gcm,
+    aead: Aead,
     nonce: u64,
 }
 
 impl RecordCipher {
     pub(crate) fn new(key: &[u8; 32]) -> Self {
         Self {
-            aead: Aes256Gcm::new(key.into()),
+            aead: Aead::new(key),
             nonce: 0,
         }
     }
 
-    fn next_nonce(&mut self) -> Result<aes_gcm::Nonce<aes_gcm::aead::consts::U12>, crate::Error> {
+    fn next_nonce(&mut self) -> Result<u64, crate::Error> {
         // 2^64 - 1 is reserved by Noise; a session rekeys on every resume long before.
         if self.nonce == u64::MAX {
             return Err(crate::Error::ProtocolViolation("record nonce exhausted"));
         }
-        let mut n = [0u8; 12];
-        n[4..].copy_from_slice(&self.nonce.to_be_bytes());
         self.nonce += 1;
-        Ok(n.into())
+        Ok(self.nonce - 1)
     }
 
     /// Starts a record at the end of `out`: reserves its length prefix. The
@@ -61,7 +58,7 @@ impl RecordCipher {
         let nonce = self.next_nonce()?;
         let tag = self
             .aead
-            .encrypt_in_place_detached(&nonce, &[], &mut out[body..])
+            .seal(nonce, &mut out[body..])
             .map_err(|_| crate::Error::ProtocolViolation("record too large to seal"))?;
         out.extend_from_slice(&tag);
         out[start..body].copy_from_slice(&(len as u16).to_be_bytes());
@@ -78,7 +75,7 @@ impl RecordCipher {
         // Exhausting the receive counter ends this transport, not the session.
         let nonce = self.next_nonce().map_err(|_| crate::Error::Decrypt)?;
         self.aead
-            .decrypt_in_place_detached(&nonce, &[], ct, aes_gcm::Tag::from_slice(tag))
+            .open(nonce, ct, tag)
             .map_err(|_| crate::Error::Decrypt)?;
         Ok(ct.len())
     }
@@ -132,5 +129,28 @@ mod tests {
         rx.open(&mut wire[2..]).unwrap();
         let mut again = copy[2..].to_vec();
         assert!(matches!(rx.open(&mut again), Err(crate::Error::Decrypt)));
+    }
+}
+
+/// The record AEAD is real AES-256-GCM in every normal build (the fuzzing
+/// stand-in exists only under `cfg(fuzzing)`, see `suite_fuzzing.rs`).
+#[cfg(all(test, not(fuzzing)))]
+mod real_crypto {
+    use super::*;
+
+    #[test]
+    fn records_are_aes_256_gcm_known_answer() {
+        // McGrew & Viega, "The Galois/Counter Mode of Operation", test case 14:
+        // zero key, zero 96-bit IV (= record nonce 0), 16 zero bytes of plaintext.
+        let mut tx = RecordCipher::new(&[0; 32]);
+        let mut wire = Vec::new();
+        let s = RecordCipher::begin(&mut wire);
+        wire.extend_from_slice(&[0; 16]);
+        tx.seal(&mut wire, s).unwrap();
+        assert_eq!(
+            hex::encode(&wire[2..]),
+            "cea7403d4d606b6e074ec5d3baf39d18d0d1c8a799996bf0265b98b5d48ab919"
+        );
+        assert!(!crate::fuzzing_mode());
     }
 }

@@ -20,7 +20,12 @@
 //! `close`) may happen at any point; follow them with step 2.
 
 mod export;
+// Hooks for the session fuzz targets; like `suite_fuzzing.rs`, only under cargo-fuzz.
+#[cfg(fuzzing)]
+mod fuzzing;
 mod recv;
+#[cfg(test)]
+mod regressions;
 mod send;
 mod transport;
 
@@ -886,6 +891,12 @@ impl Session {
         let Some(s) = self.streams.get_mut(&id.0) else {
             return Err(StreamError::SessionClosed);
         };
+        if let Some(code) = s.reset {
+            // A reset stream's discarded bytes must not read as a clean end
+            // (found by fuzzing): report the reset, as before the close.
+            self.streams.remove(&id.0);
+            return Err(StreamError::Reset(code));
+        }
         if s.recv_buf.is_empty() {
             let fin = s.fin_received;
             self.streams.remove(&id.0);

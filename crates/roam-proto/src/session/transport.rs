@@ -330,6 +330,11 @@ impl Session {
     }
 
     pub(super) fn emit_resumed(&mut self, now: Instant, peer: Option<std::net::SocketAddr>) {
+        if self.state == State::Closed {
+            // The resume's acknowledgement completed our CLOSE (found by
+            // fuzzing): nothing but `TransportClosed` follows `Closed`.
+            return;
+        }
         let since = self.suspended_since.take().unwrap_or(now);
         self.refused_since = None;
         if self.state == State::Suspended {

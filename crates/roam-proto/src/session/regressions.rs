@@ -1,0 +1,145 @@
+//! Regression tests for bugs the session fuzz targets found
+//! (`fuzz/fuzz_targets/session_state.rs`). They reach into the session's
+//! fields to play the hostile peer the fuzzer played.
+
+use std::time::Instant;
+
+use super::{Session, State};
+use crate::config::{ClientConfig, Config, ServerConfig, ServerTrust};
+use crate::event::{Event, TransportId};
+use crate::handshake::parse_hello;
+use crate::keys::Keypair;
+
+struct Pair {
+    now: Instant,
+    client: Session,
+    server: Option<Session>,
+    ctid: TransportId,
+    stid: Option<TransportId>,
+    server_cfg: ServerConfig,
+}
+
+impl Pair {
+    fn new() -> Self {
+        let server_key = Keypair::from_private([0x5a; 32]);
+        let now = Instant::now();
+        let mut client = Session::client(ClientConfig {
+            keypair: Keypair::from_private([0x17; 32]),
+            server_trust: ServerTrust::Pinned(server_key.public()),
+            session: Config::default(),
+        });
+        let ctid = client.connect(now, None).unwrap();
+        let mut p = Pair {
+            now,
+            client,
+            server: None,
+            ctid,
+            stid: None,
+            server_cfg: ServerConfig {
+                keypair: server_key,
+                authorized_keys: None,
+                addresses: Vec::new(),
+                session: Config::default(),
+            },
+        };
+        p.hello();
+        p.pump();
+        assert_eq!(p.client.state(), State::Active);
+        p
+    }
+
+    /// The server reads the client's opening (new session or resume).
+    fn hello(&mut self) {
+        let mut out = Vec::new();
+        while self.client.poll_transmit(self.now, &mut out).is_some() {}
+        let (hello, used) = parse_hello(&out).unwrap().unwrap();
+        let stid = match self.server.as_mut() {
+            None => {
+                let (s, tid) = Session::accept(&self.server_cfg, self.now, &hello, None).unwrap();
+                self.server = Some(s);
+                tid
+            }
+            Some(s) => s.accept_resume(self.now, &hello, None).unwrap(),
+        };
+        self.stid = Some(stid);
+        let server = self.server.as_mut().unwrap();
+        server.handle_input(self.now, stid, &out[used..]).unwrap();
+    }
+
+    fn pump(&mut self) {
+        for _ in 0..100 {
+            let mut moved = false;
+            let mut out = Vec::new();
+            let server = self.server.as_mut().unwrap();
+            while server.poll_transmit(self.now, &mut out).is_some() {}
+            if !out.is_empty() {
+                moved = true;
+                let _ = self.client.handle_input(self.now, self.ctid, &out);
+            }
+            out.clear();
+            while self.client.poll_transmit(self.now, &mut out).is_some() {}
+            if !out.is_empty() {
+                moved = true;
+                let _ = server.handle_input(self.now, self.stid.unwrap(), &out);
+            }
+            if !moved {
+                return;
+            }
+        }
+        panic!("never quiet");
+    }
+}
+
+/// A resuming client whose SYNC acknowledges the server's `CLOSE` (which it
+/// never received) made the server emit `Resumed` after `Closed`, breaking
+/// the rule that nothing but `TransportClosed` follows `Closed`.
+#[test]
+fn resume_that_acknowledges_close_emits_no_resumed_after_closed() {
+    let mut p = Pair::new();
+    let server = p.server.as_mut().unwrap();
+    while server.poll_event().is_some() {}
+    server.close(7, "bye");
+    // The CLOSE goes out on the old transport and is lost with it.
+    let mut lost = Vec::new();
+    while server.poll_transmit(p.now, &mut lost).is_some() {}
+    assert_eq!(server.state(), State::Closing);
+    // The client claims it got the CLOSE: its SYNC acknowledges it.
+    p.client.recv_seq += 1;
+    p.ctid = p.client.connect(p.now, None).unwrap();
+    p.hello();
+    p.pump();
+    let server = p.server.as_mut().unwrap();
+    assert_eq!(server.state(), State::Closed);
+    let events: Vec<Event> = std::iter::from_fn(|| server.poll_event()).collect();
+    let closed = events
+        .iter()
+        .position(|e| matches!(e, Event::Closed { .. }))
+        .expect("the server closed");
+    assert!(
+        events[closed..]
+            .iter()
+            .skip(1)
+            .all(|e| matches!(e, Event::TransportClosed { .. })),
+        "events after Closed: {events:?}"
+    );
+}
+
+/// A stream the peer finished and then reset read as a clean end-of-stream
+/// once the session had closed (its bytes silently discarded), although the
+/// same read before the close reports the reset.
+#[test]
+fn reset_stream_does_not_read_as_clean_end_after_close() {
+    use crate::error::StreamError;
+    let mut p = Pair::new();
+    let id = p.client.open_stream(b"").unwrap();
+    assert_eq!(p.client.write(id, &[7; 3000]).unwrap(), 3000);
+    p.client.finish_stream(id).unwrap();
+    p.pump();
+    p.client.reset_stream(id, 49).unwrap();
+    p.client.close(1, "bye");
+    p.pump();
+    let server = p.server.as_mut().unwrap();
+    assert_eq!(server.state(), State::Closed);
+    let mut buf = [0u8; 4096];
+    assert_eq!(server.read(id, &mut buf), Err(StreamError::Reset(49)));
+}

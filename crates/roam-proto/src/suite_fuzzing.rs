@@ -1,0 +1,306 @@
+//! Fuzzing stand-ins for [`suite.rs`](self): compiled in its place only under
+//! `cfg(fuzzing)`, which cargo-fuzz sets and no normal build does (a test in
+//! `tests/no_fuzzing_mode.rs` checks a normal build seals real AES-GCM).
+//!
+//! NOT CRYPTOGRAPHY. Each primitive keeps the shape and every check of the
+//! real one, so the code around it is exercised as it is in production, but
+//! costs a few nanoseconds per byte instead of microseconds per handshake:
+//!
+//! - the record AEAD XORs the plaintext with a key byte and appends a 16-byte
+//!   keyed checksum over key, nonce and ciphertext: tampering, truncation, a
+//!   wrong key and a replayed or reordered record (wrong nonce) still fail;
+//! - the Noise handshakes run snow's real state machine (same patterns, same
+//!   message shapes and lengths, same PSK and prologue binding) with a resolver
+//!   whose DH is lane-wise multiplication mod 2^64 (commutative, so both sides
+//!   agree; distinct keys give distinct results, so pinned-key mismatches,
+//!   unauthorized keys and wrong resume secrets are still detected), whose hash
+//!   is a cheap mixing function and whose cipher is the checksum AEAD above;
+//! - ephemeral keys come from a process-wide counter, so every handshake's
+//!   ephemeral differs and replay detection still works.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use snow::params::{CipherChoice, DHChoice, HashChoice};
+use snow::resolvers::CryptoResolver;
+use snow::types::{Cipher, Dh, Hash, Random};
+
+/// `true`: this build uses the cheap fuzzing stand-ins.
+pub(crate) const FUZZING: bool = true;
+
+const TAG_LEN: usize = 16;
+
+/// Cheap keyed digest of `parts` (not cryptographic), `N` ≤ 32 bytes: four
+/// independent multiply-rotate lanes over 32-byte blocks, mixed at the end.
+fn digest<const N: usize>(key: &[u8], nonce: u64, parts: &[&[u8]]) -> [u8; N] {
+    const K: [u64; 4] = [
+        0x9e37_79b9_7f4a_7c15,
+        0xbf58_476d_1ce4_e5b9,
+        0x94d0_49bb_1331_11eb,
+        0xff51_afd7_ed55_8ccd,
+    ];
+    let mut s = [
+        0x6a09_e667_f3bc_c908u64,
+        0xbb67_ae85_84ca_a73b ^ nonce,
+        0x3c6e_f372_fe94_f82b,
+        0xa54f_f53a_5f1d_36f1,
+    ];
+    // Straight-line code over fixed-size arrays: under the fuzzer's
+    // instrumentation every loop bound and length check costs a callback.
+    let lanes = |s: &mut [u64; 4], b: &[u8; 32], extra: u64| {
+        let w = |i: usize| {
+            u64::from_le_bytes([
+                b[i],
+                b[i + 1],
+                b[i + 2],
+                b[i + 3],
+                b[i + 4],
+                b[i + 5],
+                b[i + 6],
+                b[i + 7],
+            ])
+        };
+        s[0] = (s[0] ^ w(0) ^ extra).wrapping_mul(K[0]).rotate_left(29);
+        s[1] = (s[1] ^ w(8) ^ extra).wrapping_mul(K[1]).rotate_left(29);
+        s[2] = (s[2] ^ w(16) ^ extra).wrapping_mul(K[2]).rotate_left(29);
+        s[3] = (s[3] ^ w(24) ^ extra).wrapping_mul(K[3]).rotate_left(29);
+    };
+    for part in std::iter::once(&key).chain(parts.iter()) {
+        let (blocks, rest) = part.as_chunks::<32>();
+        for b in blocks {
+            lanes(&mut s, b, 0);
+        }
+        let mut tail = [0u8; 32];
+        tail[..rest.len()].copy_from_slice(rest);
+        lanes(&mut s, &tail, part.len() as u64);
+        // Cross the lanes between parts so parts cannot be swapped.
+        s.rotate_left(1);
+    }
+    let mut out = [0u8; N];
+    for (i, chunk) in out.chunks_mut(8).enumerate() {
+        let mut z = s[i] ^ s[(i + 1) % 4].rotate_left(17) ^ s[(i + 2) % 4].rotate_left(41);
+        z = (z ^ (z >> 30)).wrapping_mul(K[1]);
+        z = (z ^ (z >> 27)).wrapping_mul(K[2]);
+        z ^= z >> 31;
+        chunk.copy_from_slice(&z.to_le_bytes()[..chunk.len()]);
+    }
+    out
+}
+
+fn xor(key: &[u8; 32], buf: &mut [u8]) {
+    let k = key[0] | 1;
+    buf.iter_mut().for_each(|b| *b ^= k);
+}
+
+fn tag(key: &[u8; 32], nonce: u64, ad: &[u8], ct: &[u8]) -> [u8; TAG_LEN] {
+    digest(key, nonce, &[ad, ct])
+}
+
+/// A record AEAD keyed for one direction (fuzzing stand-in).
+pub(crate) struct Aead([u8; 32]);
+
+impl Aead {
+    pub(crate) fn new(key: &[u8; 32]) -> Self {
+        Self(*key)
+    }
+
+    pub(crate) fn seal(&self, n: u64, buf: &mut [u8]) -> Result<[u8; 16], ()> {
+        xor(&self.0, buf);
+        Ok(tag(&self.0, n, &[], buf))
+    }
+
+    pub(crate) fn open(&self, n: u64, buf: &mut [u8], t: &[u8]) -> Result<(), ()> {
+        if t != tag(&self.0, n, &[], buf) {
+            return Err(());
+        }
+        xor(&self.0, buf);
+        Ok(())
+    }
+}
+
+/// A Noise builder for `pattern` with the cheap resolver.
+pub(crate) fn noise(pattern: &str) -> Result<snow::Builder<'static>, snow::Error> {
+    Ok(snow::Builder::with_resolver(
+        pattern.parse()?,
+        Box::new(CheapResolver),
+    ))
+}
+
+/// The stand-in public key of `private`: lane-wise `(private | 1) * G mod 2^64`.
+pub(crate) fn public_key(private: [u8; 32]) -> [u8; 32] {
+    const G: [u8; 32] = [0x9b; 32];
+    mul(&private, &G)
+}
+
+fn mul(a: &[u8; 32], b: &[u8]) -> [u8; 32] {
+    let mut out = [0u8; 32];
+    for i in 0..4 {
+        let r = i * 8..i * 8 + 8;
+        let x = u64::from_le_bytes(a[r.clone()].try_into().unwrap_or_default()) | 1;
+        let y = u64::from_le_bytes(b[r.clone()].try_into().unwrap_or_default()) | 1;
+        out[r].copy_from_slice(&x.wrapping_mul(y).to_le_bytes());
+    }
+    out
+}
+
+struct CheapResolver;
+
+impl CryptoResolver for CheapResolver {
+    fn resolve_rng(&self) -> Option<Box<dyn Random>> {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        Some(Box::new(CounterRng(
+            NEXT.fetch_add(1, Ordering::Relaxed) << 20,
+        )))
+    }
+    fn resolve_dh(&self, _: &DHChoice) -> Option<Box<dyn Dh>> {
+        Some(Box::new(CheapDh {
+            private: [0; 32],
+            public: [0; 32],
+        }))
+    }
+    fn resolve_hash(&self, _: &HashChoice) -> Option<Box<dyn Hash>> {
+        Some(Box::new(CheapHash(Vec::new())))
+    }
+    fn resolve_cipher(&self, _: &CipherChoice) -> Option<Box<dyn Cipher>> {
+        Some(Box::new(CheapCipher([0; 32])))
+    }
+}
+
+/// splitmix64 from a per-instance seed: distinct ephemerals, no syscalls.
+struct CounterRng(u64);
+
+impl Random for CounterRng {
+    fn try_fill_bytes(&mut self, dest: &mut [u8]) -> Result<(), snow::Error> {
+        for chunk in dest.chunks_mut(8) {
+            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^= z >> 31;
+            chunk.copy_from_slice(&z.to_le_bytes()[..chunk.len()]);
+        }
+        Ok(())
+    }
+}
+
+struct CheapDh {
+    private: [u8; 32],
+    public: [u8; 32],
+}
+
+impl Dh for CheapDh {
+    fn name(&self) -> &'static str {
+        "25519"
+    }
+    fn pub_len(&self) -> usize {
+        32
+    }
+    fn priv_len(&self) -> usize {
+        32
+    }
+    fn set(&mut self, privkey: &[u8]) {
+        self.private.copy_from_slice(&privkey[..32]);
+        self.public = public_key(self.private);
+    }
+    fn generate(&mut self, rng: &mut dyn Random) -> Result<(), snow::Error> {
+        let mut private = [0u8; 32];
+        rng.try_fill_bytes(&mut private)?;
+        self.set(&private);
+        Ok(())
+    }
+    fn pubkey(&self) -> &[u8] {
+        &self.public
+    }
+    fn privkey(&self) -> &[u8] {
+        &self.private
+    }
+    fn dh(&self, pubkey: &[u8], out: &mut [u8]) -> Result<(), snow::Error> {
+        if pubkey.len() < 32 || out.len() < 32 {
+            return Err(snow::Error::Dh);
+        }
+        out[..32].copy_from_slice(&mul(&self.private, pubkey));
+        Ok(())
+    }
+}
+
+/// Buffers its input and digests it at the end ("SHA256" shape: 32-byte output).
+struct CheapHash(Vec<u8>);
+
+impl Hash for CheapHash {
+    fn name(&self) -> &'static str {
+        "SHA256"
+    }
+    fn block_len(&self) -> usize {
+        64
+    }
+    fn hash_len(&self) -> usize {
+        32
+    }
+    fn reset(&mut self) {
+        self.0.clear();
+    }
+    fn input(&mut self, data: &[u8]) {
+        self.0.extend_from_slice(data);
+    }
+    fn result(&mut self, out: &mut [u8]) {
+        let d: [u8; 32] = digest(b"hash", 0, &[&self.0]);
+        out[..32].copy_from_slice(&d);
+    }
+    // HMAC and HKDF as one keyed digest each (the defaults hash padded blocks).
+    fn hmac(&mut self, key: &[u8], data: &[u8], out: &mut [u8]) {
+        let d: [u8; 32] = digest(key, 1, &[data]);
+        out[..32].copy_from_slice(&d);
+    }
+    fn hkdf(
+        &mut self,
+        chaining_key: &[u8],
+        input_key_material: &[u8],
+        outputs: usize,
+        out1: &mut [u8],
+        out2: &mut [u8],
+        out3: &mut [u8],
+    ) {
+        let temp: [u8; 32] = digest(chaining_key, 2, &[input_key_material]);
+        for (i, out) in [out1, out2, out3].into_iter().enumerate().take(outputs) {
+            let d: [u8; 32] = digest(&temp, 3 + i as u64, &[]);
+            out[..32].copy_from_slice(&d);
+        }
+    }
+}
+
+struct CheapCipher([u8; 32]);
+
+impl Cipher for CheapCipher {
+    fn name(&self) -> &'static str {
+        "AESGCM"
+    }
+    fn set(&mut self, key: &[u8; 32]) {
+        self.0 = *key;
+    }
+    fn encrypt(&self, nonce: u64, ad: &[u8], plaintext: &[u8], out: &mut [u8]) -> usize {
+        let n = plaintext.len();
+        out[..n].copy_from_slice(plaintext);
+        xor(&self.0, &mut out[..n]);
+        let t = tag(&self.0, nonce, ad, &out[..n]);
+        out[n..n + TAG_LEN].copy_from_slice(&t);
+        n + TAG_LEN
+    }
+    fn decrypt(
+        &self,
+        nonce: u64,
+        ad: &[u8],
+        ciphertext: &[u8],
+        out: &mut [u8],
+    ) -> Result<usize, snow::Error> {
+        let n = ciphertext
+            .len()
+            .checked_sub(TAG_LEN)
+            .ok_or(snow::Error::Decrypt)?;
+        let (ct, t) = ciphertext.split_at(n);
+        if t != tag(&self.0, nonce, ad, ct) {
+            return Err(snow::Error::Decrypt);
+        }
+        out[..n].copy_from_slice(ct);
+        xor(&self.0, &mut out[..n]);
+        Ok(n)
+    }
+}
