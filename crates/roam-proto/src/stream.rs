@@ -41,6 +41,9 @@ pub(crate) struct Stream {
     pub(crate) write_blocked: bool,
     /// Queued in the session's round-robin of streams with something to send.
     pub(crate) queued: bool,
+    /// A `write` was refused for lack of room and the stream still holds
+    /// unacknowledged bytes: it counts in the session's fair share (§8).
+    pub(crate) contending: bool,
 
     // --- receive side
     pub(crate) recv_buf: VecDeque<u8>,
@@ -74,6 +77,7 @@ impl Stream {
             in_log: 0,
             write_blocked: false,
             queued: false,
+            contending: false,
             recv_buf: VecDeque::new(),
             received: 0,
             recv_max,

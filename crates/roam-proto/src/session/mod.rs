@@ -132,6 +132,9 @@ impl Entry {
 
 /// How many recent resume ephemerals a server remembers to name replays (§12).
 const REPLAY_MEMORY: usize = 64;
+/// The smallest send-buffer share a stream is held to when many streams
+/// write at once (bytes); see `Session::stream_send_cap`.
+const MIN_STREAM_SHARE: u64 = 16 * 1024;
 
 /// A roam session: one end of a set of reliable streams that outlive transports.
 pub struct Session {
@@ -200,6 +203,8 @@ pub struct Session {
     send_queue: VecDeque<u64>,
     /// Streams whose last `write` was refused for lack of buffer space.
     write_waiters: Vec<u64>,
+    /// Streams marked `contending`: refused a write and still holding data.
+    contenders: u64,
 
     // session flow control (§8)
     conn_send_max: u64,
@@ -293,6 +298,7 @@ impl Session {
             peer_stream_limit,
             send_queue: VecDeque::new(),
             write_waiters: Vec::new(),
+            contenders: 0,
             conn_send_max: 0,
             conn_sent: 0,
             conn_recv_max,
@@ -696,9 +702,11 @@ impl Session {
             .retain(|_, s| !s.recv_buf.is_empty() || (s.fin_received && !s.eof_delivered));
         for s in self.streams.values_mut() {
             s.send_buf = Default::default();
+            s.contending = false;
         }
         self.send_queue.clear();
         self.send_buffered = 0;
+        self.contenders = 0;
     }
 
     // ------------------------------------------------------------ application commands
@@ -765,8 +773,8 @@ impl Session {
         if session_room < want(self.config.session_send_buffer) || self.write_waiters.is_empty() {
             return;
         }
-        let stream_want = want(self.config.stream_send_buffer);
-        let stream_limit = self.config.stream_send_buffer;
+        let stream_limit = self.stream_send_cap();
+        let stream_want = want(stream_limit);
         let mut still = Vec::new();
         for id in std::mem::take(&mut self.write_waiters) {
             let Some(s) = self.streams.get_mut(&id) else {
@@ -787,6 +795,38 @@ impl Session {
         self.write_waiters = still;
     }
 
+    /// How many bytes one stream may hold in its send buffer now: a fair
+    /// share of the session's send buffer among the streams that hold data
+    /// and were refused room (`contenders`), between `MIN_STREAM_SHARE` and the
+    /// stream's own `stream_send_buffer`. Without the share, a few dozen
+    /// streams could fill the whole session buffer (at 1 MiB each) while
+    /// hundreds of others waited for room (§8).
+    fn stream_send_cap(&self) -> u64 {
+        let writers = self.contenders.max(1);
+        let limit = self.config.stream_send_buffer;
+        (self.config.session_send_buffer / writers)
+            .max(MIN_STREAM_SHARE.min(limit))
+            .min(limit)
+    }
+
+    /// Counts a stream in (`true`) or out of the fair share's contenders.
+    fn note_contending(&mut self, now_contending: bool) {
+        if now_contending {
+            self.contenders += 1;
+        } else {
+            self.contenders = self.contenders.saturating_sub(1);
+        }
+    }
+
+    /// A stream stops contending (its data was acknowledged, reset or dropped).
+    fn stop_contending(&mut self, id: u64) {
+        if let Some(s) = self.streams.get_mut(&id) {
+            if std::mem::take(&mut s.contending) {
+                self.note_contending(false);
+            }
+        }
+    }
+
     /// Buffers up to `data.len()` bytes for sending; returns how many were
     /// taken (0 when the buffers are full: wait for `StreamWritable`).
     pub fn write(&mut self, id: StreamId, data: &[u8]) -> Result<usize, StreamError> {
@@ -795,7 +835,7 @@ impl Session {
             .config
             .session_send_buffer
             .saturating_sub(self.send_buffered);
-        let stream_limit = self.config.stream_send_buffer;
+        let stream_limit = self.stream_send_cap();
         let s = self.stream_mut(id)?;
         if s.fin_requested {
             return Err(StreamError::Finished);
@@ -805,9 +845,17 @@ impl Session {
             .min(session_room);
         let n = (data.len() as u64).min(room) as usize;
         s.send_buf.extend(&data[..n]);
-        if n < data.len() && !s.write_blocked {
+        let refused = n < data.len();
+        let contending_changed = s.contending != refused && (refused || !s.send_buf.is_empty());
+        if contending_changed {
+            s.contending = refused;
+        }
+        if refused && !s.write_blocked {
             s.write_blocked = true;
             self.write_waiters.push(id.0);
+        }
+        if contending_changed {
+            self.note_contending(refused);
         }
         self.send_buffered += n as u64;
         self.enqueue(id.0);
@@ -832,12 +880,16 @@ impl Session {
         s.reset = Some(code);
         s.reset_seen = true;
         s.in_log += 1;
+        let was_contending = std::mem::take(&mut s.contending);
         let unsent = s.written() - s.sent;
         let keep = (s.sent - s.send_base) as usize;
         s.send_buf.truncate(keep);
         let released = s.recv_buf.len() as u64;
         s.recv_buf = Default::default();
         self.send_buffered -= unsent;
+        if was_contending {
+            self.note_contending(false);
+        }
         self.log.push_back(Entry::Reset { stream: id.0, code });
         self.consume(released);
         Ok(())
@@ -978,6 +1030,7 @@ impl Session {
     /// Drops a stream's state once nothing about it can happen any more.
     fn maybe_forget(&mut self, id: u64) {
         if self.streams.get(&id).is_some_and(Stream::is_done) {
+            self.stop_contending(id);
             self.streams.remove(&id);
             if !self.is_local_stream(id) {
                 // Grant the peer a new stream for each one forgotten, in batches (§6.5).

@@ -144,6 +144,9 @@ impl Session {
                     s.ack_to(offset + u64::from(len));
                     freed = before > s.send_buf.len();
                     self.send_buffered -= (before - s.send_buf.len()) as u64;
+                    if s.send_buf.is_empty() && std::mem::take(&mut s.contending) {
+                        self.contenders = self.contenders.saturating_sub(1);
+                    }
                     if fin && s.reset.is_none() {
                         s.fin_acked = true;
                         self.events.push_back(Event::StreamSendComplete {
@@ -211,6 +214,7 @@ impl Session {
                 let released = s.recv_buf.len() as u64;
                 s.recv_buf = Default::default();
                 self.send_buffered -= unsent;
+                self.stop_contending(stream);
                 self.consume(released);
                 self.events.push_back(Event::StreamReset {
                     stream: StreamId(stream),

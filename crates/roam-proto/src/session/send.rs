@@ -34,18 +34,19 @@ impl Session {
         let start = out.len();
         out.append(&mut t.out);
         if t.is_open() && t.may_send {
-            if let Phase::Open(keys) = &mut t.phase {
-                let mut keys_tx = std::mem::replace(&mut keys.tx, RecordCipher::new(&[0; 32]));
-                let r = self.build_records(now, &mut t, &mut keys_tx, out);
-                if let Phase::Open(keys) = &mut t.phase {
-                    keys.tx = keys_tx;
-                }
-                if let Err(e) = r {
-                    out.truncate(start);
-                    self.active = Some(t);
-                    self.lose_active(now, crate::event::SuspendReason::TransportError(e));
-                    return None;
-                }
+            // The keys leave the transport while records are built (the
+            // builder borrows both); `Taken` is never seen meanwhile.
+            let mut phase = std::mem::replace(&mut t.phase, Phase::Taken);
+            let r = match &mut phase {
+                Phase::Open(keys) => self.build_records(now, &mut t, &mut keys.tx, out),
+                _ => Ok(()),
+            };
+            t.phase = phase;
+            if let Err(e) = r {
+                out.truncate(start);
+                self.active = Some(t);
+                self.lose_active(now, crate::event::SuspendReason::TransportError(e));
+                return None;
             }
         }
         let id = t.id;
