@@ -436,7 +436,7 @@ async fn run(cli: Cli, plan: Plan, nofile: u64) -> i32 {
         nofile,
         peers: cli.peers.clone(),
     });
-    let lab = match Lab::start(&ctx.env).await {
+    let lab = match Lab::start(&ctx.env, agent::client_config(&ctx.keypair)).await {
         Ok(l) => Ok(Arc::new(l)),
         Err(e) => {
             progress(&format!("peers did not start: {e}"));
