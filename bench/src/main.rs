@@ -33,6 +33,7 @@ mod procs;
 mod report;
 mod scenarios;
 mod stats;
+mod targets;
 
 use std::future::Future;
 use std::io;
@@ -104,6 +105,9 @@ pub(crate) struct Plan {
     pub(crate) setup_process_samples: usize,
     pub(crate) resume_rounds: usize,
     pub(crate) stream_counts: Vec<usize>,
+    /// Session counts of scenario 5 through `roam serve` (piped streams).
+    pub(crate) mem_serve_counts: Vec<usize>,
+    /// Session counts of scenario 5 through the echoing library relay.
     pub(crate) mem_counts: Vec<usize>,
     pub(crate) many_clients: usize,
     pub(crate) many_warmup_seconds: f64,
@@ -127,7 +131,8 @@ impl Plan {
             setup_process_samples: 5,
             resume_rounds: 1,
             stream_counts: vec![1, 100, 1000, 10_000],
-            mem_counts: vec![1000],
+            mem_serve_counts: vec![1000],
+            mem_counts: vec![],
             many_clients: 1000,
             many_warmup_seconds: 3.0,
             many_seconds: 2.0,
@@ -147,7 +152,8 @@ impl Plan {
             setup_process_samples: 30,
             resume_rounds: 3,
             stream_counts: vec![1, 100, 1000, 10_000],
-            mem_counts: vec![1000, 10_000],
+            mem_serve_counts: vec![1000, 9000],
+            mem_counts: vec![10_000],
             many_clients: 1000,
             many_warmup_seconds: 5.0,
             many_seconds: 5.0,
@@ -167,6 +173,7 @@ impl Plan {
             setup_process_samples: 2,
             resume_rounds: 1,
             stream_counts: vec![1, 100],
+            mem_serve_counts: vec![20],
             mem_counts: vec![20],
             many_clients: 20,
             many_warmup_seconds: 0.2,
@@ -536,7 +543,8 @@ mod tests {
         assert_eq!(q.stream_counts, [1, 100, 1000, 10_000]);
         assert_eq!(q.many_clients, 1000);
         let f = Plan::full();
-        assert_eq!(f.mem_counts, [1000, 10_000]);
+        assert_eq!(f.mem_serve_counts, [1000, 9000]);
+        assert_eq!(f.mem_counts, [10_000]);
     }
 
     #[test]
