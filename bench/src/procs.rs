@@ -160,6 +160,23 @@ pub(crate) fn version_line(program: &str, args: &[&str]) -> String {
     }
 }
 
+/// Asks a roam process's control socket (`<state>/control/<pid>.sock`, as
+/// `roam status` does) for its status: one request line
+/// `{"op":"status"}`, then the JSON reply until end-of-file.
+pub(crate) async fn control_status(path: &Path, timeout: Duration) -> io::Result<serde_json::Value> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let fetch = async {
+        let mut sock = tokio::net::UnixStream::connect(path).await?;
+        sock.write_all(b"{\"op\":\"status\"}\n").await?;
+        let mut text = Vec::new();
+        sock.read_to_end(&mut text).await?;
+        serde_json::from_slice::<serde_json::Value>(&text).map_err(io::Error::other)
+    };
+    tokio::time::timeout(timeout, fetch)
+        .await
+        .map_err(|_| io::Error::other(format!("{}: no answer", path.display())))?
+}
+
 /// Clock ticks per second of `/proc/PID/stat` times (`getconf CLK_TCK`,
 /// 100 on Linux when it cannot be asked).
 fn clk_tck() -> f64 {

@@ -38,7 +38,7 @@ use serde::Serialize;
 use super::progress;
 use crate::agent::Agent;
 use crate::peers::Lab;
-use crate::procs::{free_port, lo, rss_bytes, wait_listening, Proc};
+use crate::procs::{control_status, free_port, lo, rss_bytes, wait_listening, Proc};
 use crate::Ctx;
 
 /// Unacknowledged bytes per session in the third state.
@@ -122,14 +122,7 @@ impl Relay {
         match self {
             Relay::Echo(a) => Ok(a.states().await?.1),
             Relay::Serve { control, .. } => {
-                use tokio::io::AsyncReadExt;
-                let mut sock = tokio::net::UnixStream::connect(&*control).await?;
-                let mut text = Vec::new();
-                tokio::time::timeout(Duration::from_secs(20), sock.read_to_end(&mut text))
-                    .await
-                    .map_err(|_| io::Error::other("control socket timed out"))??;
-                let v: serde_json::Value =
-                    serde_json::from_slice(&text).map_err(io::Error::other)?;
+                let v = control_status(control, Duration::from_secs(20)).await?;
                 Ok(v.get("sessions")
                     .and_then(|s| s.as_array())
                     .map_or(0, |a| {
