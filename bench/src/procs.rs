@@ -163,7 +163,10 @@ pub(crate) fn version_line(program: &str, args: &[&str]) -> String {
 /// Asks a roam process's control socket (`<state>/control/<pid>.sock`, as
 /// `roam status` does) for its status: one request line
 /// `{"op":"status"}`, then the JSON reply until end-of-file.
-pub(crate) async fn control_status(path: &Path, timeout: Duration) -> io::Result<serde_json::Value> {
+pub(crate) async fn control_status(
+    path: &Path,
+    timeout: Duration,
+) -> io::Result<serde_json::Value> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let fetch = async {
         let mut sock = tokio::net::UnixStream::connect(path).await?;
@@ -287,7 +290,8 @@ pub(crate) fn parse_net_counters(text: &str, m: &mut std::collections::BTreeMap<
     let lines: Vec<&str> = text.lines().collect();
     for pair in lines.chunks(2) {
         let [names, values] = pair else { continue };
-        let (Some((g1, names)), Some((g2, values))) = (names.split_once(':'), values.split_once(':'))
+        let (Some((g1, names)), Some((g2, values))) =
+            (names.split_once(':'), values.split_once(':'))
         else {
             continue;
         };
@@ -308,7 +312,8 @@ mod tests {
 
     #[test]
     fn stat_fields_are_counted_after_the_command_name() {
-        let t = "4242 (a (b) c) S 17 4242 4242 0 -1 4194560 100 0 0 0 250 75 9 3 20 0 1 0 100 1000 10";
+        let t =
+            "4242 (a (b) c) S 17 4242 4242 0 -1 4194560 100 0 0 0 250 75 9 3 20 0 1 0 100 1000 10";
         assert_eq!(
             parse_stat(t),
             Some(StatCpu {
@@ -328,7 +333,8 @@ mod tests {
 
     #[test]
     fn net_counters_pair_names_and_values() {
-        let text = "TcpExt: SyncookiesSent TCPBacklogDrop\nTcpExt: 0 7\nIpExt: InOctets\nIpExt: 99\n";
+        let text =
+            "TcpExt: SyncookiesSent TCPBacklogDrop\nTcpExt: 0 7\nIpExt: InOctets\nIpExt: 99\n";
         let mut m = std::collections::BTreeMap::new();
         parse_net_counters(text, &mut m);
         assert_eq!(m.get("TcpExt:TCPBacklogDrop"), Some(&7));

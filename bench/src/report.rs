@@ -173,7 +173,7 @@ impl Results {
             "Hops: socat and roam-session cross one relay process; socat2, ssh-L, roam-forward and roam-pipe cross two. Compare like with like: roam-session/socat, roam-forward/socat2.".into(),
             "CPU s/GB: CPU seconds (utime + stime from /proc/PID/stat) of the peer's own processes per 10^9 bytes moved; the load generator and the target are excluded (the same for every peer). Clock-tick resolution (10 ms): short samples of slow cells are coarse.".into(),
         ];
-        let targets = crate::targets::evaluate(&scenarios);
+        let targets = crate::targets::evaluate(&scenarios, plan.many_clients);
         Results {
             schema: 1,
             mode: plan.mode,
@@ -295,7 +295,10 @@ fn markdown(r: &Results, plots: &[io::Result<PathBuf>]) -> String {
         "Measured in this run against the targets the issue sets (ratios of peers measured in the same run). \
          In quick mode the samples are short: read a single miss or hit with care.\n"
     );
-    let _ = writeln!(s, "| target | measured | goal | met | note |\n|---|---:|---|---|---|");
+    let _ = writeln!(
+        s,
+        "| target | measured | goal | met | note |\n|---|---:|---|---|---|"
+    );
     for t in &r.targets {
         let _ = writeln!(
             s,
@@ -332,7 +335,11 @@ fn markdown(r: &Results, plots: &[io::Result<PathBuf>]) -> String {
                 "| block | {} | roam-forward/socat | roam-forward/socat2 | roam-forward/ssh-L | roam-session/socat |",
                 peers.join(" | ")
             );
-            let _ = writeln!(s, "|---|{}---:|---:|---:|---:|", "---:|".repeat(peers.len()));
+            let _ = writeln!(
+                s,
+                "|---|{}---:|---:|---:|---:|",
+                "---:|".repeat(peers.len())
+            );
             let blocks: Vec<usize> = dedup(t.rows.iter().map(|r| r.block_bytes));
             for b in blocks {
                 let get = |p: &str| {
@@ -581,7 +588,11 @@ fn markdown(r: &Results, plots: &[io::Result<PathBuf>]) -> String {
         for row in &t.rows {
             let cells: Vec<String> = names
                 .iter()
-                .map(|k| row.net_counters.get(*k).map_or("–".into(), |v| v.to_string()))
+                .map(|k| {
+                    row.net_counters
+                        .get(*k)
+                        .map_or("–".into(), |v| v.to_string())
+                })
                 .collect();
             let _ = writeln!(s, "| {} | {} |", row.peer, cells.join(" | "));
         }

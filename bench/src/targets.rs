@@ -27,7 +27,7 @@ pub(crate) struct Target {
 }
 
 fn target(what: String, op: &'static str, goal: f64, measured: f64, note: &str) -> Target {
-    let met = measured.is_finite().then(|| match op {
+    let met = measured.is_finite().then_some(match op {
         ">=" => measured >= goal,
         _ => measured <= goal,
     });
@@ -42,7 +42,7 @@ fn target(what: String, op: &'static str, goal: f64, measured: f64, note: &str) 
 }
 
 /// Every target of the issue, from this run's scenarios.
-pub(crate) fn evaluate(sc: &Scenarios) -> Vec<Target> {
+pub(crate) fn evaluate(sc: &Scenarios, planned_clients: usize) -> Vec<Target> {
     let mut v = Vec::new();
     let tput = sc.throughput.ok();
     let row = |dir: &str, block: usize, peer: &str| {
@@ -52,7 +52,9 @@ pub(crate) fn evaluate(sc: &Scenarios) -> Vec<Target> {
                 .find(|r| r.direction == dir && r.block_bytes == block && r.peer == peer)
         })
     };
-    let mbps = |dir: &str, block: usize, peer: &str| row(dir, block, peer).map_or(f64::NAN, |r| r.median_mbps);
+    let mbps = |dir: &str, block: usize, peer: &str| {
+        row(dir, block, peer).map_or(f64::NAN, |r| r.median_mbps)
+    };
     let cpu = |dir: &str, block: usize, peer: &str| {
         row(dir, block, peer).map_or(f64::NAN, |r| r.cpu_seconds_per_gb)
     };
@@ -93,7 +95,7 @@ pub(crate) fn evaluate(sc: &Scenarios) -> Vec<Target> {
     }
     let many = sc.many.ok();
     let mrow = |peer: &str| many.and_then(|m| m.rows.iter().find(|r| r.peer == peer));
-    let clients = many.map_or(0, |m| m.clients);
+    let clients = many.map_or(planned_clients, |m| m.clients);
     let note = if clients == 1000 {
         String::new()
     } else {

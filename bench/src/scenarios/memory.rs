@@ -102,7 +102,7 @@ enum Relay {
         control: std::path::PathBuf,
     },
     /// `roam-bench agent relay --echo`.
-    Echo(Agent),
+    Echo(Box<Agent>),
 }
 
 /// The relay names in the report.
@@ -123,17 +123,15 @@ impl Relay {
             Relay::Echo(a) => Ok(a.states().await?.1),
             Relay::Serve { control, .. } => {
                 let v = control_status(control, Duration::from_secs(20)).await?;
-                Ok(v.get("sessions")
-                    .and_then(|s| s.as_array())
-                    .map_or(0, |a| {
-                        a.iter()
-                            .filter(|s| {
-                                s.get("state")
-                                    .and_then(|x| x.as_str())
-                                    .is_some_and(|st| st.eq_ignore_ascii_case("suspended"))
-                            })
-                            .count()
-                    }))
+                Ok(v.get("sessions").and_then(|s| s.as_array()).map_or(0, |a| {
+                    a.iter()
+                        .filter(|s| {
+                            s.get("state")
+                                .and_then(|x| x.as_str())
+                                .is_some_and(|st| st.eq_ignore_ascii_case("suspended"))
+                        })
+                        .count()
+                }))
             }
         }
     }
@@ -169,11 +167,13 @@ async fn start_serve(
         cmd.arg(flag).arg(&cap);
     }
     cmd.args(["--max-targets-per-session", "4"]);
-    let proc = Proc::spawn(SERVE, &mut cmd, Some(&ctx.env.log(&format!("mem-serve-{tag}"))))?;
+    let proc = Proc::spawn(
+        SERVE,
+        &mut cmd,
+        Some(&ctx.env.log(&format!("mem-serve-{tag}"))),
+    )?;
     wait_listening(lo(port), &proc, Duration::from_secs(10)).await?;
-    let control = state
-        .join("control")
-        .join(format!("{}.sock", proc.pid()));
+    let control = state.join("control").join(format!("{}.sock", proc.pid()));
     Ok((Relay::Serve { proc, control }, lo(port)))
 }
 
@@ -228,7 +228,7 @@ async fn measure(
     } else {
         let mut a = Agent::spawn(me, &["relay", "--echo"], &log)?;
         let addr = a.addr().await?.to_string();
-        (Relay::Echo(a), addr)
+        (Relay::Echo(Box::new(a)), addr)
     };
     let mut proxies = Vec::new();
     for _ in 0..n.div_ceil(SESSIONS_PER_PROXY) {
