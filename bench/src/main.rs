@@ -1,16 +1,19 @@
 //! # roam-bench — roam against the tools people use today, in one run
 //!
 //! Runs six scenarios (throughput, latency, set-up, failure detection and
-//! resume, memory, many sessions) against direct TCP, a socat relay, an
-//! `ssh -L` tunnel to a private sshd, and `roam forward` / `roam pipe`, all
-//! on 127.0.0.1, and writes `results.json`, `results.md` and PNG plots.
+//! resume, memory, many sessions) against direct TCP, a socat relay, two
+//! chained socat relays, an `ssh -L` tunnel to a private sshd, and `roam
+//! forward` / `roam pipe` / a library session to `roam serve`, all on
+//! 127.0.0.1, and writes `results.json`, `results.md` (opening with the
+//! issue's targets, met or not) and PNG plots.
 //!
 //! ## Design
 //! - **One load generator** (`load`): a target process (sink, source, echo)
 //!   and client operations written once; a peer only decides how a
 //!   connection is made (`peers`), so every peer is driven by the same code.
-//! - **Same hops**: each relayed peer has a process next to the client and
-//!   one next to the target (`client → relay → server`).
+//! - **Same hops**: compared peers cross the same number of relay
+//!   processes (`socat` with `roam-session`: one; `socat2`, `ssh -L`, `roam
+//!   forward`, `roam pipe`: two).
 //! - **Ratios, not absolutes**: peers alternate within every cell of every
 //!   scenario (rotated order per round), so drift on a shared machine hits
 //!   them alike; reports give medians and roam/peer ratios from one run.
