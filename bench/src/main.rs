@@ -83,6 +83,10 @@ struct Cli {
     /// Clients of the many-sessions scenario instead of the mode's 1,000.
     #[arg(long)]
     many_clients: Option<usize>,
+    /// Session counts of the memory scenario through `roam serve`
+    /// (comma-separated) instead of the mode's, e.g. 9000.
+    #[arg(long, value_delimiter = ',')]
+    memory_serve_sessions: Vec<usize>,
     /// Measuring window (seconds) of the many-sessions scenario instead of the mode's.
     #[arg(long)]
     many_seconds: Option<f64>,
@@ -338,6 +342,9 @@ fn main() {
     let mut plan = plan;
     if let Some(n) = cli.many_clients {
         plan.many_clients = n.max(1);
+    }
+    if !cli.memory_serve_sessions.is_empty() {
+        plan.mem_serve_counts = cli.memory_serve_sessions.clone();
     }
     if let Some(s) = cli.many_seconds {
         plan.many_seconds = s.max(0.1);
