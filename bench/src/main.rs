@@ -1,16 +1,19 @@
 //! # roam-bench — roam against the tools people use today, in one run
 //!
 //! Runs six scenarios (throughput, latency, set-up, failure detection and
-//! resume, memory, many sessions) against direct TCP, a socat relay, an
-//! `ssh -L` tunnel to a private sshd, and `roam forward` / `roam pipe`, all
-//! on 127.0.0.1, and writes `results.json`, `results.md` and PNG plots.
+//! resume, memory, many sessions) against direct TCP, a socat relay, two
+//! chained socat relays, an `ssh -L` tunnel to a private sshd, and `roam
+//! forward` / `roam pipe` / a library session to `roam serve`, all on
+//! 127.0.0.1, and writes `results.json`, `results.md` (opening with the
+//! issue's targets, met or not) and PNG plots.
 //!
 //! ## Design
 //! - **One load generator** (`load`): a target process (sink, source, echo)
 //!   and client operations written once; a peer only decides how a
 //!   connection is made (`peers`), so every peer is driven by the same code.
-//! - **Same hops**: each relayed peer has a process next to the client and
-//!   one next to the target (`client → relay → server`).
+//! - **Same hops**: compared peers cross the same number of relay
+//!   processes (`socat` with `roam-session`: one; `socat2`, `ssh -L`, `roam
+//!   forward`, `roam pipe`: two).
 //! - **Ratios, not absolutes**: peers alternate within every cell of every
 //!   scenario (rotated order per round), so drift on a shared machine hits
 //!   them alike; reports give medians and roam/peer ratios from one run.
@@ -33,6 +36,7 @@ mod procs;
 mod report;
 mod scenarios;
 mod stats;
+mod targets;
 
 use std::future::Future;
 use std::io;
@@ -79,6 +83,10 @@ struct Cli {
     /// Clients of the many-sessions scenario instead of the mode's 1,000.
     #[arg(long)]
     many_clients: Option<usize>,
+    /// Session counts of the memory scenario through `roam serve`
+    /// (comma-separated) instead of the mode's, e.g. 9000.
+    #[arg(long, value_delimiter = ',')]
+    memory_serve_sessions: Vec<usize>,
     /// Measuring window (seconds) of the many-sessions scenario instead of the mode's.
     #[arg(long)]
     many_seconds: Option<f64>,
@@ -104,6 +112,9 @@ pub(crate) struct Plan {
     pub(crate) setup_process_samples: usize,
     pub(crate) resume_rounds: usize,
     pub(crate) stream_counts: Vec<usize>,
+    /// Session counts of scenario 5 through `roam serve` (piped streams).
+    pub(crate) mem_serve_counts: Vec<usize>,
+    /// Session counts of scenario 5 through the echoing library relay.
     pub(crate) mem_counts: Vec<usize>,
     pub(crate) many_clients: usize,
     pub(crate) many_warmup_seconds: f64,
@@ -127,7 +138,8 @@ impl Plan {
             setup_process_samples: 5,
             resume_rounds: 1,
             stream_counts: vec![1, 100, 1000, 10_000],
-            mem_counts: vec![1000],
+            mem_serve_counts: vec![1000],
+            mem_counts: vec![],
             many_clients: 1000,
             many_warmup_seconds: 3.0,
             many_seconds: 2.0,
@@ -147,7 +159,8 @@ impl Plan {
             setup_process_samples: 30,
             resume_rounds: 3,
             stream_counts: vec![1, 100, 1000, 10_000],
-            mem_counts: vec![1000, 10_000],
+            mem_serve_counts: vec![1000, 9000],
+            mem_counts: vec![10_000],
             many_clients: 1000,
             many_warmup_seconds: 5.0,
             many_seconds: 5.0,
@@ -167,6 +180,7 @@ impl Plan {
             setup_process_samples: 2,
             resume_rounds: 1,
             stream_counts: vec![1, 100],
+            mem_serve_counts: vec![20],
             mem_counts: vec![20],
             many_clients: 20,
             many_warmup_seconds: 0.2,
@@ -329,6 +343,9 @@ fn main() {
     if let Some(n) = cli.many_clients {
         plan.many_clients = n.max(1);
     }
+    if !cli.memory_serve_sessions.is_empty() {
+        plan.mem_serve_counts = cli.memory_serve_sessions.clone();
+    }
     if let Some(s) = cli.many_seconds {
         plan.many_seconds = s.max(0.1);
     }
@@ -436,7 +453,7 @@ async fn run(cli: Cli, plan: Plan, nofile: u64) -> i32 {
         nofile,
         peers: cli.peers.clone(),
     });
-    let lab = match Lab::start(&ctx.env).await {
+    let lab = match Lab::start(&ctx.env, agent::client_config(&ctx.keypair)).await {
         Ok(l) => Ok(Arc::new(l)),
         Err(e) => {
             progress(&format!("peers did not start: {e}"));
@@ -536,7 +553,8 @@ mod tests {
         assert_eq!(q.stream_counts, [1, 100, 1000, 10_000]);
         assert_eq!(q.many_clients, 1000);
         let f = Plan::full();
-        assert_eq!(f.mem_counts, [1000, 10_000]);
+        assert_eq!(f.mem_serve_counts, [1000, 9000]);
+        assert_eq!(f.mem_counts, [10_000]);
     }
 
     #[test]

@@ -5,12 +5,16 @@
 //! |---|---|
 //! | `direct` | client → target (the physical limit) |
 //! | `socat` | client → `socat` relay → target |
+//! | `socat2` | client → `socat` relay → second `socat` relay → target |
 //! | `ssh-L` | client → `ssh -L` → private `sshd` → target |
 //! | `roam-forward` | client → `roam forward` → `roam serve` → target |
 //! | `roam-pipe` | client → `roam pipe` (stdin/stdout) → `roam serve` → target |
+//! | `roam-session` | a stream of a library session in the harness → `roam serve` → target |
 //!
-//! Every relayed peer pays the same hops: a process next to the client and a
-//! process next to the target (socat is both in one).
+//! `socat`, `roam-session` and `direct`'s neighbours differ in hops on
+//! purpose: `socat` and `roam-session` cross one relay process (compare them),
+//! `socat2`, `ssh-L`, `roam-forward` and `roam-pipe` cross two (a process
+//! next to the client and one next to the target; compare those).
 
 use std::io;
 use std::net::SocketAddr;
@@ -39,6 +43,8 @@ pub(crate) const SOCAT: &str = "socat";
 pub(crate) const SSH: &str = "ssh-L";
 pub(crate) const ROAM_FORWARD: &str = "roam-forward";
 pub(crate) const ROAM_PIPE: &str = "roam-pipe";
+pub(crate) const SOCAT2: &str = "socat2";
+pub(crate) const ROAM_SESSION: &str = "roam-session";
 
 /// Where a run keeps its scratch files and which binaries it drives.
 pub(crate) struct Env {
@@ -90,6 +96,11 @@ pub(crate) enum Dial {
         envs: Vec<(String, PathBuf)>,
         log: PathBuf,
     },
+    /// A new stream of a library session living in this process, to `target`.
+    Session {
+        session: roam::SessionHandle,
+        target: String,
+    },
 }
 
 /// A peer under its result name.
@@ -103,8 +114,21 @@ impl Peer {
     /// Opens a connection to the target. `nodelay` applies to our own TCP
     /// socket (latency tests set it; bulk tests keep Nagle, like bulk apps).
     pub(crate) async fn connect(&self, nodelay: bool) -> io::Result<Conn> {
+        Ok(self.connect_pid(nodelay).await?.0)
+    }
+
+    /// As [`Peer::connect`], and the pid of the process carrying the
+    /// connection when the dial started one (`roam pipe`, `ssh -W`, ...),
+    /// for CPU accounting.
+    pub(crate) async fn connect_pid(&self, nodelay: bool) -> io::Result<(Conn, Option<u32>)> {
         match &self.dial {
-            Dial::Tcp(a) => load::tcp(*a, nodelay).await,
+            Dial::Tcp(a) => Ok((load::tcp(*a, nodelay).await?, None)),
+            Dial::Session { session, target } => {
+                let s = session
+                    .open_stream(target.as_bytes())
+                    .map_err(io::Error::other)?;
+                Ok((Box::new(s), None))
+            }
             Dial::Process {
                 program,
                 args,
@@ -128,16 +152,18 @@ impl Peer {
                 let mut child = cmd.spawn().map_err(|e| {
                     io::Error::new(e.kind(), format!("cannot start {}: {e}", program.display()))
                 })?;
+                let pid = child.id();
                 let stdin = child.stdin.take();
                 let stdout = child
                     .stdout
                     .take()
                     .ok_or_else(|| io::Error::other("no stdout"))?;
-                Ok(Box::new(ProcessConn {
+                let c: Conn = Box::new(ProcessConn {
                     child: Some(child),
                     stdin,
                     stdout,
-                }))
+                });
+                Ok((c, pid))
             }
         }
     }
@@ -242,7 +268,7 @@ pub(crate) struct Socat {
 pub(crate) const SOCAT_OPTS: &str = "nodelay";
 
 impl Socat {
-    pub(crate) async fn start(env: &Env, target: SocketAddr) -> io::Result<Socat> {
+    pub(crate) async fn start(env: &Env, target: SocketAddr, name: &str) -> io::Result<Socat> {
         let port = free_port()?;
         let mut cmd = Command::new("socat");
         // -t: after one side's end-of-file, wait this long for the other
@@ -252,12 +278,27 @@ impl Socat {
                 "TCP-LISTEN:{port},bind=127.0.0.1,fork,reuseaddr,backlog=4096,{SOCAT_OPTS}"
             ))
             .arg(format!("TCP:{target},{SOCAT_OPTS}"));
-        let proc = Proc::spawn("socat", &mut cmd, Some(&env.log("socat")))?;
+        let proc = Proc::spawn(name, &mut cmd, Some(&env.log(name)))?;
         wait_listening(lo(port), &proc, START_TIMEOUT).await?;
         Ok(Socat {
             proc,
             addr: lo(port),
         })
+    }
+}
+
+/// Two socat relays in a chain: client → `a` → `b` → target (two hops, as
+/// `roam forward` → `roam serve` and `ssh -L` → sshd).
+pub(crate) struct Socat2 {
+    pub(crate) a: Socat,
+    pub(crate) b: Socat,
+}
+
+impl Socat2 {
+    pub(crate) async fn start(env: &Env, target: SocketAddr) -> io::Result<Socat2> {
+        let b = Socat::start(env, target, "socat2-b").await?;
+        let a = Socat::start(env, b.addr, "socat2-a").await?;
+        Ok(Socat2 { a, b })
     }
 }
 
@@ -333,6 +374,24 @@ impl Ssh {
     }
 }
 
+/// The caps of the run's `roam serve` (its defaults allow 128 sessions per
+/// address and key and 256 targets per session). Within this machine's
+/// 20,000 open files: 2,048 connections + 12,000 targets + reserve.
+pub(crate) const LAB_SERVE_CAPS: &[&str] = &[
+    "--max-connections",
+    "2048",
+    "--max-sessions",
+    "16384",
+    "--max-sessions-per-ip",
+    "16384",
+    "--max-sessions-per-key",
+    "16384",
+    "--max-targets",
+    "12000",
+    "--max-targets-per-session",
+    "12000",
+];
+
 /// `roam serve` on a free port, allowing the target only.
 pub(crate) struct RoamServe {
     pub(crate) proc: Proc,
@@ -354,6 +413,9 @@ impl RoamServe {
         for a in allow {
             cmd.arg("--allow").arg(a.to_string());
         }
+        // Caps raised so the scenarios fit: 1,000 sessions from one address
+        // and key (many), 10,000 streams in one session (resume).
+        cmd.args(LAB_SERVE_CAPS);
         let proc = Proc::spawn("roam serve", &mut cmd, Some(&env.log("roam-serve")))?;
         wait_listening(lo(port), &proc, START_TIMEOUT).await?;
         Ok(RoamServe {
@@ -423,13 +485,16 @@ impl RoamForward {
 pub(crate) struct Lab {
     pub(crate) targets: Targets,
     pub(crate) socat: Socat,
+    pub(crate) socat2: Socat2,
     pub(crate) ssh: Ssh,
     pub(crate) serve: RoamServe,
     pub(crate) forward: RoamForward,
+    /// The `roam-session` peer: a library session to `serve`, in this process.
+    pub(crate) session: roam::SessionHandle,
 }
 
 impl Lab {
-    pub(crate) async fn start(env: &Env) -> io::Result<Lab> {
+    pub(crate) async fn start(env: &Env, config: roam::ClientConfig) -> io::Result<Lab> {
         std::fs::create_dir_all(env.client_state())?;
         std::fs::create_dir_all(env.dir.join("xdg-config"))?;
         // One client key for every roam client, made before any of them runs
@@ -444,14 +509,20 @@ impl Lab {
             return Err(io::Error::other(format!("roam keygen failed ({st})")));
         }
         let targets = Targets::start(env).await?;
-        let socat = Socat::start(env, targets.addr).await?;
+        let socat = Socat::start(env, targets.addr, "socat").await?;
+        let socat2 = Socat2::start(env, targets.addr).await?;
         let ssh = Ssh::start(env, targets.addr).await?;
         let serve = RoamServe::start(env, &[targets.addr]).await?;
         // forward pins the relay's key on first use; pipes then find it pinned.
         let forward = RoamForward::start(env, serve.addr, targets.addr).await?;
+        let session = roam::connect(&serve.addr.to_string(), config)
+            .await
+            .map_err(|e| io::Error::other(format!("library session to roam serve: {e}")))?;
         Ok(Lab {
             targets,
             socat,
+            socat2,
+            session,
             ssh,
             serve,
             forward,
@@ -470,6 +541,10 @@ impl Lab {
                 dial: Dial::Tcp(self.socat.addr),
             },
             Peer {
+                name: SOCAT2,
+                dial: Dial::Tcp(self.socat2.a.addr),
+            },
+            Peer {
                 name: SSH,
                 dial: Dial::Tcp(self.ssh.addr),
             },
@@ -478,12 +553,49 @@ impl Lab {
                 dial: Dial::Tcp(self.forward.addr),
             },
             self.serve.pipe_peer(env, ROAM_PIPE, self.targets.addr),
+            Peer {
+                name: ROAM_SESSION,
+                dial: Dial::Session {
+                    session: self.session.clone(),
+                    target: self.targets.addr.to_string(),
+                },
+            },
         ]
+    }
+
+    /// The long-lived processes whose CPU time a peer's traffic costs (their
+    /// trees, see [`crate::procs::tree_cpu_seconds`]): socat's listener (and
+    /// the child it forks per connection), both socats of `socat2`, `ssh -L`
+    /// and the private sshd (with the session processes it forks), `roam
+    /// forward` and `roam serve`. `roam pipe` adds its per-connection process
+    /// (see [`Peer::connect_pid`]); `roam-session` adds the harness's own
+    /// share (see the throughput scenario). Nothing for `direct`: only the
+    /// load generator and the target touch its bytes, and they are the same
+    /// for every peer.
+    pub(crate) fn cpu_roots(&self, peer: &str) -> Vec<u32> {
+        match peer {
+            SOCAT => vec![self.socat.proc.pid()],
+            SOCAT2 => vec![self.socat2.a.proc.pid(), self.socat2.b.proc.pid()],
+            SSH => {
+                let mut v = vec![self.ssh.tunnel.pid()];
+                v.extend(
+                    std::fs::read_to_string(self.ssh.sshd.dir().join("sshd.pid"))
+                        .ok()
+                        .and_then(|t| t.trim().parse::<u32>().ok()),
+                );
+                v
+            }
+            ROAM_FORWARD => vec![self.forward.proc.pid(), self.serve.proc.pid()],
+            ROAM_PIPE | ROAM_SESSION => vec![self.serve.proc.pid()],
+            _ => Vec::new(),
+        }
     }
 
     /// Fails if a peer process died.
     pub(crate) fn check_alive(&self) -> io::Result<()> {
         self.socat.proc.check_alive()?;
+        self.socat2.a.proc.check_alive()?;
+        self.socat2.b.proc.check_alive()?;
         self.ssh.tunnel.check_alive()?;
         self.serve.proc.check_alive()?;
         self.forward.proc.check_alive()

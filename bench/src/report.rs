@@ -122,6 +122,8 @@ pub(crate) struct Results {
     pub(crate) peers: Vec<PeerInfo>,
     pub(crate) plan: Plan,
     pub(crate) scenarios: Scenarios,
+    /// The issue's targets against this run's measurements.
+    pub(crate) targets: Vec<crate::targets::Target>,
     pub(crate) notes: Vec<String>,
 }
 
@@ -143,6 +145,10 @@ impl Results {
                 path: "client -> socat relay (fork per connection) -> target",
             },
             PeerInfo {
+                name: "socat2",
+                path: "client -> socat relay -> second socat relay -> target (two hops, compare with roam-forward)",
+            },
+            PeerInfo {
                 name: "ssh-L",
                 path: "client -> ssh -N -L -> private sshd -> target",
             },
@@ -154,13 +160,20 @@ impl Results {
                 name: "roam-pipe",
                 path: "client -> roam pipe process (stdin/stdout) -> roam serve -> target",
             },
+            PeerInfo {
+                name: "roam-session",
+                path: "a stream of a roam::connect library session in the harness process -> roam serve -> target (one relay hop, compare with socat)",
+            },
         ];
         let notes = vec![
             "Every peer runs on 127.0.0.1 of one machine with other work on it: compare ratios within this run, not absolute numbers across runs.".into(),
             "Peers alternate within every measured cell (order rotated each round); medians over rounds.".into(),
             "Throughput: MB = 10^6 bytes; bulk clients keep Nagle on (no TCP_NODELAY), latency clients set TCP_NODELAY.".into(),
             "Ratios are roam / peer: above 1 is better for roam in throughput, below 1 is better for roam in times.".into(),
+            "Hops: socat and roam-session cross one relay process; socat2, ssh-L, roam-forward and roam-pipe cross two. Compare like with like: roam-session/socat, roam-forward/socat2.".into(),
+            "CPU s/GB: CPU seconds (utime + stime from /proc/PID/stat) of the peer's own processes per 10^9 bytes moved; the load generator and the target are excluded (the same for every peer). Clock-tick resolution (10 ms): short samples of slow cells are coarse.".into(),
         ];
+        let targets = crate::targets::evaluate(&scenarios, plan.many_clients);
         Results {
             schema: 1,
             mode: plan.mode,
@@ -173,6 +186,7 @@ impl Results {
             peers,
             plan,
             scenarios,
+            targets,
             notes,
         }
     }
@@ -250,8 +264,8 @@ fn markdown(r: &Results, plots: &[io::Result<PathBuf>]) -> String {
         "# roam benchmark results ({} mode)\n\n\
          Machine: {} cores, {}, kernel {}, {}, {:.1} GiB RAM; load average {} at start, {} at end. \
          Run took {:.0} s.\n\n\
-         Peers: direct TCP; socat relay (`{}`); `ssh -L` to a private sshd ({}, cipher `{}`); \
-         roam ({}) via `roam forward` and `roam pipe` to `roam serve`. All on 127.0.0.1.\n",
+         Peers: direct TCP; socat relay (`{}`) and two chained socat relays (socat2); `ssh -L` to a private sshd ({}, cipher `{}`); \
+         roam ({}) via `roam forward` and `roam pipe` to `roam serve`, and a library session to `roam serve` (roam-session). All on 127.0.0.1.\n",
         r.mode,
         m.cores,
         m.cpu_model,
@@ -275,6 +289,33 @@ fn markdown(r: &Results, plots: &[io::Result<PathBuf>]) -> String {
         }
     }
 
+    let _ = writeln!(s, "\n## Targets (issue 9)\n");
+    let _ = writeln!(
+        s,
+        "Measured in this run against the targets the issue sets (ratios of peers measured in the same run). \
+         In quick mode the samples are short: read a single miss or hit with care.\n"
+    );
+    let _ = writeln!(
+        s,
+        "| target | measured | goal | met | note |\n|---|---:|---|---|---|"
+    );
+    for t in &r.targets {
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} {} | {} | {} |",
+            t.what,
+            f(t.measured, 2),
+            if t.op == ">=" { "≥" } else { "≤" },
+            t.goal,
+            match t.met {
+                Some(true) => "yes",
+                Some(false) => "**no**",
+                None => "–",
+            },
+            t.note
+        );
+    }
+
     let sc = &r.scenarios;
     let _ = writeln!(s, "\n## 1. Bulk throughput (MB/s, median)\n");
     if let Some(x) = status_line(&sc.throughput) {
@@ -291,10 +332,14 @@ fn markdown(r: &Results, plots: &[io::Result<PathBuf>]) -> String {
             let _ = writeln!(s, "**{dir}**\n");
             let _ = writeln!(
                 s,
-                "| block | {} | roam-forward/socat | roam-forward/ssh-L |",
+                "| block | {} | roam-forward/socat | roam-forward/socat2 | roam-forward/ssh-L | roam-session/socat |",
                 peers.join(" | ")
             );
-            let _ = writeln!(s, "|---|{}---:|---:|", "---:|".repeat(peers.len()));
+            let _ = writeln!(
+                s,
+                "|---|{}---:|---:|---:|---:|",
+                "---:|".repeat(peers.len())
+            );
             let blocks: Vec<usize> = dedup(t.rows.iter().map(|r| r.block_bytes));
             for b in blocks {
                 let get = |p: &str| {
@@ -304,17 +349,58 @@ fn markdown(r: &Results, plots: &[io::Result<PathBuf>]) -> String {
                         .map_or(f64::NAN, |r| r.median_mbps)
                 };
                 let cells: Vec<String> = peers.iter().map(|p| f(get(p), 2)).collect();
+                let ratio = |a: &str, b: &str| f(crate::stats::ratio(get(a), get(b)), 2);
                 let _ = writeln!(
                     s,
-                    "| {} | {} | {} | {} |",
+                    "| {} | {} | {} | {} | {} | {} |",
                     block_label(b),
                     cells.join(" | "),
-                    f(crate::stats::ratio(get("roam-forward"), get("socat")), 2),
-                    f(crate::stats::ratio(get("roam-forward"), get("ssh-L")), 2),
+                    ratio("roam-forward", "socat"),
+                    ratio("roam-forward", "socat2"),
+                    ratio("roam-forward", "ssh-L"),
+                    ratio("roam-session", "socat"),
                 );
             }
             s += "\n";
         }
+        let _ = writeln!(
+            s,
+            "**CPU seconds per GB moved** (the peer's own processes; lower is better)\n"
+        );
+        for dir in crate::scenarios::throughput::DIRECTIONS {
+            let _ = writeln!(s, "*{dir}*\n");
+            let _ = writeln!(
+                s,
+                "| block | {} | roam-forward/ssh-L | roam-forward/socat2 | roam-session/socat |",
+                peers.join(" | ")
+            );
+            let _ = writeln!(s, "|---|{}---:|---:|---:|", "---:|".repeat(peers.len()));
+            for b in dedup(t.rows.iter().map(|r| r.block_bytes)) {
+                let get = |p: &str| {
+                    t.rows
+                        .iter()
+                        .find(|r| r.direction == dir && r.block_bytes == b && r.peer == p)
+                        .map_or(f64::NAN, |r| r.cpu_seconds_per_gb)
+                };
+                let cells: Vec<String> = peers.iter().map(|p| f(get(p), 2)).collect();
+                let ratio = |a: &str, b: &str| f(crate::stats::ratio(get(a), get(b)), 2);
+                let _ = writeln!(
+                    s,
+                    "| {} | {} | {} | {} | {} |",
+                    block_label(b),
+                    cells.join(" | "),
+                    ratio("roam-forward", "ssh-L"),
+                    ratio("roam-forward", "socat2"),
+                    ratio("roam-session", "socat"),
+                );
+            }
+            s += "\n";
+        }
+        let _ = writeln!(s, "What each peer's CPU counts:\n");
+        for (p, what) in &t.cpu_counted {
+            let _ = writeln!(s, "- `{p}`: {what}");
+        }
+        s += "\n";
     }
 
     let _ = writeln!(s, "## 2. Request/response latency (µs)\n");
@@ -327,7 +413,7 @@ fn markdown(r: &Results, plots: &[io::Result<PathBuf>]) -> String {
             "{} round(s) × {} round trips per peer and size. ![latency CDF](latency_cdf.png)\n",
             l.rounds, l.round_trips_per_round
         );
-        let _ = writeln!(s, "| size | peer | median | p99 | roam median ratio vs socat / ssh-L |\n|---|---|---:|---:|---|");
+        let _ = writeln!(s, "| size | peer | median | p99 | roam median ratio vs socat / socat2 / ssh-L |\n|---|---|---:|---:|---|");
         for row in &l.rows {
             let rr: Vec<String> = l
                 .median_ratios
@@ -423,13 +509,14 @@ fn markdown(r: &Results, plots: &[io::Result<PathBuf>]) -> String {
     }
     if let Some(t) = sc.memory.ok() {
         let _ = writeln!(s, "Relay: {}. Client: {}.\n", t.relay, t.client);
-        let _ = writeln!(s, "| sessions | state | relay streams | relay KiB/session | client KiB/session | relay RSS MiB | client RSS MiB |\n|---:|---|---|---:|---:|---:|---:|");
+        let _ = writeln!(s, "| sessions | state | relay | relay streams | relay KiB/session | client KiB/session | relay RSS MiB | client RSS MiB |\n|---:|---|---|---|---:|---:|---:|---:|");
         for row in &t.rows {
             let _ = writeln!(
                 s,
-                "| {} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} |",
                 row.sessions,
                 row.state,
+                row.relay,
                 row.relay_streams,
                 f(row.relay_bytes_per_session / 1024.0, 1),
                 f(row.client_bytes_per_session / 1024.0, 1),
@@ -440,7 +527,7 @@ fn markdown(r: &Results, plots: &[io::Result<PathBuf>]) -> String {
         for n in &t.not_measured {
             let _ = writeln!(
                 s,
-                "| {} | {} | not measured: {} | | | | |",
+                "| {} | {} | not measured: {} | | | | | |",
                 n.sessions, n.state, n.why
             );
         }
@@ -478,6 +565,37 @@ fn markdown(r: &Results, plots: &[io::Result<PathBuf>]) -> String {
         }
         s += "\n";
         ratio_table(&mut s, &t.ratios);
+        let _ = writeln!(
+            s,
+            "\nKernel TCP counters during each peer's rounds (increase from before connecting to the end of the window, \
+             `/proc/net/netstat` and `/proc/net/snmp` as `nstat` reads them; system-wide, so other work adds to them):\n"
+        );
+        let names: Vec<&str> = crate::scenarios::many::NET_COUNTERS
+            .iter()
+            .copied()
+            .filter(|k| t.rows.iter().any(|r| r.net_counters.contains_key(*k)))
+            .collect();
+        let short: Vec<&str> = names
+            .iter()
+            .map(|k| k.split_once(':').map_or(*k, |x| x.1))
+            .collect();
+        let _ = writeln!(
+            s,
+            "| peer | {} |\n|---|{}",
+            short.join(" | "),
+            "---:|".repeat(short.len())
+        );
+        for row in &t.rows {
+            let cells: Vec<String> = names
+                .iter()
+                .map(|k| {
+                    row.net_counters
+                        .get(*k)
+                        .map_or("–".into(), |v| v.to_string())
+                })
+                .collect();
+            let _ = writeln!(s, "| {} | {} |", row.peer, cells.join(" | "));
+        }
         s += "\n";
     }
     s

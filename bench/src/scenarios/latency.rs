@@ -10,7 +10,7 @@ use serde::Serialize;
 
 use super::{progress, ratio_rows, RatioRow, ROAM_PEERS};
 use crate::load;
-use crate::peers::{order, Lab, DIRECT, SOCAT, SSH};
+use crate::peers::{order, Lab, DIRECT, SOCAT, SOCAT2, SSH};
 use crate::stats::{percentiles, summary, Summary};
 use crate::Ctx;
 
@@ -98,12 +98,18 @@ pub(crate) async fn run(ctx: Arc<Ctx>, lab: Arc<Lab>) -> io::Result<Latency> {
                 )
         };
         let case = format!("{size} B");
-        median_ratios.extend(ratio_rows(&case, ROAM_PEERS, &[DIRECT, SOCAT, SSH], |p| {
-            get(p, false)
-        }));
-        p99_ratios.extend(ratio_rows(&case, ROAM_PEERS, &[DIRECT, SOCAT, SSH], |p| {
-            get(p, true)
-        }));
+        median_ratios.extend(ratio_rows(
+            &case,
+            ROAM_PEERS,
+            &[DIRECT, SOCAT, SOCAT2, SSH],
+            |p| get(p, false),
+        ));
+        p99_ratios.extend(ratio_rows(
+            &case,
+            ROAM_PEERS,
+            &[DIRECT, SOCAT, SOCAT2, SSH],
+            |p| get(p, true),
+        ));
     }
     Ok(Latency {
         rounds: plan.lat_rounds,

@@ -12,7 +12,16 @@
 //! of one ssh connection (`ssh -L`), a stream of one roam session
 //! (`roam forward`), or a roam session of its own (`roam-sessions`: library
 //! sessions to `roam serve`, one stream each).
+//!
+//! Beside each round the kernel's TCP counters (`/proc/net/netstat`,
+//! `/proc/net/snmp`, as `nstat` reads them) are recorded as deltas from
+//! before the clients connect to the end of the window: memory pressure,
+//! drops, time-outs and retransmits say whether a low number came from the
+//! peer or from the kernel running out of socket memory. They are
+//! system-wide (this network namespace), so other work on the machine adds
+//! to them.
 
+use std::collections::BTreeMap;
 use std::io;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -23,11 +32,45 @@ use super::{progress, RatioRow};
 use crate::agent::client_config;
 use crate::load::{self, Conn};
 use crate::peers::{order, Dial, Lab, Peer, DIRECT, ROAM_FORWARD, SOCAT, SSH};
+use crate::procs::net_counters;
 use crate::stats::{jain, median, quantile_sorted, ratio, sorted};
 use crate::Ctx;
 
 /// Write size of the target for every client (bytes).
 const BLOCK: usize = 16 * 1024;
+/// The kernel counters recorded beside each round (`Group:Name` of
+/// `/proc/net/netstat` and `/proc/net/snmp`, as `nstat` names them).
+pub(crate) const NET_COUNTERS: &[&str] = &[
+    "TcpExt:TCPMemoryPressures",
+    "TcpExt:TCPMemoryPressuresChrono",
+    "TcpExt:TCPAbortOnMemory",
+    "TcpExt:PruneCalled",
+    "TcpExt:RcvPruned",
+    "TcpExt:TCPBacklogDrop",
+    "TcpExt:TCPRcvQDrop",
+    "TcpExt:TCPZeroWindowDrop",
+    "TcpExt:TCPOFODrop",
+    "TcpExt:ListenOverflows",
+    "TcpExt:ListenDrops",
+    "TcpExt:TCPTimeouts",
+    "Tcp:RetransSegs",
+];
+
+/// Deltas of [`NET_COUNTERS`] between two snapshots (counters missing on
+/// this kernel are left out).
+pub(crate) fn counter_deltas(
+    before: &BTreeMap<String, u64>,
+    after: &BTreeMap<String, u64>,
+) -> BTreeMap<String, u64> {
+    NET_COUNTERS
+        .iter()
+        .filter_map(|k| {
+            let (a, b) = (after.get(*k)?, before.get(*k)?);
+            Some((k.to_string(), a.saturating_sub(*b)))
+        })
+        .collect()
+}
+
 /// Connections being set up at once.
 const CONNECT_CONCURRENCY: usize = 32;
 const ROAM_SESSIONS: &str = "roam-sessions";
@@ -46,6 +89,9 @@ pub(crate) struct Round {
     pub(crate) bytes_max: u64,
     /// Clients that received nothing inside the window.
     pub(crate) starved: usize,
+    /// Kernel TCP counters, increase from before connecting to the end of
+    /// the window (see [`NET_COUNTERS`]).
+    pub(crate) net_counters: BTreeMap<String, u64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -61,6 +107,8 @@ pub(crate) struct Row {
     pub(crate) jain_index: f64,
     /// Median over rounds of the clients that received nothing.
     pub(crate) starved: f64,
+    /// Kernel TCP counters summed over the rounds.
+    pub(crate) net_counters: BTreeMap<String, u64>,
     pub(crate) rounds: Vec<Round>,
 }
 
@@ -141,6 +189,7 @@ async fn one(ctx: &Ctx, lab: &Lab, case: &Case) -> io::Result<Round> {
     let n = ctx.plan.many_clients;
     let warmup = Duration::from_secs_f64(ctx.plan.many_warmup_seconds);
     let window = Duration::from_secs_f64(ctx.plan.many_seconds);
+    let net0 = net_counters();
     let t = Instant::now();
     let (conns, sessions) = connect_all(ctx, lab, &case.how, n).await?;
     let connect_seconds = t.elapsed().as_secs_f64();
@@ -173,6 +222,7 @@ async fn one(ctx: &Ctx, lab: &Lab, case: &Case) -> io::Result<Round> {
             Err(e) => failed = Some(e),
         }
     }
+    let net = counter_deltas(&net0, &net_counters());
     drop(keep);
     let mut closing = tokio::task::JoinSet::new();
     for s in sessions {
@@ -203,6 +253,7 @@ async fn one(ctx: &Ctx, lab: &Lab, case: &Case) -> io::Result<Round> {
         bytes_median: quantile_sorted(&b, 0.5) as u64,
         bytes_max: quantile_sorted(&b, 1.0) as u64,
         starved: counts.iter().filter(|&&c| c == 0).count(),
+        net_counters: net,
     })
 }
 
@@ -279,6 +330,12 @@ pub(crate) async fn run(ctx: Arc<Ctx>, lab: Arc<Lab>) -> io::Result<Many> {
                 max_mbps: m(|r| r.max_mbps),
                 jain_index: m(|r| r.jain_index),
                 starved: m(|r| r.starved as f64),
+                net_counters: rs.iter().fold(BTreeMap::new(), |mut acc, r| {
+                    for (k, v) in &r.net_counters {
+                        *acc.entry(k.clone()).or_insert(0) += v;
+                    }
+                    acc
+                }),
                 rounds: rs,
             }
         })

@@ -18,15 +18,16 @@
 //! its re-dial connection (mid-handshake), as behind a middlebox that
 //! accepts but forwards nothing.
 //!
-//! The relay is `roam-bench agent relay` (`roam::serve` with its caps
-//! raised) because `roam serve` accepts at most 1,024 connections and 4,096
-//! sessions and has no flag to raise either. It echoes each stream itself,
-//! so a session costs the relay one socket: this machine allows 20,000 open
-//! files per process and no more (no CAP_SYS_RESOURCE), and 10,000 sessions
-//! piped to targets would need 20,000 sockets. One extra row per count
-//! pipes the streams to the target with 64 KiB copy buffers, as `roam
-//! serve` does, where the limit allows. The client reaches the relay
-//! through fault-proxy processes (2,500 sessions each, for the same limit).
+//! The relay is a real `roam serve` (caps raised with its flags: sessions
+//! per address and per key, connections, targets), each stream piped to the
+//! target as in production. A piped session costs it two sockets (client and
+//! target), and this machine allows 20,000 open files per process and no
+//! more (no CAP_SYS_RESOURCE), so `roam serve` is measured up to 9,000
+//! sessions. Beyond that (10,000 sessions) the relay is `roam-bench agent
+//! relay --echo`: `roam::serve` echoing each stream inside the relay, one
+//! socket per session; the report names the relay of every row. The client
+//! reaches the relay through fault-proxy processes (2,500 sessions each, for
+//! the same limit).
 
 use std::io;
 use std::sync::Arc;
@@ -37,7 +38,7 @@ use serde::Serialize;
 use super::progress;
 use crate::agent::Agent;
 use crate::peers::Lab;
-use crate::procs::rss_bytes;
+use crate::procs::{control_status, free_port, lo, rss_bytes, wait_listening, Proc};
 use crate::Ctx;
 
 /// Unacknowledged bytes per session in the third state.
@@ -50,6 +51,8 @@ const SUSPEND_TIMEOUT: Duration = Duration::from_secs(60);
 pub(crate) struct Row {
     pub(crate) sessions: usize,
     pub(crate) state: &'static str,
+    /// Which relay process: `roam serve` or the library relay agent.
+    pub(crate) relay: &'static str,
     /// Where the relay sends each stream's bytes.
     pub(crate) relay_streams: &'static str,
     pub(crate) relay_rss_before: u64,
@@ -91,6 +94,105 @@ fn mem_available() -> u64 {
         .map_or(0, |k| k * 1024)
 }
 
+/// The relay under measurement.
+enum Relay {
+    /// A real `roam serve`, streams piped to the target.
+    Serve {
+        proc: Proc,
+        control: std::path::PathBuf,
+    },
+    /// `roam-bench agent relay --echo`.
+    Echo(Box<Agent>),
+}
+
+/// The relay names in the report.
+pub(crate) const SERVE: &str = "roam serve";
+pub(crate) const ECHO: &str = "roam-bench agent relay --echo";
+
+impl Relay {
+    fn pid(&self) -> u32 {
+        match self {
+            Relay::Serve { proc, .. } => proc.pid(),
+            Relay::Echo(a) => a.pid(),
+        }
+    }
+
+    /// Sessions the relay holds suspended.
+    async fn suspended(&mut self) -> io::Result<usize> {
+        match self {
+            Relay::Echo(a) => Ok(a.states().await?.1),
+            Relay::Serve { control, .. } => {
+                let v = control_status(control, Duration::from_secs(20)).await?;
+                Ok(v.get("sessions").and_then(|s| s.as_array()).map_or(0, |a| {
+                    a.iter()
+                        .filter(|s| {
+                            s.get("state")
+                                .and_then(|x| x.as_str())
+                                .is_some_and(|st| st.eq_ignore_ascii_case("suspended"))
+                        })
+                        .count()
+                }))
+            }
+        }
+    }
+}
+
+/// Starts `roam serve` for `n` sessions of one address and key, one piped
+/// stream each, with its own state directory.
+async fn start_serve(
+    ctx: &Ctx,
+    lab: &Lab,
+    n: usize,
+    tag: &str,
+) -> io::Result<(Relay, std::net::SocketAddr)> {
+    let state = ctx.env.dir.join(format!("mem-serve-{tag}"));
+    std::fs::create_dir_all(&state)?;
+    let port = free_port()?;
+    let cap = (n + 100).to_string();
+    let mut cmd = ctx.env.roam_cmd(&state);
+    cmd.arg("serve")
+        .arg("--listen")
+        .arg(lo(port).to_string())
+        .arg("--key")
+        .arg(state.join("server.key"))
+        .arg("--allow")
+        .arg(lab.targets.addr.to_string());
+    for flag in [
+        "--max-connections",
+        "--max-sessions",
+        "--max-sessions-per-ip",
+        "--max-sessions-per-key",
+        "--max-targets",
+    ] {
+        cmd.arg(flag).arg(&cap);
+    }
+    cmd.args(["--max-targets-per-session", "4"]);
+    let proc = Proc::spawn(
+        SERVE,
+        &mut cmd,
+        Some(&ctx.env.log(&format!("mem-serve-{tag}"))),
+    )?;
+    wait_listening(lo(port), &proc, Duration::from_secs(10)).await?;
+    let control = state.join("control").join(format!("{}.sock", proc.pid()));
+    Ok((Relay::Serve { proc, control }, lo(port)))
+}
+
+async fn wait_relay_suspended(relay: &mut Relay, n: usize) -> io::Result<()> {
+    let deadline = Instant::now() + SUSPEND_TIMEOUT;
+    loop {
+        let s = relay.suspended().await.unwrap_or(0);
+        if s >= n {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(io::Error::other(format!(
+                "relay: only {s} of {n} sessions suspended after {SUSPEND_TIMEOUT:?}"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
 async fn wait_suspended(agent: &mut Agent, n: usize, who: &str) -> io::Result<()> {
     let deadline = Instant::now() + SUSPEND_TIMEOUT;
     loop {
@@ -116,16 +218,18 @@ async fn measure(
     lab: &Lab,
     n: usize,
     state: &'static str,
-    piped: bool,
+    serve: bool,
 ) -> io::Result<Row> {
     let log = ctx.env.log("agents");
     let me = &ctx.env.me;
-    let mut relay = if piped {
-        Agent::spawn(me, &["relay"], &log)?
+    let (mut relay, relay_addr) = if serve {
+        let (r, addr) = start_serve(ctx, lab, n, &format!("{n}-{state}")).await?;
+        (r, addr.to_string())
     } else {
-        Agent::spawn(me, &["relay", "--echo"], &log)?
+        let mut a = Agent::spawn(me, &["relay", "--echo"], &log)?;
+        let addr = a.addr().await?.to_string();
+        (Relay::Echo(Box::new(a)), addr)
     };
-    let relay_addr = relay.addr().await?.to_string();
     let mut proxies = Vec::new();
     for _ in 0..n.div_ceil(SESSIONS_PER_PROXY) {
         let mut p = Agent::spawn(me, &["proxy", "--upstream", &relay_addr], &log)?;
@@ -166,7 +270,7 @@ async fn measure(
                 .await?;
         }
         wait_suspended(&mut client, n, "client").await?;
-        wait_suspended(&mut relay, n, "relay").await?;
+        wait_relay_suspended(&mut relay, n).await?;
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
     let relay_rss = rss_bytes(relay.pid())?;
@@ -175,7 +279,8 @@ async fn measure(
     Ok(Row {
         sessions: n,
         state,
-        relay_streams: if piped {
+        relay: if serve { SERVE } else { ECHO },
+        relay_streams: if serve {
             "piped to the target"
         } else {
             "echoed inside the relay"
@@ -195,53 +300,71 @@ pub(crate) async fn run(ctx: Arc<Ctx>, lab: Arc<Lab>) -> io::Result<Memory> {
     let mut rows = Vec::new();
     let mut not_measured = Vec::new();
     let limit = ctx.nofile;
+    let mut cases: Vec<(usize, &'static str, bool)> = Vec::new();
+    for &n in &ctx.plan.mem_serve_counts {
+        for s in STATES {
+            cases.push((n, s, true));
+        }
+    }
     for &n in &ctx.plan.mem_counts {
-        let mut cases: Vec<(&'static str, bool)> = STATES.iter().map(|s| (*s, false)).collect();
-        cases.push(("active", true));
-        for (state, piped) in cases {
-            if piped && 2 * n as u64 + 200 > limit {
+        for s in STATES {
+            cases.push((n, s, false));
+        }
+    }
+    for (n, state, serve) in cases {
+        if serve && 2 * n as u64 + 400 > limit {
+            not_measured.push(Skipped {
+                sessions: n,
+                state,
+                status: "not_measured",
+                why: format!(
+                    "roam serve needs two sockets per piped session (client and target), over this machine's limit of {limit} open files per process (no CAP_SYS_RESOURCE to raise it)"
+                ),
+            });
+            continue;
+        }
+        if state == "suspended_1mb_unacked" {
+            // The client holds n MB; leave room for everything else.
+            let need = (n * UNACKED_BYTES) as u64 * 2 + (2 << 30);
+            let avail = mem_available();
+            if avail < need {
                 not_measured.push(Skipped {
                     sessions: n,
-                    state: "active, piped to the target",
+                    state,
                     status: "not_measured",
                     why: format!(
-                        "the relay would need two sockets per session, over this machine's limit of {limit} open files per process (no CAP_SYS_RESOURCE to raise it)"
+                        "needs ~{} MB free for the client's unacknowledged data, {} MB available",
+                        need / 1_000_000,
+                        avail / 1_000_000
                     ),
                 });
                 continue;
             }
-            if state == "suspended_1mb_unacked" {
-                // The client holds n MB; leave room for everything else.
-                let need = (n * UNACKED_BYTES) as u64 * 2 + (2 << 30);
-                let avail = mem_available();
-                if avail < need {
-                    not_measured.push(Skipped {
-                        sessions: n,
-                        state,
-                        status: "not_measured",
-                        why: format!(
-                            "needs ~{} MB free for the client's unacknowledged data, {} MB available",
-                            need / 1_000_000,
-                            avail / 1_000_000
-                        ),
-                    });
-                    continue;
-                }
-            }
-            let row = measure(&ctx, &lab, n, state, piped)
-                .await
-                .map_err(|e| io::Error::new(e.kind(), format!("{n} sessions, {state}: {e}")))?;
-            progress(&format!(
-                "memory {n} sessions {state} ({}): relay {:.1} KiB/session, client {:.1} KiB/session",
-                row.relay_streams,
-                row.relay_bytes_per_session / 1024.0,
-                row.client_bytes_per_session / 1024.0
-            ));
-            rows.push(row);
         }
+        let row = measure(&ctx, &lab, n, state, serve)
+            .await
+            .map_err(|e| io::Error::new(e.kind(), format!("{n} sessions, {state}: {e}")))?;
+        progress(&format!(
+            "memory {n} sessions {state} ({}, {}): relay {:.1} KiB/session, client {:.1} KiB/session",
+            row.relay,
+            row.relay_streams,
+            row.relay_bytes_per_session / 1024.0,
+            row.client_bytes_per_session / 1024.0
+        ));
+        rows.push(row);
+    }
+    if !ctx.plan.mem_serve_counts.iter().any(|&n| n >= 10_000) {
+        not_measured.push(Skipped {
+            sessions: 10_000,
+            state: "any, through roam serve",
+            status: "not_measured",
+            why: format!(
+                "10,000 sessions piped to real targets need 20,000 sockets in roam serve, this machine's hard limit of {limit} open files per process leaves none for anything else; 10,000 is measured with the echoing library relay (full mode), 9,000 through roam serve (full mode)"
+            ),
+        });
     }
     Ok(Memory {
-        relay: "roam-bench agent relay: roam::serve with raised caps; streams echoed inside the relay (2 KiB buffer), or piped to the target with 64 KiB copy buffers as roam serve does",
+        relay: "roam serve (caps raised by flags; each stream piped to the target), or where named roam-bench agent relay --echo (roam::serve with raised caps, each stream echoed inside the relay, one socket per session)",
         client: "roam-bench agent mem-client: roam::connect sessions, one stream each",
         rows,
         not_measured,

@@ -10,10 +10,10 @@ pub(crate) mod resume;
 pub(crate) mod setup;
 pub(crate) mod throughput;
 
-use crate::peers::{ROAM_FORWARD, ROAM_PIPE};
+use crate::peers::{ROAM_FORWARD, ROAM_PIPE, ROAM_SESSION};
 
 /// The roam peers whose ratios the report shows.
-pub(crate) const ROAM_PEERS: &[&str] = &[ROAM_FORWARD, ROAM_PIPE];
+pub(crate) const ROAM_PEERS: &[&str] = &[ROAM_FORWARD, ROAM_PIPE, ROAM_SESSION];
 
 /// One ratio of medians measured in the same run.
 #[derive(Debug, Clone, Serialize)]

@@ -149,15 +149,9 @@ async fn echo_all(streams: &mut [roam::RoamStream], byte: u8) -> io::Result<()> 
 /// The relay's view: for each `n`, seconds since the relay suspended a
 /// session with `n` streams, if it did.
 async fn relay_suspended(lab: &Lab, counts: &[usize]) -> Option<Vec<Option<f64>>> {
-    let mut sock = tokio::net::UnixStream::connect(lab.serve.control_socket())
+    let v = crate::procs::control_status(&lab.serve.control_socket(), Duration::from_secs(2))
         .await
         .ok()?;
-    let mut text = Vec::new();
-    tokio::time::timeout(Duration::from_secs(2), sock.read_to_end(&mut text))
-        .await
-        .ok()?
-        .ok()?;
-    let v: serde_json::Value = serde_json::from_slice(&text).ok()?;
     let sessions = v.get("sessions")?.as_array()?;
     Some(
         counts
