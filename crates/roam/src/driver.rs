@@ -33,6 +33,11 @@ use crate::server::Registry;
 const READ_CHUNK: usize = 64 * 1024;
 /// Ask the session for more records only while less than this is unwritten.
 const WRITE_LOW_WATER: usize = 64 * 1024;
+/// While output waits for the socket, how often the timers are looked at.
+/// The deadlines that are overdue then (ACK, heartbeat) can only be met by
+/// sending, which waits for writability; without this floor the driver slept
+/// until an instant already past and spun.
+const BACKED_UP_TICK: Duration = Duration::from_millis(50);
 /// How long a closed transport may take to flush its last bytes.
 const RETIRE_LINGER: Duration = Duration::from_secs(1);
 /// How long a session whose handles were all dropped may take to close gracefully.
@@ -411,6 +416,7 @@ impl Driver {
         let std_now = now.into_std();
         let inner = self.inner.clone();
         let mut sh = inner.lock();
+        sh.driver_wakeups += 1;
         if let Some(reply) = sh.detach.take() {
             let result = self.detach(&mut sh, std_now);
             let done = result.is_ok();
@@ -438,7 +444,7 @@ impl Driver {
             sh.session
                 .close(roam_proto::code::NO_ERROR, "handshake not completed");
         }
-        self.transmit(&mut sh, std_now);
+        let backed_up = self.transmit(&mut sh, std_now);
         let mut new_session = None;
         while let Some(ev) = sh.session.poll_event() {
             if let Some(h) = self.on_event(&mut sh, ev, now) {
@@ -493,6 +499,11 @@ impl Driver {
         let done = (sh.closed.is_some() && self.conns.is_empty()) || give_up;
 
         let mut deadline = sh.session.poll_timeout().map(Instant::from_std);
+        if backed_up {
+            // Overdue send deadlines wait for writability (a socket wake-up),
+            // not for the timer.
+            deadline = deadline.map(|t| t.max(now + BACKED_UP_TICK));
+        }
         let mut at = |t: Instant| deadline = Some(deadline.map_or(t, |d| d.min(t)));
         for c in &self.conns {
             if let Some(t) = c.retire_by {
@@ -542,7 +553,10 @@ impl Driver {
         }
     }
 
-    fn transmit(&mut self, sh: &mut Shared, now: std::time::Instant) {
+    /// Moves records from the session into the connections' buffers until
+    /// the session has none or a connection is backed up; returns whether
+    /// one is (output then waits for the socket to take some).
+    fn transmit(&mut self, sh: &mut Shared, now: std::time::Instant) -> bool {
         loop {
             // A retiring (dead or replaced) connection must not hold back the
             // others: its unwritten bytes may never drain.
@@ -551,11 +565,11 @@ impl Driver {
                 .iter()
                 .any(|c| c.retire_by.is_none() && c.unwritten() >= WRITE_LOW_WATER)
             {
-                break;
+                return true;
             }
             self.scratch.clear();
             let Some(tid) = sh.session.poll_transmit(now, &mut self.scratch) else {
-                break;
+                return false;
             };
             match self.conns.iter_mut().find(|c| c.tid == tid) {
                 Some(c) if c.out.is_empty() => std::mem::swap(&mut c.out, &mut self.scratch),

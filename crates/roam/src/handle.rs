@@ -108,6 +108,9 @@ pub struct SessionStats {
     pub streams: usize,
     /// How long the session has been without a transport, if it is suspended.
     pub suspended_for: Option<Duration>,
+    /// Times the session's driver woke up and ran its loop: a diagnostic for
+    /// wake-up storms (a driver that spins instead of sleeping).
+    pub driver_wakeups: u64,
 }
 
 /// State shared by the driver and the application handles, behind one mutex.
@@ -140,6 +143,8 @@ pub(crate) struct Shared {
     pub(crate) redial_requested: bool,
     /// [`SessionHandle::detach`] is waiting for the driver to export and stop.
     pub(crate) detach: Option<oneshot::Sender<Result<Detached, ExportError>>>,
+    /// Iterations of the driver loop so far ([`SessionStats::driver_wakeups`]).
+    pub(crate) driver_wakeups: u64,
 }
 
 impl Shared {
@@ -159,6 +164,7 @@ impl Shared {
             redial_requested: false,
             resets: HashMap::new(),
             detach: None,
+            driver_wakeups: 0,
         }
     }
 
@@ -229,6 +235,7 @@ impl Inner {
             suspended_for: s
                 .suspended_since()
                 .map(|t| now.saturating_duration_since(t)),
+            driver_wakeups: sh.driver_wakeups,
         }
     }
 }
