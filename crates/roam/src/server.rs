@@ -15,7 +15,7 @@ use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
 use crate::detach::{Lookup, LookupResult, Restored};
-use crate::driver::{reject, Conn, Driver, Handoff, Kind, OnSession, ServerSide};
+use crate::driver::{reject, Conn, Driver, Handoff, Kind, OnSession, Routing, ServerSide};
 use crate::handle::{Inner, SessionHandle};
 use crate::limits::{suppressed_note, BusySlot, LogThrottle, Refusal, SharedThrottle};
 use crate::ServerConfig;
@@ -41,11 +41,14 @@ impl Registry {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<SessionId, mpsc::Sender<Handoff>>> {
         self.sessions.lock().unwrap_or_else(|e| e.into_inner())
     }
-    pub(crate) fn remove(&self, id: &SessionId) {
-        self.lock().remove(id);
-    }
     fn get(&self, id: &SessionId) -> Option<mpsc::Sender<Handoff>> {
         self.lock().get(id).cloned()
+    }
+}
+
+impl Routing for Registry {
+    fn remove(&self, id: &SessionId) {
+        self.lock().remove(id);
     }
 }
 
