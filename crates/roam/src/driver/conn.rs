@@ -1,30 +1,38 @@
 //! One TCP connection of a session: its socket, its read buffer and the
 //! records waiting to be written, and the poll that writes and reads them.
 
+use std::cell::RefCell;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use roam_proto::{Session, TransportId};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::AsyncWrite;
 use tokio::net::TcpStream;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 
 /// Bytes read from a socket at a time.
 const READ_CHUNK: usize = 64 * 1024;
+
+thread_local! {
+    /// Where sockets are read into before the session takes the bytes:
+    /// one per worker thread instead of one per connection (64 KiB each).
+    /// A read is always handed to the session before the task yields, so
+    /// nothing stays here between polls.
+    static READ_BUF: RefCell<Vec<u8>> = RefCell::new(vec![0u8; READ_CHUNK]);
+}
 /// Ask the session for more records only while less than this is unwritten.
 pub(super) const WRITE_LOW_WATER: usize = 64 * 1024;
 /// Reads taken from one socket, without waiting, before a timer runs.
-const DRAIN_READS: usize = 16;
+pub(super) const DRAIN_READS: usize = 16;
 
 /// One TCP connection carrying (or about to carry) the session.
 pub(crate) struct Conn {
     pub(super) tid: TransportId,
     pub(super) sock: TcpStream,
     pub(super) peer: SocketAddr,
-    pub(super) rbuf: Box<[u8]>,
     /// Records polled from the session, written from `pos` on.
     pub(super) out: Vec<u8>,
     pub(super) pos: usize,
@@ -45,7 +53,6 @@ impl Conn {
             tid,
             sock,
             peer,
-            rbuf: vec![0u8; READ_CHUNK].into_boxed_slice(),
             out: Vec::new(),
             pos: 0,
             retire_by: None,
@@ -71,42 +78,58 @@ impl Conn {
         }
     }
 
-    /// Feeds whatever the socket holds right now to `session`, without
-    /// waiting. Returns `false` if the connection is gone (end of stream or
-    /// an error).
-    pub(super) fn drain_ready(&mut self, session: &mut Session, now: std::time::Instant) -> bool {
-        for _ in 0..DRAIN_READS {
-            if self.retire_by.is_some() {
-                break;
-            }
-            match self.sock.try_read(&mut self.rbuf) {
-                Ok(0) => return false,
-                Ok(n) => {
-                    if let Err(e) = session.handle_input(now, self.tid, &self.rbuf[..n]) {
-                        tracing::debug!("transport {:?} from {}: {e}", self.tid, self.peer);
-                    }
+    /// Feeds what the socket holds right now to `session`, without
+    /// waiting: at most `reads` reads of up to [`READ_CHUNK`] bytes.
+    pub(super) fn drain_ready(
+        &mut self,
+        session: &mut Session,
+        now: std::time::Instant,
+        reads: usize,
+    ) -> Drained {
+        READ_BUF.with_borrow_mut(|buf| {
+            for _ in 0..reads {
+                if self.retire_by.is_some() {
+                    break;
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(_) => return false,
+                match self.sock.try_read(buf) {
+                    Ok(0) => return Drained::Eof,
+                    Ok(n) => {
+                        if let Err(e) = session.handle_input(now, self.tid, &buf[..n]) {
+                            tracing::debug!("transport {:?} from {}: {e}", self.tid, self.peer);
+                        }
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) => return Drained::Failed(e),
+                }
             }
-        }
-        true
+            Drained::Open
+        })
     }
+}
+
+/// How a connection came out of [`Conn::drain_ready`].
+pub(super) enum Drained {
+    /// Still open (nothing more to read now, or the read limit was reached).
+    Open,
+    /// The peer closed it.
+    Eof,
+    /// Reading failed.
+    Failed(io::Error),
 }
 
 /// What the connections reported.
 pub(super) enum Io {
-    /// Connection `.0` read `.1` bytes into its `rbuf`.
-    Read(usize, usize),
-    /// Connection `.0` reached end of stream.
-    Eof(usize),
+    /// Connection `.0` has input (or end of stream) to read.
+    Readable(usize),
     /// Connection `.0` failed.
     Failed(usize, io::Error),
     /// Some output was written (room for more records).
     Wrote,
 }
 
-/// Polls every connection: writes pending output, then checks for input.
+/// Polls every connection: writes pending output, then checks for input
+/// (readiness only: the bytes are read by [`Conn::drain_ready`], into a
+/// buffer no connection holds).
 pub(super) fn poll_conns(conns: &mut [Conn], cx: &mut Context<'_>) -> Poll<Io> {
     let mut wrote = false;
     for (i, c) in conns.iter_mut().enumerate() {
@@ -128,12 +151,8 @@ pub(super) fn poll_conns(conns: &mut [Conn], cx: &mut Context<'_>) -> Poll<Io> {
             c.pos = 0;
         }
         if c.retire_by.is_none() {
-            let mut rb = ReadBuf::new(&mut c.rbuf);
-            match Pin::new(&mut c.sock).poll_read(cx, &mut rb) {
-                Poll::Ready(Ok(())) => {
-                    let n = rb.filled().len();
-                    return Poll::Ready(if n == 0 { Io::Eof(i) } else { Io::Read(i, n) });
-                }
+            match c.sock.poll_read_ready(cx) {
+                Poll::Ready(Ok(())) => return Poll::Ready(Io::Readable(i)),
                 Poll::Ready(Err(e)) => return Poll::Ready(Io::Failed(i, e)),
                 Poll::Pending => {}
             }

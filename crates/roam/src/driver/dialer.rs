@@ -11,7 +11,6 @@ use std::time::Duration;
 use rand::Rng;
 use roam_proto::State;
 use tokio::net::TcpStream;
-use tokio::sync::broadcast;
 use tokio::time::Instant;
 
 use super::conn::Conn;
@@ -95,7 +94,7 @@ impl Dialer {
     pub(super) fn schedule(
         &mut self,
         sh: &mut Shared,
-        events: &broadcast::Sender<SessionEvent>,
+        events: &crate::handle::Events,
         now: Instant,
     ) -> Option<Instant> {
         let need = sh.closed.is_none()
@@ -118,7 +117,7 @@ impl Dialer {
                     self.attempt
                 );
             }
-            let _ = events.send(SessionEvent::Redialing {
+            events.send(SessionEvent::Redialing {
                 attempt: self.attempt,
                 delay,
             });

@@ -27,7 +27,7 @@ use roam_proto::{Event, Role, State};
 use tokio::time::{sleep_until, Instant};
 
 use crate::handle::{Inner, SessionEvent, SessionHandle, Shared};
-use conn::{poll_conns, Io};
+use conn::{poll_conns, Drained, Io, DRAIN_READS};
 
 pub(crate) use conn::Conn;
 use dialer::DialerWake;
@@ -55,7 +55,7 @@ enum Wake {
     Notified,
     Timer,
     Dialer(DialerWake),
-    Handoff(Option<Handoff>),
+    Handoff(Option<Box<Handoff>>),
     Shutdown,
 }
 
@@ -136,7 +136,7 @@ impl Driver {
             s.unroute();
         }
         tracing::debug!("session {} detached", id_text(sh));
-        let _ = self.inner.events.send(SessionEvent::Detached);
+        self.inner.events.send(SessionEvent::Detached);
         Ok(detached)
     }
 
@@ -224,6 +224,10 @@ impl Driver {
         }
         self.conns
             .retain(|c| !c.retire_by.is_some_and(|t| c.unwritten() == 0 || t <= now));
+        if self.conns.is_empty() && self.scratch.capacity() > 0 {
+            // Suspended: a record buffer is not needed until a transport is back.
+            self.scratch = Vec::new();
+        }
 
         let give_up = self.give_up_at.is_some_and(|t| t <= now);
         let done = (sh.closed.is_some() && self.conns.is_empty()) || give_up;
@@ -253,7 +257,7 @@ impl Driver {
     fn drain_ready_input(&mut self, sh: &mut Shared, now: std::time::Instant) {
         let mut i = 0;
         while i < self.conns.len() {
-            if self.conns[i].drain_ready(&mut sh.session, now) {
+            if let Drained::Open = self.conns[i].drain_ready(&mut sh.session, now, DRAIN_READS) {
                 i += 1;
             } else {
                 let c = self.conns.remove(i);
@@ -298,8 +302,11 @@ impl Driver {
                     }
                 }
                 sh.connected = true;
+                for w in sh.closed_wakers.drain(..) {
+                    w.wake();
+                }
                 tracing::debug!("session {session_id} connected, peer key {peer_key}");
-                let _ = events.send(SessionEvent::Connected {
+                events.send(SessionEvent::Connected {
                     session_id,
                     peer_key,
                 });
@@ -309,7 +316,7 @@ impl Driver {
             }
             Event::Suspended { reason, .. } => {
                 tracing::info!("session {} suspended: {reason:?}", id_text(sh));
-                let _ = events.send(SessionEvent::Suspended { reason });
+                events.send(SessionEvent::Suspended { reason });
             }
             Event::Resumed {
                 suspended_for,
@@ -323,7 +330,7 @@ impl Driver {
                 if let Kind::Client(d) = &mut self.kind {
                     d.attempt = 0;
                 }
-                let _ = events.send(SessionEvent::Resumed {
+                events.send(SessionEvent::Resumed {
                     suspended_for,
                     bytes_replayed,
                     frames_replayed,
@@ -334,7 +341,7 @@ impl Driver {
                     "session {}: peer moved from {from:?} to {to:?}",
                     id_text(sh)
                 );
-                let _ = events.send(SessionEvent::PeerAddressChanged { from, to });
+                events.send(SessionEvent::PeerAddressChanged { from, to });
             }
             Event::TransportClosed { transport, error } => {
                 if let Some(e) = error {
@@ -345,7 +352,7 @@ impl Driver {
                             roam_proto::Error::UnknownSession | roam_proto::Error::ResumeRejected
                         )
                     {
-                        let _ = events.send(SessionEvent::ResumeRefused { error: e });
+                        events.send(SessionEvent::ResumeRefused { error: e });
                     }
                 }
                 if let Some(c) = self.conns.iter_mut().find(|c| c.tid == transport) {
@@ -417,7 +424,7 @@ impl Driver {
                 sh.closed = Some(reason.clone());
                 sh.wake_all();
                 self.closed_sent = true;
-                let _ = events.send(SessionEvent::Closed { reason });
+                events.send(SessionEvent::Closed { reason });
             }
             other => tracing::trace!("unhandled event {other:?}"),
         }
@@ -468,17 +475,18 @@ impl Driver {
         let std_now = now.into_std();
         let inner = self.inner.clone();
         match wake {
-            Wake::Io(Io::Read(i, n)) => {
-                let c = &self.conns[i];
+            Wake::Io(Io::Readable(i)) => {
                 let mut sh = inner.lock();
-                if let Err(e) = sh.session.handle_input(std_now, c.tid, &c.rbuf[..n]) {
-                    tracing::debug!("transport {:?} from {}: {e}", c.tid, c.peer);
-                }
-            }
-            Wake::Io(Io::Eof(i)) => {
+                // One read per wake, as a socket read used to be: the loop
+                // then transmits and dispatches before reading more.
+                let gone = match self.conns[i].drain_ready(&mut sh.session, std_now, 1) {
+                    Drained::Open => return,
+                    Drained::Eof => "closed by peer".to_string(),
+                    Drained::Failed(e) => e.to_string(),
+                };
                 let c = self.conns.remove(i);
-                tracing::debug!("transport {:?} from {}: closed by peer", c.tid, c.peer);
-                inner.lock().session.handle_transport_closed(std_now, c.tid);
+                tracing::debug!("transport {:?} from {}: {gone}", c.tid, c.peer);
+                sh.session.handle_transport_closed(std_now, c.tid);
             }
             Wake::Io(Io::Failed(i, e)) => {
                 let c = self.conns.remove(i);
@@ -506,7 +514,7 @@ impl Driver {
                     return;
                 };
                 let mut sh = inner.lock();
-                if let Some(conn) = s.on_handoff(&mut sh, h, std_now) {
+                if let Some(conn) = s.on_handoff(&mut sh, *h, std_now) {
                     self.conns.push(conn);
                 }
             }
@@ -532,7 +540,7 @@ impl Driver {
         sh.wake_all();
         if !self.closed_sent {
             if let Some(reason) = sh.closed.clone() {
-                let _ = self.inner.events.send(SessionEvent::Closed { reason });
+                self.inner.events.send(SessionEvent::Closed { reason });
             }
         }
         drop(sh);

@@ -47,7 +47,7 @@ pub(crate) type OnSession = Arc<dyn Fn(SessionHandle) + Send + Sync>;
 /// Server side: resumes arriving for this session, and shutdown.
 pub(crate) struct ServerSide {
     pub(crate) id: SessionId,
-    pub(crate) handoffs: mpsc::Receiver<Handoff>,
+    pub(crate) handoffs: mpsc::Receiver<Box<Handoff>>,
     /// The routing map this session is registered in.
     pub(crate) registry: Arc<dyn Routing>,
     pub(crate) on_session: OnSession,
