@@ -1,11 +1,14 @@
 //! Client: the first dial and handshake; re-dials are the driver's job.
 
+use std::future::poll_fn;
+use std::task::Poll;
+
 use tokio::time::Instant;
 
 use roam_proto::Session;
 
 use crate::driver::{dial, Conn, Dialer, Driver, Kind};
-use crate::handle::{Inner, SessionEvent, SessionHandle};
+use crate::handle::{Inner, SessionHandle};
 use crate::{ClientConfig, Error};
 
 /// Connects to the roam server at `addr` (`host:port`, resolved again on every
@@ -34,33 +37,33 @@ pub async fn connect(addr: &str, config: ClientConfig) -> Result<SessionHandle, 
     let mut session = Session::client(config.proto.clone());
     let tid = session.connect(Instant::now().into_std(), Some(peer))?;
     let inner = Inner::new(session);
-    let mut events = inner.events.subscribe();
     let handle = SessionHandle::new(inner.clone());
     let driver = Driver::new(
-        inner,
+        inner.clone(),
         Conn::new(tid, sock, peer, None),
         Kind::Client(Box::new(Dialer::new(addr.to_string(), config))),
     );
     tokio::spawn(driver.run());
 
-    loop {
-        match events.recv().await {
-            Ok(SessionEvent::Connected { .. }) => return Ok(handle),
-            Ok(SessionEvent::Closed {
-                reason: roam_proto::CloseReason::Error(e),
-            }) => return Err(Error::Protocol(e)),
-            Ok(SessionEvent::Closed { reason }) => return Err(Error::Closed(reason)),
-            Ok(_) => {}
-            Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
-                if handle.stats().state == roam_proto::State::Active {
-                    return Ok(handle);
-                }
-            }
-            Err(tokio::sync::broadcast::error::RecvError::Closed) => {
-                return Err(Error::Closed(roam_proto::CloseReason::Error(
-                    roam_proto::Error::HandshakeFailed,
-                )))
-            }
+    // Waits on the shared state, not the event channel: subscribing would
+    // create the channel (its slots) for every session, used or not.
+    let closed = poll_fn(|cx| {
+        let mut sh = inner.lock();
+        if sh.connected {
+            return Poll::Ready(None);
         }
+        if let Some(reason) = &sh.closed {
+            return Poll::Ready(Some(reason.clone()));
+        }
+        if !sh.closed_wakers.iter().any(|w| w.will_wake(cx.waker())) {
+            sh.closed_wakers.push(cx.waker().clone());
+        }
+        Poll::Pending
+    })
+    .await;
+    match closed {
+        None => Ok(handle),
+        Some(roam_proto::CloseReason::Error(e)) => Err(Error::Protocol(e)),
+        Some(reason) => Err(Error::Closed(reason)),
     }
 }

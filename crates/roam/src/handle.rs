@@ -4,7 +4,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::poll_fn;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::task::{Poll, Waker};
 use std::time::Duration;
 
@@ -19,6 +19,8 @@ use crate::stream::RoamStream;
 use crate::Error;
 
 /// Capacity of the application event channel; slow receivers see `Lagged`.
+/// Its slots are allocated up front (about 110 bytes each), which is why the
+/// channel is created only once someone subscribes ([`Events`]).
 const EVENT_CAPACITY: usize = 256;
 
 /// Session life events for the application (see [`SessionHandle::events`]).
@@ -108,6 +110,9 @@ pub struct SessionStats {
     pub streams: usize,
     /// How long the session has been without a transport, if it is suspended.
     pub suspended_for: Option<Duration>,
+    /// Times the session's driver woke up and ran its loop: a diagnostic for
+    /// wake-up storms (a driver that spins instead of sleeping).
+    pub driver_wakeups: u64,
 }
 
 /// State shared by the driver and the application handles, behind one mutex.
@@ -123,6 +128,7 @@ pub(crate) struct Shared {
     /// Streams whose handle was dropped before end-of-stream: the driver reads
     /// and discards their data so flow-control credit keeps flowing.
     pub(crate) orphans: HashSet<StreamId>,
+    /// Tasks waiting for the session to end (and `connect`, for it to connect).
     pub(crate) closed_wakers: Vec<Waker>,
     /// Set when the session is over.
     pub(crate) closed: Option<CloseReason>,
@@ -140,6 +146,8 @@ pub(crate) struct Shared {
     pub(crate) redial_requested: bool,
     /// [`SessionHandle::detach`] is waiting for the driver to export and stop.
     pub(crate) detach: Option<oneshot::Sender<Result<Detached, ExportError>>>,
+    /// Iterations of the driver loop so far ([`SessionStats::driver_wakeups`]).
+    pub(crate) driver_wakeups: u64,
 }
 
 impl Shared {
@@ -159,6 +167,7 @@ impl Shared {
             redial_requested: false,
             resets: HashMap::new(),
             detach: None,
+            driver_wakeups: 0,
         }
     }
 
@@ -183,21 +192,41 @@ impl Shared {
     }
 }
 
+/// The session's event channel, created by its first subscriber: most
+/// server sessions never have one, and an unused channel would cost its
+/// slots for the session's whole life (suspended ones included).
+#[derive(Default)]
+pub(crate) struct Events(OnceLock<broadcast::Sender<SessionEvent>>);
+
+impl Events {
+    /// Tells the subscribers, if there are any.
+    pub(crate) fn send(&self, ev: SessionEvent) {
+        if let Some(tx) = self.0.get() {
+            let _ = tx.send(ev);
+        }
+    }
+
+    pub(crate) fn subscribe(&self) -> broadcast::Receiver<SessionEvent> {
+        self.0
+            .get_or_init(|| broadcast::channel(EVENT_CAPACITY).0)
+            .subscribe()
+    }
+}
+
 /// The session state plus the means to wake its driver and tell the application.
 pub(crate) struct Inner {
     pub(crate) shared: Mutex<Shared>,
     /// Wakes the driver after an application call that may have output.
     pub(crate) notify: Notify,
-    pub(crate) events: broadcast::Sender<SessionEvent>,
+    pub(crate) events: Events,
 }
 
 impl Inner {
     pub(crate) fn new(session: Session) -> Arc<Self> {
-        let (events, _) = broadcast::channel(EVENT_CAPACITY);
         Arc::new(Self {
             shared: Mutex::new(Shared::new(session)),
             notify: Notify::new(),
-            events,
+            events: Events::default(),
         })
     }
 
@@ -229,6 +258,7 @@ impl Inner {
             suspended_for: s
                 .suspended_since()
                 .map(|t| now.saturating_duration_since(t)),
+            driver_wakeups: sh.driver_wakeups,
         }
     }
 }

@@ -15,7 +15,7 @@ use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
 use crate::detach::{Lookup, LookupResult, Restored};
-use crate::driver::{reject, Conn, Driver, Handoff, Kind, OnSession, ServerSide};
+use crate::driver::{reject, Conn, Driver, Handoff, Kind, OnSession, Routing, ServerSide};
 use crate::handle::{Inner, SessionHandle};
 use crate::limits::{suppressed_note, BusySlot, LogThrottle, Refusal, SharedThrottle};
 use crate::ServerConfig;
@@ -34,18 +34,21 @@ const LOG_EVERY: Duration = Duration::from_secs(10);
 /// Routes resumes: session id → the channel into that session's driver.
 #[derive(Default)]
 pub(crate) struct Registry {
-    sessions: Mutex<HashMap<SessionId, mpsc::Sender<Handoff>>>,
+    sessions: Mutex<HashMap<SessionId, mpsc::Sender<Box<Handoff>>>>,
 }
 
 impl Registry {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<SessionId, mpsc::Sender<Handoff>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<SessionId, mpsc::Sender<Box<Handoff>>>> {
         self.sessions.lock().unwrap_or_else(|e| e.into_inner())
     }
-    pub(crate) fn remove(&self, id: &SessionId) {
-        self.lock().remove(id);
-    }
-    fn get(&self, id: &SessionId) -> Option<mpsc::Sender<Handoff>> {
+    fn get(&self, id: &SessionId) -> Option<mpsc::Sender<Box<Handoff>>> {
         self.lock().get(id).cloned()
+    }
+}
+
+impl Routing for Registry {
+    fn remove(&self, id: &SessionId) {
+        self.lock().remove(id);
     }
 }
 
@@ -254,13 +257,14 @@ async fn handle_connection(
     let rest = buf[used..].to_vec();
     match hello.resume_session() {
         Some(id) => {
-            let mut h = Handoff {
+            // Boxed: a channel allocates its slots up front, 32 at a time.
+            let mut h = Box::new(Handoff {
                 sock,
                 hello,
                 rest,
                 peer,
                 permit,
-            };
+            });
             // Registry first; on a miss (or a driver that just stopped) ask
             // the lookup once, then look again: the lookup may have waited
             // for another connection to install the session.
@@ -355,14 +359,16 @@ async fn handle_connection(
             );
             driver.initial_input(&rest);
             tracing::debug!("new session {id} from {peer}");
-            driver.run().await;
+            // A task of its own, sized to the driver alone: this one (hello
+            // parsing, lookups, refusals) ends here and frees its memory.
+            tokio::spawn(driver.run());
         }
     }
 }
 
 /// Puts a restored session into the routing map, queues the resume that
 /// asked for it, tells the caller its handle and runs its driver.
-async fn install(ctx: &Arc<Ctx>, id: SessionId, restored: Restored, h: Handoff) {
+async fn install(ctx: &Arc<Ctx>, id: SessionId, restored: Restored, h: Box<Handoff>) {
     let (tx, rx) = mpsc::channel(HANDOFF_QUEUE);
     let existing = {
         let mut reg = ctx.registry.lock();
@@ -409,5 +415,5 @@ async fn install(ctx: &Arc<Ctx>, id: SessionId, restored: Restored, h: Handoff) 
         max_sessions_per_key: usize::MAX,
     };
     tracing::debug!("restored session {id}");
-    Driver::restored(inner, Kind::Server(side)).run().await;
+    tokio::spawn(Driver::restored(inner, Kind::Server(side)).run());
 }

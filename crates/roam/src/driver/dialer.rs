@@ -1,0 +1,326 @@
+//! The client's side of a driver: re-dial scheduling with capped, jittered
+//! backoff, hedged TCP connects, and reacting to network changes and
+//! `MOVE_TO`.
+
+use std::future::pending;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::time::Duration;
+
+use rand::Rng;
+use roam_proto::State;
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+
+use super::conn::Conn;
+use crate::handle::{SessionEvent, Shared};
+use crate::netwatch::NetworkChanges;
+
+type DialFuture =
+    Pin<Box<dyn std::future::Future<Output = io::Result<(TcpStream, SocketAddr)>> + Send>>;
+
+/// What woke a client driver on its dialer's account.
+pub(super) enum DialerWake {
+    /// The dial in progress finished.
+    Dialed(io::Result<(TcpStream, SocketAddr)>),
+    /// The network changed; `false` once the watcher is gone.
+    NetChange(bool),
+}
+
+/// Client side: where and when to re-dial.
+pub(crate) struct Dialer {
+    /// `host:port` of the server (changed by a `MOVE_TO`).
+    pub(crate) addr: String,
+    pub(crate) config: crate::ClientConfig,
+    /// Attempts since the last resume; 0 means the next one goes out at once.
+    pub(super) attempt: u32,
+    redial_at: Option<Instant>,
+    /// Dial now even though a transport is up (network change, `MOVE_TO`).
+    pub(super) force: bool,
+    pub(super) dial: Option<DialFuture>,
+    net: Option<NetworkChanges>,
+}
+
+impl Dialer {
+    pub(crate) fn new(addr: String, config: crate::ClientConfig) -> Self {
+        let net = if config.watch_network {
+            NetworkChanges::subscribe()
+        } else {
+            None
+        };
+        Self {
+            addr,
+            config,
+            attempt: 0,
+            redial_at: None,
+            force: false,
+            dial: None,
+            net,
+        }
+    }
+
+    /// Delay before attempt number `self.attempt`: none for the first, then
+    /// `initial · 2^(n-1)` capped at `max`, with jitter in `[d/2, d]` so a
+    /// crowd of clients does not re-dial in lockstep.
+    fn backoff(&self) -> Duration {
+        if self.attempt == 0 {
+            return Duration::ZERO;
+        }
+        let exp = (self.attempt - 1).min(16);
+        let d = self
+            .config
+            .backoff_initial
+            .saturating_mul(1 << exp)
+            .min(self.config.backoff_max);
+        let half = d / 2;
+        half + rand::thread_rng().gen_range(Duration::ZERO..=d - half)
+    }
+
+    fn start_dial(&mut self) {
+        let addr = self.addr.clone();
+        let timeout = self.config.connect_timeout;
+        self.dial = Some(Box::pin(async move {
+            match tokio::time::timeout(timeout, dial(&addr)).await {
+                Ok(r) => r,
+                Err(_) => Err(io::Error::new(io::ErrorKind::TimedOut, "connect timed out")),
+            }
+        }));
+    }
+
+    /// Decides whether to dial now or when; returns the time of a scheduled
+    /// re-dial for the driver's deadline. Called once per loop iteration,
+    /// after the session's events.
+    pub(super) fn schedule(
+        &mut self,
+        sh: &mut Shared,
+        events: &crate::handle::Events,
+        now: Instant,
+    ) -> Option<Instant> {
+        let need = sh.closed.is_none()
+            && sh.session.active_transport().is_none()
+            && sh.session.state() != State::Handshaking;
+        if std::mem::take(&mut sh.redial_requested) && need {
+            self.attempt = 0;
+            self.dial = None;
+            self.redial_at = None;
+            self.force = true;
+        }
+        if need && !self.force && self.dial.is_none() && self.redial_at.is_none() {
+            let delay = self.backoff();
+            self.attempt += 1;
+            self.redial_at = Some(now + delay);
+            if delay > Duration::ZERO {
+                tracing::debug!(
+                    "re-dialing {} in {delay:?} (attempt {})",
+                    self.addr,
+                    self.attempt
+                );
+            }
+            events.send(SessionEvent::Redialing {
+                attempt: self.attempt,
+                delay,
+            });
+        }
+        if !need {
+            self.redial_at = None;
+        }
+        if sh.closed.is_some() {
+            self.dial = None;
+            self.force = false;
+        } else if self.dial.is_none() && (self.force || self.redial_at.is_some_and(|t| t <= now)) {
+            self.force = false;
+            self.redial_at = None;
+            self.start_dial();
+        }
+        self.redial_at
+    }
+
+    /// Waits for the dial in progress to finish or the network to change.
+    pub(super) async fn wait(&mut self) -> DialerWake {
+        let Self { dial, net, .. } = self;
+        let dialed = async move {
+            match dial.as_mut() {
+                Some(f) => f.await,
+                None => pending().await,
+            }
+        };
+        let changed = async move {
+            match net.as_mut() {
+                Some(n) => n.changed().await,
+                None => pending().await,
+            }
+        };
+        tokio::select! {
+            r = dialed => DialerWake::Dialed(r),
+            ok = changed => DialerWake::NetChange(ok),
+        }
+    }
+
+    /// A dial finished: on success, starts a resume on the new connection.
+    pub(super) fn on_dialed(
+        &mut self,
+        sh: &mut Shared,
+        result: io::Result<(TcpStream, SocketAddr)>,
+        now: std::time::Instant,
+    ) -> Option<Conn> {
+        self.dial = None;
+        match result {
+            Ok((sock, peer)) => {
+                crate::sockopt::configure(&sock, self.config.proto.session.suspend_after * 2);
+                match sh.session.connect(now, Some(peer)) {
+                    Ok(tid) => {
+                        tracing::debug!("dialed {peer}, resuming on transport {tid:?}");
+                        return Some(Conn::new(tid, sock, peer, None));
+                    }
+                    Err(e) => tracing::debug!("not resuming: {e}"),
+                }
+            }
+            Err(e) => tracing::debug!("re-dial to {} failed: {e}", self.addr),
+        }
+        None
+    }
+
+    /// The network changed (`alive`: the watcher still works): re-dial at
+    /// once if suspended, or move if the route to the server now leaves from
+    /// another local address.
+    pub(super) fn on_net_change(&mut self, sh: &Shared, conns: &[Conn], alive: bool) {
+        if !alive {
+            self.net = None;
+            return;
+        }
+        match sh.session.active_transport() {
+            None if sh.closed.is_none() && sh.session.state() != State::Handshaking => {
+                tracing::info!("network changed: re-dialing {} now", self.addr);
+                self.attempt = 0;
+                self.dial = None;
+                self.redial_at = None;
+                self.force = true;
+            }
+            Some(tid) => {
+                // Move only if the kernel would now reach the server from
+                // another address: the old path is likely gone.
+                if let Some(c) = conns.iter().find(|c| c.tid == tid) {
+                    let local = c.sock.local_addr().ok().map(|a| a.ip());
+                    let now_src = route_source(c.peer);
+                    if now_src.is_some() && local != now_src && self.dial.is_none() {
+                        tracing::info!(
+                            "network changed: route to {} now leaves from {now_src:?}; moving",
+                            c.peer
+                        );
+                        self.force = true;
+                    }
+                }
+            }
+            None => {}
+        }
+    }
+
+    /// The server asked us to resume at `addr`.
+    pub(super) fn move_to(&mut self, addr: String) {
+        tracing::info!("server asked us to move to {addr}");
+        self.addr = addr;
+        self.dial = None;
+        self.force = true;
+    }
+}
+
+/// After this long without an answer, a second SYN goes out beside the first.
+/// Right after a link comes back the first SYN is often lost, and the
+/// kernel's own retry waits a whole second (its initial RTO).
+const HEDGE_AFTER: Duration = Duration::from_millis(200);
+
+/// Connects to `a`, starting a second attempt if the first is slow; the first
+/// to succeed wins (the other is dropped), an error ends only its own attempt.
+async fn connect_hedged(a: SocketAddr) -> io::Result<TcpStream> {
+    let first = TcpStream::connect(a);
+    tokio::pin!(first);
+    tokio::select! {
+        r = &mut first => return r,
+        _ = tokio::time::sleep(HEDGE_AFTER) => {}
+    }
+    let second = TcpStream::connect(a);
+    tokio::pin!(second);
+    tokio::select! {
+        r = &mut first => match r {
+            Ok(s) => Ok(s),
+            Err(_) => second.await,
+        },
+        r = &mut second => match r {
+            Ok(s) => Ok(s),
+            Err(_) => first.await,
+        },
+    }
+}
+
+/// Resolves `addr` and connects to the first address that answers.
+pub(crate) async fn dial(addr: &str) -> io::Result<(TcpStream, SocketAddr)> {
+    let mut last = None;
+    for a in tokio::net::lookup_host(addr).await? {
+        match connect_hedged(a).await {
+            Ok(s) => return Ok((s, a)),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        io::Error::new(io::ErrorKind::NotFound, "name resolved to no addresses")
+    }))
+}
+
+/// The local address the kernel would use now to reach `peer` (a UDP
+/// `connect` picks a route without sending anything).
+fn route_source(peer: SocketAddr) -> Option<std::net::IpAddr> {
+    let any: SocketAddr = if peer.is_ipv4() {
+        ([0, 0, 0, 0], 0).into()
+    } else {
+        ([0u16; 8], 0).into()
+    };
+    let s = std::net::UdpSocket::bind(any).ok()?;
+    s.connect(peer).ok()?;
+    s.local_addr().ok().map(|a| a.ip())
+}
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dialer() -> Dialer {
+        let proto = roam_proto::ClientConfig {
+            keypair: roam_proto::Keypair::generate().unwrap(),
+            server_trust: roam_proto::ServerTrust::FirstUse,
+            session: Default::default(),
+        };
+        let mut config = crate::ClientConfig::new(proto);
+        config.watch_network = false;
+        Dialer::new("127.0.0.1:1".into(), config)
+    }
+
+    #[test]
+    fn backoff_starts_at_once_doubles_and_caps_with_jitter() {
+        let mut d = dialer();
+        assert_eq!(
+            d.backoff(),
+            Duration::ZERO,
+            "first re-dial goes out at once"
+        );
+        for attempt in 1..40u32 {
+            d.attempt = attempt;
+            let full = Duration::from_millis(100)
+                .saturating_mul(1 << (attempt - 1).min(16))
+                .min(Duration::from_secs(5));
+            for _ in 0..20 {
+                let b = d.backoff();
+                assert!(
+                    b >= full / 2 && b <= full,
+                    "attempt {attempt}: {b:?} outside [{:?}, {full:?}]",
+                    full / 2
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn route_source_finds_loopback() {
+        let src = route_source("127.0.0.1:9".parse().unwrap());
+        assert!(src.is_some_and(|ip| ip.is_loopback()));
+    }
+}

@@ -1,0 +1,560 @@
+//! The per-session driver task: owns the TCP connections, moves bytes between
+//! them and the sans-IO session, runs its timers, dispatches its events and,
+//! on a client, re-dials after a suspension.
+//!
+//! One loop iteration follows the order `roam_proto::Session` documents:
+//! inputs (`handle_input` / `handle_transport_closed` / `handle_timeout`), then
+//! `poll_transmit` into the named connection's buffer, then `poll_event`, then
+//! wait for the next socket readiness, application call, timer, dial result or
+//! network change. More records are polled only once the previous ones were
+//! (almost) written, so a slow transport pushes back into the session's
+//! bounded send buffers instead of into memory here.
+
+//!
+//! Parts: [`conn`] (one TCP connection: socket, buffers, write-out),
+//! [`dialer`] (the client's re-dials), [`server_side`] (the server's resumes,
+//! caps and routing seam); this module is the loop and the event dispatch.
+
+mod conn;
+mod dialer;
+mod server_side;
+
+use std::future::{pending, poll_fn};
+use std::sync::Arc;
+use std::time::Duration;
+
+use roam_proto::{Event, Role, State};
+use tokio::time::{sleep_until, Instant};
+
+use crate::handle::{Inner, SessionEvent, SessionHandle, Shared};
+use conn::{poll_conns, Drained, Io, DRAIN_READS};
+
+pub(crate) use conn::Conn;
+use dialer::DialerWake;
+pub(crate) use dialer::{dial, Dialer};
+pub(crate) use server_side::{reject, Handoff, OnSession, Routing, ServerSide};
+
+/// While output waits for the socket, how often the timers are looked at.
+/// The deadlines that are overdue then (ACK, heartbeat) can only be met by
+/// sending, which waits for writability; without this floor the driver slept
+/// until an instant already past and spun.
+const BACKED_UP_TICK: Duration = Duration::from_millis(50);
+/// How long a closed transport may take to flush its last bytes.
+const RETIRE_LINGER: Duration = Duration::from_secs(1);
+/// How long a session whose handles were all dropped may take to close gracefully.
+const ABANDON_LINGER: Duration = Duration::from_secs(10);
+
+/// Which end of the session this driver runs.
+pub(crate) enum Kind {
+    Client(Box<Dialer>),
+    Server(ServerSide),
+}
+
+enum Wake {
+    Io(Io),
+    Notified,
+    Timer,
+    Dialer(DialerWake),
+    Handoff(Option<Box<Handoff>>),
+    Shutdown,
+}
+
+/// Drives one session until it is over. Spawn it: it does nothing unless polled.
+#[must_use = "a session driver does nothing unless spawned"]
+pub(crate) struct Driver {
+    inner: Arc<Inner>,
+    conns: Vec<Conn>,
+    kind: Kind,
+    scratch: Vec<u8>,
+    /// Give up waiting for a graceful close at this time.
+    give_up_at: Option<Instant>,
+    shutting_down: bool,
+    handoffs_open: bool,
+    /// Announced `Closed` to the application already.
+    closed_sent: bool,
+    /// Taken out by `SessionHandle::detach`: already out of the routing map.
+    detached: bool,
+}
+
+impl Driver {
+    pub(crate) fn new(inner: Arc<Inner>, conn: Conn, kind: Kind) -> Self {
+        Self {
+            inner,
+            conns: vec![conn],
+            kind,
+            scratch: Vec::new(),
+            give_up_at: None,
+            shutting_down: false,
+            handoffs_open: true,
+            closed_sent: false,
+            detached: false,
+        }
+    }
+
+    /// A driver for a restored session that has no connection yet (its
+    /// resume arrives as a handoff).
+    pub(crate) fn restored(inner: Arc<Inner>, kind: Kind) -> Self {
+        Self {
+            inner,
+            conns: Vec::new(),
+            kind,
+            scratch: Vec::new(),
+            give_up_at: None,
+            shutting_down: false,
+            handoffs_open: true,
+            closed_sent: false,
+            detached: false,
+        }
+    }
+
+    /// Exports the session for `SessionHandle::detach` and shuts this driver
+    /// down without closing the session: connections dropped, out of the
+    /// routing map (before the caller learns the result, so a resume that
+    /// arrives meanwhile goes to the caller's lookup, not to this driver).
+    fn detach(
+        &mut self,
+        sh: &mut Shared,
+        now: std::time::Instant,
+    ) -> Result<crate::Detached, roam_proto::ExportError> {
+        if sh.closed.is_some() {
+            return Err(roam_proto::ExportError::Closed);
+        }
+        let blob = sh.session.export(now)?;
+        let detached = crate::Detached {
+            blob,
+            unaccepted: sh.incoming.drain(..).collect(),
+            orphans: sh.orphans.iter().copied().collect(),
+        };
+        sh.closed = Some(roam_proto::CloseReason::Local {
+            code: roam_proto::code::NO_ERROR,
+        });
+        sh.wake_all();
+        self.closed_sent = true;
+        self.detached = true;
+        self.conns.clear();
+        if let Kind::Server(s) = &self.kind {
+            s.unroute();
+        }
+        tracing::debug!("session {} detached", id_text(sh));
+        self.inner.events.send(SessionEvent::Detached);
+        Ok(detached)
+    }
+
+    /// Feeds bytes that arrived with the hello (server) before the loop starts.
+    pub(crate) fn initial_input(&mut self, data: &[u8]) {
+        if data.is_empty() {
+            return;
+        }
+        let now = Instant::now().into_std();
+        let tid = self.conns[0].tid;
+        let inner = self.inner.clone();
+        let mut sh = inner.lock();
+        if let Err(e) = sh.session.handle_input(now, tid, data) {
+            tracing::debug!("transport {tid:?}: {e}");
+        }
+    }
+
+    pub(crate) async fn run(mut self) {
+        loop {
+            let now = Instant::now();
+            let (deadline, done, new_session) = self.step(now);
+            if let (Some(handle), Kind::Server(s)) = (new_session, &self.kind) {
+                (s.on_session)(handle);
+            }
+            if done {
+                break;
+            }
+            let wake = self.wait(deadline).await;
+            self.on_wake(wake);
+        }
+        self.exit();
+    }
+
+    /// Timers, transmit, events, re-dial scheduling. Returns the next deadline,
+    /// whether the driver is finished, and a new server session to announce.
+    fn step(&mut self, now: Instant) -> (Option<Instant>, bool, Option<SessionHandle>) {
+        let std_now = now.into_std();
+        let inner = self.inner.clone();
+        let mut sh = inner.lock();
+        sh.driver_wakeups += 1;
+        if let Some(reply) = sh.detach.take() {
+            let result = self.detach(&mut sh, std_now);
+            let done = result.is_ok();
+            let _ = reply.send(result);
+            if done {
+                return (None, true, None);
+            }
+        }
+        if sh.session.poll_timeout().is_some_and(|t| t <= std_now) {
+            // Input that arrived while this task was busy or descheduled
+            // counts as life: take it before the silence timer can fire.
+            self.drain_ready_input(&mut sh, std_now);
+            sh.session.handle_timeout(std_now);
+        }
+        if sh.abandoned && self.give_up_at.is_none() {
+            self.give_up_at = Some(now + ABANDON_LINGER);
+        }
+        // A server session whose first handshake failed can never be resumed
+        // (the client never learned its secret): end it instead of keeping it
+        // for the whole resume timeout.
+        if sh.session.role() == Role::Server
+            && sh.session.state() == State::Handshaking
+            && sh.session.active_transport().is_none()
+        {
+            sh.session
+                .close(roam_proto::code::NO_ERROR, "handshake not completed");
+        }
+        let backed_up = self.transmit(&mut sh, std_now);
+        let mut new_session = None;
+        while let Some(ev) = sh.session.poll_event() {
+            if let Some(h) = self.on_event(&mut sh, ev, now) {
+                new_session = Some(h);
+            }
+        }
+
+        let redial_at = match &mut self.kind {
+            Kind::Client(d) => d.schedule(&mut sh, &inner.events, now),
+            Kind::Server(_) => None,
+        };
+
+        if sh.closed.is_some() {
+            for c in &mut self.conns {
+                c.retire_by.get_or_insert(now + RETIRE_LINGER);
+            }
+        }
+        self.conns
+            .retain(|c| !c.retire_by.is_some_and(|t| c.unwritten() == 0 || t <= now));
+        if self.conns.is_empty() && self.scratch.capacity() > 0 {
+            // Suspended: a record buffer is not needed until a transport is back.
+            self.scratch = Vec::new();
+        }
+
+        let give_up = self.give_up_at.is_some_and(|t| t <= now);
+        let done = (sh.closed.is_some() && self.conns.is_empty()) || give_up;
+
+        let mut deadline = sh.session.poll_timeout().map(Instant::from_std);
+        if backed_up {
+            // Overdue send deadlines wait for writability (a socket wake-up),
+            // not for the timer.
+            deadline = deadline.map(|t| t.max(now + BACKED_UP_TICK));
+        }
+        let mut at = |t: Instant| deadline = Some(deadline.map_or(t, |d| d.min(t)));
+        for c in &self.conns {
+            if let Some(t) = c.retire_by {
+                at(t);
+            }
+        }
+        if let Some(t) = self.give_up_at {
+            at(t);
+        }
+        if let Some(t) = redial_at {
+            at(t);
+        }
+        (deadline, done, new_session)
+    }
+
+    /// Feeds whatever the sockets hold right now, without waiting.
+    fn drain_ready_input(&mut self, sh: &mut Shared, now: std::time::Instant) {
+        let mut i = 0;
+        while i < self.conns.len() {
+            if let Drained::Open = self.conns[i].drain_ready(&mut sh.session, now, DRAIN_READS) {
+                i += 1;
+            } else {
+                let c = self.conns.remove(i);
+                sh.session.handle_transport_closed(now, c.tid);
+            }
+        }
+    }
+
+    /// Moves records from the session into the connections' buffers until
+    /// the session has none or a connection is backed up; returns whether
+    /// one is (output then waits for the socket to take some).
+    fn transmit(&mut self, sh: &mut Shared, now: std::time::Instant) -> bool {
+        loop {
+            // A retiring (dead or replaced) connection must not hold back the
+            // others: its unwritten bytes may never drain.
+            if self.conns.iter().any(Conn::backed_up) {
+                return true;
+            }
+            self.scratch.clear();
+            let Some(tid) = sh.session.poll_transmit(now, &mut self.scratch) else {
+                return false;
+            };
+            match self.conns.iter_mut().find(|c| c.tid == tid) {
+                Some(c) => c.queue(&mut self.scratch),
+                None => tracing::trace!("dropping output for unknown transport {tid:?}"),
+            }
+        }
+    }
+
+    /// Handles one session event; returns a handle for a server session that just connected.
+    fn on_event(&mut self, sh: &mut Shared, ev: Event, now: Instant) -> Option<SessionHandle> {
+        let events = &self.inner.events;
+        let role = sh.session.role();
+        match ev {
+            Event::Connected {
+                session_id,
+                peer_key,
+            } => {
+                if let Kind::Server(s) = &mut self.kind {
+                    if !s.admit_key(sh, session_id, peer_key) {
+                        return None;
+                    }
+                }
+                sh.connected = true;
+                for w in sh.closed_wakers.drain(..) {
+                    w.wake();
+                }
+                tracing::debug!("session {session_id} connected, peer key {peer_key}");
+                events.send(SessionEvent::Connected {
+                    session_id,
+                    peer_key,
+                });
+                if role == Role::Server {
+                    return Some(SessionHandle::new(self.inner.clone()));
+                }
+            }
+            Event::Suspended { reason, .. } => {
+                tracing::info!("session {} suspended: {reason:?}", id_text(sh));
+                events.send(SessionEvent::Suspended { reason });
+            }
+            Event::Resumed {
+                suspended_for,
+                frames_replayed,
+                bytes_replayed,
+            } => {
+                tracing::info!(
+                    "session {} resumed after {suspended_for:?}, replaying {bytes_replayed} bytes",
+                    id_text(sh)
+                );
+                if let Kind::Client(d) = &mut self.kind {
+                    d.attempt = 0;
+                }
+                events.send(SessionEvent::Resumed {
+                    suspended_for,
+                    bytes_replayed,
+                    frames_replayed,
+                });
+            }
+            Event::PeerAddressChanged { from, to } => {
+                tracing::info!(
+                    "session {}: peer moved from {from:?} to {to:?}",
+                    id_text(sh)
+                );
+                events.send(SessionEvent::PeerAddressChanged { from, to });
+            }
+            Event::TransportClosed { transport, error } => {
+                if let Some(e) = error {
+                    tracing::debug!("transport {transport:?} closed: {e}");
+                    if role == Role::Client
+                        && matches!(
+                            e,
+                            roam_proto::Error::UnknownSession | roam_proto::Error::ResumeRejected
+                        )
+                    {
+                        events.send(SessionEvent::ResumeRefused { error: e });
+                    }
+                }
+                if let Some(c) = self.conns.iter_mut().find(|c| c.tid == transport) {
+                    c.retire_by.get_or_insert(now + RETIRE_LINGER);
+                }
+            }
+            Event::StreamOpened { stream } => {
+                sh.incoming.push_back(stream);
+                for w in sh.accept_wakers.drain(..) {
+                    w.wake();
+                }
+            }
+            Event::StreamReadable { stream } => {
+                if sh.orphans.contains(&stream) {
+                    let mut scratch = [0u8; 4096];
+                    loop {
+                        match sh.session.read(stream, &mut scratch) {
+                            Ok(Some(n)) if n > 0 => {}
+                            Ok(None) => break,
+                            _ => {
+                                sh.orphans.remove(&stream);
+                                break;
+                            }
+                        }
+                    }
+                } else if let Some(w) = sh.read_wakers.remove(&stream) {
+                    w.wake();
+                }
+            }
+            // Only the stream concerned: waking every writer on each event made
+            // a session with 1,000 blocked streams spin (bench scenario 6).
+            Event::StreamWritable { stream } | Event::StreamSendComplete { stream } => {
+                if let Some(w) = sh.write_wakers.remove(&stream) {
+                    w.wake();
+                }
+            }
+            Event::StreamReset { stream, code } => {
+                tracing::debug!("stream {stream} reset by peer (code {code})");
+                if !sh.orphans.remove(&stream) {
+                    sh.resets.insert(stream, code);
+                }
+                if let Some(w) = sh.read_wakers.remove(&stream) {
+                    w.wake();
+                }
+                if let Some(w) = sh.write_wakers.remove(&stream) {
+                    w.wake();
+                }
+            }
+            Event::AddressesUpdated { addrs } => sh.addresses = addrs,
+            Event::MoveRequested { addr } => {
+                if let Kind::Client(d) = &mut self.kind {
+                    d.move_to(addr);
+                }
+            }
+            Event::Closed { reason } => {
+                if role == Role::Server
+                    && matches!(
+                        reason,
+                        roam_proto::CloseReason::Error(roam_proto::Error::Unauthorized)
+                    )
+                {
+                    server_side::warn_unauthorized(sh);
+                }
+                tracing::info!(
+                    "session {} closed: {}",
+                    id_text(sh),
+                    crate::error::describe_close(&reason)
+                );
+                sh.closed = Some(reason.clone());
+                sh.wake_all();
+                self.closed_sent = true;
+                events.send(SessionEvent::Closed { reason });
+            }
+            other => tracing::trace!("unhandled event {other:?}"),
+        }
+        None
+    }
+
+    async fn wait(&mut self, deadline: Option<Instant>) -> Wake {
+        let Self {
+            inner,
+            conns,
+            kind,
+            shutting_down,
+            handoffs_open,
+            ..
+        } = self;
+        let sleep = async move {
+            match deadline {
+                Some(t) => sleep_until(t).await,
+                None => pending().await,
+            }
+        };
+        let io = poll_fn(|cx| poll_conns(conns, cx));
+        match kind {
+            Kind::Client(d) => {
+                tokio::select! {
+                    io = io => Wake::Io(io),
+                    _ = inner.notify.notified() => Wake::Notified,
+                    _ = sleep => Wake::Timer,
+                    w = d.wait() => Wake::Dialer(w),
+                }
+            }
+            Kind::Server(s) => {
+                let shutdown = &mut s.shutdown;
+                let watch_shutdown = !*shutting_down;
+                tokio::select! {
+                    io = io => Wake::Io(io),
+                    _ = inner.notify.notified() => Wake::Notified,
+                    _ = sleep => Wake::Timer,
+                    h = s.handoffs.recv(), if *handoffs_open => Wake::Handoff(h),
+                    _ = shutdown.wait_for(|stop| *stop), if watch_shutdown => Wake::Shutdown,
+                }
+            }
+        }
+    }
+
+    fn on_wake(&mut self, wake: Wake) {
+        let now = Instant::now();
+        let std_now = now.into_std();
+        let inner = self.inner.clone();
+        match wake {
+            Wake::Io(Io::Readable(i)) => {
+                let mut sh = inner.lock();
+                // One read per wake, as a socket read used to be: the loop
+                // then transmits and dispatches before reading more.
+                let gone = match self.conns[i].drain_ready(&mut sh.session, std_now, 1) {
+                    Drained::Open => return,
+                    Drained::Eof => "closed by peer".to_string(),
+                    Drained::Failed(e) => e.to_string(),
+                };
+                let c = self.conns.remove(i);
+                tracing::debug!("transport {:?} from {}: {gone}", c.tid, c.peer);
+                sh.session.handle_transport_closed(std_now, c.tid);
+            }
+            Wake::Io(Io::Failed(i, e)) => {
+                let c = self.conns.remove(i);
+                tracing::debug!("transport {:?} from {}: {e}", c.tid, c.peer);
+                inner.lock().session.handle_transport_closed(std_now, c.tid);
+            }
+            Wake::Io(Io::Wrote) | Wake::Notified | Wake::Timer => {}
+            Wake::Dialer(w) => {
+                let Kind::Client(d) = &mut self.kind else {
+                    return;
+                };
+                let mut sh = inner.lock();
+                match w {
+                    DialerWake::Dialed(result) => {
+                        if let Some(conn) = d.on_dialed(&mut sh, result, std_now) {
+                            self.conns.push(conn);
+                        }
+                    }
+                    DialerWake::NetChange(alive) => d.on_net_change(&sh, &self.conns, alive),
+                }
+            }
+            Wake::Handoff(None) => self.handoffs_open = false,
+            Wake::Handoff(Some(h)) => {
+                let Kind::Server(s) = &mut self.kind else {
+                    return;
+                };
+                let mut sh = inner.lock();
+                if let Some(conn) = s.on_handoff(&mut sh, *h, std_now) {
+                    self.conns.push(conn);
+                }
+            }
+            Wake::Shutdown => {
+                self.shutting_down = true;
+                let Kind::Server(s) = &self.kind else { return };
+                inner
+                    .lock()
+                    .session
+                    .close(roam_proto::code::NO_ERROR, "server shutting down");
+                self.give_up_at = Some(now + s.shutdown_grace);
+            }
+        }
+    }
+
+    fn exit(mut self) {
+        let mut sh = self.inner.lock();
+        if sh.closed.is_none() {
+            sh.closed = Some(roam_proto::CloseReason::Local {
+                code: roam_proto::code::NO_ERROR,
+            });
+        }
+        sh.wake_all();
+        if !self.closed_sent {
+            if let Some(reason) = sh.closed.clone() {
+                self.inner.events.send(SessionEvent::Closed { reason });
+            }
+        }
+        drop(sh);
+        self.conns.clear();
+        if let Kind::Server(s) = &self.kind {
+            if !self.detached {
+                s.unroute();
+            }
+        }
+    }
+}
+
+pub(super) fn id_text(sh: &Shared) -> String {
+    sh.session
+        .id()
+        .map_or_else(|| "(new)".to_string(), |id| id.to_string())
+}
