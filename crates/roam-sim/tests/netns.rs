@@ -174,11 +174,22 @@ fn run_spawn_and_cleanup_kills_processes() {
         .spawn_in(Side::Client, Command::new("sleep").arg("1000"))
         .unwrap();
     let guarded_pid = guarded.id();
-    let ns_pids = Command::new("ip")
-        .args(["netns", "pids", pair.ns(Side::Server)])
-        .output()
-        .unwrap();
-    assert!(String::from_utf8_lossy(&ns_pids.stdout).contains(&pid.to_string()));
+    // `ip netns exec` enters the namespace after it was spawned: on a loaded
+    // machine that takes a moment, so look for the pid for up to 10 s.
+    let in_ns = || {
+        let ns_pids = Command::new("ip")
+            .args(["netns", "pids", pair.ns(Side::Server)])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&ns_pids.stdout)
+            .split_whitespace()
+            .any(|p| p == pid.to_string())
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !in_ns() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(in_ns(), "pid {pid} never appeared in the server namespace");
     drop(guarded);
     assert!(
         !std::path::Path::new(&format!("/proc/{guarded_pid}/cmdline")).exists()
