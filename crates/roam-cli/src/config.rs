@@ -77,25 +77,38 @@ pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
         .find(|c: char| !c.is_ascii_digit() && c != '.')
         .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("invalid duration {text:?}: use e.g. 3d, 12h, 30m, 90s"))?;
-    let secs = match unit.trim() {
-        "" | "s" => n,
-        "ms" => n / 1000.0,
-        "m" | "min" => n * 60.0,
-        "h" => n * 3600.0,
-        "d" => n * 86400.0,
+    let invalid = || format!("invalid duration {text:?}: use e.g. 3d, 12h, 30m, 90s");
+    // Milliseconds per unit.
+    let unit_ms: u64 = match unit.trim() {
+        "" | "s" => 1000,
+        "ms" => 1,
+        "m" | "min" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
         _ => {
             return Err(format!(
                 "invalid duration unit in {text:?}: use ms, s, m, h or d"
             ))
         }
     };
-    if !secs.is_finite() || secs <= 0.0 {
+    let too_long = || format!("duration {text:?} is too long");
+    let d = if num.contains('.') {
+        // Fractions go through floating point; whole numbers stay exact.
+        let n: f64 = num.parse().map_err(|_| invalid())?;
+        Duration::try_from_secs_f64(n * unit_ms as f64 / 1000.0).map_err(|_| too_long())?
+    } else {
+        let n: u64 = match num.parse() {
+            Ok(n) => n,
+            Err(_) if !num.is_empty() => return Err(too_long()),
+            Err(_) => return Err(invalid()),
+        };
+        let ms = n.checked_mul(unit_ms).ok_or_else(too_long)?;
+        Duration::from_millis(ms)
+    };
+    if d.is_zero() {
         return Err(format!("duration {text:?} must be positive"));
     }
-    Duration::try_from_secs_f64(secs).map_err(|_| format!("duration {text:?} is too long"))
+    Ok(d)
 }
 
 /// Parses sizes like `16M`, `512K`, `1G` or plain bytes.
@@ -133,8 +146,18 @@ mod tests {
         assert_eq!(parse_duration("12").unwrap(), Duration::from_secs(12));
         assert!(parse_duration("3 weeks").is_err());
         assert!(parse_duration("0s").is_err());
-        // Found by fuzzing: an overflowing duration is an error, not a panic.
+        assert_eq!(parse_duration("1.5s").unwrap(), Duration::from_millis(1500));
+        assert!(parse_duration("s").is_err());
+        assert!(parse_duration("1.2.3s").is_err());
+        // Found by fuzzing: an overflowing duration is an error, not a panic,
+        // and whole numbers are exact (no floating-point rounding).
         assert!(parse_duration("99999999999999999999999d").is_err());
+        assert!(parse_duration("999999999999999.5d").is_err());
+        let big = parse_duration("77770707001001").unwrap();
+        assert_eq!(
+            parse_duration(&format!("{}ms", big.as_millis())).unwrap(),
+            big
+        );
     }
 
     #[test]

@@ -102,6 +102,12 @@ impl AllowRule {
                 "allow rule {text:?} has no host (use `*` for any host)"
             ));
         }
+        let host_char = |c: char| c.is_ascii_alphanumeric() || ".-_:%".contains(c);
+        if host != "*" && !host.chars().all(host_char) {
+            return Err(format!(
+                "allow rule {text:?}: {host:?} is not a host name or address"
+            ));
+        }
         Ok(Self { host, port })
     }
 
@@ -165,6 +171,10 @@ mod tests {
             "[::*]:22",
             ":22",
             "host:2*",
+            // Found by fuzzing: a bracket in the host did not print back.
+            "[[]:2",
+            "[l:2",
+            "a b:22",
         ] {
             assert!(AllowRule::parse(bad).is_err(), "{bad}");
         }
