@@ -93,6 +93,8 @@ impl Params {
 }
 
 /// Keys of an established transport.
+// Fuzzing only: the session targets clone an established pair per input.
+#[cfg_attr(fuzzing, derive(Clone))]
 pub(crate) struct Established {
     pub(crate) tx: RecordCipher,
     pub(crate) rx: RecordCipher,

@@ -18,6 +18,8 @@ pub const MAX_PLAINTEXT: usize = MAX_RECORD - TAG_LEN;
 pub const RECORD_OVERHEAD: usize = 2 + TAG_LEN;
 
 /// One direction's cipher with its nonce counter.
+// Fuzzing only: the session targets clone an established pair per input.
+#[cfg_attr(fuzzing, derive(Clone))]
 pub(crate) struct RecordCipher {
     aead: Aead,
     nonce: u64,

@@ -17,6 +17,8 @@ impl std::fmt::Display for StreamId {
 }
 
 #[derive(Debug)]
+// Fuzzing only: the session targets clone an established pair per input.
+#[cfg_attr(fuzzing, derive(Clone))]
 pub(crate) struct Stream {
     /// Opaque metadata given at open (e.g. relay target); kept for `OPEN` retransmission.
     pub(crate) meta: Vec<u8>,

@@ -96,6 +96,7 @@ fn tag(key: &[u8; 32], nonce: u64, ad: &[u8], ct: &[u8]) -> [u8; TAG_LEN] {
 }
 
 /// A record AEAD keyed for one direction (fuzzing stand-in).
+#[derive(Clone)]
 pub(crate) struct Aead([u8; 32]);
 
 impl Aead {
