@@ -9,9 +9,6 @@ use crate::connect::{connect_relay, explain_stream_error};
 use crate::control::Registry;
 use crate::target::{relay_addr, split_host_port};
 
-/// Copy buffer per direction (bytes).
-const COPY_BUF: usize = 64 * 1024;
-
 /// `roam forward`.
 pub(crate) async fn run(args: ForwardArgs, config: &FileConfig) -> CliResult {
     let (_, relay) = relay_addr(&args.relay)?;
@@ -110,9 +107,7 @@ async fn forward_one(
     from: std::net::SocketAddr,
 ) {
     let _ = tcp.set_nodelay(true);
-    if let Err(e) =
-        tokio::io::copy_bidirectional_with_sizes(&mut tcp, &mut stream, COPY_BUF, COPY_BUF).await
-    {
+    if let Err(e) = crate::pump::pump(&mut tcp, &mut stream).await {
         eprintln!(
             "roam forward: connection from {from}: {}",
             explain_stream_error(&e, &target)

@@ -16,6 +16,7 @@ mod limits;
 mod notices;
 mod paths;
 mod pipe;
+mod pump;
 mod serve;
 mod signals;
 mod target;

@@ -22,8 +22,6 @@ pub(crate) const DEFAULT_LISTEN: &str = "0.0.0.0:7447";
 pub(crate) const DEFAULT_ALLOW: &str = "127.0.0.1:22";
 /// How long the relay waits for a target to accept.
 const TARGET_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-/// Copy buffer per direction (bytes).
-const COPY_BUF: usize = 64 * 1024;
 
 /// Stream reset codes the relay uses (roam's application range, §10).
 pub(crate) mod reset {
@@ -338,7 +336,7 @@ async fn relay_stream(
     let _ = tcp.set_nodelay(true);
     tracing::info!("stream from {peer} connected to {target}");
     let copied = tokio::select! {
-        r = tokio::io::copy_bidirectional_with_sizes(&mut stream, &mut tcp, COPY_BUF, COPY_BUF) => r,
+        r = crate::pump::pump(&mut stream, &mut tcp) => r,
         // The session expired or was closed: nobody can use this target
         // connection again, so it closes now rather than when a read fails.
         reason = session.closed() => {

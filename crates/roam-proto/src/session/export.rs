@@ -388,7 +388,7 @@ impl Session {
             if s.write_blocked {
                 self.write_waiters.push(id);
             }
-            self.streams.insert(id, s);
+            self.streams.insert(id, Box::new(s));
         }
         r.finish()
             .map_err(|_| RestoreError::Invalid("trailing bytes"))?;

@@ -187,7 +187,11 @@ impl Session {
                 let p = self.peer_params_or_default();
                 self.streams.insert(
                     stream,
-                    Stream::new(meta.to_vec(), p.stream_window, self.config.stream_window),
+                    Box::new(Stream::new(
+                        meta.to_vec(),
+                        p.stream_window,
+                        self.config.stream_window,
+                    )),
                 );
                 self.events.push_back(Event::StreamOpened {
                     stream: StreamId(stream),

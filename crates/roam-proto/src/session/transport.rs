@@ -136,7 +136,7 @@ impl Session {
         }
     }
 
-    fn fail_transport(&mut self, now: Instant, t: Transport, was_pending: bool, e: Error) {
+    fn fail_transport(&mut self, now: Instant, t: Box<Transport>, was_pending: bool, e: Error) {
         let fatal = self.is_fatal(&e, &t) && !self.within_refusal_grace(now, &e);
         if fatal {
             if let Some(old) = self.active.replace(t) {

@@ -8,7 +8,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use roam_proto::{Session, TransportId};
-use tokio::io::AsyncWrite;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
@@ -86,20 +86,35 @@ impl Conn {
         now: std::time::Instant,
         reads: usize,
     ) -> Drained {
+        // `poll_read` rather than `try_read`: a read that fills only part of
+        // the buffer proves the socket empty and clears tokio's readiness
+        // (on epoll), so the next wait sleeps instead of waking the driver
+        // for one more read that would only say `WouldBlock` (a whole loop
+        // iteration per round trip of a ping-pong). The no-op waker is
+        // never relied on: every wait polls readiness with the task's own.
+        let mut cx = Context::from_waker(std::task::Waker::noop());
         READ_BUF.with_borrow_mut(|buf| {
             for _ in 0..reads {
                 if self.retire_by.is_some() {
                     break;
                 }
-                match self.sock.try_read(buf) {
-                    Ok(0) => return Drained::Eof,
-                    Ok(n) => {
+                let mut rb = ReadBuf::new(buf);
+                match Pin::new(&mut self.sock).poll_read(&mut cx, &mut rb) {
+                    Poll::Ready(Ok(())) => {
+                        let n = rb.filled().len();
+                        if n == 0 {
+                            return Drained::Eof;
+                        }
                         if let Err(e) = session.handle_input(now, self.tid, &buf[..n]) {
                             tracing::debug!("transport {:?} from {}: {e}", self.tid, self.peer);
                         }
+                        if n < buf.len() {
+                            // Drained: the kernel had no more.
+                            break;
+                        }
                     }
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                    Err(e) => return Drained::Failed(e),
+                    Poll::Ready(Err(e)) => return Drained::Failed(e),
+                    Poll::Pending => break,
                 }
             }
             Drained::Open

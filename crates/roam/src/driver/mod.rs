@@ -20,11 +20,12 @@ mod dialer;
 mod server_side;
 
 use std::future::{pending, poll_fn};
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use roam_proto::{Event, Role, State};
-use tokio::time::{sleep_until, Instant};
+use tokio::time::{sleep_until, Instant, Sleep};
 
 use crate::handle::{Inner, SessionEvent, SessionHandle, Shared};
 use conn::{poll_conns, Drained, Io, DRAIN_READS};
@@ -155,6 +156,13 @@ impl Driver {
     }
 
     pub(crate) async fn run(mut self) {
+        // One timer for the driver's whole life, moved rather than replaced:
+        // a new `Sleep` per iteration registered afresh each time, and
+        // registering one earlier than the runtime's next wake-up writes to
+        // its eventfd (two extra syscalls per ping-pong round trip, as the
+        // ACK deadline comes and goes). Moving a timer later costs nothing.
+        let timer = sleep_until(Instant::now());
+        tokio::pin!(timer);
         loop {
             let now = Instant::now();
             let (deadline, done, new_session) = self.step(now);
@@ -164,7 +172,7 @@ impl Driver {
             if done {
                 break;
             }
-            let wake = self.wait(deadline).await;
+            let wake = self.wait(deadline, timer.as_mut()).await;
             self.on_wake(wake);
         }
         self.exit();
@@ -431,7 +439,9 @@ impl Driver {
         None
     }
 
-    async fn wait(&mut self, deadline: Option<Instant>) -> Wake {
+    /// Waits for the next wake-up; `timer` is the driver's one timer, set
+    /// to `deadline` (left alone, not polled, when there is none).
+    async fn wait(&mut self, deadline: Option<Instant>, mut timer: Pin<&mut Sleep>) -> Wake {
         let Self {
             inner,
             conns,
@@ -442,7 +452,12 @@ impl Driver {
         } = self;
         let sleep = async move {
             match deadline {
-                Some(t) => sleep_until(t).await,
+                Some(t) => {
+                    if timer.deadline() != t {
+                        timer.as_mut().reset(t);
+                    }
+                    timer.await
+                }
                 None => pending().await,
             }
         };

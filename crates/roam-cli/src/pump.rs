@@ -1,0 +1,237 @@
+//! A bidirectional copy between a stream of a session and a TCP connection
+//! (`roam serve`'s target side, `roam forward`'s local side) that holds no
+//! buffer of its own while idle.
+//!
+//! `tokio::io::copy_bidirectional_with_sizes` keeps two 64 KiB buffers per
+//! stream for its whole life: a relay holding suspended sessions (an ssh
+//! connection whose laptop sleeps) paid them, resident once touched, for
+//! days. Here each read goes into one scratch buffer per thread and is
+//! written on at once; only bytes the writer does not take (it pushes back)
+//! are kept, in a buffer of that direction that is released as soon as
+//! it has drained and the reader has nothing more.
+
+use std::cell::RefCell;
+use std::future::poll_fn;
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// Bytes read at a time (the size of the per-thread scratch buffer).
+const CHUNK: usize = 64 * 1024;
+/// Reads one direction may do in a poll before it lets other tasks run.
+const READS_PER_POLL: usize = 16;
+
+thread_local! {
+    /// Where reads land; never holds bytes between polls (whatever the
+    /// writer did not take is moved to the direction's own buffer).
+    static SCRATCH: RefCell<Vec<u8>> = RefCell::new(vec![0u8; CHUNK]);
+}
+
+/// One direction of the copy.
+#[derive(Default)]
+struct Half {
+    /// Bytes read but not yet taken by the writer, from `pos` on; empty
+    /// (no allocation) unless the writer pushed back.
+    pending: Vec<u8>,
+    pos: usize,
+    /// Bytes written so far.
+    total: u64,
+    /// The reader reached end-of-file.
+    eof: bool,
+    /// Something was written since the writer was last flushed.
+    unflushed: bool,
+    /// Finished: end-of-file passed on (the writer shut down).
+    done: bool,
+}
+
+impl Half {
+    /// Moves bytes from `r` to `w` until one of them would block, the
+    /// reader ends (then `w` is shut down and this returns `Ready`), or an
+    /// error.
+    fn poll_copy<R, W>(
+        &mut self,
+        cx: &mut Context<'_>,
+        r: &mut R,
+        w: &mut W,
+    ) -> Poll<io::Result<()>>
+    where
+        R: AsyncRead + Unpin + ?Sized,
+        W: AsyncWrite + Unpin + ?Sized,
+    {
+        let mut reads = 0;
+        loop {
+            while self.pos < self.pending.len() {
+                match Pin::new(&mut *w).poll_write(cx, &self.pending[self.pos..]) {
+                    Poll::Ready(Ok(0)) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
+                    Poll::Ready(Ok(n)) => {
+                        self.pos += n;
+                        self.total += n as u64;
+                        self.unflushed = true;
+                    }
+                    Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                    Poll::Pending => return Poll::Pending,
+                }
+            }
+            self.pending.clear();
+            self.pos = 0;
+            if self.eof {
+                if self.unflushed {
+                    std::task::ready!(Pin::new(&mut *w).poll_flush(cx))?;
+                    self.unflushed = false;
+                }
+                std::task::ready!(Pin::new(&mut *w).poll_shutdown(cx))?;
+                self.done = true;
+                return Poll::Ready(Ok(()));
+            }
+            if reads == READS_PER_POLL {
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
+            reads += 1;
+            let read = SCRATCH.with_borrow_mut(|buf| {
+                let mut rb = ReadBuf::new(buf);
+                match Pin::new(&mut *r).poll_read(cx, &mut rb) {
+                    Poll::Pending => Poll::Pending,
+                    Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+                    Poll::Ready(Ok(())) => {
+                        let n = rb.filled().len();
+                        if n == 0 {
+                            self.eof = true;
+                            return Poll::Ready(Ok(()));
+                        }
+                        let mut off = 0;
+                        while off < n {
+                            match Pin::new(&mut *w).poll_write(cx, &buf[off..n]) {
+                                Poll::Ready(Ok(0)) => {
+                                    return Poll::Ready(Err(io::ErrorKind::WriteZero.into()))
+                                }
+                                Poll::Ready(Ok(k)) => {
+                                    off += k;
+                                    self.total += k as u64;
+                                    self.unflushed = true;
+                                }
+                                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                                Poll::Pending => break,
+                            }
+                        }
+                        // The writer pushed back: keep the rest (this
+                        // direction reads no more until it is written).
+                        self.pending.extend_from_slice(&buf[off..n]);
+                        Poll::Ready(Ok(()))
+                    }
+                }
+            });
+            match read {
+                Poll::Ready(Ok(())) => {}
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => {
+                    // Idle: give back the push-back buffer, flush what was written.
+                    if self.pending.capacity() > 0 {
+                        self.pending = Vec::new();
+                    }
+                    if self.unflushed {
+                        std::task::ready!(Pin::new(&mut *w).poll_flush(cx))?;
+                        self.unflushed = false;
+                    }
+                    return Poll::Pending;
+                }
+            }
+        }
+    }
+}
+
+/// Copies `a` to `b` and `b` to `a` until both directions reached
+/// end-of-file (each end-of-file shuts the other side's writing down), as
+/// `tokio::io::copy_bidirectional` does; returns the bytes copied
+/// `(a to b, b to a)`, or the first error.
+pub(crate) async fn pump<A, B>(a: &mut A, b: &mut B) -> io::Result<(u64, u64)>
+where
+    A: AsyncRead + AsyncWrite + Unpin + ?Sized,
+    B: AsyncRead + AsyncWrite + Unpin + ?Sized,
+{
+    let mut ab = Half::default();
+    let mut ba = Half::default();
+    poll_fn(|cx| {
+        if !ab.done {
+            if let Poll::Ready(Err(e)) = ab.poll_copy(cx, a, b) {
+                return Poll::Ready(Err(e));
+            }
+        }
+        if !ba.done {
+            if let Poll::Ready(Err(e)) = ba.poll_copy(cx, b, a) {
+                return Poll::Ready(Err(e));
+            }
+        }
+        if ab.done && ba.done {
+            Poll::Ready(Ok((ab.total, ba.total)))
+        } else {
+            Poll::Pending
+        }
+    })
+    .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// Both directions arrive whole and in order, through writers that
+    /// take little at a time (a 1 KiB duplex pipe pushes back on every
+    /// 64 KiB read), and each end-of-file reaches the other side.
+    #[tokio::test]
+    async fn copies_both_ways_with_push_back_and_passes_eof() {
+        let (app_a, mut a) = tokio::io::duplex(1024);
+        let (mut b, app_b) = tokio::io::duplex(1024);
+        let task = tokio::spawn(async move { pump(&mut a, &mut b).await });
+        let up: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+        let down: Vec<u8> = (0..200_000u32).map(|i| (i % 241) as u8).collect();
+        let (up2, down2) = (up.clone(), down.clone());
+        let (mut ar, mut aw) = tokio::io::split(app_a);
+        let (mut br, mut bw) = tokio::io::split(app_b);
+        let wa = tokio::spawn(async move {
+            aw.write_all(&up2).await.unwrap();
+            aw.shutdown().await.unwrap();
+        });
+        let wb = tokio::spawn(async move {
+            bw.write_all(&down2).await.unwrap();
+            bw.shutdown().await.unwrap();
+        });
+        let mut got_up = Vec::new();
+        br.read_to_end(&mut got_up).await.unwrap();
+        let mut got_down = Vec::new();
+        ar.read_to_end(&mut got_down).await.unwrap();
+        wa.await.unwrap();
+        wb.await.unwrap();
+        assert_eq!(got_up, up);
+        assert_eq!(got_down, down);
+        let (n_up, n_down) = task.await.unwrap().unwrap();
+        assert_eq!((n_up, n_down), (up.len() as u64, down.len() as u64));
+    }
+
+    /// A direction that went idle after push-back holds no buffer.
+    #[tokio::test]
+    async fn idle_direction_releases_its_buffer() {
+        let (mut src, mut r) = tokio::io::duplex(CHUNK);
+        let (mut w, mut sink) = tokio::io::duplex(1024);
+        let mut half = Half::default();
+        src.write_all(&[7u8; 8192]).await.unwrap();
+        // The sink takes 1 KiB: the rest waits in `pending`.
+        let p = poll_fn(|cx| Poll::Ready(half.poll_copy(cx, &mut r, &mut w))).await;
+        assert!(p.is_pending());
+        assert!(half.pending.capacity() > 0);
+        let mut got = vec![0u8; 8192];
+        let mut have = 0;
+        while have < got.len() {
+            let _ = poll_fn(|cx| Poll::Ready(half.poll_copy(cx, &mut r, &mut w))).await;
+            have += sink.read(&mut got[have..]).await.unwrap();
+        }
+        assert_eq!(got, vec![7u8; 8192]);
+        let p = poll_fn(|cx| Poll::Ready(half.poll_copy(cx, &mut r, &mut w))).await;
+        assert!(p.is_pending());
+        assert_eq!(half.pending.capacity(), 0);
+        assert_eq!(half.total, 8192);
+    }
+}
