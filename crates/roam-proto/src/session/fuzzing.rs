@@ -63,11 +63,11 @@ impl Session {
             resume_timeout: self.resume_timeout.clone(),
             next_transport: self.next_transport.clone(),
             active: match &self.active {
-                Some(t) => Some(t.fuzz_clone()?),
+                Some(t) => Some(Box::new(t.fuzz_clone()?)),
                 None => None,
             },
             pending: match &self.pending {
-                Some(t) => Some(t.fuzz_clone()?),
+                Some(t) => Some(Box::new(t.fuzz_clone()?)),
                 None => None,
             },
             peer_addr: self.peer_addr.clone(),
