@@ -11,6 +11,9 @@
 //!   stream has been read exactly once, in order, followed by end-of-stream.
 //!
 //! `ROAM_SNAPSHOT_SEED=n` replays one case; the seed is printed on failure.
+//! `ROAM_SNAPSHOT_SEEDS_DIR=dir` also writes the sections of a few snapshots
+//! (the blob without magic, format byte and digest) there: the seeds of the
+//! `continuation` fuzz target.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -64,6 +67,8 @@ struct Link {
 
 /// The pair, the network between them, and the applications' view.
 struct World {
+    /// This case's seed.
+    seed: u64,
     rng: Rng,
     now: Instant,
     client: Session,
@@ -111,6 +116,7 @@ fn client_config() -> ClientConfig {
 impl World {
     fn new(seed: u64) -> Self {
         let mut w = World {
+            seed,
             rng: Rng(seed),
             now: Instant::now(),
             client: Session::client(client_config()),
@@ -337,6 +343,14 @@ impl World {
             "{side:?}: export(restore(export(s))) differs"
         );
         same_state(original, &again, &self.known, side);
+        if let Ok(dir) = std::env::var("ROAM_SNAPSHOT_SEEDS_DIR") {
+            // Server snapshots only (the fuzz target restores a server) of
+            // at most 4 KB, from the first cases.
+            if side == Side::Server && blob.len() <= 4096 && self.seed < 8 {
+                let path = format!("{dir}/snapshot-{}-{}", self.seed, self.snapshots);
+                std::fs::write(path, &blob[5..blob.len() - 32]).expect("write seed");
+            }
+        }
         self.snapshots += 1;
         self.live += usize::from(original.state() == State::Active);
         self.cut();
