@@ -19,8 +19,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use roam_proto::{
-    parse_hello, ClientConfig, Config, Event, Keypair, Role, ServerConfig, ServerTrust, Session,
-    State, StreamError, StreamId, TransportId,
+    parse_hello, ClientConfig, CloseReason, Config, Event, Keypair, Role, ServerConfig,
+    ServerTrust, Session, State, StreamError, StreamId, TransportId,
 };
 
 /// Cases run without `ROAM_SNAPSHOT_SEED`.
@@ -88,6 +88,8 @@ struct World {
     /// Snapshots taken, and how many of them of a live (Active) session.
     snapshots: usize,
     live: usize,
+    /// Sessions that closed (a close is a failure unless a test expects it).
+    closed: Vec<(Side, CloseReason)>,
 }
 
 fn config() -> Config {
@@ -135,6 +137,7 @@ impl World {
             eof: BTreeSet::new(),
             snapshots: 0,
             live: 0,
+            closed: Vec::new(),
         };
         w.dial();
         for _ in 0..50 {
@@ -234,7 +237,7 @@ impl World {
                     Event::StreamOpened { stream } => {
                         self.known.insert((side, stream.0));
                     }
-                    Event::Closed { reason } => panic!("{side:?} closed: {reason:?}"),
+                    Event::Closed { reason } => self.closed.push((side, reason)),
                     Event::StreamReset { stream, code } => {
                         panic!("{side:?}: stream {stream} reset ({code})")
                     }
@@ -523,9 +526,11 @@ fn run(seed: u64) -> (usize, usize) {
     let mut w = World::new(seed);
     for _ in 0..STEPS {
         w.step();
+        assert!(w.closed.is_empty(), "closed: {:?}", w.closed);
     }
     w.drain();
     w.check();
+    assert!(w.closed.is_empty(), "closed: {:?}", w.closed);
     (w.snapshots, w.live)
 }
 
@@ -551,4 +556,133 @@ fn snapshots_of_random_sessions_round_trip_and_resume_exactly_once() {
     }
     println!("{snapshots} snapshots round-tripped, {live} of them of live sessions");
     assert!(snapshots > 0 && live > 0);
+}
+
+/// A snapshot's sections as (id, version, body).
+fn sections(blob: &[u8]) -> Vec<(u64, u64, Vec<u8>)> {
+    let mut r = roam_proto::codec::Reader::new(&blob[5..blob.len() - 32]);
+    let mut v = Vec::new();
+    while r.remaining() > 0 {
+        let id = r.varint().unwrap();
+        let version = r.varint().unwrap();
+        let body = r.lp_bytes(usize::MAX, "body").unwrap().to_vec();
+        v.push((id, version, body));
+    }
+    v
+}
+
+/// A snapshot from sections, with a valid digest.
+fn assemble(format: u8, sections: &[(u64, u64, Vec<u8>)]) -> Vec<u8> {
+    use sha2::{Digest, Sha256};
+    let mut o = b"RMSC".to_vec();
+    o.push(format);
+    for (id, version, body) in sections {
+        roam_proto::codec::put_varint(&mut o, *id);
+        roam_proto::codec::put_varint(&mut o, *version);
+        roam_proto::codec::put_lp_bytes(&mut o, body);
+    }
+    let d = Sha256::digest(&o);
+    o.extend_from_slice(&d);
+    o
+}
+
+#[test]
+fn live_snapshot_sections_and_refusals_are_precise() {
+    let w = World::new(7);
+    let server = w.server.as_ref().expect("server");
+    assert_eq!(server.state(), State::Active, "a live session");
+    let now = w.now;
+    let blob = server.export(now).expect("a live session exports");
+    let parts = sections(&blob);
+    let ids: Vec<u64> = parts.iter().map(|p| p.0).collect();
+    assert_eq!(ids, [0x02, 0x04, 0x06, 0x08, 0x0a, 0x11]);
+    assert_eq!(assemble(2, &parts), blob);
+    let restore = |b: &[u8]| {
+        Session::restore_server(&w.server_cfg, now, b, Duration::ZERO)
+            .map(|s| s.export(now).unwrap())
+    };
+    // An unknown optional section (odd id) is skipped; so is a known
+    // optional one at a version this roam does not read.
+    let mut p = parts.clone();
+    p.push((0x13, 1, b"from the future".to_vec()));
+    assert_eq!(restore(&assemble(2, &p)).unwrap(), blob);
+    let mut p = parts.clone();
+    p[5].1 = 2;
+    let mut expected = parts.clone();
+    expected[5].2 = vec![0; 6]; // statistics restart from zero
+    assert_eq!(restore(&assemble(2, &p)).unwrap(), assemble(2, &expected));
+    // An unknown required one, or a required one at another version, is
+    // refused naming it.
+    let mut p = parts.clone();
+    p.push((0x12, 1, Vec::new()));
+    let e = restore(&assemble(2, &p)).unwrap_err();
+    assert_eq!(e, roam_proto::RestoreError::UnknownSection(0x12));
+    assert!(e.to_string().contains("0x12"), "{e}");
+    let mut p = parts.clone();
+    p[0].1 = 2;
+    let e = restore(&assemble(2, &p)).unwrap_err();
+    assert_eq!(
+        e,
+        roam_proto::RestoreError::UnsupportedSection {
+            section: "identity",
+            version: 2
+        }
+    );
+    let mut p = parts.clone();
+    p.remove(1);
+    assert_eq!(
+        restore(&assemble(2, &p)).unwrap_err(),
+        roam_proto::RestoreError::MissingSection("liveness")
+    );
+    let mut p = parts.clone();
+    p.swap(1, 2);
+    assert_eq!(
+        restore(&assemble(2, &p)).unwrap_err(),
+        roam_proto::RestoreError::Invalid("sections out of order")
+    );
+    // A continuation stored by roam 0.1 (format 1) is refused as exactly that.
+    let mut old = b"RMSC\x01\x01\x00".to_vec();
+    old.extend_from_slice(&[0; 120]);
+    let e = restore(&old).unwrap_err();
+    assert_eq!(e, roam_proto::RestoreError::OldFormat(1));
+    assert!(e.to_string().contains("format 1 by an older roam"), "{e}");
+}
+
+#[test]
+fn closing_session_snapshot_keeps_its_close_after_the_data() {
+    let mut w = World::new(11);
+    let id = w.client.open_stream(b"last words").expect("open");
+    w.known.insert((Side::Client, id.0));
+    let data = vec![7u8; 20_000];
+    let n = w.client.write(id, &data).expect("write");
+    w.written.insert((Side::Client, id.0), data[..n].to_vec());
+    w.client.finish_stream(id).expect("finish");
+    w.client.close(42, "bye");
+    assert_eq!(w.client.state(), State::Closing);
+    // Part of the data reaches the server before the snapshot.
+    w.deliver(3000);
+    w.snapshot(Side::Client);
+    assert_eq!(w.client.state(), State::Closing);
+    w.dial();
+    for _ in 0..200 {
+        w.deliver(usize::MAX);
+        if w.known.contains(&(Side::Server, id.0)) && !w.eof.contains(&(Side::Server, id.0)) {
+            w.read_stream(Side::Server, id.0, 1 << 16);
+        }
+        w.now += Duration::from_millis(5);
+        w.client.handle_timeout(w.now);
+    }
+    assert_eq!(
+        w.read.get(&(Side::Server, id.0)).map(Vec::len),
+        Some(n),
+        "every byte before the close"
+    );
+    assert!(w.eof.contains(&(Side::Server, id.0)));
+    w.check();
+    assert!(
+        w.closed.iter().any(|(side, r)| *side == Side::Server
+            && matches!(r, CloseReason::Peer { code: 42, reason } if reason == "bye")),
+        "{:?}",
+        w.closed
+    );
 }
