@@ -234,6 +234,7 @@ fn text(b: &[u8], max: usize, what: &'static str) -> Result<String, Corrupt> {
     utf8(b)
 }
 
+/// Bytes as UTF-8 text.
 fn utf8(b: &[u8]) -> Result<String, Corrupt> {
     std::str::from_utf8(b)
         .map(str::to_string)

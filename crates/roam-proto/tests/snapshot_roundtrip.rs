@@ -32,6 +32,7 @@ const STEPS: usize = 150;
 struct Rng(u64);
 
 impl Rng {
+    /// The next 64 random bits.
     fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
@@ -92,6 +93,7 @@ struct World {
     closed: Vec<(Side, CloseReason)>,
 }
 
+/// Small windows and buffers, so flow control and refused writes happen.
 fn config() -> Config {
     Config {
         stream_window: 8 * 1024,
@@ -103,10 +105,12 @@ fn config() -> Config {
     }
 }
 
+/// The server's fixed key.
 fn server_key() -> Keypair {
     Keypair::from_private([0x5a; 32])
 }
 
+/// The client's configuration (fresh each time: `restore_client` takes it by value).
 fn client_config() -> ClientConfig {
     ClientConfig {
         keypair: Keypair::from_private([0x17; 32]),
@@ -116,6 +120,7 @@ fn client_config() -> ClientConfig {
 }
 
 impl World {
+    /// An established pair for case `seed`.
     fn new(seed: u64) -> Self {
         let mut w = World {
             seed,
@@ -147,6 +152,7 @@ impl World {
         w
     }
 
+    /// The session of `side`.
     fn session(&mut self, side: Side) -> &mut Session {
         match side {
             Side::Client => &mut self.client,
@@ -227,6 +233,8 @@ impl World {
         self.drain_events();
     }
 
+    /// Takes both sessions' events: learns of peer streams, notes closes,
+    /// and fails on resets (nobody resets here).
     fn drain_events(&mut self) {
         for side in [Side::Client, Side::Server] {
             if side == Side::Server && self.server.is_none() {
@@ -284,6 +292,7 @@ impl World {
         self.read_stream(side, id, max);
     }
 
+    /// Reads up to `max` bytes of stream `id` on `side` into the record.
     fn read_stream(&mut self, side: Side, id: u64, max: usize) {
         let mut buf = vec![0u8; max.max(1)];
         match self.session(side).read(StreamId(id), &mut buf) {
@@ -302,6 +311,7 @@ impl World {
         }
     }
 
+    /// A random stream known to `side` that passes `ok`.
     fn pick(&mut self, side: Side, ok: impl Fn(&World, (Side, u64)) -> bool) -> Option<u64> {
         let ids: Vec<u64> = self
             .known
@@ -312,6 +322,7 @@ impl World {
         (!ids.is_empty()).then(|| ids[self.rng.below(ids.len() as u64) as usize])
     }
 
+    /// `side` opens a stream (unless at its stream limit).
     fn open(&mut self, side: Side) {
         match self.session(side).open_stream(b"meta") {
             Ok(id) => {
@@ -322,6 +333,7 @@ impl World {
         }
     }
 
+    /// `side` finishes a random stream it writes on.
     fn finish(&mut self, side: Side) {
         if let Some(id) = self.pick(side, |w, k| !w.finished.contains(&k)) {
             self.session(side)
@@ -474,6 +486,7 @@ impl World {
     }
 }
 
+/// Restores a snapshot as `side`'s session; a refusal fails the test.
 fn restore(
     side: Side,
     now: Instant,
@@ -522,6 +535,8 @@ fn same_state(a: &Session, b: &Session, known: &BTreeSet<(Side, u64)>, side: Sid
     }
 }
 
+/// One case: random steps, then the drain and the oracle; returns the
+/// snapshots taken and how many were of a live session.
 fn run(seed: u64) -> (usize, usize) {
     let mut w = World::new(seed);
     for _ in 0..STEPS {
@@ -534,6 +549,7 @@ fn run(seed: u64) -> (usize, usize) {
     (w.snapshots, w.live)
 }
 
+/// The property, over `CASES` seeds.
 #[test]
 fn snapshots_of_random_sessions_round_trip_and_resume_exactly_once() {
     let seeds: Vec<u64> = match std::env::var("ROAM_SNAPSHOT_SEED") {
@@ -586,6 +602,7 @@ fn assemble(format: u8, sections: &[(u64, u64, Vec<u8>)]) -> Vec<u8> {
     o
 }
 
+/// A live snapshot's sections, and every envelope refusal, through the public API.
 #[test]
 fn live_snapshot_sections_and_refusals_are_precise() {
     let w = World::new(7);
@@ -648,6 +665,7 @@ fn live_snapshot_sections_and_refusals_are_precise() {
     assert!(e.to_string().contains("format 1 by an older roam"), "{e}");
 }
 
+/// A Closing session snapshotted mid-data still delivers the data, then the CLOSE.
 #[test]
 fn closing_session_snapshot_keeps_its_close_after_the_data() {
     let mut w = World::new(11);

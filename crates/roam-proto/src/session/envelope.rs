@@ -82,8 +82,6 @@ pub enum EnvelopeError {
     },
     /// A section that must be present is not.
     MissingSection(&'static str),
-    /// A section's body is malformed; the text names the field.
-    Invalid(&'static str),
 }
 
 impl fmt::Display for EnvelopeError {
@@ -109,7 +107,6 @@ impl fmt::Display for EnvelopeError {
                 "section `{section}` is at version {version}, which this version does not read"
             ),
             Self::MissingSection(name) => write!(f, "required section `{name}` is missing"),
-            Self::Invalid(what) => write!(f, "inconsistent: {what}"),
         }
     }
 }
@@ -263,6 +260,7 @@ impl<'a> Envelope<'a> {
 mod tests {
     use super::*;
 
+    /// Three kinds of section: required, required and repeatable, optional.
     const A: SectionKind = SectionKind {
         id: 2,
         name: "a",
@@ -281,8 +279,10 @@ mod tests {
         version: 1,
         repeatable: false,
     };
+    /// The magic of the test blobs.
     const MAGIC: [u8; 4] = *b"TEST";
 
+    /// A blob built by hand from (id, version, body) sections.
     fn blob(sections: &[(u64, u64, &[u8])]) -> Vec<u8> {
         let mut o = MAGIC.to_vec();
         o.push(FORMAT);

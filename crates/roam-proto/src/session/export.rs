@@ -135,7 +135,7 @@ impl From<EnvelopeError> for RestoreError {
             EnvelopeError::OldFormat(v) => Self::OldFormat(v),
             EnvelopeError::UnsupportedFormat(v) => Self::UnsupportedFormat(v),
             EnvelopeError::Corrupted => Self::Corrupted,
-            EnvelopeError::Malformed(what) | EnvelopeError::Invalid(what) => Self::Invalid(what),
+            EnvelopeError::Malformed(what) => Self::Invalid(what),
             EnvelopeError::UnknownSection(id) => Self::UnknownSection(id),
             EnvelopeError::UnsupportedVersion { section, version } => {
                 Self::UnsupportedSection { section, version }
