@@ -1,12 +1,16 @@
 //! Arbitrary session continuations through `Session::restore_server`
 //! (`docs/PROTOCOL.md` §13).
 //!
-//! The fuzz input is the continuation *body*; the target adds the magic,
-//! format byte and a valid SHA-256, so the fuzzer explores the parser behind
-//! the checksum rather than the checksum itself. Properties: restoring never
-//! panics; a restored session's export is canonical (restoring it and
-//! exporting again gives the same bytes); after timers and polling, a session
-//! that restores exports again to a blob that restores too.
+//! The fuzz input is the continuation's *sections* (format 2: `id`,
+//! `version`, `length`, body, …); the target adds the magic, format byte and
+//! a valid SHA-256, so the fuzzer explores the section framing and every
+//! part's decoder behind the checksum rather than the checksum itself.
+//! Properties: restoring never panics; a restored session's export is
+//! canonical (restoring it and exporting again gives the same bytes); after
+//! timers and polling, a session that restores exports again to a blob that
+//! restores too. Seeds (`seeds/continuation/`) are real snapshots' sections,
+//! written by `ROAM_SNAPSHOT_SEEDS_DIR=… cargo test -p roam-proto --test
+//! snapshot_roundtrip`.
 
 #![no_main]
 
@@ -28,7 +32,7 @@ fn config() -> &'static ServerConfig {
 }
 
 fuzz_target!(|body: &[u8]| {
-    let mut blob = b"RMSC\x01".to_vec();
+    let mut blob = b"RMSC\x02".to_vec();
     blob.extend_from_slice(body);
     let digest = Sha256::digest(&blob);
     blob.extend_from_slice(&digest);

@@ -1,48 +1,50 @@
 //! The stored form of a continuation: a small uncompressed *meta* entry (what
 //! garbage collection, dependency cascades and start-up need) and a
 //! zstd-compressed *body* (attributes, routine, streams and the protocol
-//! blob). Both are written in one redb transaction ([`crate::store`]).
+//! snapshot). Both are written in one redb transaction ([`crate::store`]).
 //!
-//! ## Meta (format 1)
-//! | Field | Type |
-//! |---|---|
-//! | magic | `52 4d 43 4d` ("RMCM") |
-//! | format | u8 = 1 |
-//! | service | lp-bytes ≤ 255, UTF-8 |
-//! | parent | u8 (0 none, 1 then `[16]` session id) |
-//! | suspended at, frozen at, deadline | 3 × varint, Unix milliseconds |
-//! | body length | varint, bytes once decompressed |
-//! | body digest | `[32]`, SHA-256 of the stored (compressed) body |
-//! | digest | `[32]`, SHA-256 of every byte before it |
+//! Both are [`roam_proto::envelope`]s — the same sectioned, versioned,
+//! SHA-256-checked envelope as the protocol snapshot inside (`docs/PROTOCOL.md`
+//! §13): magic, format byte 2, sections (`id`, `version`, `length`, body; odd
+//! ids optional), digest. Every section below is at version 1 and required
+//! (even id); each one's encoder and decoder sit side by side in this file.
 //!
-//! ## Body (format 1, before compression)
-//! | Field | Type |
-//! |---|---|
-//! | magic | `52 4d 43 42` ("RMCB") |
-//! | format | u8 = 1 |
-//! | routine | lp-bytes ≤ 255 |
-//! | attributes | varint count ≤ 1,024, then (name lp-bytes, value lp-bytes, exported u8) |
-//! | requirements | varint count ≤ 256, then (name, value) lp-bytes ≤ 1,024 |
-//! | streams | varint count ≤ 256, then (name lp-bytes ≤ 255, id varint) |
-//! | unaccepted, orphans | 2 × (varint count, then ids as varints) |
-//! | expiry | varint milliseconds + 1, or 0 for the service default |
-//! | protocol blob | lp-bytes (`docs/PROTOCOL.md` §13, self-checking) |
+//! ## Meta (magic `52 4d 43 4d`, "RMCM")
+//! | Id | Section | Body |
+//! |---|---|---|
+//! | 0x02 | service | UTF-8, ≤ 255 bytes |
+//! | 0x04 | parent | `[16]` session id; absent when there is none |
+//! | 0x06 | times | suspended at, frozen at, deadline: 3 × varint, Unix milliseconds |
+//! | 0x08 | body | length once decompressed (varint), then `[32]` SHA-256 of the stored (compressed) body |
+//!
+//! ## Body (magic `52 4d 43 42`, "RMCB", before compression)
+//! | Id | Section | Body |
+//! |---|---|---|
+//! | 0x02 | routine | UTF-8, ≤ 255 bytes |
+//! | 0x04 | attributes | varint count ≤ 1,024, then (name lp-bytes, value lp-bytes, exported u8) |
+//! | 0x06 | requirements | varint count ≤ 256, then (name, value) lp-bytes ≤ 1,024 |
+//! | 0x08 | streams | varint count ≤ 256, then (name lp-bytes ≤ 255, id varint) |
+//! | 0x0a | pending streams | unaccepted, orphans: 2 × (varint count, then ids as varints) |
+//! | 0x0c | expiry | varint milliseconds; absent for the service default |
+//! | 0x0e | protocol | the session snapshot (`docs/PROTOCOL.md` §13, self-checking) |
 //!
 //! The zstd frame carries its own content checksum. A record that fails any
-//! check is reported as corrupt and never restored.
+//! check is reported as corrupt (the reason names the check, or says it was
+//! written by an older roam in format 1) and never restored.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use roam_proto::codec::{put_lp_bytes, put_varint, DecodeError, Reader};
+use roam_proto::envelope::{Envelope, EnvelopeError, EnvelopeWriter, SectionKind};
 use roam_proto::{SessionId, StreamId};
 use sha2::{Digest, Sha256};
 
 use crate::attrs::{AttrStore, MAX_ATTRS, MAX_NAME_LEN};
 
-const META_MAGIC: &[u8; 4] = b"RMCM";
-const BODY_MAGIC: &[u8; 4] = b"RMCB";
-const FORMAT: u8 = 1;
+const META_MAGIC: [u8; 4] = *b"RMCM";
+const BODY_MAGIC: [u8; 4] = *b"RMCB";
 const DIGEST_LEN: usize = 32;
 /// Largest body accepted when decompressing (bytes): bounds what a corrupted
 /// length field can make us allocate.
@@ -52,6 +54,52 @@ const ZSTD_LEVEL: i32 = 3;
 const MAX_REQUIREMENTS: usize = 256;
 const MAX_STREAMS: usize = 256;
 const MAX_VALUE_TEXT: usize = 1024;
+
+/// A required, non-repeatable section at version 1.
+const fn kind(id: u64, name: &'static str) -> SectionKind {
+    SectionKind {
+        id,
+        name,
+        version: 1,
+        repeatable: false,
+    }
+}
+
+/// Meta: the service's name.
+const SERVICE: SectionKind = kind(0x02, "service");
+/// Meta: the parent session, if any.
+const PARENT: SectionKind = kind(0x04, "parent");
+/// Meta: when suspended and frozen, and when it expires.
+const TIMES: SectionKind = kind(0x06, "times");
+/// Meta: the stored body's length and digest.
+const BODY: SectionKind = kind(0x08, "body");
+/// Every meta section, in id order.
+const META_SECTIONS: &[SectionKind] = &[SERVICE, PARENT, TIMES, BODY];
+
+/// Body: the routine to resume with.
+const ROUTINE: SectionKind = kind(0x02, "routine");
+/// Body: the application's attributes.
+const ATTRIBUTES: SectionKind = kind(0x04, "attributes");
+/// Body: the compatibility requirements.
+const REQUIREMENTS: SectionKind = kind(0x06, "requirements");
+/// Body: the streams carried over, by name.
+const STREAMS: SectionKind = kind(0x08, "streams");
+/// Body: streams not yet accepted by the application, and orphans.
+const PENDING: SectionKind = kind(0x0a, "pending streams");
+/// Body: a per-session expiry.
+const EXPIRY: SectionKind = kind(0x0c, "expiry");
+/// Body: the protocol snapshot.
+const PROTOCOL: SectionKind = kind(0x0e, "protocol");
+/// Every body section, in id order.
+const BODY_SECTIONS: &[SectionKind] = &[
+    ROUTINE,
+    ATTRIBUTES,
+    REQUIREMENTS,
+    STREAMS,
+    PENDING,
+    EXPIRY,
+    PROTOCOL,
+];
 
 /// What garbage collection and start-up need, without the body.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -80,11 +128,27 @@ pub(crate) struct Body {
 
 /// Why a stored entry was refused; the text names the check that failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Corrupt(pub(crate) &'static str);
+pub(crate) struct Corrupt(pub(crate) Cow<'static, str>);
 
 impl From<DecodeError> for Corrupt {
     fn from(_: DecodeError) -> Self {
-        Corrupt("field encoding")
+        Corrupt("field encoding".into())
+    }
+}
+
+impl Corrupt {
+    /// A refusal naming the check that failed.
+    pub(crate) fn new(what: &'static str) -> Self {
+        Corrupt(Cow::Borrowed(what))
+    }
+
+    /// An envelope refusal, naming which entry (`meta` or `body`) it was.
+    fn envelope(entry: &'static str, e: EnvelopeError) -> Self {
+        match e {
+            EnvelopeError::WrongMagic => Corrupt(format!("{entry} magic").into()),
+            EnvelopeError::Corrupted => Corrupt(format!("{entry} checksum").into()),
+            e => Corrupt(format!("{entry} {e}").into()),
+        }
     }
 }
 
@@ -97,56 +161,59 @@ pub(crate) fn from_unix_ms(ms: u64) -> SystemTime {
     UNIX_EPOCH + Duration::from_millis(ms)
 }
 
+/// Decodes a section body with `f`, which must consume it whole.
+fn section<T>(
+    b: &[u8],
+    f: impl FnOnce(&mut Reader<'_>) -> Result<T, Corrupt>,
+) -> Result<T, Corrupt> {
+    let mut r = Reader::new(b);
+    let v = f(&mut r)?;
+    r.finish()?;
+    Ok(v)
+}
+
+/// A required section's body, or a refusal naming it.
+fn required<'a>(env: &Envelope<'a>, kind: &SectionKind) -> Result<&'a [u8], Corrupt> {
+    env.require(kind)
+        .map_err(|e| Corrupt(format!("{e}").into()))
+}
+
 impl Meta {
     pub(crate) fn encode(&self) -> Vec<u8> {
-        let mut o = Vec::with_capacity(128);
-        o.extend_from_slice(META_MAGIC);
-        o.push(FORMAT);
-        put_lp_bytes(&mut o, self.service.as_bytes());
-        match self.parent {
-            Some(p) => {
-                o.push(1);
-                o.extend_from_slice(&p.0);
+        let mut w = EnvelopeWriter::new(META_MAGIC, 128);
+        w.section(&SERVICE, |o| o.extend_from_slice(self.service.as_bytes()));
+        if let Some(p) = self.parent {
+            w.section(&PARENT, |o| o.extend_from_slice(&p.0));
+        }
+        w.section(&TIMES, |o| {
+            for t in [self.suspended_at, self.frozen_at, self.deadline] {
+                put_varint(o, unix_ms(t));
             }
-            None => o.push(0),
-        }
-        for t in [self.suspended_at, self.frozen_at, self.deadline] {
-            put_varint(&mut o, unix_ms(t));
-        }
-        put_varint(&mut o, self.body_len);
-        o.extend_from_slice(&self.body_digest);
-        let d = Sha256::digest(&o);
-        o.extend_from_slice(&d);
-        o
+        });
+        w.section(&BODY, |o| {
+            put_varint(o, self.body_len);
+            o.extend_from_slice(&self.body_digest);
+        });
+        w.finish()
     }
 
     pub(crate) fn decode(b: &[u8]) -> Result<Self, Corrupt> {
-        if b.len() < 5 + DIGEST_LEN {
-            return Err(Corrupt("meta truncated"));
-        }
-        if &b[..4] != META_MAGIC {
-            return Err(Corrupt("meta magic"));
-        }
-        if b[4] != FORMAT {
-            return Err(Corrupt("meta format version"));
-        }
-        let (body, digest) = b.split_at(b.len() - DIGEST_LEN);
-        if Sha256::digest(body).as_slice() != digest {
-            return Err(Corrupt("meta checksum"));
-        }
-        let mut r = Reader::new(&body[5..]);
-        let service = text(r.lp_bytes(MAX_NAME_LEN, "service")?)?;
-        let parent = match r.u8()? {
-            0 => None,
-            1 => Some(SessionId(r.array()?)),
-            _ => return Err(Corrupt("meta parent flag")),
+        let env = Envelope::open(META_MAGIC, b, META_SECTIONS)
+            .map_err(|e| Corrupt::envelope("meta", e))?;
+        let service = text(required(&env, &SERVICE)?, MAX_NAME_LEN, "service")?;
+        let parent = match env.get(&PARENT) {
+            Some(b) => Some(section(b, |r| Ok(SessionId(r.array()?)))?),
+            None => None,
         };
-        let suspended_at = from_unix_ms(r.varint()?);
-        let frozen_at = from_unix_ms(r.varint()?);
-        let deadline = from_unix_ms(r.varint()?);
-        let body_len = r.varint()?;
-        let body_digest = r.array()?;
-        r.finish()?;
+        let (suspended_at, frozen_at, deadline) = section(required(&env, &TIMES)?, |r| {
+            Ok((
+                from_unix_ms(r.varint()?),
+                from_unix_ms(r.varint()?),
+                from_unix_ms(r.varint()?),
+            ))
+        })?;
+        let (body_len, body_digest) =
+            section(required(&env, &BODY)?, |r| Ok((r.varint()?, r.array()?)))?;
         Ok(Self {
             service,
             parent,
@@ -159,10 +226,19 @@ impl Meta {
     }
 }
 
-fn text(b: &[u8]) -> Result<String, Corrupt> {
+/// A whole section body as UTF-8 text of at most `max` bytes.
+fn text(b: &[u8], max: usize, what: &'static str) -> Result<String, Corrupt> {
+    if b.len() > max {
+        return Err(Corrupt::new(what));
+    }
+    utf8(b)
+}
+
+/// Bytes as UTF-8 text.
+fn utf8(b: &[u8]) -> Result<String, Corrupt> {
     std::str::from_utf8(b)
         .map(str::to_string)
-        .map_err(|_| Corrupt("text is not UTF-8"))
+        .map_err(|_| Corrupt::new("text is not UTF-8"))
 }
 
 fn put_ids(o: &mut Vec<u8>, ids: &[StreamId]) {
@@ -181,81 +257,91 @@ impl Body {
     /// The uncompressed encoding.
     pub(crate) fn encode(&self) -> Vec<u8> {
         let attr_bytes: usize = self.attrs.values.values().map(Vec::len).sum();
-        let mut o = Vec::with_capacity(64 + attr_bytes + self.blob.len());
-        o.extend_from_slice(BODY_MAGIC);
-        o.push(FORMAT);
-        put_lp_bytes(&mut o, self.routine.as_bytes());
-        put_varint(&mut o, self.attrs.values.len() as u64);
-        for (n, v) in &self.attrs.values {
-            put_lp_bytes(&mut o, n.as_bytes());
-            put_lp_bytes(&mut o, v);
-            o.push(u8::from(self.attrs.exported.contains(n)));
+        let mut w = EnvelopeWriter::new(BODY_MAGIC, 64 + attr_bytes + self.blob.len());
+        w.section(&ROUTINE, |o| o.extend_from_slice(self.routine.as_bytes()));
+        w.section(&ATTRIBUTES, |o| {
+            put_varint(o, self.attrs.values.len() as u64);
+            for (n, v) in &self.attrs.values {
+                put_lp_bytes(o, n.as_bytes());
+                put_lp_bytes(o, v);
+                o.push(u8::from(self.attrs.exported.contains(n)));
+            }
+        });
+        w.section(&REQUIREMENTS, |o| {
+            put_varint(o, self.requires.len() as u64);
+            for (n, v) in &self.requires {
+                put_lp_bytes(o, n.as_bytes());
+                put_lp_bytes(o, v.as_bytes());
+            }
+        });
+        w.section(&STREAMS, |o| {
+            put_varint(o, self.streams.len() as u64);
+            for (n, id) in &self.streams {
+                put_lp_bytes(o, n.as_bytes());
+                put_varint(o, id.0);
+            }
+        });
+        w.section(&PENDING, |o| {
+            put_ids(o, &self.unaccepted);
+            put_ids(o, &self.orphans);
+        });
+        if let Some(d) = self.expiry {
+            w.section(&EXPIRY, |o| {
+                put_varint(
+                    o,
+                    u64::try_from(d.as_millis()).unwrap_or(roam_proto::codec::VARINT_MAX),
+                );
+            });
         }
-        put_varint(&mut o, self.requires.len() as u64);
-        for (n, v) in &self.requires {
-            put_lp_bytes(&mut o, n.as_bytes());
-            put_lp_bytes(&mut o, v.as_bytes());
-        }
-        put_varint(&mut o, self.streams.len() as u64);
-        for (n, id) in &self.streams {
-            put_lp_bytes(&mut o, n.as_bytes());
-            put_varint(&mut o, id.0);
-        }
-        put_ids(&mut o, &self.unaccepted);
-        put_ids(&mut o, &self.orphans);
-        put_varint(
-            &mut o,
-            self.expiry.map_or(0, |d| {
-                u64::try_from(d.as_millis())
-                    .unwrap_or(u64::MAX - 1)
-                    .saturating_add(1)
-            }),
-        );
-        put_lp_bytes(&mut o, &self.blob);
-        o
+        w.section(&PROTOCOL, |o| o.extend_from_slice(&self.blob));
+        w.finish()
     }
 
     pub(crate) fn decode(b: &[u8]) -> Result<Self, Corrupt> {
-        if b.len() < 5 || &b[..4] != BODY_MAGIC {
-            return Err(Corrupt("body magic"));
-        }
-        if b[4] != FORMAT {
-            return Err(Corrupt("body format version"));
-        }
-        let mut r = Reader::new(&b[5..]);
-        let routine = text(r.lp_bytes(MAX_NAME_LEN, "routine")?)?;
-        let mut attrs = AttrStore::default();
-        for _ in 0..r.varint_usize(MAX_ATTRS, "attributes")? {
-            let n = text(r.lp_bytes(MAX_NAME_LEN, "attribute name")?)?;
-            let v = r.lp_bytes(usize::MAX, "attribute value")?.to_vec();
-            match r.u8()? {
-                0 => {}
-                1 => {
-                    attrs.exported.insert(n.clone());
+        let env = Envelope::open(BODY_MAGIC, b, BODY_SECTIONS)
+            .map_err(|e| Corrupt::envelope("body", e))?;
+        let routine = text(required(&env, &ROUTINE)?, MAX_NAME_LEN, "routine")?;
+        let attrs = section(required(&env, &ATTRIBUTES)?, |r| {
+            let mut attrs = AttrStore::default();
+            for _ in 0..r.varint_usize(MAX_ATTRS, "attributes")? {
+                let n = utf8(r.lp_bytes(MAX_NAME_LEN, "attribute name")?)?;
+                let v = r.lp_bytes(usize::MAX, "attribute value")?.to_vec();
+                match r.u8()? {
+                    0 => {}
+                    1 => {
+                        attrs.exported.insert(n.clone());
+                    }
+                    _ => return Err(Corrupt::new("attribute export flag")),
                 }
-                _ => return Err(Corrupt("attribute export flag")),
+                attrs.values.insert(n, v);
             }
-            attrs.values.insert(n, v);
-        }
-        let mut requires = BTreeMap::new();
-        for _ in 0..r.varint_usize(MAX_REQUIREMENTS, "requirements")? {
-            let n = text(r.lp_bytes(MAX_VALUE_TEXT, "requirement")?)?;
-            let v = text(r.lp_bytes(MAX_VALUE_TEXT, "requirement value")?)?;
-            requires.insert(n, v);
-        }
-        let mut streams = BTreeMap::new();
-        for _ in 0..r.varint_usize(MAX_STREAMS, "streams")? {
-            let n = text(r.lp_bytes(MAX_NAME_LEN, "stream name")?)?;
-            streams.insert(n, StreamId(r.varint()?));
-        }
-        let unaccepted = ids(&mut r, "unaccepted streams")?;
-        let orphans = ids(&mut r, "orphan streams")?;
-        let expiry = match r.varint()? {
-            0 => None,
-            ms => Some(Duration::from_millis(ms - 1)),
+            Ok(attrs)
+        })?;
+        let requires = section(required(&env, &REQUIREMENTS)?, |r| {
+            let mut requires = BTreeMap::new();
+            for _ in 0..r.varint_usize(MAX_REQUIREMENTS, "requirements")? {
+                let n = utf8(r.lp_bytes(MAX_VALUE_TEXT, "requirement")?)?;
+                let v = utf8(r.lp_bytes(MAX_VALUE_TEXT, "requirement value")?)?;
+                requires.insert(n, v);
+            }
+            Ok(requires)
+        })?;
+        let streams = section(required(&env, &STREAMS)?, |r| {
+            let mut streams = BTreeMap::new();
+            for _ in 0..r.varint_usize(MAX_STREAMS, "streams")? {
+                let n = utf8(r.lp_bytes(MAX_NAME_LEN, "stream name")?)?;
+                streams.insert(n, StreamId(r.varint()?));
+            }
+            Ok(streams)
+        })?;
+        let (unaccepted, orphans) = section(required(&env, &PENDING)?, |r| {
+            Ok((ids(r, "unaccepted streams")?, ids(r, "orphan streams")?))
+        })?;
+        let expiry = match env.get(&EXPIRY) {
+            Some(b) => Some(section(b, |r| Ok(Duration::from_millis(r.varint()?)))?),
+            None => None,
         };
-        let blob = r.lp_bytes(usize::MAX, "protocol blob")?.to_vec();
-        r.finish()?;
+        let blob = required(&env, &PROTOCOL)?.to_vec();
         Ok(Self {
             routine,
             attrs,
@@ -285,15 +371,15 @@ pub(crate) fn seal_body(raw: &[u8]) -> (Vec<u8>, [u8; DIGEST_LEN]) {
 /// Checks a stored body against its meta entry, decompresses and decodes it.
 pub(crate) fn open_body(meta: &Meta, stored: &[u8]) -> Result<Body, Corrupt> {
     if Sha256::digest(stored).as_slice() != meta.body_digest {
-        return Err(Corrupt("body checksum (truncated or corrupted)"));
+        return Err(Corrupt::new("body checksum (truncated or corrupted)"));
     }
     if meta.body_len > MAX_BODY {
-        return Err(Corrupt("body length"));
+        return Err(Corrupt::new("body length"));
     }
     let raw = zstd::bulk::decompress(stored, meta.body_len as usize)
-        .map_err(|_| Corrupt("zstd frame"))?;
+        .map_err(|_| Corrupt::new("zstd frame"))?;
     if raw.len() as u64 != meta.body_len {
-        return Err(Corrupt("body length"));
+        return Err(Corrupt::new("body length"));
     }
     Body::decode(&raw)
 }
@@ -340,6 +426,53 @@ mod tests {
         assert_eq!(m, meta);
         assert_eq!(open_body(&m, &stored).unwrap(), body);
         assert!(stored.len() < body.encode().len(), "compression helps");
+    }
+
+    #[test]
+    fn format_1_records_are_refused_as_such() {
+        // A meta entry as roam 0.1 wrote it (magic, format 1, fields, digest).
+        let mut old = b"RMCM\x01".to_vec();
+        put_lp_bytes(&mut old, b"bench");
+        old.extend_from_slice(&[0, 1, 2, 3, 4]);
+        old.extend_from_slice(&[9; 32]);
+        let d = Sha256::digest(&old);
+        old.extend_from_slice(&d);
+        let e = Meta::decode(&old).unwrap_err();
+        assert!(
+            e.0.starts_with("meta written in format 1") && e.0.contains("no longer reads it"),
+            "{}",
+            e.0
+        );
+        let mut old_body = b"RMCB\x01".to_vec();
+        old_body.extend_from_slice(&[0; 40]);
+        let e = Body::decode(&old_body).unwrap_err();
+        assert!(e.0.starts_with("body written in format 1"), "{}", e.0);
+    }
+
+    #[test]
+    fn sections_are_checked_by_name() {
+        let (meta, body) = sample();
+        // A body without its protocol section names the missing section.
+        let mut w = EnvelopeWriter::new(BODY_MAGIC, 0);
+        w.section(&ROUTINE, |o| o.extend_from_slice(body.routine.as_bytes()));
+        // Empty lists: one zero count each, two for the pending streams.
+        for k in [ATTRIBUTES, REQUIREMENTS, STREAMS] {
+            w.section(&k, |o| o.push(0));
+        }
+        w.section(&PENDING, |o| o.extend_from_slice(&[0, 0]));
+        let e = Body::decode(&w.finish()).unwrap_err();
+        assert_eq!(e.0, "required section `protocol` is missing");
+        // Without a parent or an expiry, those sections are simply absent.
+        let plain = Meta {
+            parent: None,
+            ..meta
+        };
+        assert_eq!(Meta::decode(&plain.encode()).unwrap(), plain);
+        let no_expiry = Body {
+            expiry: None,
+            ..body
+        };
+        assert_eq!(Body::decode(&no_expiry.encode()).unwrap(), no_expiry);
     }
 
     #[test]

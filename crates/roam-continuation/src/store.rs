@@ -239,7 +239,7 @@ impl Store {
             let meta = if key.len() == 16 {
                 Meta::decode(v.value())
             } else {
-                Err(Corrupt("key is not a session id"))
+                Err(Corrupt::new("key is not a session id"))
             };
             out.push(Scanned { key, meta });
         }
@@ -251,7 +251,7 @@ impl Store {
             if t.get(key.as_slice()).map_err(db_err)?.is_none() {
                 out.push(Scanned {
                     key,
-                    meta: Err(Corrupt("body without meta entry")),
+                    meta: Err(Corrupt::new("body without meta entry")),
                 });
             }
         }

@@ -47,6 +47,7 @@ pub use error::{code, Error, StreamError};
 pub use event::{CloseReason, Event, SuspendReason, TransportId};
 pub use handshake::{parse_hello, Hello, Params, Status, MAGIC, VERSION};
 pub use keys::{KeyParseError, Keypair, PublicKey, SessionId};
+pub use session::envelope;
 pub use session::{ExportError, RestoreError, Role, Session, State, Stats};
 pub use stream::StreamId;
 

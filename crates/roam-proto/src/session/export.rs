@@ -1,22 +1,25 @@
-//! Session continuations: the complete protocol state of a session as bytes.
+//! Session snapshots (continuations): the complete protocol state of a
+//! session as bytes.
 //!
-//! Spec: `docs/PROTOCOL.md` §13. A server (or client) can let go of a
-//! suspended session entirely — no socket, no task, no buffers — by exporting
-//! it, and later, in the same process or a new one, restore it and accept the
-//! peer's resume as if nothing happened. The export holds the resume secret, so
-//! it must be stored where only its owner can read it.
+//! Spec: `docs/PROTOCOL.md` §13. A server (or client) can let go of a session
+//! entirely — no socket, no task, no buffers — by exporting it, and later, in
+//! the same process or a new one, restore it and accept the peer's resume as
+//! if nothing happened. A snapshot can be taken of a live session too: the
+//! active transport is simply not part of it. The snapshot holds the resume
+//! secret, so it must be stored where only its owner can read it.
 //!
-//! Format: `"RMSC"`, a format version byte, the body (varints and
-//! length-prefixed bytes, field order as written below), then the SHA-256 of
-//! everything before it. A truncated, corrupted or foreign blob fails with a
-//! precise [`RestoreError`] and never yields a session.
+//! Format: an [`envelope`](super::envelope) with magic `"RMSC"`: one section
+//! per part of the session state, declared once in [`PARTS`] below. Each part
+//! is a type whose `write` and `read` sit side by side, so a field cannot be
+//! written without being read back. A truncated, corrupted, foreign or
+//! too-new blob fails with a precise [`RestoreError`] and never yields a
+//! session.
 
 use std::collections::VecDeque;
 use std::fmt;
 use std::time::{Duration, Instant};
 
-use sha2::{Digest, Sha256};
-
+use super::envelope::{Envelope, EnvelopeError, EnvelopeWriter, SectionKind};
 use super::{Entry, Role, Session, State};
 use crate::codec::{put_lp_bytes, put_varint, DecodeError, Reader};
 use crate::config::{ClientConfig, ServerConfig};
@@ -24,9 +27,8 @@ use crate::handshake::Params;
 use crate::keys::{PublicKey, SessionId};
 use crate::stream::Stream;
 
+/// Magic of a session snapshot.
 const MAGIC: [u8; 4] = *b"RMSC";
-const FORMAT: u8 = 1;
-const DIGEST_LEN: usize = 32;
 
 /// Why a continuation could not be exported.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -56,12 +58,28 @@ impl std::error::Error for ExportError {}
 pub enum RestoreError {
     /// Not a roam continuation (wrong magic).
     NotAContinuation,
-    /// Written by an incompatible version of roam.
+    /// Written by an older roam in a layout this version no longer reads
+    /// (format 1: the positional layout before sections). The session cannot
+    /// be resumed; its client must start a new one.
+    OldFormat(u8),
+    /// Written by an incompatible (newer) version of roam.
     UnsupportedFormat(u8),
     /// The checksum does not match: the blob was truncated or corrupted.
     Corrupted,
     /// The blob is internally inconsistent; the text names the field.
     Invalid(&'static str),
+    /// A section this version must understand but does not know (by id):
+    /// written by a newer roam.
+    UnknownSection(u64),
+    /// A required section at a layout version this version does not read.
+    UnsupportedSection {
+        /// The section's name.
+        section: &'static str,
+        /// The version found.
+        version: u64,
+    },
+    /// A section every continuation has is missing.
+    MissingSection(&'static str),
     /// A server continuation given to a client restore, or the reverse.
     WrongRole,
     /// It already expired while stored.
@@ -72,6 +90,11 @@ impl fmt::Display for RestoreError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::NotAContinuation => write!(f, "not a roam session continuation"),
+            Self::OldFormat(v) => write!(
+                f,
+                "continuation was written in format {v} by an older roam (before sectioned snapshots, format {}); this roam cannot restore it: the session is lost and its client must start a new one",
+                super::envelope::FORMAT
+            ),
             Self::UnsupportedFormat(v) => {
                 write!(f, "continuation format {v} is not supported by this roam")
             }
@@ -80,6 +103,17 @@ impl fmt::Display for RestoreError {
                 "continuation is truncated or corrupted (checksum mismatch)"
             ),
             Self::Invalid(what) => write!(f, "continuation is inconsistent: {what}"),
+            Self::UnknownSection(id) => write!(
+                f,
+                "continuation has required section 0x{id:x}, unknown to this roam (written by a newer version)"
+            ),
+            Self::UnsupportedSection { section, version } => write!(
+                f,
+                "continuation section `{section}` is at version {version}, not supported by this roam"
+            ),
+            Self::MissingSection(name) => {
+                write!(f, "continuation lacks its `{name}` section")
+            }
             Self::WrongRole => write!(f, "continuation belongs to the other role (client/server)"),
             Self::Expired => write!(f, "continuation expired while stored"),
         }
@@ -94,14 +128,517 @@ impl From<DecodeError> for RestoreError {
     }
 }
 
-fn put_bool_flags(out: &mut Vec<u8>, flags: &[bool]) {
-    let mut b = 0u8;
-    for (i, f) in flags.iter().enumerate() {
-        b |= u8::from(*f) << i;
+impl From<EnvelopeError> for RestoreError {
+    fn from(e: EnvelopeError) -> Self {
+        match e {
+            EnvelopeError::WrongMagic => Self::NotAContinuation,
+            EnvelopeError::OldFormat(v) => Self::OldFormat(v),
+            EnvelopeError::UnsupportedFormat(v) => Self::UnsupportedFormat(v),
+            EnvelopeError::Corrupted => Self::Corrupted,
+            EnvelopeError::Malformed(what) => Self::Invalid(what),
+            EnvelopeError::UnknownSection(id) => Self::UnknownSection(id),
+            EnvelopeError::UnsupportedVersion { section, version } => {
+                Self::UnsupportedSection { section, version }
+            }
+            EnvelopeError::MissingSection(name) => Self::MissingSection(name),
+        }
     }
-    out.push(b);
 }
 
+/// What a part's writer needs besides the session.
+struct WriteCtx {
+    /// The caller's clock, for the suspension time so far.
+    now: Instant,
+}
+
+/// What a part's reader needs besides the blob.
+struct ReadCtx {
+    /// The role being restored (a blob of the other role is refused).
+    role: Role,
+    /// The caller's clock.
+    now: Instant,
+    /// How long the blob sat in storage; counts towards expiry.
+    offline: Duration,
+}
+
+/// One part of the session state: its section, and how it is written and
+/// read back. Each implementation keeps both directions next to each other.
+trait Part {
+    /// The section this part is stored in.
+    const KIND: SectionKind;
+    /// Appends this part's section(s) (none if there is nothing to say).
+    fn write(s: &Session, ctx: &WriteCtx, w: &mut EnvelopeWriter);
+    /// Reads this part into a session being restored.
+    fn read(s: &mut Session, ctx: &ReadCtx, env: &Envelope<'_>) -> Result<(), RestoreError>;
+}
+
+/// Declares the parts once: the section table, and writing and reading them
+/// all in section order.
+macro_rules! parts {
+    ($($part:ident),* $(,)?) => {
+        /// Every section of a session snapshot, in id order.
+        const PARTS: &[SectionKind] = &[$($part::KIND),*];
+
+        /// Writes every part, in section order.
+        fn write_parts(s: &Session, ctx: &WriteCtx, w: &mut EnvelopeWriter) {
+            $($part::write(s, ctx, w);)*
+        }
+
+        /// Reads every part, in section order (so the first problem found is
+        /// the first in the blob).
+        fn read_parts(
+            s: &mut Session,
+            ctx: &ReadCtx,
+            env: &Envelope<'_>,
+        ) -> Result<(), RestoreError> {
+            $($part::read(s, ctx, env)?;)*
+            Ok(())
+        }
+    };
+}
+
+parts!(Identity, Liveness, Sequence, StreamIds, Flow, Closing, Streams, Statistics);
+
+/// A section of the given id, name and repeatability at version 1.
+const fn kind(id: u64, name: &'static str, repeatable: bool) -> SectionKind {
+    SectionKind {
+        id,
+        name,
+        version: 1,
+        repeatable,
+    }
+}
+
+/// Reads a section body with `f`, which must consume it whole.
+fn body<T>(
+    b: &[u8],
+    what: &'static str,
+    f: impl FnOnce(&mut Reader<'_>) -> Result<T, RestoreError>,
+) -> Result<T, RestoreError> {
+    let mut r = Reader::new(b);
+    let v = f(&mut r)?;
+    r.finish().map_err(|_| RestoreError::Invalid(what))?;
+    Ok(v)
+}
+
+/// Role, session id, resume secret, the peer's proven key and its Params
+/// (§4.3): everything a resume handshake needs.
+struct Identity;
+
+impl Part for Identity {
+    const KIND: SectionKind = kind(0x02, "identity", false);
+
+    fn write(s: &Session, _: &WriteCtx, w: &mut EnvelopeWriter) {
+        // `export` checked these are all known.
+        let (Some(id), Some(secret), Some(peer_key), Some(p)) =
+            (s.id, s.secret, s.peer_key, s.peer_params)
+        else {
+            return;
+        };
+        w.section(&Self::KIND, |o| {
+            o.push(match s.role {
+                Role::Client => 0,
+                Role::Server => 1,
+            });
+            o.extend_from_slice(&id.0);
+            o.extend_from_slice(&secret);
+            o.extend_from_slice(&peer_key.0);
+            for v in [p.stream_window, p.session_window, p.max_streams] {
+                put_varint(o, v);
+            }
+        });
+    }
+
+    fn read(s: &mut Session, ctx: &ReadCtx, env: &Envelope<'_>) -> Result<(), RestoreError> {
+        body(env.require(&Self::KIND)?, "identity length", |r| {
+            let role = match r.u8()? {
+                0 => Role::Client,
+                1 => Role::Server,
+                _ => return Err(RestoreError::Invalid("role")),
+            };
+            if role != ctx.role {
+                return Err(RestoreError::WrongRole);
+            }
+            s.id = Some(SessionId(r.array()?));
+            s.secret = Some(r.array()?);
+            s.peer_key = Some(PublicKey(r.array()?));
+            s.peer_params = Some(Params {
+                stream_window: r.varint()?,
+                session_window: r.varint()?,
+                max_streams: r.varint()?,
+            });
+            Ok(())
+        })
+    }
+}
+
+/// Expiry and replay protection: the effective resume timeout, how long the
+/// session had been suspended, and the last resume ephemerals (§4.4, §10.3).
+struct Liveness;
+
+impl Part for Liveness {
+    const KIND: SectionKind = kind(0x04, "liveness", false);
+
+    fn write(s: &Session, ctx: &WriteCtx, w: &mut EnvelopeWriter) {
+        w.section(&Self::KIND, |o| {
+            put_varint(o, s.resume_timeout.as_millis() as u64);
+            let suspended_for = s
+                .suspended_since
+                .map_or(Duration::ZERO, |t| ctx.now.saturating_duration_since(t));
+            put_varint(o, suspended_for.as_millis() as u64);
+            put_varint(o, s.replay_memory.len() as u64);
+            for e in &s.replay_memory {
+                o.extend_from_slice(e);
+            }
+        });
+    }
+
+    fn read(s: &mut Session, ctx: &ReadCtx, env: &Envelope<'_>) -> Result<(), RestoreError> {
+        body(env.require(&Self::KIND)?, "liveness length", |r| {
+            s.resume_timeout = Duration::from_millis(r.varint()?).min(s.resume_timeout);
+            let suspended_for = Duration::from_millis(r.varint()?).saturating_add(ctx.offline);
+            if suspended_for >= s.resume_timeout {
+                return Err(RestoreError::Expired);
+            }
+            s.suspended_since = Some(ctx.now.checked_sub(suspended_for).unwrap_or(ctx.now));
+            let n = r.varint_usize(super::REPLAY_MEMORY, "replay memory")?;
+            for _ in 0..n {
+                s.replay_memory.push_back(r.array()?);
+            }
+            Ok(())
+        })
+    }
+}
+
+/// The session-wide sequence (§7): the log's base, one past the highest
+/// sequence ever sent, the received count, and the log of unacknowledged
+/// reliable frames.
+struct Sequence;
+
+impl Part for Sequence {
+    const KIND: SectionKind = kind(0x06, "sequence", false);
+
+    fn write(s: &Session, _: &WriteCtx, w: &mut EnvelopeWriter) {
+        w.section(&Self::KIND, |o| {
+            for v in [s.log_base, s.high_sent, s.recv_seq] {
+                put_varint(o, v);
+            }
+            put_varint(o, s.log.len() as u64);
+            for e in &s.log {
+                encode_entry(o, e);
+            }
+        });
+    }
+
+    fn read(s: &mut Session, _: &ReadCtx, env: &Envelope<'_>) -> Result<(), RestoreError> {
+        body(env.require(&Self::KIND)?, "sequence length", |r| {
+            s.log_base = r.varint()?;
+            s.high_sent = r.varint()?;
+            s.recv_seq = r.varint()?;
+            let entries = r.varint_usize(r.remaining(), "log length")?;
+            for _ in 0..entries {
+                s.log.push_back(decode_entry(r)?);
+            }
+            if s.high_sent < s.log_base || s.high_sent > s.log_base + s.log.len() as u64 {
+                return Err(RestoreError::Invalid("log positions"));
+            }
+            s.send_cursor = s.log_base;
+            Ok(())
+        })
+    }
+}
+
+/// Stream numbering and the stream-count credit each way (§6.1, §6.5).
+struct StreamIds;
+
+impl Part for StreamIds {
+    const KIND: SectionKind = kind(0x08, "stream ids", false);
+
+    fn write(s: &Session, _: &WriteCtx, w: &mut EnvelopeWriter) {
+        w.section(&Self::KIND, |o| {
+            for v in [
+                s.next_local_stream,
+                s.next_peer_stream,
+                s.local_streams_opened,
+                s.local_stream_limit,
+                s.peer_streams_opened,
+                s.peer_streams_forgotten,
+                s.peer_stream_limit,
+            ] {
+                put_varint(o, v);
+            }
+        });
+    }
+
+    fn read(s: &mut Session, _: &ReadCtx, env: &Envelope<'_>) -> Result<(), RestoreError> {
+        body(env.require(&Self::KIND)?, "stream ids length", |r| {
+            s.next_local_stream = r.varint()?;
+            s.next_peer_stream = r.varint()?;
+            s.local_streams_opened = r.varint()?;
+            s.local_stream_limit = r.varint()?;
+            s.peer_streams_opened = r.varint()?;
+            s.peer_streams_forgotten = r.varint()?;
+            s.peer_stream_limit = r.varint()?;
+            Ok(())
+        })
+    }
+}
+
+/// Session-wide flow control (§8): our send limit and use, our receive
+/// limit, what arrived and what the application consumed.
+struct Flow;
+
+impl Part for Flow {
+    const KIND: SectionKind = kind(0x0a, "flow control", false);
+
+    fn write(s: &Session, _: &WriteCtx, w: &mut EnvelopeWriter) {
+        w.section(&Self::KIND, |o| {
+            for v in [
+                s.conn_send_max,
+                s.conn_sent,
+                s.conn_recv_max,
+                s.conn_received,
+                s.conn_consumed,
+            ] {
+                put_varint(o, v);
+            }
+        });
+    }
+
+    fn read(s: &mut Session, _: &ReadCtx, env: &Envelope<'_>) -> Result<(), RestoreError> {
+        body(env.require(&Self::KIND)?, "flow control length", |r| {
+            s.conn_send_max = r.varint()?;
+            s.conn_sent = r.varint()?;
+            s.conn_recv_max = r.varint()?;
+            s.conn_received = r.varint()?;
+            s.conn_consumed = r.varint()?;
+            Ok(())
+        })
+    }
+}
+
+/// Present only for a Closing session (§10.1): whether a `close()` is still
+/// waiting to log its CLOSE, and its code and reason.
+struct Closing;
+
+impl Part for Closing {
+    const KIND: SectionKind = kind(0x0c, "closing", false);
+
+    fn write(s: &Session, _: &WriteCtx, w: &mut EnvelopeWriter) {
+        if s.state != State::Closing {
+            return;
+        }
+        w.section(&Self::KIND, |o| match &s.close_requested {
+            Some((code, reason)) => {
+                o.push(1);
+                put_varint(o, *code);
+                put_lp_bytes(o, reason);
+            }
+            None => o.push(0),
+        });
+    }
+
+    fn read(s: &mut Session, _: &ReadCtx, env: &Envelope<'_>) -> Result<(), RestoreError> {
+        let Some(b) = env.get(&Self::KIND) else {
+            s.state = State::Suspended;
+            return Ok(());
+        };
+        body(b, "closing length", |r| {
+            s.close_requested = match r.u8()? {
+                0 => None,
+                1 => Some((
+                    r.varint()?,
+                    r.lp_bytes(crate::frame::MAX_TEXT_LEN, "close reason")?
+                        .to_vec(),
+                )),
+                _ => return Err(RestoreError::Invalid("close flag")),
+            };
+            s.state = State::Closing;
+            Ok(())
+        })
+    }
+}
+
+/// One section per stream still held, in increasing id order (§6, §8): its
+/// offsets and limits, its unacknowledged and unsent bytes, its unread bytes,
+/// and its flags.
+struct Streams;
+
+/// Stream flag bits, bit 0 upwards, as the `Streams` section stores them.
+const STREAM_FLAGS: u32 = 9;
+
+impl Part for Streams {
+    const KIND: SectionKind = kind(0x0e, "stream", true);
+
+    fn write(s: &Session, _: &WriteCtx, w: &mut EnvelopeWriter) {
+        for (id, st) in &s.streams {
+            w.section(&Self::KIND, |o| {
+                put_varint(o, *id);
+                put_lp_bytes(o, &st.meta);
+                put_varint(o, st.send_base);
+                put_deque(o, &st.send_buf);
+                for v in [
+                    st.sent,
+                    st.send_max,
+                    u64::from(st.in_log),
+                    st.received,
+                    st.recv_max,
+                    st.reset.unwrap_or(0),
+                ] {
+                    put_varint(o, v);
+                }
+                put_deque(o, &st.recv_buf);
+                let flags = [
+                    st.fin_requested,
+                    st.fin_sent,
+                    st.fin_acked,
+                    st.write_blocked,
+                    st.fin_received,
+                    st.eof_delivered,
+                    st.reset.is_some(),
+                    st.reset_seen,
+                    st.contending,
+                ];
+                let bits = flags
+                    .iter()
+                    .enumerate()
+                    .fold(0u64, |b, (i, f)| b | (u64::from(*f) << i));
+                put_varint(o, bits);
+            });
+        }
+    }
+
+    fn read(s: &mut Session, _: &ReadCtx, env: &Envelope<'_>) -> Result<(), RestoreError> {
+        let mut last = None;
+        for b in env.all(&Self::KIND) {
+            let (id, st) = body(b, "stream length", read_stream)?;
+            if last.is_some_and(|l| l >= id) {
+                return Err(RestoreError::Invalid("stream order"));
+            }
+            last = Some(id);
+            s.send_buffered += st.send_buf.len() as u64;
+            if st.write_blocked {
+                s.write_waiters.push(id);
+            }
+            if st.contending {
+                s.contenders += 1;
+            }
+            s.streams.insert(id, Box::new(st));
+        }
+        // Every log entry must point at state we hold.
+        for e in &s.log {
+            if let Entry::Data {
+                stream,
+                offset,
+                len,
+                ..
+            } = e
+            {
+                let ok = s.streams.get(stream).is_some_and(|st| {
+                    *offset >= st.send_base && offset + u64::from(*len) <= st.written()
+                });
+                if !ok {
+                    return Err(RestoreError::Invalid(
+                        "log entry refers to missing stream data",
+                    ));
+                }
+            }
+        }
+        let ids: Vec<u64> = s.streams.keys().copied().collect();
+        for id in ids {
+            s.enqueue(id);
+        }
+        Ok(())
+    }
+}
+
+/// Reads one stream section's body (the inverse of `Streams::write`).
+fn read_stream(r: &mut Reader<'_>) -> Result<(u64, Stream), RestoreError> {
+    let id = r.varint()?;
+    let meta = r
+        .lp_bytes(crate::frame::MAX_META_LEN, "stream metadata")?
+        .to_vec();
+    let mut st = Stream::new(meta, 0, 0);
+    st.send_base = r.varint()?;
+    st.send_buf = r
+        .lp_bytes(r.remaining(), "send buffer")?
+        .iter()
+        .copied()
+        .collect();
+    st.sent = r.varint()?;
+    st.send_max = r.varint()?;
+    st.in_log =
+        u32::try_from(r.varint()?).map_err(|_| RestoreError::Invalid("stream log count"))?;
+    st.received = r.varint()?;
+    st.recv_max = r.varint()?;
+    let reset_code = r.varint()?;
+    st.recv_buf = r
+        .lp_bytes(r.remaining(), "receive buffer")?
+        .iter()
+        .copied()
+        .collect();
+    let flags = r.varint()?;
+    if flags >> STREAM_FLAGS != 0 {
+        return Err(RestoreError::Invalid("stream flags"));
+    }
+    let bit = |i: u32| flags & (1 << i) != 0;
+    st.fin_requested = bit(0);
+    st.fin_sent = bit(1);
+    st.fin_acked = bit(2);
+    st.write_blocked = bit(3);
+    st.fin_received = bit(4);
+    st.eof_delivered = bit(5);
+    st.reset = bit(6).then_some(reset_code);
+    if st.reset.is_none() && reset_code != 0 {
+        return Err(RestoreError::Invalid("reset code without reset"));
+    }
+    st.reset_seen = bit(7);
+    st.contending = bit(8);
+    if st.sent < st.send_base || st.sent > st.written() {
+        return Err(RestoreError::Invalid("stream send offsets"));
+    }
+    Ok((id, st))
+}
+
+/// Counters for status displays (`Stats`). Optional: a reader that does not
+/// know it loses only statistics; absent, they restart from zero.
+struct Statistics;
+
+impl Part for Statistics {
+    const KIND: SectionKind = kind(0x11, "statistics", false);
+
+    fn write(s: &Session, _: &WriteCtx, w: &mut EnvelopeWriter) {
+        w.section(&Self::KIND, |o| {
+            for v in [
+                s.stats.bytes_sent,
+                s.stats.bytes_received,
+                s.stats.bytes_replayed,
+                s.stats.frames_replayed,
+                s.stats.transports,
+                s.stats.resumes,
+            ] {
+                put_varint(o, v);
+            }
+        });
+    }
+
+    fn read(s: &mut Session, _: &ReadCtx, env: &Envelope<'_>) -> Result<(), RestoreError> {
+        let Some(b) = env.get(&Self::KIND) else {
+            return Ok(());
+        };
+        body(b, "statistics length", |r| {
+            s.stats.bytes_sent = r.varint()?;
+            s.stats.bytes_received = r.varint()?;
+            s.stats.bytes_replayed = r.varint()?;
+            s.stats.frames_replayed = r.varint()?;
+            s.stats.transports = r.varint()?;
+            s.stats.resumes = r.varint()?;
+            Ok(())
+        })
+    }
+}
+
+/// Appends a byte queue as lp-bytes.
 fn put_deque(out: &mut Vec<u8>, d: &VecDeque<u8>) {
     let (a, b) = d.as_slices();
     put_varint(out, (a.len() + b.len()) as u64);
@@ -110,116 +647,30 @@ fn put_deque(out: &mut Vec<u8>, d: &VecDeque<u8>) {
 }
 
 impl Session {
-    /// Exports the session's complete protocol state — keys, stream offsets,
-    /// unacknowledged and unread data — as a self-checking blob (§13). The
-    /// session itself is left as it was; drop it to release everything it holds.
-    /// An active transport is not part of the export: the restored session
+    /// Takes a snapshot of the session's complete protocol state — keys and
+    /// resume secret, sequence and log, flow control, every stream with its
+    /// unacknowledged and unread data — as a self-checking blob (§13). Works
+    /// on a live session as well as a suspended one: the active transport
+    /// (and a resume candidate) are not part of it, so the restored session
     /// starts suspended and waits for (server) or makes (client) a resume.
+    /// The session itself is left as it was; whoever restores the snapshot
+    /// must be its only user from then on (drop this one).
     pub fn export(&self, now: Instant) -> Result<Vec<u8>, ExportError> {
         match self.state {
             State::Handshaking => return Err(ExportError::NotEstablished),
             State::Closed => return Err(ExportError::Closed),
             _ => {}
         }
-        let (Some(id), Some(secret), Some(peer_key), Some(p)) =
-            (self.id, self.secret, self.peer_key, self.peer_params)
-        else {
+        if self.id.is_none()
+            || self.secret.is_none()
+            || self.peer_key.is_none()
+            || self.peer_params.is_none()
+        {
             return Err(ExportError::NotEstablished);
-        };
-        let mut o = Vec::with_capacity(256 + self.send_buffered as usize);
-        o.extend_from_slice(&MAGIC);
-        o.push(FORMAT);
-        o.push(match self.role {
-            Role::Client => 0,
-            Role::Server => 1,
-        });
-        o.push(u8::from(self.state == State::Closing));
-        o.extend_from_slice(&id.0);
-        o.extend_from_slice(&secret);
-        o.extend_from_slice(&peer_key.0);
-        for v in [p.stream_window, p.session_window, p.max_streams] {
-            put_varint(&mut o, v);
         }
-        put_varint(&mut o, self.resume_timeout.as_millis() as u64);
-        let suspended_for = self
-            .suspended_since
-            .map_or(Duration::ZERO, |s| now.saturating_duration_since(s));
-        put_varint(&mut o, suspended_for.as_millis() as u64);
-        put_varint(&mut o, self.replay_memory.len() as u64);
-        for e in &self.replay_memory {
-            o.extend_from_slice(e);
-        }
-        for v in [
-            self.log_base,
-            self.high_sent,
-            self.recv_seq,
-            self.next_local_stream,
-            self.next_peer_stream,
-            self.local_streams_opened,
-            self.local_stream_limit,
-            self.peer_streams_opened,
-            self.peer_streams_forgotten,
-            self.peer_stream_limit,
-            self.conn_send_max,
-            self.conn_sent,
-            self.conn_recv_max,
-            self.conn_received,
-            self.conn_consumed,
-            self.stats.bytes_sent,
-            self.stats.bytes_received,
-            self.stats.bytes_replayed,
-            self.stats.frames_replayed,
-            self.stats.transports,
-            self.stats.resumes,
-        ] {
-            put_varint(&mut o, v);
-        }
-        match &self.close_requested {
-            Some((code, reason)) => {
-                o.push(1);
-                put_varint(&mut o, *code);
-                put_lp_bytes(&mut o, reason);
-            }
-            None => o.push(0),
-        }
-        put_varint(&mut o, self.log.len() as u64);
-        for e in &self.log {
-            encode_entry(&mut o, e);
-        }
-        put_varint(&mut o, self.streams.len() as u64);
-        for (id, s) in &self.streams {
-            put_varint(&mut o, *id);
-            put_lp_bytes(&mut o, &s.meta);
-            put_varint(&mut o, s.send_base);
-            put_deque(&mut o, &s.send_buf);
-            for v in [
-                s.sent,
-                s.send_max,
-                u64::from(s.in_log),
-                s.received,
-                s.recv_max,
-                s.reset.unwrap_or(0),
-            ] {
-                put_varint(&mut o, v);
-            }
-            put_deque(&mut o, &s.recv_buf);
-            put_bool_flags(
-                &mut o,
-                &[
-                    s.fin_requested,
-                    s.fin_sent,
-                    s.fin_acked,
-                    s.write_blocked,
-                    s.fin_received,
-                    s.eof_delivered,
-                    s.reset.is_some(),
-                    s.reset_seen,
-                ],
-            );
-        }
-        let digest = Sha256::digest(&o);
-        o.extend_from_slice(&digest);
-        Ok(o)
+        let mut w = EnvelopeWriter::new(MAGIC, 256 + self.send_buffered as usize);
+        write_parts(self, &WriteCtx { now }, &mut w);
+        Ok(w.finish())
     }
 
     /// Restores a server session exported by [`Session::export`]. `offline` is
@@ -252,6 +703,7 @@ impl Session {
         Ok(s)
     }
 
+    /// Opens the envelope and reads every part into this fresh session.
     fn restore_into(
         &mut self,
         role: Role,
@@ -259,168 +711,8 @@ impl Session {
         blob: &[u8],
         offline: Duration,
     ) -> Result<(), RestoreError> {
-        if blob.len() < MAGIC.len() || blob[..4] != MAGIC {
-            return Err(RestoreError::NotAContinuation);
-        }
-        if blob.len() < 5 + DIGEST_LEN {
-            return Err(RestoreError::Corrupted);
-        }
-        if blob[4] != FORMAT {
-            return Err(RestoreError::UnsupportedFormat(blob[4]));
-        }
-        let (body, digest) = blob.split_at(blob.len() - DIGEST_LEN);
-        if Sha256::digest(body).as_slice() != digest {
-            return Err(RestoreError::Corrupted);
-        }
-        let mut r = Reader::new(&body[5..]);
-        let blob_role = match r.u8()? {
-            0 => Role::Client,
-            1 => Role::Server,
-            _ => return Err(RestoreError::Invalid("role")),
-        };
-        if blob_role != role {
-            return Err(RestoreError::WrongRole);
-        }
-        let closing = r.u8()? == 1;
-        self.id = Some(SessionId(r.array()?));
-        self.secret = Some(r.array()?);
-        self.peer_key = Some(PublicKey(r.array()?));
-        self.peer_params = Some(Params {
-            stream_window: r.varint()?,
-            session_window: r.varint()?,
-            max_streams: r.varint()?,
-        });
-        self.resume_timeout = Duration::from_millis(r.varint()?).min(self.resume_timeout);
-        let suspended_for = Duration::from_millis(r.varint()?) + offline;
-        if suspended_for >= self.resume_timeout {
-            return Err(RestoreError::Expired);
-        }
-        self.suspended_since = Some(now.checked_sub(suspended_for).unwrap_or(now));
-        let n = r.varint_usize(super::REPLAY_MEMORY, "replay memory")?;
-        for _ in 0..n {
-            self.replay_memory.push_back(r.array()?);
-        }
-        let mut v = [0u64; 21];
-        for x in &mut v {
-            *x = r.varint()?;
-        }
-        [
-            self.log_base,
-            self.high_sent,
-            self.recv_seq,
-            self.next_local_stream,
-            self.next_peer_stream,
-            self.local_streams_opened,
-            self.local_stream_limit,
-            self.peer_streams_opened,
-            self.peer_streams_forgotten,
-            self.peer_stream_limit,
-            self.conn_send_max,
-            self.conn_sent,
-            self.conn_recv_max,
-            self.conn_received,
-            self.conn_consumed,
-            self.stats.bytes_sent,
-            self.stats.bytes_received,
-            self.stats.bytes_replayed,
-            self.stats.frames_replayed,
-            self.stats.transports,
-            self.stats.resumes,
-        ] = v;
-        self.close_requested = match r.u8()? {
-            0 => None,
-            1 => Some((
-                r.varint()?,
-                r.lp_bytes(crate::frame::MAX_TEXT_LEN, "close reason")?
-                    .to_vec(),
-            )),
-            _ => return Err(RestoreError::Invalid("close flag")),
-        };
-        let entries = r.varint_usize(r.remaining(), "log length")?;
-        for _ in 0..entries {
-            self.log.push_back(decode_entry(&mut r)?);
-        }
-        if self.high_sent < self.log_base || self.high_sent > self.log_base + self.log.len() as u64
-        {
-            return Err(RestoreError::Invalid("log positions"));
-        }
-        self.send_cursor = self.log_base;
-        let streams = r.varint_usize(r.remaining(), "stream count")?;
-        for _ in 0..streams {
-            let id = r.varint()?;
-            let meta = r
-                .lp_bytes(crate::frame::MAX_META_LEN, "stream metadata")?
-                .to_vec();
-            let mut s = Stream::new(meta, 0, 0);
-            s.send_base = r.varint()?;
-            s.send_buf = r
-                .lp_bytes(r.remaining(), "send buffer")?
-                .iter()
-                .copied()
-                .collect();
-            let mut f = [0u64; 6];
-            for x in &mut f {
-                *x = r.varint()?;
-            }
-            let reset_code;
-            [s.sent, s.send_max, _, s.received, s.recv_max, reset_code] = f;
-            s.in_log =
-                u32::try_from(f[2]).map_err(|_| RestoreError::Invalid("stream log count"))?;
-            s.recv_buf = r
-                .lp_bytes(r.remaining(), "receive buffer")?
-                .iter()
-                .copied()
-                .collect();
-            let flags = r.u8()?;
-            let bit = |i: u8| flags & (1 << i) != 0;
-            s.fin_requested = bit(0);
-            s.fin_sent = bit(1);
-            s.fin_acked = bit(2);
-            s.write_blocked = bit(3);
-            s.fin_received = bit(4);
-            s.eof_delivered = bit(5);
-            s.reset = bit(6).then_some(reset_code);
-            s.reset_seen = bit(7);
-            if s.sent < s.send_base || s.sent > s.written() {
-                return Err(RestoreError::Invalid("stream send offsets"));
-            }
-            self.send_buffered += s.send_buf.len() as u64;
-            if s.write_blocked {
-                self.write_waiters.push(id);
-            }
-            self.streams.insert(id, Box::new(s));
-        }
-        r.finish()
-            .map_err(|_| RestoreError::Invalid("trailing bytes"))?;
-        // Every log entry must point at state we hold.
-        for e in &self.log {
-            if let Entry::Data {
-                stream,
-                offset,
-                len,
-                ..
-            } = e
-            {
-                let ok = self.streams.get(stream).is_some_and(|s| {
-                    *offset >= s.send_base && offset + u64::from(*len) <= s.written()
-                });
-                if !ok {
-                    return Err(RestoreError::Invalid(
-                        "log entry refers to missing stream data",
-                    ));
-                }
-            }
-        }
-        let ids: Vec<u64> = self.streams.keys().copied().collect();
-        for id in ids {
-            self.enqueue(id);
-        }
-        self.state = if closing {
-            State::Closing
-        } else {
-            State::Suspended
-        };
-        Ok(())
+        let env = Envelope::open(MAGIC, blob, PARTS)?;
+        read_parts(self, &ReadCtx { role, now, offline }, &env)
     }
 }
 

@@ -19,6 +19,7 @@
 //! Application calls (`open_stream`, `write`, `read`, `finish`, `reset`,
 //! `close`) may happen at any point; follow them with step 2.
 
+pub mod envelope;
 mod export;
 // Hooks for the session fuzz targets; like `suite_fuzzing.rs`, only under cargo-fuzz.
 #[cfg(fuzzing)]
