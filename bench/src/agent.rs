@@ -135,8 +135,12 @@ async fn relay(echo: bool) -> io::Result<()> {
         addresses: Vec::new(),
         session: roam_proto::Config::default(),
     });
+    // A benchmark's clients all come from 127.0.0.1 with one key: lift the
+    // per-address and per-key caps with the overall ones.
     config.max_connections = 1_000_000;
     config.max_sessions = 1_000_000;
+    config.max_sessions_per_ip = 1_000_000;
+    config.max_sessions_per_key = 1_000_000;
     let sessions: Arc<Mutex<Vec<SessionHandle>>> = Arc::default();
     let s2 = sessions.clone();
     tokio::spawn(async move {
