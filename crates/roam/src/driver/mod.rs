@@ -80,15 +80,8 @@ pub(crate) struct Driver {
 impl Driver {
     pub(crate) fn new(inner: Arc<Inner>, conn: Conn, kind: Kind) -> Self {
         Self {
-            inner,
             conns: vec![conn],
-            kind,
-            scratch: Vec::new(),
-            give_up_at: None,
-            shutting_down: false,
-            handoffs_open: true,
-            closed_sent: false,
-            detached: false,
+            ..Self::restored(inner, kind)
         }
     }
 
