@@ -35,8 +35,8 @@ use criterion::{criterion_main, BenchmarkId, Criterion, Throughput};
 use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM};
 use roam_proto::record::{MAX_PLAINTEXT, TAG_LEN};
 use roam_proto::{
-    parse_hello, ClientConfig, Config, Event, Keypair, ServerConfig, ServerTrust, Session,
-    StreamId, TransportId,
+    route_opening, ClientConfig, Config, Event, Keypair, Opening, ServerConfig, ServerTrust,
+    Session, StreamId, TransportId,
 };
 
 /// Simulated time between two writes; the sessions never read a real clock.
@@ -90,7 +90,9 @@ impl Pair {
         let client_tid = client.connect(now, None).expect("connect");
         let mut hello = Vec::new();
         while client.poll_transmit(now, &mut hello).is_some() {}
-        let (h, used) = parse_hello(&hello).expect("hello").expect("whole hello");
+        let Opening::New { hello: h, used } = route_opening(&hello) else {
+            panic!("the client's opening is a whole new-session hello");
+        };
         let (server, server_tid) = Session::accept(&server_config, now, &h, None).expect("accept");
         let mut pair = Pair {
             now,

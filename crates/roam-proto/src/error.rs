@@ -49,6 +49,10 @@ pub enum Error {
     ServerBusy,
     /// The peer refused with a status this version does not know.
     PeerRefused(u8),
+    /// The session lives on another host of its service now: resume at this
+    /// address (`host:port`, a `Moved` refusal, §9.3). Costs the transport,
+    /// never the session.
+    Moved(String),
 
     // --- lifetime
     /// The session stayed suspended longer than its resume timeout.
@@ -82,6 +86,7 @@ impl fmt::Display for Error {
             Self::ReplayedResume => write!(f, "resume refused: replayed resume message"),
             Self::ServerBusy => write!(f, "server is at its session limit; try again later"),
             Self::PeerRefused(code) => write!(f, "peer refused the transport (status {code})"),
+            Self::Moved(addr) => write!(f, "the session moved to {addr}; resuming there"),
             Self::Expired => write!(f, "session expired: suspended longer than its resume timeout"),
             Self::Random => write!(f, "the system random source failed"),
         }

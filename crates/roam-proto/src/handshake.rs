@@ -40,7 +40,13 @@ pub enum Status {
     Replay = 4,
     /// The server is at its session limit; try later.
     Busy = 5,
+    /// The session lives on another host of the same service: an address
+    /// (`u16` length, UTF-8 `host:port`) follows; resume there (§9.3).
+    Moved = 6,
 }
+
+/// Longest address a `Moved` refusal carries (bytes), as for MOVE_TO.
+pub const MAX_MOVED_ADDR: usize = 1024;
 
 impl Status {
     fn error(code: u8) -> Error {
@@ -120,6 +126,23 @@ fn established(mut hs: snow::HandshakeState) -> Established {
 fn put_msg(out: &mut Vec<u8>, msg: &[u8]) {
     out.extend_from_slice(&(msg.len() as u16).to_be_bytes());
     out.extend_from_slice(msg);
+}
+
+/// Reads the address of a `Moved` refusal (§9.3); `None` if incomplete.
+fn take_addr(buf: &[u8]) -> Result<Option<String>, Error> {
+    if buf.len() < 2 {
+        return Ok(None);
+    }
+    let len = usize::from(u16::from_be_bytes([buf[0], buf[1]]));
+    if len == 0 || len > MAX_MOVED_ADDR {
+        return Err(Error::ProtocolViolation("moved address empty or too long"));
+    }
+    let Some(addr) = buf.get(2..2 + len) else {
+        return Ok(None);
+    };
+    String::from_utf8(addr.to_vec())
+        .map(Some)
+        .map_err(|_| Error::ProtocolViolation("moved address is not UTF-8"))
 }
 
 /// Reads a `u16`-length-prefixed handshake message from `buf`; `None` if incomplete.
@@ -202,6 +225,12 @@ fn server_reply(buf: &[u8]) -> Result<Option<(&[u8], usize)>, Error> {
     }
     if buf.len() < 6 {
         return Ok(None);
+    }
+    if buf[5] == Status::Moved as u8 {
+        return match take_addr(&buf[6..])? {
+            Some(addr) => Err(Error::Moved(addr)),
+            None => Ok(None),
+        };
     }
     if buf[5] != Status::Ok as u8 {
         return Err(Status::error(buf[5]));
@@ -311,6 +340,29 @@ impl Hello {
     pub fn reject(&self, status: Status, out: &mut Vec<u8>) {
         out.extend_from_slice(&MAGIC);
         out.extend_from_slice(&[0, status as u8]);
+    }
+
+    /// The refusal that tells the client why its transport is refused
+    /// (the status of [`Error::refusal_status`]); write it, then close.
+    pub fn refusal(&self, error: &Error) -> Vec<u8> {
+        let mut out = Vec::with_capacity(6);
+        self.reject(error.refusal_status(), &mut out);
+        out
+    }
+
+    /// The `Moved` refusal (§9.3): the session this resume names lives at
+    /// `addr` (`host:port` of another host of the service); the client
+    /// resumes there at once. Write it, then close. `None` if `addr` is
+    /// empty or longer than [`MAX_MOVED_ADDR`].
+    pub fn redirect(&self, addr: &str) -> Option<Vec<u8>> {
+        if addr.is_empty() || addr.len() > MAX_MOVED_ADDR {
+            return None;
+        }
+        let mut out = Vec::with_capacity(8 + addr.len());
+        self.reject(Status::Moved, &mut out);
+        out.extend_from_slice(&(addr.len() as u16).to_be_bytes());
+        out.extend_from_slice(addr.as_bytes());
+        Some(out)
     }
 
     /// The client's ephemeral key, which identifies this exact resume message.

@@ -22,13 +22,14 @@
 //!
 //! Non-goals: datagrams, 0-RTT data, multipath use of several transports at once.
 //!
-//! Entry points: [`Session`] for both roles, [`parse_hello`] for a server's
+//! Entry points: [`Session`] for both roles, [`route_opening`] for a server's
 //! incoming transports, [`ClientConfig`]/[`ServerConfig`] for identities.
 
 #![forbid(unsafe_code)]
 
 pub mod codec;
 mod config;
+pub mod endpoint;
 mod error;
 mod event;
 pub mod frame;
@@ -43,9 +44,10 @@ mod stream;
 mod suite;
 
 pub use config::{ClientConfig, Config, ServerConfig, ServerTrust};
+pub use endpoint::{route_opening, Opening};
 pub use error::{code, Error, StreamError};
 pub use event::{CloseReason, Event, SuspendReason, TransportId};
-pub use handshake::{parse_hello, Hello, Params, Status, MAGIC, VERSION};
+pub use handshake::{parse_hello, Hello, Params, Status, MAGIC, MAX_MOVED_ADDR, VERSION};
 pub use keys::{KeyParseError, Keypair, PublicKey, SessionId};
 pub use session::envelope;
 pub use session::{ExportError, RestoreError, Role, Session, State, Stats};

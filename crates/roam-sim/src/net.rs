@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use roam_proto::{
-    parse_hello, ClientConfig, Config, Event, Keypair, ServerConfig, ServerTrust, Session,
-    TransportId,
+    route_opening, ClientConfig, Config, Event, Keypair, Opening, ServerConfig, ServerTrust,
+    Session, TransportId,
 };
 
 /// The seed from `ROAM_SIM_SEED`, or `default`.
@@ -422,18 +422,24 @@ impl Sim {
             }
             ServerEnd::Hello(buf) => {
                 buf.extend_from_slice(bytes);
-                let parsed = parse_hello(buf);
-                let (hello, used) = match parsed {
-                    Ok(Some(h)) => h,
-                    Ok(None) => return,
-                    Err(e) => {
-                        self.endpoint_errors.push(e);
+                let (hello, used, resume) = match route_opening(buf) {
+                    Opening::Incomplete => return,
+                    Opening::New { hello, used } => (hello, used, None),
+                    Opening::Resume { id, hello, used } => (hello, used, Some(id)),
+                    Opening::Refuse { error, reply } => {
+                        self.endpoint_errors.push(error);
+                        let c = &mut self.conns[i];
+                        if !c.blackholed && !reply.is_empty() {
+                            let at = now + c.delay;
+                            c.s2c.push_back((at, reply));
+                        }
                         self.close_from(i, false);
                         return;
                     }
+                    _ => unreachable!("route_opening's answers are all handled"),
                 };
                 let rest = buf[used..].to_vec();
-                let result = match hello.resume_session() {
+                let result = match resume {
                     None => match Session::accept(&self.server_cfg, now, &hello, peer) {
                         Ok((s, tid)) => {
                             self.server = Some(s);
@@ -454,8 +460,7 @@ impl Sim {
                         }
                     }
                     Err(e) => {
-                        let mut out = Vec::new();
-                        hello.reject(e.refusal_status(), &mut out);
+                        let out = hello.refusal(&e);
                         self.endpoint_errors.push(e);
                         let c = &mut self.conns[i];
                         if !c.blackholed {

@@ -1,15 +1,16 @@
 //! Hooks for session continuations (`docs/PROTOCOL.md` §13) used by the
 //! `roam-continuation` crate: taking a session out of its driver
-//! ([`SessionHandle::detach`](crate::SessionHandle::detach)) and putting a
-//! restored one back into a server's routing map
-//! ([`serve_with_restore`](crate::serve_with_restore)).
+//! ([`SessionHandle::detach`](crate::SessionHandle::detach)), and the
+//! [`Directory`] a server asks where a session it does not hold lives —
+//! stored here as a continuation (then put back into the routing map), on
+//! another host of the service (then the client is redirected there, §9.3),
+//! or nowhere ([`serve_with_directory`](crate::serve_with_directory)).
 //!
 //! Nothing here decides *when* to detach or where a continuation is kept;
 //! that is the caller's policy.
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 
 use roam_proto::{SessionId, StreamId};
 
@@ -81,9 +82,81 @@ impl std::fmt::Debug for Restored {
 /// hold: `Ok(Some(_))` installs it, `Ok(None)` means unknown here (the
 /// routing map is checked once more, then the resume is refused as
 /// `UnknownSession`), `Err(e)` refuses the resume with `e`'s status (e.g.
-/// `ServerBusy` for "try again later").
+/// `ServerBusy` for "try again later"). The closure form of a [`Directory`]
+/// that knows no other host ([`serve_with_restore`](crate::serve_with_restore)).
 pub type LookupResult = Result<Option<Restored>, roam_proto::Error>;
 
-/// The boxed lookup a server calls on a routing-map miss.
-pub(crate) type Lookup =
-    Arc<dyn Fn(SessionId) -> Pin<Box<dyn Future<Output = LookupResult> + Send>> + Send + Sync>;
+/// Where a session that is not live in this server lives, as a
+/// [`Directory`] answers.
+#[non_exhaustive]
+pub enum Location {
+    /// Here, as a stored continuation: install it and resume on it.
+    /// (Boxed: a restored session is large, the other answers are small.)
+    Stored(Box<Restored>),
+    /// On another host of the service, reachable for clients at this
+    /// `host:port`: the resume is answered with a `Moved` refusal naming it
+    /// (`docs/PROTOCOL.md` §9.3) and the client resumes there.
+    Elsewhere(String),
+    /// Nowhere this directory knows: the resume is refused `UnknownSession`.
+    Unknown,
+    /// Refuse this resume with the error's status, e.g. `ServerBusy` for
+    /// "try again later" (a session that is being moved or restored).
+    Refused(roam_proto::Error),
+}
+
+impl std::fmt::Debug for Location {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Stored(r) => f.debug_tuple("Stored").field(r).finish(),
+            Self::Elsewhere(a) => f.debug_tuple("Elsewhere").field(a).finish(),
+            Self::Unknown => f.write_str("Unknown"),
+            Self::Refused(e) => f.debug_tuple("Refused").field(e).finish(),
+        }
+    }
+}
+
+impl From<LookupResult> for Location {
+    fn from(r: LookupResult) -> Self {
+        match r {
+            Ok(Some(restored)) => Self::Stored(Box::new(restored)),
+            Ok(None) => Self::Unknown,
+            Err(e) => Self::Refused(e),
+        }
+    }
+}
+
+/// A boxed future a [`Directory`] answers with.
+pub type Locating = Pin<Box<dyn Future<Output = Location> + Send>>;
+
+/// Where sessions live when they are not live in this server's routing map:
+/// the seam between one server and the rest of its service (continuation
+/// stores, other hosts of a cluster). A server asks it once per resume that
+/// names a session it does not hold; the answer must not wait long (the
+/// client is waiting), but may wait for a move in progress to settle.
+pub trait Directory: Send + Sync + 'static {
+    /// Where session `id` lives.
+    fn locate(&self, id: SessionId) -> Locating;
+}
+
+/// A [`Directory`] from a lookup closure (stored continuations only).
+pub(crate) struct LookupDirectory<L>(pub(crate) L);
+
+impl<L, Fut> Directory for LookupDirectory<L>
+where
+    L: Fn(SessionId) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = LookupResult> + Send + 'static,
+{
+    fn locate(&self, id: SessionId) -> Locating {
+        let fut = (self.0)(id);
+        Box::pin(async move { Location::from(fut.await) })
+    }
+}
+
+/// The directory of a server that keeps nothing outside its routing map.
+pub(crate) struct NoDirectory;
+
+impl Directory for NoDirectory {
+    fn locate(&self, _id: SessionId) -> Locating {
+        Box::pin(std::future::ready(Location::Unknown))
+    }
+}

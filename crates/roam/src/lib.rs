@@ -24,9 +24,11 @@
 //!   waits for `StreamWritable`.
 //! - **Server**: [`serve`] takes an already-bound listener and a shutdown
 //!   future. A semaphore caps concurrent connections (one over it is answered
-//!   "busy" at once, within a small overflow); each connection's preamble is
-//!   parsed with [`roam_proto::parse_hello`] and routed to a new session or,
-//!   for a resume, to the driver that owns the named session. Sessions are
+//!   "busy" at once, within a small overflow); each connection's opening is
+//!   routed by [`roam_proto::route_opening`] to a new session or, for a
+//!   resume, to the driver that owns the named session; a session not live
+//!   here is looked up in a [`Directory`] (a stored continuation, another
+//!   host of the service, or nowhere). Sessions are
 //!   capped overall, per source address and per client key
 //!   ([`ServerConfig`]); [`ServerStats`] reports their use.
 //!
@@ -66,12 +68,12 @@ mod stream;
 
 pub use client::connect;
 pub use config::{ClientConfig, ServerConfig};
-pub use detach::{Detached, LookupResult, OnInstalled, Restored};
+pub use detach::{Detached, Directory, Locating, Location, LookupResult, OnInstalled, Restored};
 pub use error::Error;
 pub use handle::{SessionEvent, SessionHandle, SessionStats};
 pub use limits::{LogThrottle, ServerStats, ServerUsage};
 pub use netwatch::NetworkChanges;
-pub use server::{serve, serve_with_restore};
+pub use server::{serve, serve_with_directory, serve_with_restore};
 pub use stream::RoamStream;
 
 /// Re-exported so applications need not depend on `roam-proto` for common types.

@@ -1,5 +1,7 @@
-//! Server: accepts TCP connections, reads each one's opening and routes it to
-//! a new session or to the driver of the session it resumes.
+//! Server: accepts TCP connections, reads each one's opening and routes it
+//! ([`roam_proto::route_opening`]) to a new session, to the driver of the
+//! session it resumes, or — for a session not live here — to what the
+//! [`Directory`] says: a stored continuation, another host, or nowhere.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -8,20 +10,18 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use roam_proto::{parse_hello, Session, SessionId};
+use roam_proto::{route_opening, Hello, Opening, Session, SessionId};
 use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
-use crate::detach::{Lookup, LookupResult, Restored};
+use crate::detach::{Directory, Location, LookupDirectory, LookupResult, NoDirectory, Restored};
 use crate::driver::{reject, Conn, Driver, Handoff, Kind, OnSession, Routing, ServerSide};
 use crate::handle::{Inner, SessionHandle};
 use crate::limits::{suppressed_note, BusySlot, LogThrottle, Refusal, SharedThrottle};
 use crate::ServerConfig;
 
-/// Largest opening accepted before the hello parses (bytes). Real ones are < 100.
-const MAX_HELLO: usize = 4096;
 /// Resumes queued for one session's driver.
 const HANDOFF_QUEUE: usize = 4;
 /// Longest wait for the opening of a connection that will be answered busy:
@@ -59,8 +59,9 @@ struct Ctx {
     on_session: OnSession,
     shutdown: watch::Receiver<bool>,
     running: mpsc::Sender<()>,
-    /// Asked about resumes for sessions not in the registry (continuations).
-    lookup: Option<Lookup>,
+    /// Asked about resumes for sessions not in the registry (continuations,
+    /// other hosts).
+    directory: Arc<dyn Directory>,
     /// Throttles the warnings about refused new sessions.
     refusals: SharedThrottle,
 }
@@ -81,7 +82,14 @@ pub async fn serve<F>(
 where
     F: Fn(SessionHandle) + Send + Sync + 'static,
 {
-    serve_inner(listener, config, shutdown, Arc::new(on_session), None).await
+    serve_inner(
+        listener,
+        config,
+        shutdown,
+        Arc::new(on_session),
+        Arc::new(NoDirectory),
+    )
+    .await
 }
 
 /// [`serve`], plus a `lookup` asked whenever a resume names a session that
@@ -103,15 +111,33 @@ where
     L: Fn(SessionId) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = LookupResult> + Send + 'static,
 {
-    let lookup: Lookup = Arc::new(move |id| Box::pin(lookup(id)));
     serve_inner(
         listener,
         config,
         shutdown,
         Arc::new(on_session),
-        Some(lookup),
+        Arc::new(LookupDirectory(lookup)),
     )
     .await
+}
+
+/// [`serve`], plus a [`Directory`] asked whenever a resume names a session
+/// that is not live here: a [`Location::Stored`] session is installed as
+/// with [`serve_with_restore`]; for [`Location::Elsewhere`] the client is
+/// told the address of the host that holds it (a `Moved` refusal,
+/// `docs/PROTOCOL.md` §9.3) and resumes there; [`Location::Unknown`] and
+/// [`Location::Refused`] refuse the resume.
+pub async fn serve_with_directory<F>(
+    listener: TcpListener,
+    config: ServerConfig,
+    shutdown: impl Future<Output = ()>,
+    on_session: F,
+    directory: Arc<dyn Directory>,
+) -> io::Result<()>
+where
+    F: Fn(SessionHandle) + Send + Sync + 'static,
+{
+    serve_inner(listener, config, shutdown, Arc::new(on_session), directory).await
 }
 
 async fn serve_inner(
@@ -119,7 +145,7 @@ async fn serve_inner(
     config: ServerConfig,
     shutdown: impl Future<Output = ()>,
     on_session: OnSession,
-    lookup: Option<Lookup>,
+    directory: Arc<dyn Directory>,
 ) -> io::Result<()> {
     let max_connections = config.max_connections.max(1);
     let limit = Arc::new(Semaphore::new(max_connections));
@@ -135,7 +161,7 @@ async fn serve_inner(
         on_session,
         shutdown: stop_rx,
         running: running_tx,
-        lookup,
+        directory,
         refusals: SharedThrottle::new(LOG_EVERY),
     });
     // Accept errors and connections over the cap come in floods: one line per
@@ -193,8 +219,8 @@ async fn serve_inner(
 async fn answer_busy(ctx: Arc<Ctx>, mut sock: TcpStream, peer: SocketAddr, _slot: BusySlot) {
     let _running = ctx.running.clone();
     let timeout = ctx.config.hello_timeout.min(BUSY_HELLO_TIMEOUT);
-    match tokio::time::timeout(timeout, read_hello(&mut sock)).await {
-        Ok(Ok((hello, _, _))) => {
+    match tokio::time::timeout(timeout, read_opening(&mut sock)).await {
+        Ok(Ok((Opening::New { hello, .. } | Opening::Resume { hello, .. }, _))) => {
             tracing::debug!("connection from {peer}: at the connection limit, answered busy");
             reject(sock, hello, roam_proto::Error::ServerBusy).await;
         }
@@ -202,25 +228,34 @@ async fn answer_busy(ctx: Arc<Ctx>, mut sock: TcpStream, peer: SocketAddr, _slot
     }
 }
 
-/// Reads a connection's opening: the hello, how many bytes of the returned
-/// buffer it used, and the buffer.
-async fn read_hello(
-    sock: &mut TcpStream,
-) -> Result<(roam_proto::Hello, usize, Vec<u8>), roam_proto::Error> {
+/// Reads a connection's opening until [`route_opening`] decides, and returns
+/// its decision with the bytes read. A connection that closes first fails
+/// the handshake.
+async fn read_opening(sock: &mut TcpStream) -> Result<(Opening, Vec<u8>), roam_proto::Error> {
     let mut buf = Vec::with_capacity(512);
     let mut chunk = [0u8; 1024];
     loop {
-        match parse_hello(&buf) {
-            Ok(Some((hello, used))) => return Ok((hello, used, buf)),
-            Ok(None) if buf.len() < MAX_HELLO => {}
-            Ok(None) => return Err(roam_proto::Error::ProtocolViolation("opening too long")),
-            Err(e) => return Err(e),
+        match route_opening(&buf) {
+            Opening::Incomplete => {}
+            decided => return Ok((decided, buf)),
         }
         match sock.read(&mut chunk).await {
             Ok(0) | Err(_) => return Err(roam_proto::Error::HandshakeFailed),
             Ok(n) => buf.extend_from_slice(&chunk[..n]),
         }
     }
+}
+
+/// Writes `reply` (if any) and closes: a refusal decided before any session.
+async fn refuse_raw(mut sock: TcpStream, reply: Vec<u8>) {
+    use tokio::io::AsyncWriteExt;
+    let _ = tokio::time::timeout(Duration::from_secs(2), async {
+        if !reply.is_empty() {
+            let _ = sock.write_all(&reply).await;
+        }
+        let _ = sock.shutdown().await;
+    })
+    .await;
 }
 
 /// Accept errors that concern one connection or a passing resource shortage.
@@ -239,9 +274,9 @@ async fn handle_connection(
     permit: OwnedSemaphorePermit,
 ) {
     let _running = ctx.running.clone();
-    let (hello, used, buf) =
-        match tokio::time::timeout(ctx.config.hello_timeout, read_hello(&mut sock)).await {
-            Ok(Ok(h)) => h,
+    let (opening, buf) =
+        match tokio::time::timeout(ctx.config.hello_timeout, read_opening(&mut sock)).await {
+            Ok(Ok(o)) => o,
             Ok(Err(e)) => {
                 tracing::debug!("connection from {peer}: {e}");
                 return;
@@ -254,116 +289,152 @@ async fn handle_connection(
                 return;
             }
         };
-    let rest = buf[used..].to_vec();
-    match hello.resume_session() {
-        Some(id) => {
+    match opening {
+        Opening::Resume { id, hello, used } => {
+            let rest = buf[used..].to_vec();
             // Boxed: a channel allocates its slots up front, 32 at a time.
-            let mut h = Box::new(Handoff {
+            let h = Box::new(Handoff {
                 sock,
                 hello,
                 rest,
                 peer,
                 permit,
             });
-            // Registry first; on a miss (or a driver that just stopped) ask
-            // the lookup once, then look again: the lookup may have waited
-            // for another connection to install the session.
-            let mut asked = false;
-            loop {
-                if let Some(tx) = ctx.registry.get(&id) {
-                    match tx.send(h).await {
-                        Ok(()) => return,
-                        Err(mpsc::error::SendError(back)) => h = back,
-                    }
-                }
-                let Some(lookup) = ctx.lookup.as_ref().filter(|_| !asked) else {
-                    break;
-                };
-                asked = true;
-                match lookup(id).await {
-                    Ok(Some(restored)) => {
-                        install(&ctx, id, restored, h).await;
-                        return;
-                    }
-                    Ok(None) => {}
-                    Err(e) => {
-                        tracing::info!("refused resume of session {id} from {peer}: {e}");
-                        reject(h.sock, h.hello, e).await;
-                        return;
-                    }
-                }
-            }
-            tracing::info!(
-                "refused resume from {peer}: no session {id} (expired, closed or server restarted)"
-            );
-            reject(h.sock, h.hello, roam_proto::Error::UnknownSession).await;
+            resume(&ctx, id, h).await;
         }
-        None => {
-            let slot = match ctx.config.stats.admit(
-                Some(peer.ip()),
-                ctx.config.max_sessions,
-                ctx.config.max_sessions_per_ip,
-            ) {
-                Ok(slot) => slot,
-                Err(refusal) => {
-                    if let Some(n) = ctx.refusals.allow() {
-                        let why = match refusal {
-                            Refusal::Sessions(max) => format!("at the limit of {max} sessions"),
-                            Refusal::PerIp(max) => {
-                                format!("{} already holds {max} sessions, its limit", peer.ip())
-                            }
-                        };
-                        tracing::warn!(
-                            "refused new session from {peer}: {why}; answered busy{}",
-                            suppressed_note(n)
+        Opening::New { hello, used } => {
+            let rest = buf[used..].to_vec();
+            new_session(&ctx, sock, peer, permit, hello, rest).await;
+        }
+        Opening::Refuse { error, reply } => {
+            tracing::debug!("connection from {peer}: {error}");
+            refuse_raw(sock, reply).await;
+        }
+        _ => {}
+    }
+}
+
+/// Routes a resume: to the live session's driver, else where the directory
+/// says. The directory is asked once; the routing map is looked at again
+/// after it answers, since it may have waited for another connection to
+/// install the session.
+async fn resume(ctx: &Arc<Ctx>, id: SessionId, mut h: Box<Handoff>) {
+    let peer = h.peer;
+    let mut asked = false;
+    loop {
+        if let Some(tx) = ctx.registry.get(&id) {
+            match tx.send(h).await {
+                Ok(()) => return,
+                Err(mpsc::error::SendError(back)) => h = back,
+            }
+        }
+        if asked {
+            break;
+        }
+        asked = true;
+        match ctx.directory.locate(id).await {
+            Location::Stored(restored) => {
+                install(ctx, id, *restored, h).await;
+                return;
+            }
+            Location::Elsewhere(addr) => {
+                match h.hello.redirect(&addr) {
+                    Some(reply) => {
+                        tracing::info!(
+                            "resume of session {id} from {peer}: it lives at {addr}; redirected"
                         );
+                        refuse_raw(h.sock, reply).await;
                     }
-                    reject(sock, hello, roam_proto::Error::ServerBusy).await;
-                    return;
-                }
-            };
-            let now = Instant::now().into_std();
-            let (session, tid) = match Session::accept(&ctx.config.proto, now, &hello, Some(peer)) {
-                Ok(s) => s,
-                Err(e) => {
-                    if let Some(n) = ctx.refusals.allow() {
-                        tracing::warn!(
-                            "refused new session from {peer}: {e}{}",
-                            suppressed_note(n)
-                        );
+                    None => {
+                        tracing::warn!("resume of session {id} from {peer}: its host's address {addr:?} is unusable; refused");
+                        reject(h.sock, h.hello, roam_proto::Error::UnknownSession).await;
                     }
-                    reject(sock, hello, e).await;
-                    return;
                 }
-            };
-            let Some(id) = session.id() else { return };
-            crate::sockopt::configure(&sock, ctx.config.proto.session.suspend_after * 2);
-            let (tx, rx) = mpsc::channel(HANDOFF_QUEUE);
-            ctx.registry.lock().insert(id, tx);
-            let inner = Inner::new(session);
-            let side = ServerSide {
-                id,
-                handoffs: rx,
-                registry: ctx.registry.clone(),
-                on_session: ctx.on_session.clone(),
-                shutdown: ctx.shutdown.clone(),
-                shutdown_grace: ctx.config.shutdown_grace,
-                _running: ctx.running.clone(),
-                slot,
-                max_sessions_per_key: ctx.config.max_sessions_per_key,
-            };
-            let mut driver = Driver::new(
-                inner,
-                Conn::new(tid, sock, peer, Some(permit)),
-                Kind::Server(side),
-            );
-            driver.initial_input(&rest);
-            tracing::debug!("new session {id} from {peer}");
-            // A task of its own, sized to the driver alone: this one (hello
-            // parsing, lookups, refusals) ends here and frees its memory.
-            tokio::spawn(driver.run());
+                return;
+            }
+            Location::Refused(e) => {
+                tracing::info!("refused resume of session {id} from {peer}: {e}");
+                reject(h.sock, h.hello, e).await;
+                return;
+            }
+            Location::Unknown => {}
         }
     }
+    tracing::info!(
+        "refused resume from {peer}: no session {id} (expired, closed or server restarted)"
+    );
+    reject(h.sock, h.hello, roam_proto::Error::UnknownSession).await;
+}
+
+/// Starts a new session on `sock` (within the session caps) and spawns its driver.
+async fn new_session(
+    ctx: &Arc<Ctx>,
+    sock: TcpStream,
+    peer: SocketAddr,
+    permit: OwnedSemaphorePermit,
+    hello: Hello,
+    rest: Vec<u8>,
+) {
+    let slot = match ctx.config.stats.admit(
+        Some(peer.ip()),
+        ctx.config.max_sessions,
+        ctx.config.max_sessions_per_ip,
+    ) {
+        Ok(slot) => slot,
+        Err(refusal) => {
+            if let Some(n) = ctx.refusals.allow() {
+                let why = match refusal {
+                    Refusal::Sessions(max) => format!("at the limit of {max} sessions"),
+                    Refusal::PerIp(max) => {
+                        format!("{} already holds {max} sessions, its limit", peer.ip())
+                    }
+                };
+                tracing::warn!(
+                    "refused new session from {peer}: {why}; answered busy{}",
+                    suppressed_note(n)
+                );
+            }
+            reject(sock, hello, roam_proto::Error::ServerBusy).await;
+            return;
+        }
+    };
+    let now = Instant::now().into_std();
+    let (session, tid) = match Session::accept(&ctx.config.proto, now, &hello, Some(peer)) {
+        Ok(s) => s,
+        Err(e) => {
+            if let Some(n) = ctx.refusals.allow() {
+                tracing::warn!("refused new session from {peer}: {e}{}", suppressed_note(n));
+            }
+            reject(sock, hello, e).await;
+            return;
+        }
+    };
+    let Some(id) = session.id() else { return };
+    crate::sockopt::configure(&sock, ctx.config.proto.session.suspend_after * 2);
+    let (tx, rx) = mpsc::channel(HANDOFF_QUEUE);
+    ctx.registry.lock().insert(id, tx);
+    let inner = Inner::new(session);
+    let side = ServerSide {
+        id,
+        handoffs: rx,
+        registry: ctx.registry.clone(),
+        on_session: ctx.on_session.clone(),
+        shutdown: ctx.shutdown.clone(),
+        shutdown_grace: ctx.config.shutdown_grace,
+        _running: ctx.running.clone(),
+        slot,
+        max_sessions_per_key: ctx.config.max_sessions_per_key,
+    };
+    let mut driver = Driver::new(
+        inner,
+        Conn::new(tid, sock, peer, Some(permit)),
+        Kind::Server(side),
+    );
+    driver.initial_input(&rest);
+    tracing::debug!("new session {id} from {peer}");
+    // A task of its own, sized to the driver alone: this one (hello
+    // parsing, lookups, refusals) ends here and frees its memory.
+    tokio::spawn(driver.run());
 }
 
 /// Puts a restored session into the routing map, queues the resume that

@@ -137,6 +137,11 @@ impl Session {
     }
 
     fn fail_transport(&mut self, now: Instant, t: Box<Transport>, was_pending: bool, e: Error) {
+        if let (Error::Moved(addr), Role::Client, Some(_)) = (&e, self.role, self.secret) {
+            // A `Moved` refusal (§9.3): the session lives at `addr` now.
+            self.events
+                .push_back(Event::MoveRequested { addr: addr.clone() });
+        }
         let fatal = self.is_fatal(&e, &t) && !self.within_refusal_grace(now, &e);
         if fatal {
             if let Some(old) = self.active.replace(t) {

@@ -40,7 +40,14 @@ pub(crate) struct Dialer {
     pub(super) force: bool,
     pub(super) dial: Option<DialFuture>,
     net: Option<NetworkChanges>,
+    /// `MOVE_TO`s and `Moved` refusals followed since the last resume: past
+    /// [`MAX_FORCED_MOVES`] a move waits out the backoff like any re-dial, so
+    /// hosts that point at each other cannot make a client spin.
+    pub(super) moves: u32,
 }
+
+/// Moves followed at once between two resumes; later ones wait the backoff.
+const MAX_FORCED_MOVES: u32 = 8;
 
 impl Dialer {
     pub(crate) fn new(addr: String, config: crate::ClientConfig) -> Self {
@@ -57,6 +64,7 @@ impl Dialer {
             force: false,
             dial: None,
             net,
+            moves: 0,
         }
     }
 
@@ -218,10 +226,19 @@ impl Dialer {
 
     /// The server asked us to resume at `addr`.
     pub(super) fn move_to(&mut self, addr: String) {
-        tracing::info!("server asked us to move to {addr}");
         self.addr = addr;
-        self.dial = None;
-        self.force = true;
+        self.moves += 1;
+        if self.moves <= MAX_FORCED_MOVES {
+            tracing::info!("server asked us to move to {}", self.addr);
+            self.dial = None;
+            self.force = true;
+        } else {
+            tracing::warn!(
+                "server asked us to move to {} ({} moves without a resume); waiting the backoff",
+                self.addr,
+                self.moves
+            );
+        }
     }
 }
 

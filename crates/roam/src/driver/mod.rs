@@ -330,6 +330,7 @@ impl Driver {
                 );
                 if let Kind::Client(d) = &mut self.kind {
                     d.attempt = 0;
+                    d.moves = 0;
                 }
                 events.send(SessionEvent::Resumed {
                     suspended_for,

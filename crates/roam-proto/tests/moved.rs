@@ -1,0 +1,211 @@
+//! A session moves between two server hosts at the protocol level
+//! (`docs/PROTOCOL.md` §9.3): host A exports it live, host B restores it,
+//! the client's resume at A is answered with a `Moved` refusal naming B
+//! ([`route_opening`] + [`Hello::redirect`]), the client resumes at B, and
+//! every byte written on either side before, during and after the move is
+//! read exactly once, in order.
+
+use std::time::{Duration, Instant};
+
+use roam_proto::{
+    route_opening, ClientConfig, Config, Event, Keypair, Opening, ServerConfig, ServerTrust,
+    Session, State, StreamId, TransportId,
+};
+
+fn server_config(key: &Keypair) -> ServerConfig {
+    ServerConfig {
+        keypair: key.clone(),
+        authorized_keys: None,
+        addresses: Vec::new(),
+        session: Config::default(),
+    }
+}
+
+/// Moves everything the two sides have to send, until quiet.
+fn pump(now: Instant, c: &mut Session, ct: TransportId, s: &mut Session, st: TransportId) {
+    for _ in 0..1000 {
+        let mut moved = false;
+        let mut out = Vec::new();
+        while s.poll_transmit(now, &mut out).is_some() {}
+        if !out.is_empty() {
+            moved = true;
+            c.handle_input(now, ct, &out).expect("client input");
+        }
+        out.clear();
+        while c.poll_transmit(now, &mut out).is_some() {}
+        if !out.is_empty() {
+            moved = true;
+            s.handle_input(now, st, &out).expect("server input");
+        }
+        if !moved {
+            return;
+        }
+    }
+    panic!("the pair never went quiet");
+}
+
+/// The client's opening bytes on transport `t`.
+fn opening(now: Instant, c: &mut Session) -> Vec<u8> {
+    let mut out = Vec::new();
+    while c.poll_transmit(now, &mut out).is_some() {}
+    out
+}
+
+/// Reads everything readable on `id`.
+fn read_all(s: &mut Session, id: StreamId) -> Vec<u8> {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while let Ok(Some(n)) = s.read(id, &mut buf) {
+        if n == 0 {
+            break;
+        }
+        got.extend_from_slice(&buf[..n]);
+    }
+    got
+}
+
+fn numbered(from: u32, to: u32) -> Vec<u8> {
+    (from..to).flat_map(|i| i.to_be_bytes()).collect()
+}
+
+#[test]
+fn a_resume_at_the_old_host_is_redirected_and_nothing_is_lost() {
+    let service_key = Keypair::generate().unwrap();
+    let cfg = server_config(&service_key);
+    let mut now = Instant::now();
+    let mut client = Session::client(ClientConfig {
+        keypair: Keypair::generate().unwrap(),
+        server_trust: ServerTrust::Pinned(service_key.public()),
+        session: Config::default(),
+    });
+
+    // A new session at host A.
+    let ct = client.connect(now, None).unwrap();
+    let bytes = opening(now, &mut client);
+    let Opening::New { hello, used } = route_opening(&bytes) else {
+        panic!("expected a new session");
+    };
+    let (mut a, at) = Session::accept(&cfg, now, &hello, None).unwrap();
+    a.handle_input(now, at, &bytes[used..]).unwrap();
+    pump(now, &mut client, ct, &mut a, at);
+    assert_eq!(client.state(), State::Active);
+    let id = client.id().unwrap();
+
+    // Traffic both ways, partly unacknowledged when the snapshot is taken.
+    let cs = client.open_stream(b"move-me").unwrap();
+    client.write(cs, &numbered(0, 1000)).unwrap();
+    pump(now, &mut client, ct, &mut a, at);
+    while let Some(ev) = a.poll_event() {
+        let _ = ev;
+    }
+    assert_eq!(read_all(&mut a, cs), numbered(0, 1000));
+    a.write(cs, &numbered(0, 500)).unwrap();
+    client.write(cs, &numbered(1000, 1500)).unwrap();
+    // A seals its bytes but they never reach the client; the client's are in flight.
+    let mut lost = Vec::new();
+    while a.poll_transmit(now, &mut lost).is_some() {}
+    let mut in_flight = Vec::new();
+    while client.poll_transmit(now, &mut in_flight).is_some() {}
+
+    // Host A hands the live session to host B and forgets it.
+    let blob = a.export(now).unwrap();
+    drop(a);
+    let mut b = Session::restore_server(&cfg, now, &blob, Duration::ZERO).unwrap();
+
+    // The client loses its transport and resumes at A, which no longer holds it.
+    now += Duration::from_millis(5);
+    client.handle_transport_closed(now, ct);
+    let ct = client.connect(now, None).unwrap();
+    let bytes = opening(now, &mut client);
+    let Opening::Resume {
+        id: named, hello, ..
+    } = route_opening(&bytes)
+    else {
+        panic!("expected a resume");
+    };
+    assert_eq!(named, id);
+    let reply = hello.redirect("host-b.example:7447").unwrap();
+    let err = client.handle_input(now, ct, &reply).unwrap_err();
+    assert_eq!(err, roam_proto::Error::Moved("host-b.example:7447".into()));
+    let mut asked = None;
+    while let Some(ev) = client.poll_event() {
+        if let Event::MoveRequested { addr } = ev {
+            asked = Some(addr);
+        }
+    }
+    assert_eq!(asked.as_deref(), Some("host-b.example:7447"));
+    assert_eq!(
+        client.state(),
+        State::Suspended,
+        "a redirect costs only the transport"
+    );
+
+    // The client resumes at B; everything unacknowledged is replayed.
+    let ct = client.connect(now, None).unwrap();
+    let bytes = opening(now, &mut client);
+    let Opening::Resume { hello, used, .. } = route_opening(&bytes) else {
+        panic!("expected a resume");
+    };
+    let bt = b.accept_resume(now, &hello, None).unwrap();
+    b.handle_input(now, bt, &bytes[used..]).unwrap();
+    pump(now, &mut client, ct, &mut b, bt);
+    assert_eq!(client.state(), State::Active);
+    assert_eq!(b.state(), State::Active);
+    b.write(cs, &numbered(500, 800)).unwrap();
+    client.write(cs, &numbered(1500, 2000)).unwrap();
+    client.finish_stream(cs).unwrap();
+    b.finish_stream(cs).unwrap();
+    pump(now, &mut client, ct, &mut b, bt);
+    assert_eq!(read_all(&mut b, cs), numbered(1000, 2000));
+    assert_eq!(read_all(&mut client, cs), numbered(0, 800));
+}
+
+#[test]
+fn a_redirect_to_an_unusable_address_is_not_sent() {
+    let mut c = Session::client(ClientConfig {
+        keypair: Keypair::generate().unwrap(),
+        server_trust: ServerTrust::FirstUse,
+        session: Config::default(),
+    });
+    let now = Instant::now();
+    c.connect(now, None).unwrap();
+    let bytes = opening(now, &mut c);
+    let Opening::New { hello, .. } = route_opening(&bytes) else {
+        panic!("expected a new session");
+    };
+    assert!(hello.redirect("").is_none());
+    assert!(hello
+        .redirect(&"x".repeat(roam_proto::MAX_MOVED_ADDR + 1))
+        .is_none());
+    assert!(hello.redirect("10.0.0.2:7447").is_some());
+}
+
+#[test]
+fn a_first_connect_redirected_fails_with_the_address() {
+    // A new session is never redirected by roam's servers; a client that
+    // gets `Moved` on its first transport reports it and has no session.
+    let mut c = Session::client(ClientConfig {
+        keypair: Keypair::generate().unwrap(),
+        server_trust: ServerTrust::FirstUse,
+        session: Config::default(),
+    });
+    let now = Instant::now();
+    let ct = c.connect(now, None).unwrap();
+    let bytes = opening(now, &mut c);
+    let Opening::New { hello, .. } = route_opening(&bytes) else {
+        panic!("expected a new session");
+    };
+    let reply = hello.redirect("10.0.0.2:7447").unwrap();
+    // Delivered a byte at a time: every prefix is "need more".
+    for i in 0..reply.len() - 1 {
+        assert!(
+            c.handle_input(now, ct, &reply[i..i + 1]).is_ok(),
+            "byte {i}"
+        );
+    }
+    let err = c
+        .handle_input(now, ct, &reply[reply.len() - 1..])
+        .unwrap_err();
+    assert_eq!(err, roam_proto::Error::Moved("10.0.0.2:7447".into()));
+    assert_eq!(c.state(), State::Closed);
+}
