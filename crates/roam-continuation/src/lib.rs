@@ -79,6 +79,7 @@
 #![forbid(unsafe_code)]
 
 pub mod attrs;
+pub mod cluster;
 mod compat;
 mod error;
 mod host;
@@ -88,6 +89,8 @@ mod session;
 pub mod store;
 
 pub use attrs::{read_attrs, AttrError, ReadAttrsError, ATTRS_META};
+pub use cluster::config::ClusterConfig;
+pub use cluster::{ClusterIdentity, DrainReport, MoveError, MoveReport};
 pub use error::{DiscardReason, Error, Incompatible, SuspendError};
 pub use host::{CorruptEntry, Discarded, Host, HostBuilder, HostConfig, HostStats, OpenReport};
 pub use service::{Generation, Service, DEFAULT_EXPIRY};

@@ -16,6 +16,7 @@
 //! | 0x04 | parent | `[16]` session id; absent when there is none |
 //! | 0x06 | times | suspended at, frozen at, deadline: 3 × varint, Unix milliseconds |
 //! | 0x08 | body | length once decompressed (varint), then `[32]` SHA-256 of the stored (compressed) body |
+//! | 0x0b | revision | varint: the session's ownership revision in its cluster (`docs/PROTOCOL.md` §14.4); absent (optional, odd id) for 0 |
 //!
 //! ## Body (magic `52 4d 43 42`, "RMCB", before compression)
 //! | Id | Section | Body |
@@ -73,8 +74,10 @@ const PARENT: SectionKind = kind(0x04, "parent");
 const TIMES: SectionKind = kind(0x06, "times");
 /// Meta: the stored body's length and digest.
 const BODY: SectionKind = kind(0x08, "body");
+/// Meta: the ownership revision (odd id: readers that predate it skip it).
+const REVISION: SectionKind = kind(0x0b, "revision");
 /// Every meta section, in id order.
-const META_SECTIONS: &[SectionKind] = &[SERVICE, PARENT, TIMES, BODY];
+const META_SECTIONS: &[SectionKind] = &[SERVICE, PARENT, TIMES, BODY, REVISION];
 
 /// Body: the routine to resume with.
 const ROUTINE: SectionKind = kind(0x02, "routine");
@@ -111,6 +114,9 @@ pub(crate) struct Meta {
     pub(crate) deadline: SystemTime,
     pub(crate) body_len: u64,
     pub(crate) body_digest: [u8; DIGEST_LEN],
+    /// Ownership revision: 0 until the session first moves between hosts,
+    /// then one more per move (§14.4).
+    pub(crate) revision: u64,
 }
 
 /// The application's continuation plus the session's protocol state.
@@ -194,6 +200,9 @@ impl Meta {
             put_varint(o, self.body_len);
             o.extend_from_slice(&self.body_digest);
         });
+        if self.revision != 0 {
+            w.section(&REVISION, |o| put_varint(o, self.revision));
+        }
         w.finish()
     }
 
@@ -214,7 +223,16 @@ impl Meta {
         })?;
         let (body_len, body_digest) =
             section(required(&env, &BODY)?, |r| Ok((r.varint()?, r.array()?)))?;
+        let revision = match env.get(&REVISION) {
+            Some(b) => section(b, |r| Ok(r.varint()?))?,
+            None => 0,
+        };
+        if revision == 0 && env.get(&REVISION).is_some() {
+            // Canonical: revision 0 is written as an absent section.
+            return Err(Corrupt("revision section holding 0".into()));
+        }
         Ok(Self {
+            revision,
             service,
             parent,
             suspended_at,
@@ -448,6 +466,7 @@ mod tests {
             deadline: now + Duration::from_secs(30),
             body_len: raw.len() as u64,
             body_digest: digest,
+            revision: 3,
         };
         (meta, body)
     }

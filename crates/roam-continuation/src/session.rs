@@ -28,6 +28,10 @@ pub enum FreezeReason {
     Requested,
     /// The host is shutting down and keeps its sessions for the next process.
     Shutdown,
+    /// The session is moving to another host of the cluster
+    /// ([`Host::move_session`](crate::Host::move_session)): its client was
+    /// told to resume there; the continuation goes to that host.
+    Move,
 }
 
 pub(crate) type SuspendedHandler = Arc<dyn Fn(SuspendReason) + Send + Sync>;
@@ -59,6 +63,10 @@ pub(crate) struct LiveState {
     pub(crate) handle: Option<SessionHandle>,
     /// `suspend` has started: no second one, no abandonment close.
     pub(crate) suspending: bool,
+    /// Ownership revision in the cluster (0 until the session first moved).
+    pub(crate) revision: u64,
+    /// A move in progress waits here for the session's continuation.
+    pub(crate) moving: Option<tokio::sync::oneshot::Sender<crate::cluster::Handover>>,
 }
 
 impl Live {
@@ -82,6 +90,8 @@ impl Live {
                 on_resumed: Vec::new(),
                 handle: Some(handle),
                 suspending: false,
+                revision: 0,
+                moving: None,
             }),
             freeze: watch::Sender::new(None),
         })
@@ -96,6 +106,20 @@ impl Live {
         self.freeze.send_if_modified(|r| {
             if r.is_none() {
                 *r = Some(reason);
+                true
+            } else {
+                false
+            }
+        });
+    }
+
+    /// Withdraws a move's freeze request (the move failed before the
+    /// application answered).
+    pub(crate) fn withdraw_move(&self) {
+        self.lock().moving = None;
+        self.freeze.send_if_modified(|r| {
+            if matches!(r, Some(FreezeReason::Move)) {
+                *r = None;
                 true
             } else {
                 false

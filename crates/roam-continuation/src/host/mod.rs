@@ -43,7 +43,7 @@ use gc::gc;
 use watcher::{watch_live, Start};
 
 /// How long a resume waits for its session to finish freezing or thawing.
-const TRANSITION_WAIT: Duration = Duration::from_secs(10);
+pub(crate) const TRANSITION_WAIT: Duration = Duration::from_secs(10);
 /// A restored session that has not completed its resume after this long
 /// counts as suspended again (its client gave up on that attempt).
 const RESUME_HANDSHAKE_WAIT: Duration = Duration::from_secs(15);
@@ -67,6 +67,10 @@ pub struct HostConfig {
     /// with their continuations (default 5 s). Sessions that do not answer
     /// are closed as by `roam::serve`.
     pub shutdown_grace: Duration,
+    /// The cluster this host belongs to, if any: its sessions can then move
+    /// to the other hosts ([`Host::move_session`], [`Host::drain`]) and
+    /// theirs to it ([`Host::serve_peers`]).
+    pub cluster: Option<crate::cluster::ClusterIdentity>,
 }
 
 impl HostConfig {
@@ -77,6 +81,7 @@ impl HostConfig {
             server,
             offload_after: Duration::from_secs(30),
             shutdown_grace: Duration::from_secs(5),
+            cluster: None,
         }
     }
 }
@@ -140,6 +145,10 @@ pub struct HostStats {
     pub corrupt: u64,
     /// Resumes refused because the continuation is incompatible with this host.
     pub refused: u64,
+    /// Sessions moved to other hosts of the cluster.
+    pub moves_out: u64,
+    /// Sessions moved here from other hosts.
+    pub moves_in: u64,
 }
 
 type RefusedHandler = Arc<dyn Fn(SessionId, &Incompatible) + Send + Sync>;
@@ -333,7 +342,9 @@ impl std::fmt::Debug for Host {
 }
 
 #[derive(Default)]
-struct Counters {
+pub(crate) struct Counters {
+    pub(crate) moves_out: AtomicU64,
+    pub(crate) moves_in: AtomicU64,
     suspends: AtomicU64,
     resumes: AtomicU64,
     discarded: AtomicU64,
@@ -342,43 +353,63 @@ struct Counters {
 }
 
 pub(crate) struct HostInner {
-    config: HostConfig,
-    services: HashMap<String, Arc<Service>>,
-    store: Store,
+    pub(crate) config: HostConfig,
+    pub(crate) services: HashMap<String, Arc<Service>>,
+    pub(crate) store: Store,
     state: Mutex<State>,
     /// Woken (all waiters) on every slot transition out of Freezing/Thawing.
-    changed: Notify,
+    pub(crate) changed: Notify,
     /// Wakes the collector when a nearer deadline appears.
-    gc_wake: Arc<Notify>,
-    counters: Counters,
+    pub(crate) gc_wake: Arc<Notify>,
+    pub(crate) counters: Counters,
     on_refused: Option<RefusedHandler>,
     /// Dropped with the host: stops the collector.
     _stop: watch::Sender<()>,
 }
 
 #[derive(Default)]
-struct State {
-    slots: HashMap<SessionId, Slot>,
+pub(crate) struct State {
+    pub(crate) slots: HashMap<SessionId, Slot>,
+    /// Sessions that moved to another host: their clients are redirected
+    /// there until the entry expires (the resume timeout).
+    pub(crate) moved: HashMap<SessionId, crate::cluster::Tombstone>,
+    /// The newest ownership revision seen for each session that moved here
+    /// or away: an offer at or below it is stale (§14.4).
+    pub(crate) revisions: HashMap<SessionId, u64>,
     /// parent → sessions that depend on it (live or frozen).
     children: HashMap<SessionId, BTreeSet<SessionId>>,
     /// Frozen sessions by discard deadline.
-    expiries: BTreeSet<(SystemTime, SessionId)>,
+    pub(crate) expiries: BTreeSet<(SystemTime, SessionId)>,
     /// Frozen sessions whose in-memory copy goes at that time.
-    offloads: BTreeSet<(Instant, SessionId)>,
+    pub(crate) offloads: BTreeSet<(Instant, SessionId)>,
 }
 
-enum Slot {
+pub(crate) enum Slot {
     Live(Arc<Live>),
     Freezing,
     Frozen(Frozen),
     Thawing,
+    /// Source of a move: the continuation is on its way to another host.
+    Moving,
+    /// Destination of a move: offered, not yet committed (boxed: it holds
+    /// the staged record).
+    Incoming(Box<crate::cluster::Incoming>),
 }
 
-struct Frozen {
-    meta: Meta,
+/// A continuation ready to keep or to send: decoded, and encoded for the store.
+pub(crate) struct Record {
+    pub(crate) meta: Meta,
+    pub(crate) body: Body,
+    pub(crate) meta_bytes: Vec<u8>,
+    /// The body as stored: zstd-compressed.
+    pub(crate) stored: Vec<u8>,
+}
+
+pub(crate) struct Frozen {
+    pub(crate) meta: Meta,
     /// The decoded body while it is still in memory.
-    hot: Option<Arc<Body>>,
-    offload_at: Option<Instant>,
+    pub(crate) hot: Option<Arc<Body>>,
+    pub(crate) offload_at: Option<Instant>,
 }
 
 impl Host {
@@ -442,16 +473,12 @@ impl Host {
             shutdown.await;
             host.freeze_all(FreezeReason::Shutdown, grace).await;
         };
-        let lookup_host = self.inner.clone();
-        roam::serve_with_restore(
+        roam::serve_with_directory(
             listener,
             self.inner.config.server.clone(),
             stop,
             on_session,
-            move |id| {
-                let h = lookup_host.clone();
-                async move { h.lookup(id).await }
-            },
+            Arc::new(restore::HostDirectory(self.inner.clone())),
         )
         .await
     }
@@ -525,7 +552,9 @@ impl Host {
                         s.frozen_in_memory += 1;
                     }
                 }
-                Slot::Freezing | Slot::Thawing => s.in_transition += 1,
+                Slot::Freezing | Slot::Thawing | Slot::Moving | Slot::Incoming(_) => {
+                    s.in_transition += 1
+                }
             }
         }
         let c = &self.inner.counters;
@@ -534,6 +563,8 @@ impl Host {
         s.discarded = c.discarded.load(Ordering::Relaxed);
         s.corrupt = c.corrupt.load(Ordering::Relaxed);
         s.refused = c.refused.load(Ordering::Relaxed);
+        s.moves_out = c.moves_out.load(Ordering::Relaxed);
+        s.moves_in = c.moves_in.load(Ordering::Relaxed);
         s
     }
 
@@ -552,10 +583,49 @@ impl Host {
     pub fn store(&self) -> &Store {
         &self.inner.store
     }
+
+    /// Moves session `id` — live or suspended — to host `to` of this host's
+    /// cluster (`docs/PROTOCOL.md` §14.3): the destination checks the
+    /// session's compatibility vector, the attributes are pre-copied while
+    /// it runs, its client is told `MOVE_TO` the destination, its
+    /// application is asked for its continuation ([`FreezeReason::Move`]),
+    /// and only the changes since the pre-copy travel with the frozen
+    /// state. On any failure the session stays here and keeps working, and
+    /// the error says why.
+    pub async fn move_session(
+        &self,
+        id: SessionId,
+        to: &str,
+    ) -> Result<crate::cluster::MoveReport, crate::cluster::MoveError> {
+        self.inner.move_session(id, to).await
+    }
+
+    /// Moves every session held here to the other hosts of the cluster
+    /// (before this host stops): round robin, 32 moves at a time. Sessions
+    /// that cannot move stay here and are listed in the report.
+    pub async fn drain(&self) -> Result<crate::cluster::DrainReport, crate::cluster::MoveError> {
+        self.inner.drain().await
+    }
+
+    /// Serves the cluster port on `listener` until `shutdown`: moves from
+    /// the other hosts, and the operator's `status`, `move` and `drain`.
+    /// Only keys listed in the cluster file get past the handshake.
+    pub async fn serve_peers(
+        &self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()>,
+    ) -> io::Result<()> {
+        self.inner.clone().serve_peers(listener, shutdown).await
+    }
+
+    /// The sessions held here and their states (`roam cluster status`).
+    pub fn sessions(&self) -> Vec<crate::cluster::wire::SessionRow> {
+        self.inner.status_rows()
+    }
 }
 
 impl HostInner {
-    fn state(&self) -> MutexGuard<'_, State> {
+    pub(crate) fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -701,6 +771,10 @@ impl HostInner {
             )
         };
         let expiry = expiry.min(self.config.server.proto.session.resume_timeout);
+        let (revision, mover) = {
+            let mut st = live.lock();
+            (st.revision, st.moving.take())
+        };
         let raw = body.encode();
         let (stored, digest) = seal_body(&raw);
         let meta = Meta {
@@ -711,9 +785,56 @@ impl HostInner {
             deadline: suspended_at + expiry,
             body_len: raw.len() as u64,
             body_digest: digest,
+            revision,
         };
         let meta_bytes = meta.encode();
-        let report_sizes = (body.blob.len(), raw.len(), stored.len() + meta_bytes.len());
+        let report = SuspendReport {
+            id,
+            protocol_bytes: body.blob.len(),
+            raw_bytes: raw.len(),
+            stored_bytes: stored.len() + meta_bytes.len(),
+            persisted: false,
+        };
+        let record = Record {
+            meta,
+            body,
+            meta_bytes,
+            stored,
+        };
+        let record = match mover {
+            Some(tx) => {
+                // A move waits for this continuation: it goes to the other
+                // host, not to the store (the mover keeps it locally if the
+                // move fails).
+                self.state().slots.insert(id, Slot::Moving);
+                match tx.send(record) {
+                    Ok(()) => {
+                        self.changed.notify_waiters();
+                        tracing::debug!("session {id} frozen for its move");
+                        return Ok(report);
+                    }
+                    Err(back) => back,
+                }
+            }
+            None => record,
+        };
+        let persisted = self.freeze_local(id, record).await;
+        Ok(SuspendReport {
+            persisted,
+            ..report
+        })
+    }
+
+    /// Keeps a continuation on this host: writes it to the store and puts
+    /// its slot to Frozen; asks its dependents for theirs. Returns whether
+    /// the store has it (else it is kept in memory only).
+    pub(crate) async fn freeze_local(self: &Arc<Self>, id: SessionId, record: Record) -> bool {
+        let Record {
+            meta,
+            body,
+            meta_bytes,
+            stored,
+        } = record;
         let persisted = match self.store.put(id, meta_bytes, stored).await {
             Ok(()) => true,
             Err(e) => {
@@ -755,13 +876,7 @@ impl HostInner {
         self.changed.notify_waiters();
         self.gc_wake.notify_one();
         tracing::debug!("session {id} suspended into a continuation");
-        Ok(SuspendReport {
-            id,
-            protocol_bytes: report_sizes.0,
-            raw_bytes: report_sizes.1,
-            stored_bytes: report_sizes.2,
-            persisted,
-        })
+        persisted
     }
 
     /// A live session ended (or its suspend found it ended): forget it and
@@ -897,7 +1012,9 @@ impl HostInner {
                     let attrs = l.lock().attrs.values.clone();
                     self.report_discard(&l.service, id, reason, attrs);
                 }
-                Slot::Freezing | Slot::Thawing => unreachable!("filtered above"),
+                Slot::Freezing | Slot::Thawing | Slot::Moving | Slot::Incoming(_) => {
+                    unreachable!("filtered above")
+                }
             }
             let children = self.state().children.remove(&id);
             for c in children.into_iter().flatten() {

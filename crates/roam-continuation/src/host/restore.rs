@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant, SystemTime};
 
-use roam::{Restored, SessionHandle, SessionId};
+use roam::{Directory, Locating, Location, Restored, SessionHandle, SessionId};
 use roam_proto::RestoreError;
 
 use super::watcher::{watch_live, Start};
@@ -19,9 +19,18 @@ use crate::record::{open_body, Body, Meta};
 use crate::service::Service;
 use crate::session::{Live, ManagedSession, Resumed};
 
+/// The host as roam's [`Directory`]: where a session not live in roam is.
+pub(crate) struct HostDirectory(pub(crate) Arc<HostInner>);
+
+impl Directory for HostDirectory {
+    fn locate(&self, id: SessionId) -> Locating {
+        Box::pin(self.0.clone().lookup(id))
+    }
+}
+
 impl HostInner {
     /// Reads and checks one stored continuation. `Err` names the failed check.
-    pub(super) async fn load(&self, id: SessionId) -> Result<Option<(Meta, Arc<Body>)>, String> {
+    pub(crate) async fn load(&self, id: SessionId) -> Result<Option<(Meta, Arc<Body>)>, String> {
         let store = self.store.clone();
         let raw = tokio::task::spawn_blocking(move || store.get(&id))
             .await
@@ -37,8 +46,10 @@ impl HostInner {
     }
 
     /// The server's lookup for a resume naming a session not in roam's
-    /// routing map.
-    pub(super) async fn lookup(self: Arc<Self>, id: SessionId) -> roam::LookupResult {
+    /// routing map: a continuation here is restored, a session that moved
+    /// is elsewhere, one in transition (freezing, thawing, moving, incoming)
+    /// is waited for.
+    pub(super) async fn lookup(self: Arc<Self>, id: SessionId) -> Location {
         let deadline = tokio::time::Instant::now() + TRANSITION_WAIT;
         let frozen = loop {
             let notified = self.changed.notified();
@@ -47,7 +58,19 @@ impl HostInner {
             {
                 let mut st = self.state();
                 match st.slots.get(&id) {
-                    None | Some(Slot::Live(_)) => return Ok(None),
+                    None => {
+                        return match st.moved.get(&id) {
+                            Some(t) if t.until > Instant::now() => {
+                                Location::Elsewhere(t.clients.clone())
+                            }
+                            Some(_) => {
+                                st.moved.remove(&id);
+                                Location::Unknown
+                            }
+                            None => Location::Unknown,
+                        };
+                    }
+                    Some(Slot::Live(_)) => return Location::Unknown,
                     Some(Slot::Frozen(_)) => {
                         let Some(Slot::Frozen(f)) = st.slots.insert(id, Slot::Thawing) else {
                             unreachable!("matched above")
@@ -57,16 +80,16 @@ impl HostInner {
                         }
                         break f;
                     }
-                    Some(Slot::Freezing | Slot::Thawing) => {}
+                    Some(Slot::Freezing | Slot::Thawing | Slot::Moving | Slot::Incoming(_)) => {}
                 }
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                return Err(roam_proto::Error::ServerBusy);
+                return Location::Refused(roam_proto::Error::ServerBusy);
             }
         };
         let result = self.thaw(id, frozen).await;
         self.changed.notify_waiters();
-        result
+        result.into()
     }
 
     /// Puts a slot back to Frozen (refused resume).
@@ -188,10 +211,11 @@ impl HostInner {
         };
         let host = self.clone();
         let parent = meta.parent;
+        let revision = meta.revision;
         let on_installed = Box::new(move |handle: SessionHandle| {
             let mut guard = guard;
             guard.armed = false;
-            host.installed(id, svc, body, parent, suspended_for, handle);
+            host.installed(id, svc, body, (parent, revision), suspended_for, handle);
         });
         Ok(Some(Restored::new(
             session,
@@ -212,7 +236,7 @@ impl HostInner {
         id: SessionId,
         svc: Arc<Service>,
         body: Body,
-        parent: Option<SessionId>,
+        (parent, revision): (Option<SessionId>, u64),
         suspended_for: Duration,
         handle: SessionHandle,
     ) {
@@ -223,6 +247,7 @@ impl HostInner {
             st.requires = body.requires;
             st.parent = parent;
             st.expiry = body.expiry;
+            st.revision = revision;
         }
         self.state().slots.insert(id, Slot::Live(live.clone()));
         self.counters.resumes.fetch_add(1, Ordering::Relaxed);

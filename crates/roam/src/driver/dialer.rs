@@ -44,6 +44,10 @@ pub(crate) struct Dialer {
     /// [`MAX_FORCED_MOVES`] a move waits out the backoff like any re-dial, so
     /// hosts that point at each other cannot make a client spin.
     pub(super) moves: u32,
+    /// The address before the last move, until a resume succeeds: if the
+    /// host we were sent to cannot be reached, the session may well still
+    /// be where it was (a move that failed), so the next dial goes back.
+    pub(super) fallback: Option<String>,
 }
 
 /// Moves followed at once between two resumes; later ones wait the backoff.
@@ -65,6 +69,7 @@ impl Dialer {
             dial: None,
             net,
             moves: 0,
+            fallback: None,
         }
     }
 
@@ -184,7 +189,17 @@ impl Dialer {
                     Err(e) => tracing::debug!("not resuming: {e}"),
                 }
             }
-            Err(e) => tracing::debug!("re-dial to {} failed: {e}", self.addr),
+            Err(e) => {
+                tracing::debug!("re-dial to {} failed: {e}", self.addr);
+                if let Some(back) = self.fallback.take() {
+                    tracing::info!(
+                        "{} (where the server sent us) is unreachable: {e}; trying {back} again",
+                        self.addr
+                    );
+                    self.addr = back;
+                    self.force = true;
+                }
+            }
         }
         None
     }
@@ -226,7 +241,12 @@ impl Dialer {
 
     /// The server asked us to resume at `addr`.
     pub(super) fn move_to(&mut self, addr: String) {
-        self.addr = addr;
+        if addr == self.addr {
+            // Already there (a MOVE_TO replayed by the host it named).
+            tracing::debug!("server asked us to move to {addr}, where we are");
+            return;
+        }
+        self.fallback = Some(std::mem::replace(&mut self.addr, addr));
         self.moves += 1;
         if self.moves <= MAX_FORCED_MOVES {
             tracing::info!("server asked us to move to {}", self.addr);

@@ -40,6 +40,8 @@ pub(crate) use server_side::{reject, Handoff, OnSession, Routing, ServerSide};
 /// sending, which waits for writability; without this floor the driver slept
 /// until an instant already past and spun.
 const BACKED_UP_TICK: Duration = Duration::from_millis(50);
+/// Most bytes a detach writes on its way out (see `flush_parting_words`).
+const PARTING_WORDS: usize = 64 * 1024;
 /// How long a closed transport may take to flush its last bytes.
 const RETIRE_LINGER: Duration = Duration::from_secs(1);
 /// How long a session whose handles were all dropped may take to close gracefully.
@@ -113,6 +115,9 @@ impl Driver {
         if sh.closed.is_some() {
             return Err(roam_proto::ExportError::Closed);
         }
+        // Before the export, so the snapshot counts these bytes as sent
+        // (and keeps them for retransmission until acknowledged).
+        self.flush_parting_words(sh, now);
         let blob = sh.session.export(now)?;
         let detached = crate::Detached {
             blob,
@@ -132,6 +137,35 @@ impl Driver {
         tracing::debug!("session {} detached", id_text(sh));
         self.inner.events.send(SessionEvent::Detached);
         Ok(detached)
+    }
+
+    /// Before a detach drops the sockets: writes, without waiting, what the
+    /// active transport already has queued and what the session still has
+    /// to say on it (up to [`PARTING_WORDS`] bytes) — above all a `MOVE_TO`
+    /// queued just before, so the peer resumes where the session goes
+    /// instead of finding out by a failed resume here. Called before the
+    /// export, which then holds all of it: nothing depends on these bytes
+    /// arriving.
+    fn flush_parting_words(&mut self, sh: &mut Shared, now: std::time::Instant) {
+        let Some(tid) = sh.session.active_transport() else {
+            return;
+        };
+        let Some(c) = self.conns.iter_mut().find(|c| c.tid == tid) else {
+            return;
+        };
+        let mut out = Vec::new();
+        while out.len() < PARTING_WORDS {
+            let before = out.len();
+            match sh.session.poll_transmit(now, &mut out) {
+                Some(t) if t == tid && out.len() > before => {}
+                _ => {
+                    out.truncate(before);
+                    break;
+                }
+            }
+        }
+        c.queue(&mut out);
+        let _ = c.sock.try_write(&c.out[c.pos..]);
     }
 
     /// Feeds bytes that arrived with the hello (server) before the loop starts.
@@ -331,6 +365,7 @@ impl Driver {
                 if let Kind::Client(d) = &mut self.kind {
                     d.attempt = 0;
                     d.moves = 0;
+                    d.fallback = None;
                 }
                 events.send(SessionEvent::Resumed {
                     suspended_for,

@@ -1,0 +1,1042 @@
+//! A cluster of hosts serving one service: live sessions move between them
+//! mid-stream, exactly once, and their clients follow (`docs/PROTOCOL.md`
+//! §14; the Migrate paper's §V-D and Fig. 9, Service Continuations' M-TCP).
+//!
+//! - [`config`]: the cluster file (hosts, their addresses and host keys,
+//!   operators).
+//! - [`link`]: the host-to-host channel, Noise IK over TCP with the
+//!   cluster's keys.
+//! - [`wire`]: the messages of a move and of the operator's requests.
+//! - This module: the move itself, on both sides, and the peer server.
+//!
+//! ## A move (source S, destination D, client C)
+//! 1. S → D `Offer` with the session's compatibility vector and the next
+//!    ownership revision; D checks it against its services (refusing names
+//!    the property) and its revisions (refusing a stale one), then holds
+//!    resumes of the session until the move ends. D → S `Accept`.
+//! 2. S → D `Precopy`: the session's attributes, while it keeps running.
+//! 3. S tells C `MOVE_TO D` and asks the application for its continuation
+//!    (`FreezeReason::Move`). C abandons S and resumes at D, which waits.
+//! 4. The application suspends at its next quiescent point; S sends the
+//!    continuation (`Transfer`: protocol snapshot, routine, streams, and only
+//!    the attributes changed since the pre-copy), zstd-compressed.
+//!    D decodes and checks it: `Installed`.
+//! 5. S records that the session lives at D (its resumes are redirected
+//!    there from now on) and sends `Commit`; D stores the continuation
+//!    durably, lets the waiting resume restore it: `Committed`.
+//!
+//! A failure before step 5 (refusal, timeout, lost connection, D killed)
+//! leaves the session at S: S keeps the continuation locally (or never took
+//! it), D forgets what it got and redirects the client back to S.
+
+pub mod config;
+pub mod link;
+pub mod wire;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use roam::SessionId;
+use roam_proto::{Keypair, PublicKey};
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio::time::timeout;
+
+use crate::host::{Frozen, HostInner, Record, Slot};
+use crate::record::{open_body, seal_body, Body, Meta};
+use crate::session::FreezeReason;
+use config::{ClusterConfig, Member};
+use link::{Link, LinkError};
+use wire::{Msg, Refusal, SessionRow};
+
+/// What the move's mover receives from the suspending application.
+pub(crate) type Handover = Record;
+
+/// How long each step of a move may take before the move is called off.
+const CONNECT_WAIT: Duration = Duration::from_secs(3);
+/// The application's answer to the freeze request.
+const FREEZE_WAIT: Duration = Duration::from_secs(10);
+/// The destination's answer to a transfer or a commit.
+const ANSWER_WAIT: Duration = Duration::from_secs(10);
+/// Idle peer connections are closed after this long.
+const PEER_IDLE: Duration = Duration::from_secs(60);
+/// Moves a drain runs at once.
+const DRAIN_PARALLEL: usize = 32;
+
+/// This host's place in a cluster.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct ClusterIdentity {
+    /// The cluster file.
+    pub config: ClusterConfig,
+    /// This host's name in it.
+    pub me: String,
+    /// This host's host key (its public half is in the file).
+    pub host_key: Keypair,
+}
+
+impl ClusterIdentity {
+    /// Checks that `me` is in the file with `host_key`'s public key.
+    pub fn new(config: ClusterConfig, me: &str, host_key: Keypair) -> Result<Self, String> {
+        let m = config
+            .hosts
+            .get(me)
+            .ok_or_else(|| format!("host {me:?} is not in cluster {}", config.name))?;
+        if m.key != host_key.public() {
+            return Err(format!(
+                "the cluster file lists key {} for {me}, but this host's key is {}",
+                m.key,
+                host_key.public()
+            ));
+        }
+        Ok(Self {
+            config,
+            me: me.to_string(),
+            host_key,
+        })
+    }
+
+    fn member(&self, name: &str) -> Option<&Member> {
+        self.config.hosts.get(name)
+    }
+}
+
+/// A session that moved away: its resumes here are redirected.
+#[derive(Debug, Clone)]
+pub(crate) struct Tombstone {
+    /// The client address of the host it moved to.
+    pub(crate) clients: String,
+    /// Redirect until then (the protocol's resume timeout).
+    pub(crate) until: Instant,
+}
+
+/// The destination's side of a move in progress.
+pub(crate) struct Incoming {
+    /// The source host.
+    from: String,
+    revision: u64,
+    precopy: BTreeMap<String, Vec<u8>>,
+    /// The transfer, decoded and checked, waiting for the commit.
+    staged: Option<Record>,
+}
+
+/// What a finished move measured.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MoveReport {
+    /// The session.
+    pub id: SessionId,
+    /// The destination host.
+    pub to: String,
+    /// The session's new ownership revision.
+    pub revision: u64,
+    /// Attribute bytes copied before the freeze.
+    pub precopy_bytes: usize,
+    /// Bytes of the final transfer (compressed record).
+    pub transfer_bytes: usize,
+    /// From the freeze request to the commit: how long the session was
+    /// served by neither host.
+    pub frozen: Duration,
+    /// The whole move, from the offer.
+    pub total: Duration,
+}
+
+/// Why a move failed. In every case the session stays at (or returns to)
+/// the source and keeps working.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum MoveError {
+    /// This host is not in a cluster.
+    NotClustered,
+    /// No host of that name in the cluster file (or it is this host).
+    UnknownHost(String),
+    /// The session is not held here, or not in a state that can move.
+    NotHere(SessionId),
+    /// The connection to the destination failed.
+    Link(LinkError),
+    /// The destination refused.
+    Refused(Refusal),
+    /// A step took too long; names the step.
+    Timeout(&'static str),
+    /// The destination answered out of turn.
+    Protocol(String),
+}
+
+impl std::fmt::Display for MoveError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::NotClustered => write!(f, "this host is not in a cluster"),
+            Self::UnknownHost(h) => write!(f, "no other host named {h:?} in the cluster file"),
+            Self::NotHere(id) => {
+                write!(f, "session {id} is not held here in a state that can move")
+            }
+            Self::Link(e) => write!(f, "{e}"),
+            Self::Refused(r) => write!(f, "the destination refused: {r}"),
+            Self::Timeout(step) => write!(f, "timed out waiting for {step}"),
+            Self::Protocol(what) => write!(f, "the destination answered out of turn: {what}"),
+        }
+    }
+}
+
+impl std::error::Error for MoveError {}
+
+impl From<LinkError> for MoveError {
+    fn from(e: LinkError) -> Self {
+        Self::Link(e)
+    }
+}
+
+/// What a drain did.
+#[derive(Debug, Clone, Default)]
+#[non_exhaustive]
+pub struct DrainReport {
+    /// Sessions moved.
+    pub moved: usize,
+    /// Sessions that could not move, with why (they stay here).
+    pub failed: Vec<(SessionId, String)>,
+    /// How long the drain took.
+    pub elapsed: Duration,
+}
+
+async fn step<T>(
+    what: &'static str,
+    wait: Duration,
+    f: impl std::future::Future<Output = Result<T, LinkError>>,
+) -> Result<T, MoveError> {
+    match timeout(wait, f).await {
+        Ok(r) => Ok(r?),
+        Err(_) => Err(MoveError::Timeout(what)),
+    }
+}
+
+fn expect(got: Msg, want: &'static str) -> Result<(), MoveError> {
+    match got {
+        Msg::Refuse(r) => Err(MoveError::Refused(r)),
+        m => {
+            let ok = matches!(
+                (&m, want),
+                (Msg::Accept, "accept")
+                    | (Msg::Installed, "installed")
+                    | (Msg::Committed, "committed")
+            );
+            if ok {
+                Ok(())
+            } else {
+                Err(MoveError::Protocol(format!("expected {want}, got {m:?}")))
+            }
+        }
+    }
+}
+
+/// What is known of a session about to move.
+struct Source {
+    service: String,
+    requires: BTreeMap<String, String>,
+    routine: Option<String>,
+    revision: u64,
+    attrs: BTreeMap<String, Vec<u8>>,
+    /// Live: the application must suspend it first. Frozen: its record.
+    live: Option<Arc<crate::session::Live>>,
+    frozen: Option<Record>,
+}
+
+impl HostInner {
+    fn identity(&self) -> Result<&ClusterIdentity, MoveError> {
+        self.config.cluster.as_ref().ok_or(MoveError::NotClustered)
+    }
+
+    /// Takes what a move needs from session `id`'s slot; a frozen session's
+    /// slot becomes Moving.
+    async fn source(self: &Arc<Self>, id: SessionId) -> Result<Source, MoveError> {
+        // A session that is being frozen, thawed or moved in is waited for.
+        let deadline = tokio::time::Instant::now() + crate::host::TRANSITION_WAIT;
+        enum Found {
+            Live(Arc<crate::session::Live>),
+            Frozen(Frozen),
+            Wait,
+            Gone,
+        }
+        let frozen = loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let found = {
+                let mut st = self.state();
+                match st.slots.get(&id) {
+                    Some(Slot::Live(l)) => Found::Live(l.clone()),
+                    Some(Slot::Frozen(_)) => {
+                        let Some(Slot::Frozen(f)) = st.slots.insert(id, Slot::Moving) else {
+                            unreachable!("matched above")
+                        };
+                        if let Some(t) = f.offload_at {
+                            st.offloads.remove(&(t, id));
+                        }
+                        st.expiries.remove(&(f.meta.deadline, id));
+                        Found::Frozen(f)
+                    }
+                    Some(Slot::Freezing | Slot::Thawing | Slot::Incoming(_)) => Found::Wait,
+                    Some(Slot::Moving) | None => Found::Gone,
+                }
+            };
+            match found {
+                Found::Live(l) => {
+                    let ls = l.lock();
+                    if ls.suspending || ls.moving.is_some() || ls.handle.is_none() {
+                        return Err(MoveError::NotHere(id));
+                    }
+                    let mut requires = ls.requires.clone();
+                    if let Some(v) = l.service.properties.get("version") {
+                        requires
+                            .entry("version".into())
+                            .or_insert_with(|| v.clone());
+                    }
+                    let s = Source {
+                        service: l.service.name.clone(),
+                        requires,
+                        routine: None,
+                        revision: ls.revision + 1,
+                        attrs: ls.attrs.values.clone(),
+                        live: None,
+                        frozen: None,
+                    };
+                    drop(ls);
+                    return Ok(Source { live: Some(l), ..s });
+                }
+                Found::Frozen(f) => break f,
+                Found::Gone => return Err(MoveError::NotHere(id)),
+                Found::Wait => {}
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return Err(MoveError::Timeout(
+                    "the session to settle (freezing or thawing)",
+                ));
+            }
+        };
+        let body = match frozen.hot.clone() {
+            Some(b) => b,
+            None => match self.load(id).await {
+                Ok(Some((_, b))) => b,
+                _ => {
+                    self.unmove_frozen(id, frozen);
+                    return Err(MoveError::NotHere(id));
+                }
+            },
+        };
+        let body = Arc::try_unwrap(body).unwrap_or_else(|b| (*b).clone());
+        let raw = body.encode();
+        let (stored, _) = seal_body(&raw);
+        let meta = frozen.meta.clone();
+        Ok(Source {
+            service: meta.service.clone(),
+            requires: body.requires.clone(),
+            routine: Some(body.routine.clone()),
+            revision: meta.revision + 1,
+            attrs: body.attrs.values.clone(),
+            live: None,
+            frozen: Some(Record {
+                meta_bytes: meta.encode(),
+                meta,
+                body,
+                stored,
+            }),
+        })
+    }
+
+    /// Puts a frozen session whose move could not start back to Frozen.
+    fn unmove_frozen(&self, id: SessionId, f: Frozen) {
+        let mut st = self.state();
+        st.expiries.insert((f.meta.deadline, id));
+        st.slots.insert(id, Slot::Frozen(f));
+        drop(st);
+        self.changed.notify_waiters();
+    }
+
+    /// Moves session `id` to host `to` (see the module documentation).
+    pub(crate) async fn move_session(
+        self: &Arc<Self>,
+        id: SessionId,
+        to: &str,
+    ) -> Result<MoveReport, MoveError> {
+        let ident = self.identity()?.clone();
+        let member = ident
+            .member(to)
+            .filter(|_| to != ident.me)
+            .ok_or_else(|| MoveError::UnknownHost(to.to_string()))?
+            .clone();
+        let started = Instant::now();
+        let src = self.source(id).await?;
+        let frozen_from_start = src.frozen.is_some();
+        match self.run_move(id, &ident, &member, src, started).await {
+            Ok(r) => Ok(r),
+            Err((e, record, live)) => {
+                tracing::warn!("move of session {id} to {to} failed: {e}; it stays here");
+                if let Some(l) = live {
+                    l.withdraw_move();
+                }
+                match record {
+                    Some(r) => {
+                        self.freeze_local(id, r).await;
+                    }
+                    None if frozen_from_start => {
+                        // Lost with a failed load: nothing to put back.
+                        self.state().slots.remove(&id);
+                    }
+                    None => {}
+                }
+                self.changed.notify_waiters();
+                Err(e)
+            }
+        }
+    }
+
+    /// The move's steps. On failure returns the record to keep here (if the
+    /// application already gave it up) and the live session to un-freeze.
+    #[allow(clippy::type_complexity)]
+    async fn run_move(
+        self: &Arc<Self>,
+        id: SessionId,
+        ident: &ClusterIdentity,
+        member: &Member,
+        src: Source,
+        started: Instant,
+    ) -> Result<MoveReport, (MoveError, Option<Record>, Option<Arc<crate::session::Live>>)> {
+        let Source {
+            service,
+            requires,
+            routine,
+            revision,
+            attrs,
+            live,
+            frozen,
+        } = src;
+        let fail = |e: MoveError, rec: Option<Record>, live: &Option<Arc<crate::session::Live>>| {
+            (e, rec, live.clone())
+        };
+        // 1. Offer with the compatibility vector.
+        let mut link = match step(
+            "the destination's cluster port",
+            CONNECT_WAIT,
+            Link::connect(
+                &member.peers,
+                &ident.config.name,
+                &ident.host_key,
+                &member.key,
+            ),
+        )
+        .await
+        {
+            Ok(l) => l,
+            Err(e) => return Err(fail(e, frozen, &live)),
+        };
+        let offer = Msg::Offer {
+            id,
+            service,
+            routine,
+            requires,
+            revision,
+        };
+        if let Err(e) = async {
+            let got = step(
+                "the destination's answer to the offer",
+                ANSWER_WAIT,
+                link.call(&offer),
+            )
+            .await?;
+            expect(got, "accept")
+        }
+        .await
+        {
+            return Err(fail(e, frozen, &live));
+        }
+        // 2. Pre-copy the attributes while the session runs on.
+        let precopy_bytes: usize = attrs.iter().map(|(k, v)| k.len() + v.len()).sum();
+        if let Err(e) = step(
+            "the pre-copy",
+            ANSWER_WAIT,
+            link.send(&Msg::Precopy {
+                id,
+                attrs: attrs.clone(),
+            }),
+        )
+        .await
+        {
+            let _ = link.send(&Msg::Abort { id }).await;
+            return Err(fail(e, frozen, &live));
+        }
+        // 3. Freeze: tell the client where to go, ask the application.
+        let freeze_at = Instant::now();
+        let record = match (frozen, &live) {
+            (Some(r), _) => r,
+            (None, Some(l)) => {
+                let (tx, rx) = oneshot::channel();
+                let handle = {
+                    let mut ls = l.lock();
+                    ls.moving = Some(tx);
+                    ls.handle.clone()
+                };
+                if let Some(h) = handle {
+                    h.move_to(member.clients.clone());
+                }
+                l.request_freeze(FreezeReason::Move);
+                match timeout(FREEZE_WAIT, rx).await {
+                    Ok(Ok(r)) => r,
+                    _ => {
+                        let _ = link.send(&Msg::Abort { id }).await;
+                        return Err(fail(
+                            MoveError::Timeout("the application's continuation"),
+                            None,
+                            &live,
+                        ));
+                    }
+                }
+            }
+            (None, None) => unreachable!("a source is live or frozen"),
+        };
+        // 4. Transfer: only what changed since the pre-copy.
+        let (transfer, transfer_bytes) = delta_transfer(id, revision, &record, &attrs);
+        let sent = async {
+            let got = step(
+                "the destination's install",
+                ANSWER_WAIT,
+                link.call(&transfer),
+            )
+            .await?;
+            expect(got, "installed")
+        }
+        .await;
+        if let Err(e) = sent {
+            let _ = timeout(Duration::from_secs(1), link.send(&Msg::Abort { id })).await;
+            return Err(fail(e, Some(record), &live));
+        }
+        // 5. Let go, then commit. From here on resumes here are redirected.
+        {
+            let mut st = self.state();
+            st.moved.insert(
+                id,
+                Tombstone {
+                    clients: member.clients.clone(),
+                    until: Instant::now() + self.config.server.proto.session.resume_timeout,
+                },
+            );
+            st.revisions.insert(id, revision);
+            st.slots.remove(&id);
+        }
+        self.changed.notify_waiters();
+        let committed = async {
+            let got = step(
+                "the destination's commit",
+                ANSWER_WAIT,
+                link.call(&Msg::Commit { id, revision }),
+            )
+            .await?;
+            expect(got, "committed")
+        }
+        .await;
+        if let Err(e) = committed {
+            // The destination may or may not have committed: it holds a
+            // checked copy and the client is sent there; keeping ours too
+            // could serve a stale state. Report it and keep the redirect.
+            tracing::error!(
+                "move of session {id} to {}: commit unconfirmed ({e}); the session is left to the destination",
+                member.name
+            );
+        }
+        self.counters.moves_out.fetch_add(1, Ordering::Relaxed);
+        let now = Instant::now();
+        tracing::info!(
+            "session {id} moved to {} (revision {revision}, {transfer_bytes} bytes, frozen {:?})",
+            member.name,
+            now - freeze_at
+        );
+        Ok(MoveReport {
+            id,
+            to: member.name.clone(),
+            revision,
+            precopy_bytes,
+            transfer_bytes,
+            frozen: now - freeze_at,
+            total: now - started,
+        })
+    }
+
+    /// Moves every session held here to the other hosts (round robin,
+    /// `DRAIN_PARALLEL` at a time).
+    pub(crate) async fn drain(self: &Arc<Self>) -> Result<DrainReport, MoveError> {
+        let ident = self.identity()?.clone();
+        let others: Vec<String> = ident
+            .config
+            .hosts
+            .keys()
+            .filter(|n| **n != ident.me)
+            .cloned()
+            .collect();
+        if others.is_empty() {
+            return Err(MoveError::UnknownHost(
+                "(no other host in the cluster)".into(),
+            ));
+        }
+        let started = Instant::now();
+        let ids: Vec<SessionId> = {
+            let st = self.state();
+            st.slots
+                .iter()
+                .filter(|(_, s)| matches!(s, Slot::Live(_) | Slot::Frozen(_)))
+                .map(|(id, _)| *id)
+                .collect()
+        };
+        let mut report = DrainReport::default();
+        let sem = Arc::new(tokio::sync::Semaphore::new(DRAIN_PARALLEL));
+        let mut tasks = Vec::with_capacity(ids.len());
+        for (i, id) in ids.into_iter().enumerate() {
+            let to = others[i % others.len()].clone();
+            let host = self.clone();
+            let sem = sem.clone();
+            tasks.push(tokio::spawn(async move {
+                let _permit = sem.acquire_owned().await;
+                (id, host.move_session(id, &to).await)
+            }));
+        }
+        for t in tasks {
+            match t.await {
+                Ok((_, Ok(_))) => report.moved += 1,
+                Ok((id, Err(e))) => report.failed.push((id, e.to_string())),
+                Err(e) => tracing::error!("drain: a move task failed: {e}"),
+            }
+        }
+        report.elapsed = started.elapsed();
+        Ok(report)
+    }
+
+    /// This host's sessions, for `roam cluster status`.
+    pub(crate) fn status_rows(&self) -> Vec<SessionRow> {
+        let st = self.state();
+        let mut rows: Vec<SessionRow> = st
+            .slots
+            .iter()
+            .map(|(id, s)| {
+                let (service, state) = match s {
+                    Slot::Live(l) => (
+                        l.service.name.clone(),
+                        if l.lock().suspended.is_some() {
+                            "suspended"
+                        } else {
+                            "live"
+                        }
+                        .to_string(),
+                    ),
+                    Slot::Frozen(f) => (f.meta.service.clone(), "frozen".to_string()),
+                    Slot::Freezing => (String::new(), "freezing".to_string()),
+                    Slot::Thawing => (String::new(), "thawing".to_string()),
+                    Slot::Moving => (String::new(), "moving".to_string()),
+                    Slot::Incoming(i) => (String::new(), format!("incoming from {}", i.from)),
+                };
+                SessionRow {
+                    id: *id,
+                    service,
+                    state,
+                }
+            })
+            .collect();
+        rows.sort_by_key(|r| r.id.0);
+        rows
+    }
+
+    /// Accepts connections from the other hosts and operators on `listener`
+    /// until `shutdown`.
+    pub(crate) async fn serve_peers(
+        self: Arc<Self>,
+        listener: TcpListener,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) -> std::io::Result<()> {
+        let ident = self
+            .config
+            .cluster
+            .clone()
+            .ok_or_else(|| std::io::Error::other("this host is not in a cluster"))?;
+        let ident = Arc::new(ident);
+        tokio::pin!(shutdown);
+        loop {
+            let (sock, peer) = tokio::select! {
+                _ = &mut shutdown => return Ok(()),
+                r = listener.accept() => match r {
+                    Ok(x) => x,
+                    Err(e) => {
+                        tracing::warn!("cluster port: accept failed: {e}");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                },
+            };
+            let host = self.clone();
+            let ident = ident.clone();
+            tokio::spawn(async move {
+                let accepted = timeout(
+                    CONNECT_WAIT,
+                    Link::accept(sock, &ident.config.name, &ident.host_key, |k| {
+                        ident.config.host_by_key(k).is_some()
+                            || ident.config.operator_by_key(k).is_some()
+                    }),
+                )
+                .await;
+                match accepted {
+                    Ok(Ok(link)) => host.peer_session(&ident, link).await,
+                    Ok(Err(e)) => tracing::warn!("cluster port: refused {peer}: {e}"),
+                    Err(_) => tracing::warn!("cluster port: {peer} did not finish its handshake"),
+                }
+            });
+        }
+    }
+
+    /// Serves one authenticated peer connection.
+    async fn peer_session(self: Arc<Self>, ident: &ClusterIdentity, mut link: Link) {
+        let key: PublicKey = link.peer();
+        let host_name = ident.config.host_by_key(&key).map(|m| m.name.clone());
+        // The move this connection offered, if any: aborted if it drops.
+        let mut offered: Option<SessionId> = None;
+        loop {
+            let msg = match timeout(PEER_IDLE, link.recv()).await {
+                Ok(Ok(m)) => m,
+                Ok(Err(e)) => {
+                    if !matches!(&e, LinkError::Io(io) if io.kind() == std::io::ErrorKind::UnexpectedEof)
+                    {
+                        tracing::warn!("cluster connection from {key}: {e}");
+                    }
+                    break;
+                }
+                Err(_) => break,
+            };
+            let reply = match (&host_name, msg) {
+                (_, Msg::Status) => Some(Msg::StatusReply {
+                    host: ident.me.clone(),
+                    sessions: self.status_rows(),
+                }),
+                (_, Msg::Move { id, to }) => Some(match self.move_session(id, &to).await {
+                    Ok(_) => Msg::Done {
+                        moved: 1,
+                        failures: Vec::new(),
+                    },
+                    Err(e) => Msg::Done {
+                        moved: 0,
+                        failures: vec![format!("{id}: {e}")],
+                    },
+                }),
+                (_, Msg::Drain) => Some(match self.drain().await {
+                    Ok(r) => Msg::Done {
+                        moved: r.moved as u64,
+                        failures: r
+                            .failed
+                            .iter()
+                            .map(|(id, e)| format!("{id}: {e}"))
+                            .collect(),
+                    },
+                    Err(e) => Msg::Done {
+                        moved: 0,
+                        failures: vec![e.to_string()],
+                    },
+                }),
+                (None, m) => {
+                    tracing::warn!("cluster: operator {key} sent a host message ({m:?}); refused");
+                    Some(Msg::Refuse(Refusal::Unavailable(
+                        "operators may send only status, move and drain".into(),
+                    )))
+                }
+                (
+                    Some(from),
+                    Msg::Offer {
+                        id,
+                        service,
+                        routine,
+                        requires,
+                        revision,
+                    },
+                ) => {
+                    let r =
+                        self.offered(id, from, &service, routine.as_deref(), &requires, revision);
+                    if matches!(r, Msg::Accept) {
+                        offered = Some(id);
+                    }
+                    Some(r)
+                }
+                (Some(_), Msg::Precopy { id, attrs }) => {
+                    if let Some(Slot::Incoming(inc)) = self.state().slots.get_mut(&id) {
+                        inc.precopy = attrs;
+                    }
+                    None
+                }
+                (
+                    Some(_),
+                    Msg::Transfer {
+                        id,
+                        revision,
+                        meta,
+                        body,
+                        precopied,
+                    },
+                ) => Some(self.transferred(id, revision, &meta, &body, &precopied)),
+                (Some(_), Msg::Commit { id, revision }) => {
+                    let r = self.commit(id, revision).await;
+                    if matches!(r, Msg::Committed) {
+                        offered = None;
+                    }
+                    Some(r)
+                }
+                (Some(from), Msg::Abort { id }) => {
+                    self.abort_incoming(id, from);
+                    offered = None;
+                    None
+                }
+                (Some(_), m) => Some(Msg::Refuse(Refusal::Unavailable(format!(
+                    "unexpected message {m:?}"
+                )))),
+            };
+            if let Some(r) = reply {
+                if let Err(e) = link.send(&r).await {
+                    tracing::warn!("cluster connection from {key}: {e}");
+                    break;
+                }
+            }
+        }
+        if let (Some(id), Some(from)) = (offered, host_name) {
+            self.abort_incoming(id, &from);
+        }
+    }
+
+    /// Destination: an offer. Checks compatibility and revision, then holds
+    /// the session's resumes until the move ends.
+    fn offered(
+        &self,
+        id: SessionId,
+        from: &str,
+        service: &str,
+        routine: Option<&str>,
+        requires: &BTreeMap<String, String>,
+        revision: u64,
+    ) -> Msg {
+        let incompatible = |property: &str, required: &str, found: Option<&String>| {
+            Msg::Refuse(Refusal::Incompatible {
+                property: property.to_string(),
+                required: required.to_string(),
+                found: found.cloned(),
+            })
+        };
+        let Some(svc) = self.services.get(service) else {
+            return incompatible("service", service, None);
+        };
+        if let Some(r) = routine {
+            if !svc.routines.contains_key(r) {
+                return incompatible("routine", r, None);
+            }
+        }
+        for (p, v) in requires {
+            let found = svc.properties.get(p);
+            if found != Some(v) {
+                return incompatible(p, v, found);
+            }
+        }
+        let mut st = self.state();
+        if let Some(known) = st.revisions.get(&id).copied() {
+            if revision <= known {
+                return Msg::Refuse(Refusal::Stale { known });
+            }
+        }
+        if st.slots.contains_key(&id) {
+            return Msg::Refuse(Refusal::Unavailable(format!(
+                "session {id} is already here"
+            )));
+        }
+        st.moved.remove(&id);
+        st.slots.insert(
+            id,
+            Slot::Incoming(Box::new(Incoming {
+                from: from.to_string(),
+                revision,
+                precopy: BTreeMap::new(),
+                staged: None,
+            })),
+        );
+        Msg::Accept
+    }
+
+    /// Destination: the transfer. Decodes and checks it, merges the
+    /// pre-copied attributes, and stages it for the commit.
+    fn transferred(
+        &self,
+        id: SessionId,
+        revision: u64,
+        meta: &[u8],
+        body: &[u8],
+        precopied: &[String],
+    ) -> Msg {
+        let mut st = self.state();
+        let Some(Slot::Incoming(inc)) = st.slots.get_mut(&id) else {
+            return Msg::Refuse(Refusal::Unavailable(format!("no offer for session {id}")));
+        };
+        if inc.revision != revision {
+            return Msg::Refuse(Refusal::Unavailable(format!(
+                "transfer at revision {revision}, offer at {}",
+                inc.revision
+            )));
+        }
+        let checked = Meta::decode(meta)
+            .and_then(|m| open_body(&m, body).map(|b| (m, b)))
+            .map_err(|c| c.0.to_string());
+        let (mut meta, mut body) = match checked {
+            Ok(x) => x,
+            Err(what) => {
+                return Msg::Refuse(Refusal::Unavailable(format!("corrupt transfer: {what}")))
+            }
+        };
+        for name in precopied {
+            match inc.precopy.get(name) {
+                Some(v) => {
+                    body.attrs.values.insert(name.clone(), v.clone());
+                }
+                None => {
+                    return Msg::Refuse(Refusal::Unavailable(format!(
+                        "attribute {name:?} was not pre-copied"
+                    )))
+                }
+            }
+        }
+        if let Err(inc) = crate::compat::check(&self.services, &meta.service, &body) {
+            let (property, required, found) = match inc {
+                crate::Incompatible::UnknownService(s) => ("service".to_string(), s, None),
+                crate::Incompatible::UnknownRoutine { routine, .. } => {
+                    ("routine".to_string(), routine, None)
+                }
+                crate::Incompatible::Mismatch {
+                    property,
+                    required,
+                    found,
+                    ..
+                } => (property, required, found),
+            };
+            return Msg::Refuse(Refusal::Incompatible {
+                property,
+                required,
+                found,
+            });
+        }
+        let raw = body.encode();
+        let (stored, digest) = seal_body(&raw);
+        meta.body_len = raw.len() as u64;
+        meta.body_digest = digest;
+        meta.revision = revision;
+        meta.frozen_at = SystemTime::now();
+        inc.staged = Some(Record {
+            meta_bytes: meta.encode(),
+            meta,
+            body,
+            stored,
+        });
+        Msg::Installed
+    }
+
+    /// Destination: the source let go. Stores the continuation durably and
+    /// lets the waiting resume restore it.
+    async fn commit(self: &Arc<Self>, id: SessionId, revision: u64) -> Msg {
+        let record = {
+            let mut st = self.state();
+            match st.slots.get_mut(&id) {
+                Some(Slot::Incoming(inc)) if inc.revision == revision && inc.staged.is_some() => {
+                    inc.staged.take()
+                }
+                _ => None,
+            }
+        };
+        let Some(record) = record else {
+            return Msg::Refuse(Refusal::Unavailable(format!(
+                "nothing staged for session {id} at revision {revision}"
+            )));
+        };
+        self.state().revisions.insert(id, revision);
+        let persisted = self.freeze_local(id, record).await;
+        self.counters.moves_in.fetch_add(1, Ordering::Relaxed);
+        if !persisted {
+            tracing::error!("session {id} moved here but is kept in memory only");
+        }
+        Msg::Committed
+    }
+
+    /// Destination: the move is off (or its connection dropped before the
+    /// commit). Forgets it and sends the client back to the source.
+    fn abort_incoming(&self, id: SessionId, from: &str) {
+        let mut st = self.state();
+        if !matches!(st.slots.get(&id), Some(Slot::Incoming(_))) {
+            return;
+        }
+        st.slots.remove(&id);
+        if let Some(m) = self.config.cluster.as_ref().and_then(|c| c.member(from)) {
+            st.moved.insert(
+                id,
+                Tombstone {
+                    clients: m.clients.clone(),
+                    until: Instant::now() + self.config.server.proto.session.resume_timeout,
+                },
+            );
+        }
+        drop(st);
+        self.changed.notify_waiters();
+        tracing::info!("move of session {id} from {from} called off; its client goes back there");
+    }
+}
+
+/// The transfer message for `record`: attributes whose value equals the
+/// pre-copied one travel as names only.
+fn delta_transfer(
+    id: SessionId,
+    revision: u64,
+    record: &Record,
+    precopy: &BTreeMap<String, Vec<u8>>,
+) -> (Msg, usize) {
+    let mut body: Body = record.body.clone();
+    let mut precopied = Vec::new();
+    for (name, v) in body.attrs.values.iter_mut() {
+        if precopy.get(name) == Some(v) && !v.is_empty() {
+            precopied.push(name.clone());
+            v.clear();
+        }
+    }
+    let raw = body.encode();
+    let (stored, digest) = seal_body(&raw);
+    let mut meta = record.meta.clone();
+    meta.body_len = raw.len() as u64;
+    meta.body_digest = digest;
+    meta.revision = revision;
+    let meta = meta.encode();
+    let bytes = meta.len() + stored.len();
+    (
+        Msg::Transfer {
+            id,
+            revision,
+            meta,
+            body: stored,
+            precopied,
+        },
+        bytes,
+    )
+}
+
+/// An operator's connection to a host's cluster port (`roam cluster`).
+pub async fn operator_request(
+    addr: &str,
+    cluster: &str,
+    operator_key: &Keypair,
+    host_key: &PublicKey,
+    request: &Msg,
+    wait: Duration,
+) -> Result<Msg, String> {
+    let mut link = timeout(
+        CONNECT_WAIT,
+        Link::connect(addr, cluster, operator_key, host_key),
+    )
+    .await
+    .map_err(|_| format!("{addr}: no answer within {CONNECT_WAIT:?}"))?
+    .map_err(|e| format!("{addr}: {e}"))?;
+    timeout(wait, link.call(request))
+        .await
+        .map_err(|_| format!("{addr}: no answer within {wait:?}"))?
+        .map_err(|e| format!("{addr}: {e}"))
+}

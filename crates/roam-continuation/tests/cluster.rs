@@ -1,0 +1,671 @@
+//! A cluster of hosts on loopback (`docs/PROTOCOL.md` §14): live sessions
+//! move between them mid-stream and their clients follow; every byte is
+//! checked (a position-dependent pattern, echoed back). Failure cases leave
+//! the session working at its source.
+
+mod common;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{bounded, cli, init_logging, wait_until};
+use roam::RoamStream;
+use roam_continuation::cluster::link::Link;
+use roam_continuation::cluster::wire::{Msg, Refusal};
+use roam_continuation::{
+    ClusterConfig, ClusterIdentity, Continuation, Host, HostConfig, ManagedSession, MoveError,
+    Service,
+};
+use roam_proto::Keypair;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+
+/// Byte `i` of the test pattern.
+fn pattern(i: u64) -> u8 {
+    (i.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as u8
+}
+
+/// The echo service: echoes its stream; at each freeze request it stores
+/// how much it echoed and suspends. `ballast` bytes of attributes make the
+/// state bigger (pre-copied when the session moves).
+fn echo_service(version: &str, echoed: Arc<AtomicU64>) -> Service {
+    Service::new("echo")
+        .version(version)
+        .routine("echo", move |mut r| {
+            let echoed = echoed.clone();
+            async move {
+                match r.take_stream("main") {
+                    Some(stream) => echo_loop(r.session, stream, echoed).await,
+                    // The stream ended both ways before the move: idle on.
+                    None => {
+                        r.session.freeze_requested().await;
+                        let _ = r.session.suspend(Continuation::new("echo")).await;
+                    }
+                }
+            }
+        })
+}
+
+async fn echo_loop(s: ManagedSession, mut stream: RoamStream, echoed: Arc<AtomicU64>) {
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        tokio::select! {
+            _ = s.freeze_requested() => {
+                let n = echoed.load(Ordering::SeqCst);
+                s.store("echoed", n.to_le_bytes()).expect("store");
+                let _ = s.suspend(Continuation::new("echo").stream("main", stream)).await;
+                return;
+            }
+            r = stream.read(&mut buf) => {
+                let n = match r {
+                    Ok(0) | Err(_) => {
+                        let _ = stream.shutdown().await;
+                        // Keep answering freezes until the session goes.
+                        s.freeze_requested().await;
+                        let _ = s.suspend(Continuation::new("echo").stream("main", stream)).await;
+                        return;
+                    }
+                    Ok(n) => n,
+                };
+                if stream.write_all(&buf[..n]).await.is_err() {
+                    return;
+                }
+                echoed.fetch_add(n as u64, Ordering::SeqCst);
+            }
+        }
+    }
+}
+
+/// One running host of the test cluster.
+struct Node {
+    name: String,
+    host: Host,
+    stop: Vec<oneshot::Sender<()>>,
+    tasks: Vec<tokio::task::JoinHandle<std::io::Result<()>>>,
+    _dir: tempfile::TempDir,
+}
+
+impl Node {
+    /// Kills the host: both ports stop at once, nothing is handed over.
+    fn kill(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+        self.stop.clear();
+    }
+}
+
+struct TestCluster {
+    service_key: Keypair,
+    config: ClusterConfig,
+    nodes: Vec<Node>,
+    echoed: Arc<AtomicU64>,
+}
+
+/// More lines of the cluster file: hosts that this test plays itself (or
+/// that are down), operators.
+#[derive(Default)]
+struct Extra {
+    /// `host NAME clients=.. peers=.. key=..` (fields pre-formatted).
+    hosts: Vec<String>,
+    /// Operator names and keys.
+    operators: Vec<(String, roam_proto::PublicKey)>,
+}
+
+impl Extra {
+    /// A host listed in the file whose ports are closed.
+    async fn down(name: &str) -> String {
+        let c = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let p = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        format!(
+            "host {name} clients={} peers={} key={}\n",
+            c.local_addr().unwrap(),
+            p.local_addr().unwrap(),
+            Keypair::generate().unwrap().public()
+        )
+    }
+}
+
+/// Starts `versions.len()` hosts (host `i` runs the echo service at
+/// `versions[i]`), with `extra` lines in their cluster file.
+async fn start_cluster(versions: &[&str], extra: Extra) -> TestCluster {
+    init_logging();
+    let service_key = Keypair::generate().unwrap();
+    let mut text = "cluster test\n".to_string();
+    let mut prepared = Vec::new();
+    for (i, _) in versions.iter().enumerate() {
+        let clients = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let peers = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let key = Keypair::generate().unwrap();
+        let name = format!("h{i}");
+        text.push_str(&format!(
+            "host {name} clients={} peers={} key={}\n",
+            clients.local_addr().unwrap(),
+            peers.local_addr().unwrap(),
+            key.public()
+        ));
+        prepared.push((name, clients, peers, key));
+    }
+    for h in &extra.hosts {
+        text.push_str(h);
+    }
+    for (n, k) in &extra.operators {
+        text.push_str(&format!("operator {n} key={k}\n"));
+    }
+    let config = ClusterConfig::parse(&text).unwrap();
+    let echoed = Arc::new(AtomicU64::new(0));
+    let mut nodes = Vec::new();
+    for ((name, clients, peers, key), version) in prepared.into_iter().zip(versions) {
+        let dir = tempfile::tempdir().unwrap();
+        let mut hc = HostConfig::new(dir.path(), cli::server_config(service_key.clone()));
+        hc.cluster = Some(ClusterIdentity::new(config.clone(), &name, key).unwrap());
+        let (host, _) = Host::builder(hc)
+            .service(echo_service(version, echoed.clone()))
+            .open()
+            .await
+            .unwrap();
+        let (s1, r1) = oneshot::channel::<()>();
+        let (s2, r2) = oneshot::channel::<()>();
+        let h = host.clone();
+        let h2 = host.clone();
+        let e2 = echoed.clone();
+        let serve = tokio::spawn(async move {
+            h.serve(
+                clients,
+                async {
+                    let _ = r1.await;
+                },
+                move |handle| {
+                    let Ok(s) = h2.adopt("echo", handle) else {
+                        return;
+                    };
+                    let e = e2.clone();
+                    tokio::spawn(async move {
+                        let Ok((stream, _)) = s.handle().accept_stream().await else {
+                            return;
+                        };
+                        echo_loop(s, stream, e).await;
+                    });
+                },
+            )
+            .await
+        });
+        let h = host.clone();
+        let peer_task = tokio::spawn(async move {
+            h.serve_peers(peers, async {
+                let _ = r2.await;
+            })
+            .await
+        });
+        nodes.push(Node {
+            name,
+            host,
+            stop: vec![s1, s2],
+            tasks: vec![serve, peer_task],
+            _dir: dir,
+        });
+    }
+    TestCluster {
+        service_key,
+        config,
+        nodes,
+        echoed,
+    }
+}
+
+impl TestCluster {
+    fn client_addr(&self, host: &str) -> String {
+        self.config.hosts[host].clients.clone()
+    }
+
+    /// The index of the node holding session `id` live or frozen.
+    fn holder(&self, id: roam::SessionId) -> Option<usize> {
+        self.nodes.iter().position(|n| {
+            n.host.sessions().iter().any(|r| {
+                r.id == id && (r.state == "live" || r.state == "suspended" || r.state == "frozen")
+            })
+        })
+    }
+
+    async fn shutdown(mut self) {
+        for n in &mut self.nodes {
+            for s in n.stop.drain(..) {
+                let _ = s.send(());
+            }
+        }
+        for n in &mut self.nodes {
+            for t in n.tasks.drain(..) {
+                let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
+            }
+        }
+    }
+}
+
+/// A client streaming `len` pattern bytes through the echo and checking
+/// every byte that comes back. `pace`: a pause after each 64 KiB written.
+struct Transfer {
+    session: roam::SessionHandle,
+    written: Arc<AtomicU64>,
+    verified: Arc<AtomicU64>,
+    task: tokio::task::JoinHandle<Result<u64, String>>,
+}
+
+async fn transfer(c: &TestCluster, host: &str, len: u64, pace: Duration) -> Transfer {
+    let session = roam::connect(
+        &c.client_addr(host),
+        cli::client_config(Some(c.service_key.public())),
+    )
+    .await
+    .expect("connect");
+    let stream = session.open_stream(b"echo").unwrap();
+    let (mut r, mut w) = tokio::io::split(stream);
+    let written = Arc::new(AtomicU64::new(0));
+    let verified = Arc::new(AtomicU64::new(0));
+    let w2 = written.clone();
+    let writer = tokio::spawn(async move {
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut off = 0u64;
+        while off < len {
+            let n = (len - off).min(buf.len() as u64) as usize;
+            for (k, b) in buf[..n].iter_mut().enumerate() {
+                *b = pattern(off + k as u64);
+            }
+            w.write_all(&buf[..n]).await.map_err(|e| e.to_string())?;
+            off += n as u64;
+            w2.store(off, Ordering::SeqCst);
+            if !pace.is_zero() {
+                tokio::time::sleep(pace).await;
+            }
+        }
+        w.shutdown().await.map_err(|e| e.to_string())
+    });
+    let v2 = verified.clone();
+    let task = tokio::spawn(async move {
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut off = 0u64;
+        loop {
+            let n = r
+                .read(&mut buf)
+                .await
+                .map_err(|e| format!("read at {off}: {e}"))?;
+            if n == 0 {
+                break;
+            }
+            for (k, b) in buf[..n].iter().enumerate() {
+                if *b != pattern(off + k as u64) {
+                    return Err(format!("byte {} is wrong", off + k as u64));
+                }
+            }
+            off += n as u64;
+            v2.store(off, Ordering::SeqCst);
+        }
+        writer
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| format!("writer: {e}"))?;
+        Ok(off)
+    });
+    Transfer {
+        session,
+        written,
+        verified,
+        task,
+    }
+}
+
+async fn wait_verified(t: &Transfer, at_least: u64) {
+    let v = t.verified.clone();
+    wait_until(Duration::from_secs(30), "echoed bytes", move || {
+        v.load(Ordering::SeqCst) >= at_least
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_moves_mid_transfer_and_every_byte_comes_back() {
+    bounded(Duration::from_secs(120), "test", async {
+        let c = start_cluster(&["1", "1", "1"], Extra::default()).await;
+        const LEN: u64 = 24 << 20;
+        let t = transfer(&c, "h0", LEN, Duration::ZERO).await;
+        let id = t.session.id().unwrap();
+        wait_verified(&t, 1 << 20).await;
+        // h0 → h1 → h2 → h0 → h1 while data flows both ways.
+        let mut at = 0;
+        for round in 1..=4u64 {
+            let to = (at + 1) % 3;
+            let report = c.nodes[at]
+                .host
+                .move_session(id, &c.nodes[to].name)
+                .await
+                .unwrap_or_else(|e| panic!("move {round}: {e}"));
+            assert_eq!(report.to, c.nodes[to].name);
+            assert_eq!(report.revision, round, "one revision per move");
+            at = to;
+            wait_verified(&t, (round + 1) * (2 << 20)).await;
+            wait_until(Duration::from_secs(10), "the destination holds it", || {
+                c.holder(id) == Some(at)
+            })
+            .await;
+        }
+        let got = t.task.await.unwrap().expect("transfer");
+        assert_eq!(got, LEN, "every byte came back exactly once, in order");
+        assert_eq!(c.echoed.load(Ordering::SeqCst), LEN);
+        let outs: u64 = c.nodes.iter().map(|n| n.host.stats().moves_out).sum();
+        let ins: u64 = c.nodes.iter().map(|n| n.host.stats().moves_in).sum();
+        assert_eq!((outs, ins), (4, 4));
+        c.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_hundred_consecutive_moves_among_three_hosts() {
+    bounded(Duration::from_secs(180), "test", async {
+        let c = start_cluster(&["1", "1", "1"], Extra::default()).await;
+        // Paced so that it still runs when the last move is done.
+        const LEN: u64 = 64 << 20;
+        let t = transfer(&c, "h0", LEN, Duration::from_millis(2)).await;
+        let id = t.session.id().unwrap();
+        wait_verified(&t, 64 << 10).await;
+        let mut at = 0usize;
+        let mut frozen = Vec::new();
+        for i in 0..100 {
+            let to = (at + 1 + i % 2) % 3;
+            let r = c.nodes[at]
+                .host
+                .move_session(id, &c.nodes[to].name)
+                .await
+                .unwrap_or_else(|e| panic!("move {i}: {e}"));
+            frozen.push(r.frozen);
+            at = to;
+            // Traffic flows at the destination before the next move.
+            let v = t.verified.load(Ordering::SeqCst);
+            wait_verified(&t, v + 1).await;
+        }
+        assert!(
+            t.verified.load(Ordering::SeqCst) < LEN,
+            "the transfer was still running during all 100 moves"
+        );
+        let got = t.task.await.unwrap().expect("transfer");
+        assert_eq!(got, LEN);
+        assert!(t.written.load(Ordering::SeqCst) == LEN);
+        frozen.sort();
+        eprintln!(
+            "100 moves: frozen median {:?}, max {:?}",
+            frozen[50], frozen[99]
+        );
+        c.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_incompatible_destination_is_refused_naming_the_property() {
+    bounded(Duration::from_secs(60), "test", async {
+        let c = start_cluster(&["1", "2"], Extra::default()).await;
+        const LEN: u64 = 4 << 20;
+        let t = transfer(&c, "h0", LEN, Duration::from_millis(1)).await;
+        let id = t.session.id().unwrap();
+        wait_verified(&t, 256 << 10).await;
+        match c.nodes[0].host.move_session(id, "h1").await {
+            Err(MoveError::Refused(Refusal::Incompatible {
+                property,
+                required,
+                found,
+            })) => {
+                assert_eq!(property, "version");
+                assert_eq!(required, "1");
+                assert_eq!(found.as_deref(), Some("2"));
+            }
+            other => panic!("expected an incompatibility, got {other:?}"),
+        }
+        // Nothing moved: the session runs on at h0 to the end.
+        assert_eq!(c.holder(id), Some(0));
+        assert_eq!(t.task.await.unwrap().expect("transfer"), LEN);
+        match c.nodes[0].host.move_session(id, "nowhere").await {
+            Err(MoveError::UnknownHost(h)) => assert_eq!(h, "nowhere"),
+            other => panic!("{other:?}"),
+        }
+        c.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_destination_leaves_the_session_at_the_source() {
+    bounded(Duration::from_secs(60), "test", async {
+        let c = start_cluster(
+            &["1"],
+            Extra {
+                hosts: vec![Extra::down("gone").await],
+                ..Default::default()
+            },
+        )
+        .await;
+        const LEN: u64 = 4 << 20;
+        let t = transfer(&c, "h0", LEN, Duration::from_millis(1)).await;
+        let id = t.session.id().unwrap();
+        wait_verified(&t, 256 << 10).await;
+        let e = c.nodes[0].host.move_session(id, "gone").await.unwrap_err();
+        assert!(matches!(e, MoveError::Link(_)), "{e}");
+        assert_eq!(c.holder(id), Some(0));
+        assert_eq!(t.task.await.unwrap().expect("transfer"), LEN);
+        c.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destination_that_dies_during_the_transfer_leaves_the_session_at_the_source() {
+    bounded(Duration::from_secs(90), "test", async {
+        // "d" is a host of the cluster that accepts the offer and then dies
+        // (its connection drops) when the transfer arrives. Its client port
+        // is closed: the client, told to move there, finds nobody and goes
+        // back to h0.
+        init_logging();
+        let d_key = Keypair::generate().unwrap();
+        let d_peers = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let d_clients = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let d_clients_addr = d_clients.local_addr().unwrap();
+        drop(d_clients);
+        let c = start_cluster(
+            &["1"],
+            Extra {
+                hosts: vec![format!(
+                    "host d clients={d_clients_addr} peers={} key={}\n",
+                    d_peers.local_addr().unwrap(),
+                    d_key.public()
+                )],
+                ..Default::default()
+            },
+        )
+        .await;
+        // The dying destination.
+        let d_config = c.config.clone();
+        let dying = tokio::spawn(async move {
+            let (sock, _) = d_peers.accept().await.unwrap();
+            let mut link = Link::accept(sock, &d_config.name, &d_key, |k| {
+                d_config.host_by_key(k).is_some()
+            })
+            .await
+            .unwrap();
+            loop {
+                match link.recv().await.unwrap() {
+                    Msg::Offer { .. } => link.send(&Msg::Accept).await.unwrap(),
+                    Msg::Precopy { .. } => {}
+                    Msg::Transfer { .. } => return, // dies: the connection drops
+                    m => panic!("unexpected {m:?}"),
+                }
+            }
+        });
+        const LEN: u64 = 4 << 20;
+        let t = transfer(&c, "h0", LEN, Duration::from_millis(1)).await;
+        let id = t.session.id().unwrap();
+        wait_verified(&t, 256 << 10).await;
+        let e = c.nodes[0].host.move_session(id, "d").await.unwrap_err();
+        assert!(
+            matches!(e, MoveError::Link(_)),
+            "the move fails on the lost connection: {e}"
+        );
+        dying.await.unwrap();
+        // The session is back at h0 (as a continuation until its client
+        // returns from the dead destination) and finishes there.
+        assert_eq!(t.task.await.unwrap().expect("transfer"), LEN);
+        assert_eq!(c.holder(id), Some(0));
+        c.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_source_killed_right_after_the_switch_does_not_stop_the_session() {
+    bounded(Duration::from_secs(60), "test", async {
+        let mut c = start_cluster(&["1", "1"], Extra::default()).await;
+        const LEN: u64 = 8 << 20;
+        let t = transfer(&c, "h0", LEN, Duration::from_millis(1)).await;
+        let id = t.session.id().unwrap();
+        wait_verified(&t, 256 << 10).await;
+        c.nodes[0].host.move_session(id, "h1").await.expect("move");
+        c.nodes[0].kill();
+        assert_eq!(t.task.await.unwrap().expect("transfer"), LEN);
+        assert_eq!(c.holder(id), Some(1));
+        c.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hosts_and_operators_outside_the_cluster_are_refused() {
+    bounded(Duration::from_secs(60), "test", async {
+        let c = start_cluster(&["1", "1"], Extra::default()).await;
+        let h0 = &c.config.hosts["h0"];
+        // A stranger that knows h0's key but is not in the file.
+        let stranger = Keypair::generate().unwrap();
+        let r = Link::connect(&h0.peers, "test", &stranger, &h0.key).await;
+        let refused = match r {
+            Err(_) => true,
+            Ok(mut l) => l.call(&Msg::Status).await.is_err(),
+        };
+        assert!(refused, "a key outside the cluster file gets nothing");
+        // The right keys but another cluster's name.
+        let h1_key_holder = Keypair::generate().unwrap();
+        let r = Link::connect(&h0.peers, "other", &h1_key_holder, &h0.key).await;
+        let refused = match r {
+            Err(_) => true,
+            Ok(mut l) => l.call(&Msg::Status).await.is_err(),
+        };
+        assert!(refused);
+        // A client session at h0 that a stranger tries to take: no offer
+        // can even be made, and the session is untouched.
+        let t = transfer(&c, "h0", 1 << 20, Duration::ZERO).await;
+        assert_eq!(t.task.await.unwrap().expect("transfer"), 1 << 20);
+        c.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_sees_status_and_moves_and_drains() {
+    bounded(Duration::from_secs(120), "test", async {
+        init_logging();
+        let op = Keypair::generate().unwrap();
+        let stranger = Keypair::generate().unwrap();
+        let c = start_cluster(
+            &["1", "1", "1"],
+            Extra {
+                operators: vec![("alice".into(), op.public())],
+                ..Default::default()
+            },
+        )
+        .await;
+        let h0 = c.config.hosts["h0"].clone();
+        let ask = |key: Keypair, req: Msg| {
+            let h0 = h0.clone();
+            async move {
+                roam_continuation::cluster::operator_request(
+                    &h0.peers,
+                    "test",
+                    &key,
+                    &h0.key,
+                    &req,
+                    Duration::from_secs(30),
+                )
+                .await
+            }
+        };
+        assert!(
+            ask(stranger, Msg::Status).await.is_err(),
+            "an operator missing from the file is refused"
+        );
+        // An operator may not play a host.
+        let r = ask(
+            op.clone(),
+            Msg::Abort {
+                id: roam::SessionId([1; 16]),
+            },
+        )
+        .await;
+        assert!(matches!(r, Ok(Msg::Refuse(_))), "{r:?}");
+        // Status, then a move by hand.
+        let t = transfer(&c, "h0", 1 << 20, Duration::from_millis(2)).await;
+        let id = t.session.id().unwrap();
+        wait_verified(&t, 64 << 10).await;
+        match ask(op.clone(), Msg::Status).await.unwrap() {
+            Msg::StatusReply { host, sessions } => {
+                assert_eq!(host, "h0");
+                assert!(
+                    sessions.iter().any(|r| r.id == id && r.service == "echo"),
+                    "{sessions:?}"
+                );
+            }
+            m => panic!("{m:?}"),
+        }
+        match ask(
+            op.clone(),
+            Msg::Move {
+                id,
+                to: "h2".into(),
+            },
+        )
+        .await
+        .unwrap()
+        {
+            Msg::Done { moved: 1, failures } => assert!(failures.is_empty()),
+            m => panic!("{m:?}"),
+        }
+        assert_eq!(t.task.await.unwrap().expect("transfer"), 1 << 20);
+        assert_eq!(c.holder(id), Some(2));
+        // Sessions to drain: 64 clients, each with a small transfer.
+        let mut ts = Vec::new();
+        for _ in 0..64 {
+            ts.push(transfer(&c, "h0", 64 << 10, Duration::from_millis(20)).await);
+        }
+        for t in &ts {
+            wait_verified(t, 64 << 10).await;
+        }
+        let started = std::time::Instant::now();
+        match ask(op.clone(), Msg::Drain).await.unwrap() {
+            Msg::Done { moved, failures } => {
+                assert!(failures.is_empty(), "{failures:?}");
+                assert_eq!(moved, 64);
+            }
+            m => panic!("{m:?}"),
+        }
+        eprintln!("drained 64 sessions in {:?}", started.elapsed());
+        let ids: Vec<roam::SessionId> = ts.iter().map(|t| t.session.id().unwrap()).collect();
+        wait_until(
+            Duration::from_secs(20),
+            "every session held elsewhere",
+            || ids.iter().all(|id| matches!(c.holder(*id), Some(1 | 2))),
+        )
+        .await;
+        assert!(c.nodes[0].host.sessions().iter().all(|r| r.state != "live"));
+        for t in ts {
+            assert_eq!(t.task.await.unwrap().expect("transfer"), 64 << 10);
+        }
+        c.shutdown().await;
+    })
+    .await;
+}
