@@ -130,6 +130,22 @@ Examples:
   roam status
   roam status --json | jq '.[].sessions[].state'")]
     Status(StatusArgs),
+    /// Operate a cluster of roam-continuation hosts: list, move and drain sessions.
+    #[command(after_help = "\
+Examples:
+  roam cluster --cluster-file /etc/files/cluster.conf --key ~/.config/roam/operator.key status
+  roam cluster -c cluster.conf -k op.key status --json | jq '.[] | {host, sessions: (.sessions|length)}'
+  roam cluster -c cluster.conf -k op.key move 7a744b7a479cf23dc098e3759aea425a --to b
+  roam cluster -c cluster.conf -k op.key drain a      # before stopping host a
+
+The cluster file is the one the hosts run with (`cluster NAME`, then
+`host NAME clients=ADDR peers=ADDR key=HEX` lines); your key must be listed
+in it as `operator NAME key=HEX` (make one with `roam keygen --out op.key`).
+Requests go to each host's `peers` address over Noise, authenticated both
+ways with the keys in the file. A move or drain waits until the sessions are
+on their new hosts and prints what moved and what failed (failed sessions
+stay where they were and keep working).")]
+    Cluster(ClusterArgs),
     /// Generate a static key pair; prints the public key.
     #[command(after_help = "\
 Examples:
@@ -259,6 +275,44 @@ pub(crate) struct StatusArgs {
 }
 
 #[derive(Debug, Args)]
+pub(crate) struct ClusterArgs {
+    /// The cluster file the hosts run with.
+    #[arg(short = 'c', long, value_name = "FILE")]
+    pub(crate) cluster_file: PathBuf,
+    /// Your operator key (private; its public half is an `operator` line of the file).
+    #[arg(short = 'k', long, value_name = "FILE")]
+    pub(crate) key: PathBuf,
+    /// How long to wait for a host's answer (a drain of many sessions takes a while).
+    #[arg(long, default_value = "60s", value_name = "DURATION")]
+    pub(crate) timeout: String,
+    #[command(subcommand)]
+    pub(crate) action: ClusterAction,
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum ClusterAction {
+    /// Every host's sessions and their states.
+    Status {
+        /// Machine-readable output: a JSON array of hosts with their sessions.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Move one session (live or suspended) to another host.
+    Move {
+        /// The session id (32 hex digits, as `status` shows it).
+        session: String,
+        /// The destination host's name in the cluster file.
+        #[arg(long, value_name = "HOST")]
+        to: String,
+    },
+    /// Move every session off a host, to the others.
+    Drain {
+        /// The host to empty.
+        host: String,
+    },
+}
+
+#[derive(Debug, Args)]
 pub(crate) struct KeygenArgs {
     /// Where to write the private key [default: <state dir>/client.key].
     #[arg(long, value_name = "FILE")]
@@ -322,6 +376,7 @@ pub(crate) fn run(cli: Cli) -> i32 {
             Command::Pipe(a) => crate::pipe::run(a, &config).await,
             Command::Forward(a) => crate::forward::run(a, &config).await,
             Command::Status(a) => crate::control::status(a, &config).await,
+            Command::Cluster(a) => crate::cluster::run(a).await,
             Command::Keygen(a) => crate::keys::keygen(a, &config),
             Command::Demo(a) => crate::demo::run(a).await,
         }

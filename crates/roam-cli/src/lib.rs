@@ -6,6 +6,7 @@
 #![forbid(unsafe_code)]
 
 mod cli;
+mod cluster;
 mod config;
 mod connect;
 mod control;

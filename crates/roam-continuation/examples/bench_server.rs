@@ -7,12 +7,17 @@
 //! ```
 //! Options: `--lazy-ms N` (lazy generation after N ms suspended; default
 //! eager), `--expiry-s N` (default 3600), `--offload-ms N` (default 30000).
+//! As a cluster host (sessions move between hosts, `docs/PROTOCOL.md` §14):
+//! `--cluster FILE --host NAME --host-key FILE --service-key FILE` (see
+//! `support/cluster.rs`).
 //! Stops on Ctrl-C, keeping every session for the next start.
 
 #[path = "support/bench.rs"]
 mod bench;
 #[path = "support/cli.rs"]
 mod cli;
+#[path = "support/cluster.rs"]
+mod cluster;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -34,6 +39,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let public = keypair.public();
     let mut config = HostConfig::new(&state_dir, cli::server_config(keypair));
     config.offload_after = Duration::from_millis(cli::arg_or("--offload-ms", 30_000));
+    let peers = cluster::configure(&mut config)?;
     let (host, report) = Host::builder(config)
         .service(bench::service(generation, expiry))
         .open()
@@ -47,6 +53,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         listener.local_addr()?,
         report.loaded
     );
+    if let Some(p) = peers {
+        tokio::spawn(cluster::serve_peers(host.clone(), p));
+    }
     let h = host.clone();
     host.serve(
         listener,

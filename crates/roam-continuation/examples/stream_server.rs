@@ -8,10 +8,15 @@
 //! cargo run -p roam-continuation --example stream_client -- --connect 127.0.0.1:8000 --mount /radio --resume live
 //! ```
 //! Options: `--rate N` chunks per second (default 100), `--chunk-len N`
-//! bytes (default 1024). Stops on Ctrl-C, keeping every listener.
+//! bytes (default 1024). As a cluster host (listeners move between hosts,
+//! `docs/PROTOCOL.md` §14): `--cluster FILE --host NAME --host-key FILE
+//! --service-key FILE` (see `support/cluster.rs`). Stops on Ctrl-C,
+//! keeping every listener.
 
 #[path = "support/cli.rs"]
 mod cli;
+#[path = "support/cluster.rs"]
+mod cluster;
 #[path = "support/stream.rs"]
 mod stream;
 
@@ -31,7 +36,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let keypair = cli::load_or_create_key(&state_dir)?;
     let public = keypair.public();
-    let (host, report) = Host::builder(HostConfig::new(&state_dir, cli::server_config(keypair)))
+    let mut config = HostConfig::new(&state_dir, cli::server_config(keypair));
+    let peers = cluster::configure(&mut config)?;
+    let (host, report) = Host::builder(config)
         .service(stream::service(b))
         .open()
         .await?;
@@ -41,6 +48,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         listener.local_addr()?,
         report.loaded
     );
+    if let Some(p) = peers {
+        tokio::spawn(cluster::serve_peers(host.clone(), p));
+    }
     let h = host.clone();
     host.serve(
         listener,

@@ -36,7 +36,9 @@ fn hex(b: &[u8]) -> String {
 }
 
 /// The server's static key, created (mode 0600) on first start so clients
-/// that pinned it keep trusting the restarted server.
+/// that pinned it keep trusting the restarted server: `--service-key FILE`
+/// if given (the key every host of a cluster shares), else
+/// `<state dir>/server.key`.
 pub fn load_or_create_key(state_dir: &Path) -> std::io::Result<Keypair> {
     if !state_dir.exists() {
         std::fs::DirBuilder::new()
@@ -44,7 +46,15 @@ pub fn load_or_create_key(state_dir: &Path) -> std::io::Result<Keypair> {
             .mode(0o700)
             .create(state_dir)?;
     }
-    let path = state_dir.join("server.key");
+    match arg("--service-key") {
+        Some(p) => load_or_create_key_file(Path::new(&p)),
+        None => load_or_create_key_file(&state_dir.join("server.key")),
+    }
+}
+
+/// A private key in a file (64 hex digits), created (mode 0600) if missing.
+pub fn load_or_create_key_file(path: &Path) -> std::io::Result<Keypair> {
+    let path = path.to_path_buf();
     if let Ok(text) = std::fs::read_to_string(&path) {
         let t = text.trim();
         let mut b = [0u8; 32];

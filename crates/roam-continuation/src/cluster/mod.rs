@@ -60,6 +60,9 @@ const CONNECT_WAIT: Duration = Duration::from_secs(3);
 const FREEZE_WAIT: Duration = Duration::from_secs(10);
 /// The destination's answer to a transfer or a commit.
 const ANSWER_WAIT: Duration = Duration::from_secs(10);
+/// The name of the first step, for errors (and for skipping a host a
+/// drain cannot reach).
+const CONNECT_STEP: &str = "the destination's cluster port";
 /// Idle peer connections are closed after this long.
 const PEER_IDLE: Duration = Duration::from_secs(60);
 /// Moves a drain runs at once.
@@ -416,7 +419,7 @@ impl HostInner {
         };
         // 1. Offer with the compatibility vector.
         let mut link = match step(
-            "the destination's cluster port",
+            CONNECT_STEP,
             CONNECT_WAIT,
             Link::connect(
                 &member.peers,
@@ -589,13 +592,27 @@ impl HostInner {
         let mut report = DrainReport::default();
         let sem = Arc::new(tokio::sync::Semaphore::new(DRAIN_PARALLEL));
         let mut tasks = Vec::with_capacity(ids.len());
+        let others = Arc::new(others);
         for (i, id) in ids.into_iter().enumerate() {
-            let to = others[i % others.len()].clone();
             let host = self.clone();
             let sem = sem.clone();
+            let others = others.clone();
             tasks.push(tokio::spawn(async move {
                 let _permit = sem.acquire_owned().await;
-                (id, host.move_session(id, &to).await)
+                // Round robin; a host that cannot be reached is skipped
+                // (nothing happened to the session yet) for the next one.
+                let mut last = None;
+                for k in 0..others.len() {
+                    let to = &others[(i + k) % others.len()];
+                    match host.move_session(id, to).await {
+                        Ok(r) => return (id, Ok(r)),
+                        Err(e @ (MoveError::Link(_) | MoveError::Timeout(CONNECT_STEP))) => {
+                            last = Some(e)
+                        }
+                        Err(e) => return (id, Err(e)),
+                    }
+                }
+                (id, Err(last.unwrap_or(MoveError::NotHere(id))))
             }));
         }
         for t in tasks {
