@@ -696,12 +696,12 @@ fn cluster_section(s: &mut String, o: &Outcome<crate::scenarios::cluster::Cluste
     );
     let _ = writeln!(
         s,
-        "| move every | seconds per download | MB per download | MB/s | moves | loss vs no moves |\n|---|---:|---:|---:|---:|---:|"
+        "| move every | seconds per download | MB per download | MB/s | moves | loss vs no moves | stall per move (client, ms) | moves' stalls, share of time |\n|---|---:|---:|---:|---:|---:|---:|---:|"
     );
     for r in &t.throughput {
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} |",
             r.move_every_s.map_or("never".into(), |e| format!("{e} s")),
             f(r.seconds, 1),
             f(r.median_bytes / 1e6, 0),
@@ -709,6 +709,12 @@ fn cluster_section(s: &mut String, o: &Outcome<crate::scenarios::cluster::Cluste
             r.moves,
             if r.move_every_s.is_some() {
                 format!("{} %", f(r.loss_pct, 2))
+            } else {
+                "–".into()
+            },
+            f(r.median_stall_ms, 1),
+            if r.move_every_s.is_some() {
+                format!("{} %", f(r.stalled_pct, 2))
             } else {
                 "–".into()
             }

@@ -220,6 +220,14 @@ fn cluster(sc: &Scenarios, v: &mut Vec<Target>) {
             .map_or(f64::NAN, |r| r.loss_pct),
         "against the same download without moves",
     ));
+    v.push(target(
+        "cluster download with a move every 2 s: the moves' stalls, share of time (%)".into(),
+        "<=",
+        1.0,
+        c.and_then(|c| c.throughput.iter().find(|r| r.move_every_s == Some(2.0)))
+            .map_or(f64::NAN, |r| r.stalled_pct),
+        "per move the longest client read gap during it (to 200 ms after), summed over the download's time",
+    ));
 }
 
 #[cfg(test)]
