@@ -5,7 +5,9 @@
 //! chained socat relays, an `ssh -L` tunnel to a private sshd, and `roam
 //! forward` / `roam pipe` / a library session to `roam serve`, all on
 //! 127.0.0.1, and writes `results.json`, `results.md` (opening with the
-//! issue's targets, met or not) and PNG plots.
+//! issue's targets, met or not) and PNG plots. A seventh scenario,
+//! `cluster`, measures live moves of sessions between three in-process
+//! `roam_continuation` hosts (stall, drain, throughput with moves).
 //!
 //! ## Design
 //! - **One load generator** (`load`): a target process (sink, source, echo)
@@ -51,7 +53,8 @@ use crate::peers::{Env, Lab};
 use crate::scenarios::progress;
 
 /// Benchmark suite of roam: throughput, latency, set-up, resume, memory and
-/// many-session fairness against direct TCP, socat and ssh -L, on loopback.
+/// many-session fairness against direct TCP, socat and ssh -L, and moves
+/// between cluster hosts, on loopback.
 #[derive(Debug, Parser)]
 #[command(name = "roam-bench", version)]
 struct Cli {
@@ -73,7 +76,7 @@ struct Cli {
     #[arg(long)]
     roam: Option<PathBuf>,
     /// Only these scenarios (comma-separated): throughput, latency, setup,
-    /// resume, memory, many.
+    /// resume, memory, many, cluster.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Only these peers (comma-separated result names, e.g. socat,roam-forward);
@@ -120,7 +123,25 @@ pub(crate) struct Plan {
     pub(crate) many_warmup_seconds: f64,
     pub(crate) many_seconds: f64,
     pub(crate) many_rounds: usize,
+    /// Attribute bytes of the sessions moved in scenario 7's stall test.
+    pub(crate) cluster_state_bytes: Vec<usize>,
+    /// Moves per state size (and pre-copy on or off) in scenario 7.
+    pub(crate) cluster_moves: usize,
+    /// Sessions per drain in scenario 7.
+    pub(crate) cluster_drains: Vec<usize>,
+    /// Bytes each download of scenario 7's throughput test gets at least.
+    pub(crate) cluster_download_bytes: u64,
+    /// Moves per download of that test: each lasts that many intervals and
+    /// a half, with a move at each interval's end.
+    pub(crate) cluster_min_moves: usize,
+    /// Seconds between moves during those downloads (plus a run without).
+    pub(crate) cluster_move_every_s: Vec<f64>,
+    /// Rounds of scenario 7's throughput test.
+    pub(crate) cluster_tput_rounds: usize,
 }
+
+/// The state sizes of scenario 7 (bytes of attributes).
+const STATE_BYTES: [usize; 6] = [0, 1000, 10_000, 100_000, 1_000_000, 10_000_000];
 
 /// The write block sizes of scenario 1 (bytes).
 const BLOCKS: [usize; 6] = [1, 16, 100, 1000, 16 * 1024, 64 * 1024];
@@ -144,6 +165,13 @@ impl Plan {
             many_warmup_seconds: 3.0,
             many_seconds: 2.0,
             many_rounds: 1,
+            cluster_state_bytes: STATE_BYTES.to_vec(),
+            cluster_moves: 10,
+            cluster_drains: vec![64, 1000],
+            cluster_download_bytes: 64_000_000,
+            cluster_min_moves: 2,
+            cluster_move_every_s: vec![2.0, 5.0, 10.0],
+            cluster_tput_rounds: 1,
         }
     }
 
@@ -165,6 +193,13 @@ impl Plan {
             many_warmup_seconds: 5.0,
             many_seconds: 5.0,
             many_rounds: 3,
+            cluster_state_bytes: STATE_BYTES.to_vec(),
+            cluster_moves: 30,
+            cluster_drains: vec![64, 1000],
+            cluster_download_bytes: 400_000_000,
+            cluster_min_moves: 3,
+            cluster_move_every_s: vec![2.0, 5.0, 10.0],
+            cluster_tput_rounds: 3,
         }
     }
 
@@ -186,6 +221,13 @@ impl Plan {
             many_warmup_seconds: 0.2,
             many_seconds: 0.3,
             many_rounds: 1,
+            cluster_state_bytes: vec![0, 10_000, 1_000_000],
+            cluster_moves: 2,
+            cluster_drains: vec![16],
+            cluster_download_bytes: 8_000_000,
+            cluster_min_moves: 2,
+            cluster_move_every_s: vec![0.1],
+            cluster_tput_rounds: 1,
         }
     }
 
@@ -253,6 +295,7 @@ pub(crate) struct Scenarios {
     pub(crate) resume: Outcome<scenarios::resume::Resume>,
     pub(crate) memory: Outcome<scenarios::memory::Memory>,
     pub(crate) many: Outcome<scenarios::many::Many>,
+    pub(crate) cluster: Outcome<scenarios::cluster::Cluster>,
 }
 
 impl Scenarios {
@@ -266,6 +309,7 @@ impl Scenarios {
             ("resume", s.resume.is_error()),
             ("memory", s.memory.is_error()),
             ("many", s.many.is_error()),
+            ("cluster", s.cluster.is_error()),
         ] {
             if err {
                 v.push(name);
@@ -349,7 +393,15 @@ fn main() {
     if let Some(s) = cli.many_seconds {
         plan.many_seconds = s.max(0.1);
     }
-    let known = ["throughput", "latency", "setup", "resume", "memory", "many"];
+    let known = [
+        "throughput",
+        "latency",
+        "setup",
+        "resume",
+        "memory",
+        "many",
+        "cluster",
+    ];
     if let Some(bad) = cli.only.iter().find(|o| !known.contains(&o.as_str())) {
         eprintln!(
             "roam-bench: unknown scenario {bad:?}; choose from {}",
@@ -488,6 +540,10 @@ async fn run(cli: Cli, plan: Plan, nofile: u64) -> i32 {
             scenarios::many::run(c.clone(), l)
         })
         .await,
+        cluster: scenario("cluster", only, &lab, budget, |l| {
+            scenarios::cluster::run(c.clone(), l)
+        })
+        .await,
     };
     drop(lab);
     let errors = scen.errors();
@@ -555,6 +611,14 @@ mod tests {
         let f = Plan::full();
         assert_eq!(f.mem_serve_counts, [1000, 9000]);
         assert_eq!(f.mem_counts, [10_000]);
+        for p in [&q, &f] {
+            assert_eq!(
+                p.cluster_state_bytes,
+                [0, 1000, 10_000, 100_000, 1_000_000, 10_000_000]
+            );
+            assert_eq!(p.cluster_drains, [64, 1000]);
+            assert_eq!(p.cluster_move_every_s, [2.0, 5.0, 10.0]);
+        }
     }
 
     #[test]

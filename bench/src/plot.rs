@@ -108,6 +108,9 @@ pub(crate) fn all(r: &Results, out: &Path) -> Vec<io::Result<PathBuf>> {
     if let Some(x) = r.scenarios.resume.ok() {
         v.push(resume(x, &out.join("resume.png")));
     }
+    if let Some(x) = r.scenarios.cluster.ok() {
+        v.push(cluster(x, &out.join("cluster.png")));
+    }
     v
 }
 
@@ -325,6 +328,92 @@ fn resume(t: &crate::scenarios::resume::Resume, path: &Path) -> io::Result<PathB
     chart
         .configure_series_labels()
         .position(SeriesLabelPosition::LowerRight)
+        .label_font((FONT, 15))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)?;
+    root.present().map_err(err)?;
+    Ok(path.to_path_buf())
+}
+
+/// Scenario 7: client-visible stall of a move against the session's state
+/// size, with and without the pre-copy (log-log; a 0-byte state is drawn
+/// at 100 bytes).
+fn cluster(t: &crate::scenarios::cluster::Cluster, path: &Path) -> io::Result<PathBuf> {
+    let root = BitMapBackend::new(path, (1000, 620)).into_drawing_area();
+    root.fill(&WHITE).map_err(err)?;
+    let pts = |precopy: bool, get: &dyn Fn(&crate::scenarios::cluster::StallRow) -> f64| {
+        t.stall
+            .iter()
+            .filter(|r| r.precopy == precopy && r.refused.is_none())
+            .map(|r| ((r.state_bytes as f64).max(100.0), get(r)))
+            .collect::<Vec<_>>()
+    };
+    let stall = |r: &crate::scenarios::cluster::StallRow| {
+        r.stall_ms.as_ref().map_or(f64::NAN, |s| s.median)
+    };
+    let frozen = |r: &crate::scenarios::cluster::StallRow| {
+        r.frozen_ms.as_ref().map_or(f64::NAN, |s| s.median)
+    };
+    let series: [Series; 4] = [
+        (
+            "client-visible stall, pre-copy",
+            color("roam-forward"),
+            pts(true, &stall),
+        ),
+        (
+            "client-visible stall, no pre-copy",
+            color("roam-pipe"),
+            pts(false, &stall),
+        ),
+        ("host: frozen, pre-copy", color("socat"), pts(true, &frozen)),
+        (
+            "host: frozen, no pre-copy",
+            color("ssh-L"),
+            pts(false, &frozen),
+        ),
+    ];
+    let (ylo, yhi) = log_range(series.iter().flat_map(|s| s.2.iter().map(|p| p.1)));
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            "Moving a session between hosts: stall vs state size (median, log-log)",
+            (FONT, 22),
+        )
+        .margin(15)
+        .x_label_area_size(45)
+        .y_label_area_size(65)
+        .build_cartesian_2d(
+            (50f64..3e7).log_scale(),
+            ((ylo / 2.0).min(0.5)..yhi * 2.0).log_scale(),
+        )
+        .map_err(err)?;
+    chart
+        .configure_mesh()
+        .x_desc("bytes of attributes (0 drawn at 100)")
+        .y_desc("milliseconds")
+        .x_label_formatter(&|v| format!("{v:.0e}"))
+        .y_label_formatter(&num_label)
+        .label_style((FONT, 14))
+        .draw()
+        .map_err(err)?;
+    for (name, c, pts) in series {
+        let pts: Vec<(f64, f64)> = pts
+            .into_iter()
+            .filter(|p| p.1.is_finite() && p.1 > 0.0)
+            .collect();
+        chart
+            .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
+            .map_err(err)?
+            .label(name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+        chart
+            .draw_series(pts.into_iter().map(|p| Circle::new(p, 4, c.filled())))
+            .map_err(err)?;
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
         .label_font((FONT, 15))
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)

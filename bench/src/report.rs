@@ -289,7 +289,7 @@ fn markdown(r: &Results, plots: &[io::Result<PathBuf>]) -> String {
         }
     }
 
-    let _ = writeln!(s, "\n## Targets (issue 9)\n");
+    let _ = writeln!(s, "\n## Targets (issues 9 and 10)\n");
     let _ = writeln!(
         s,
         "Measured in this run against the targets the issue sets (ratios of peers measured in the same run). \
@@ -598,7 +598,129 @@ fn markdown(r: &Results, plots: &[io::Result<PathBuf>]) -> String {
         }
         s += "\n";
     }
+    cluster_section(&mut s, &sc.cluster);
     s
+}
+
+/// Bytes as the issue names state sizes (0, 1 KB, ..., 10 MB).
+fn size_label(b: usize) -> String {
+    match b {
+        0 => "0".into(),
+        b if b >= 1_000_000 && b % 1_000_000 == 0 => format!("{} MB", b / 1_000_000),
+        b if b >= 1000 && b % 1000 == 0 => format!("{} KB", b / 1000),
+        b => format!("{b} B"),
+    }
+}
+
+/// Section 7: moves between cluster hosts, with the issue's targets.
+fn cluster_section(s: &mut String, o: &Outcome<crate::scenarios::cluster::Cluster>) {
+    let _ = writeln!(s, "## 7. Moving live sessions between cluster hosts\n");
+    if let Some(x) = status_line(o) {
+        *s += &x;
+    }
+    let Some(t) = o.ok() else {
+        return;
+    };
+    for n in &t.notes {
+        let _ = writeln!(s, "- {n}");
+    }
+    let _ = writeln!(
+        s,
+        "\nClient-visible stall and move time vs state size (ms, median over {} moves; max in parentheses). \
+         Frozen and whole move are the source host's `MoveReport`. ![cluster](cluster.png)\n",
+        t.stall.first().map_or(0, |r| r.moves)
+    );
+    let _ = writeln!(
+        s,
+        "| state | pre-copy | stall (client) | round trip otherwise | frozen | whole move | pre-copied B | transfer B |\n|---:|---|---:|---:|---:|---:|---:|---:|"
+    );
+    for r in &t.stall {
+        if let Some(why) = &r.refused {
+            let _ = writeln!(
+                s,
+                "| {} | {} | refused: {why} | | | | | |",
+                size_label(r.state_bytes),
+                if r.precopy { "yes" } else { "no" }
+            );
+            continue;
+        }
+        let med = |x: &Option<crate::stats::Summary>| x.as_ref().map_or(f64::NAN, |v| v.median);
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} ({}) | {} | {} | {} | {} | {} |",
+            size_label(r.state_bytes),
+            if r.precopy { "yes" } else { "no" },
+            f(med(&r.stall_ms), 2),
+            f(r.stall_ms.as_ref().map_or(f64::NAN, |v| v.max), 2),
+            f(r.baseline_rtt_ms.unwrap_or(f64::NAN), 3),
+            f(med(&r.frozen_ms), 2),
+            f(med(&r.total_ms), 2),
+            r.precopy_bytes.map_or("–".into(), |b| b.to_string()),
+            f(r.transfer_bytes.unwrap_or(f64::NAN), 0),
+        );
+    }
+    let _ = writeln!(
+        s,
+        "\nDrain (ms from the `drain()` call){}:\n",
+        if t.drain_note.is_empty() {
+            String::new()
+        } else {
+            format!("; {}", t.drain_note)
+        }
+    );
+    let _ = writeln!(
+        s,
+        "| sessions | moved | drain() returned | every client Resumed | every client echoed | sessions per host |\n|---:|---:|---:|---:|---:|---|"
+    );
+    for r in &t.drain {
+        let hosts: Vec<String> = r
+            .per_host
+            .iter()
+            .map(|(h, n)| format!("{h}: {n}"))
+            .collect();
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} | {} | {} |",
+            r.sessions,
+            r.moved,
+            f(r.drain_ms, 1),
+            f(r.all_resumed_ms, 1),
+            f(r.all_echoed_ms, 1),
+            hosts.join(", ")
+        );
+    }
+    let _ = writeln!(
+        s,
+        "\nThroughput of a download with periodic moves ({} round(s), median):\n",
+        t.throughput_rounds
+    );
+    let _ = writeln!(
+        s,
+        "| move every | seconds per download | MB per download | MB/s | moves | loss vs no moves | stall per move (client, ms) | moves' stalls, share of time |\n|---|---:|---:|---:|---:|---:|---:|---:|"
+    );
+    for r in &t.throughput {
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} | {} | {} | {} | {} |",
+            r.move_every_s.map_or("never".into(), |e| format!("{e} s")),
+            f(r.seconds, 1),
+            f(r.median_bytes / 1e6, 0),
+            f(r.median_mbps, 1),
+            r.moves,
+            if r.move_every_s.is_some() {
+                format!("{} %", f(r.loss_pct, 2))
+            } else {
+                "–".into()
+            },
+            f(r.median_stall_ms, 1),
+            if r.move_every_s.is_some() {
+                format!("{} %", f(r.stalled_pct, 2))
+            } else {
+                "–".into()
+            }
+        );
+    }
+    *s += "\n";
 }
 
 /// Distinct values in first-seen order.

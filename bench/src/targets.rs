@@ -1,4 +1,4 @@
-//! The targets issue 9 sets for roam, each checked against this run's
+//! The targets issues 9 and 10 set for roam, each checked against this run's
 //! measurements: the measured value (mostly a ratio of peers measured in
 //! the same run), the goal, and whether it is met. A target whose inputs
 //! were not measured (scenario skipped or failed, peer not selected) shows
@@ -177,7 +177,57 @@ pub(crate) fn evaluate(sc: &Scenarios, planned_clients: usize) -> Vec<Target> {
             ));
         }
     }
+    cluster(sc, &mut v);
     v
+}
+
+/// Issue 10's targets for moves between cluster hosts (scenario 7).
+fn cluster(sc: &Scenarios, v: &mut Vec<Target>) {
+    let c = sc.cluster.ok();
+    let stall = |bytes: usize| {
+        c.and_then(|c| {
+            c.stall
+                .iter()
+                .find(|r| r.precopy && r.state_bytes == bytes)
+                .and_then(|r| r.stall_ms.as_ref())
+        })
+        .map_or(f64::NAN, |s| s.median)
+    };
+    for (bytes, label) in [(10_000, "10 KB"), (10_000_000, "10 MB (flat)")] {
+        v.push(target(
+            format!("cluster move, client-visible stall at {label} of state, pre-copy (ms)"),
+            "<=",
+            2.0,
+            stall(bytes),
+            "median over the moves; loopback, hosts and clients in one process",
+        ));
+    }
+    for (n, goal) in [(64, 50.0), (1000, 500.0)] {
+        v.push(target(
+            format!("cluster drain of {n} sessions: drain() time (ms)"),
+            "<=",
+            goal,
+            c.and_then(|c| c.drain.iter().find(|r| r.sessions == n))
+                .map_or(f64::NAN, |r| r.drain_ms),
+            "every client resumed and echoed later: see section 7",
+        ));
+    }
+    v.push(target(
+        "cluster download with a move every 2 s: throughput lost (%)".into(),
+        "<=",
+        1.0,
+        c.and_then(|c| c.throughput.iter().find(|r| r.move_every_s == Some(2.0)))
+            .map_or(f64::NAN, |r| r.loss_pct),
+        "against the same download without moves",
+    ));
+    v.push(target(
+        "cluster download with a move every 2 s: the moves' stalls, share of time (%)".into(),
+        "<=",
+        1.0,
+        c.and_then(|c| c.throughput.iter().find(|r| r.move_every_s == Some(2.0)))
+            .map_or(f64::NAN, |r| r.stalled_pct),
+        "per move the longest client read gap during it (to 200 ms after), summed over the download's time",
+    ));
 }
 
 #[cfg(test)]

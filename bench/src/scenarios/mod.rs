@@ -1,8 +1,9 @@
-//! The six scenarios. Each returns its typed result or an error; `main`
+//! The seven scenarios. Each returns its typed result or an error; `main`
 //! turns that into the scenario's status in the report.
 
 use serde::Serialize;
 
+pub(crate) mod cluster;
 pub(crate) mod latency;
 pub(crate) mod many;
 pub(crate) mod memory;

@@ -14,7 +14,8 @@
 //!    ownership revision; D checks it against its services (refusing names
 //!    the property) and its revisions (refusing a stale one), then holds
 //!    resumes of the session until the move ends. D → S `Accept`.
-//! 2. S → D `Precopy`: the session's attributes, while it keeps running.
+//! 2. S → D `Precopy`: the session's attributes, while it keeps running
+//!    (an empty one if `HostConfig::precopy` is off).
 //! 3. S tells C `MOVE_TO D` and asks the application for its continuation
 //!    (`FreezeReason::Move`). C abandons S and resumes at D, which waits.
 //! 4. The application suspends at its next quiescent point; S sends the
@@ -453,7 +454,13 @@ impl HostInner {
         {
             return Err(fail(e, frozen, &live));
         }
-        // 2. Pre-copy the attributes while the session runs on.
+        // 2. Pre-copy the attributes while the session runs on (none if
+        // `HostConfig::precopy` is off: then they all go in the transfer).
+        let attrs = if self.config.precopy {
+            attrs
+        } else {
+            BTreeMap::new()
+        };
         let precopy_bytes: usize = attrs.iter().map(|(k, v)| k.len() + v.len()).sum();
         if let Err(e) = step(
             "the pre-copy",

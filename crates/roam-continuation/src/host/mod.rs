@@ -71,6 +71,11 @@ pub struct HostConfig {
     /// to the other hosts ([`Host::move_session`], [`Host::drain`]) and
     /// theirs to it ([`Host::serve_peers`]).
     pub cluster: Option<crate::cluster::ClusterIdentity>,
+    /// Whether a move pre-copies the session's attributes to the destination
+    /// while the session still runs (default true). When false the pre-copy
+    /// is empty and every attribute travels in the final transfer, after the
+    /// freeze; for measuring what the pre-copy saves.
+    pub precopy: bool,
 }
 
 impl HostConfig {
@@ -82,6 +87,7 @@ impl HostConfig {
             offload_after: Duration::from_secs(30),
             shutdown_grace: Duration::from_secs(5),
             cluster: None,
+            precopy: true,
         }
     }
 }
