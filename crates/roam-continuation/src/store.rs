@@ -194,18 +194,50 @@ impl Store {
     }
 
     async fn submit(&self, ops: Vec<Op>) -> Result<(), StoreError> {
+        let rx = self.enqueue(ops)?;
+        Self::committed(rx).await
+    }
+
+    /// Queues `ops` for the writer now (requests commit in queue order);
+    /// await the receiver with [`Store::committed`].
+    fn enqueue(
+        &self,
+        ops: Vec<Op>,
+    ) -> Result<oneshot::Receiver<Result<(), String>>, StoreError> {
         let (reply, rx) = oneshot::channel();
-        {
-            let w = self.inner.writer.lock().unwrap_or_else(|e| e.into_inner());
-            let w = w.as_ref().ok_or(StoreError::Closed)?;
-            w.send(Request { ops, reply })
-                .map_err(|_| StoreError::Closed)?;
-        }
+        let w = self.inner.writer.lock().unwrap_or_else(|e| e.into_inner());
+        let w = w.as_ref().ok_or(StoreError::Closed)?;
+        w.send(Request { ops, reply })
+            .map_err(|_| StoreError::Closed)?;
+        Ok(rx)
+    }
+
+    /// Waits for a queued request to be committed.
+    async fn committed(rx: oneshot::Receiver<Result<(), String>>) -> Result<(), StoreError> {
         match rx.await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) => Err(StoreError::Db(e)),
             Err(_) => Err(StoreError::Closed),
         }
+    }
+
+    /// Queues a continuation's write without waiting: it commits before any
+    /// request queued after it (a later delete of the same id cannot be
+    /// overtaken). Await the result with [`Store::put_done`].
+    pub(crate) fn put_queued(
+        &self,
+        id: SessionId,
+        meta: Vec<u8>,
+        body: Vec<u8>,
+    ) -> Result<oneshot::Receiver<Result<(), String>>, StoreError> {
+        self.enqueue(vec![Op::Put { id, meta, body }])
+    }
+
+    /// The outcome of a [`Store::put_queued`].
+    pub(crate) async fn put_done(
+        rx: oneshot::Receiver<Result<(), String>>,
+    ) -> Result<(), StoreError> {
+        Self::committed(rx).await
     }
 
     /// Writes one continuation (meta and body in one transaction).

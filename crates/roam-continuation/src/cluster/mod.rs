@@ -329,8 +329,6 @@ impl HostInner {
             },
         };
         let body = Arc::try_unwrap(body).unwrap_or_else(|b| (*b).clone());
-        let raw = body.encode();
-        let (stored, _) = seal_body(&raw);
         let meta = frozen.meta.clone();
         Ok(Source {
             service: meta.service.clone(),
@@ -339,11 +337,12 @@ impl HostInner {
             revision: meta.revision + 1,
             attrs: body.attrs.values.clone(),
             live: None,
+            // Sealed only if it has to stay here after all.
             frozen: Some(Record {
-                meta_bytes: meta.encode(),
+                meta_bytes: Vec::new(),
                 meta,
                 body,
-                stored,
+                stored: Vec::new(),
             }),
         })
     }
@@ -381,7 +380,7 @@ impl HostInner {
                 }
                 match record {
                     Some(r) => {
-                        self.freeze_local(id, r).await;
+                        self.freeze_local(id, r.sealed()).await;
                     }
                     None if frozen_from_start => {
                         // Lost with a failed load: nothing to put back.
@@ -943,17 +942,14 @@ impl HostInner {
                 found,
             });
         }
-        let raw = body.encode();
-        let (stored, digest) = seal_body(&raw);
-        meta.body_len = raw.len() as u64;
-        meta.body_digest = digest;
+        // Sealed for the store only after the commit, off the freeze's path.
         meta.revision = revision;
         meta.frozen_at = SystemTime::now();
         inc.staged = Some(Record {
-            meta_bytes: meta.encode(),
+            meta_bytes: Vec::new(),
             meta,
             body,
-            stored,
+            stored: Vec::new(),
         });
         Msg::Installed
     }
@@ -975,13 +971,74 @@ impl HostInner {
                 "nothing staged for session {id} at revision {revision}"
             )));
         };
-        self.state().revisions.insert(id, revision);
-        let persisted = self.freeze_local(id, record).await;
-        self.counters.moves_in.fetch_add(1, Ordering::Relaxed);
-        if !persisted {
-            tracing::error!("session {id} moved here but is kept in memory only");
+        // Served from memory at once (the client waits for it); written to
+        // the store in the background, like any live session's state is
+        // only in memory until it is suspended.
+        {
+            let mut st = self.state();
+            st.revisions.insert(id, revision);
+            st.expiries.insert((record.meta.deadline, id));
+            st.slots.insert(
+                id,
+                Slot::Frozen(Frozen {
+                    meta: record.meta,
+                    hot: Some(Arc::new(record.body)),
+                    offload_at: None,
+                    persisted: false,
+                }),
+            );
         }
+        self.changed.notify_waiters();
+        self.gc_wake.notify_one();
+        self.counters.moves_in.fetch_add(1, Ordering::Relaxed);
+        self.persist_moved_in(id, revision);
         Msg::Committed
+    }
+
+    /// Writes a session that moved in to the store, unless it has moved on
+    /// (resumed, discarded, moved again) first. The write is queued under the
+    /// state lock, so a resume's delete of the same entry always follows it.
+    fn persist_moved_in(self: &Arc<Self>, id: SessionId, revision: u64) {
+        let host = self.clone();
+        tokio::spawn(async move {
+            let pending = |st: &crate::host::State| match st.slots.get(&id) {
+                Some(Slot::Frozen(f)) if !f.persisted && f.meta.revision == revision => {
+                    Some((f.meta.clone(), f.hot.clone()))
+                }
+                _ => None,
+            };
+            let Some((meta, Some(body))) = pending(&host.state()) else {
+                return;
+            };
+            let sealed =
+                tokio::task::spawn_blocking(move || Record::seal(meta, (*body).clone())).await;
+            let Ok(rec) = sealed else { return };
+            let queued = {
+                let mut st = host.state();
+                if pending(&st).is_none() {
+                    return;
+                }
+                match host.store.put_queued(id, rec.meta_bytes, rec.stored) {
+                    Ok(rx) => {
+                        let offload_at = Instant::now() + host.config.offload_after;
+                        if let Some(Slot::Frozen(f)) = st.slots.get_mut(&id) {
+                            f.persisted = true;
+                            f.meta = rec.meta;
+                            f.offload_at = Some(offload_at);
+                        }
+                        st.offloads.insert((offload_at, id));
+                        rx
+                    }
+                    Err(e) => {
+                        tracing::error!("session {id} moved here; kept in memory only: {e}");
+                        return;
+                    }
+                }
+            };
+            if let Err(e) = crate::store::Store::put_done(queued).await {
+                tracing::error!("session {id} moved here; writing it to the store failed: {e}");
+            }
+        });
     }
 
     /// Destination: the move is off (or its connection dropped before the

@@ -247,6 +247,7 @@ impl HostBuilder {
                             meta,
                             hot: None,
                             offload_at: None,
+                            persisted: true,
                         }),
                     );
                     report.loaded += 1;
@@ -407,8 +408,34 @@ pub(crate) struct Record {
     pub(crate) meta: Meta,
     pub(crate) body: Body,
     pub(crate) meta_bytes: Vec<u8>,
-    /// The body as stored: zstd-compressed.
+    /// The body as stored: zstd-compressed (empty, and the meta's length
+    /// and digest zero, for a record handed to a move: see [`Record::sealed`]).
     pub(crate) stored: Vec<u8>,
+}
+
+impl Record {
+    /// A record from its parts, sealed for the store.
+    pub(crate) fn seal(mut meta: Meta, body: Body) -> Self {
+        let raw = body.encode();
+        let (stored, digest) = seal_body(&raw);
+        meta.body_len = raw.len() as u64;
+        meta.body_digest = digest;
+        Self {
+            meta_bytes: meta.encode(),
+            meta,
+            body,
+            stored,
+        }
+    }
+
+    /// This record sealed for the store, if it is not already.
+    pub(crate) fn sealed(self) -> Self {
+        if self.stored.is_empty() {
+            Self::seal(self.meta, self.body)
+        } else {
+            self
+        }
+    }
 }
 
 pub(crate) struct Frozen {
@@ -416,6 +443,10 @@ pub(crate) struct Frozen {
     /// The decoded body while it is still in memory.
     pub(crate) hot: Option<Arc<Body>>,
     pub(crate) offload_at: Option<Instant>,
+    /// Whether the store has (or has been asked to write) this state. A
+    /// session moved in is served from memory at once and written in the
+    /// background; until then there is nothing to delete on its resume.
+    pub(crate) persisted: bool,
 }
 
 impl Host {
@@ -781,15 +812,23 @@ impl HostInner {
             let mut st = live.lock();
             (st.revision, st.moving.take())
         };
-        let raw = body.encode();
-        let (stored, digest) = seal_body(&raw);
+        // A move sends only what changed since its pre-copy (and the
+        // destination stores it): compressing the whole body here would
+        // only lengthen the freeze. Local keeping needs it sealed.
+        let (raw_len, stored, digest) = if mover.is_some() {
+            (0, Vec::new(), [0u8; 32])
+        } else {
+            let raw = body.encode();
+            let (stored, digest) = seal_body(&raw);
+            (raw.len(), stored, digest)
+        };
         let meta = Meta {
             service: live.service.name.clone(),
             parent,
             suspended_at,
             frozen_at: now_wall,
             deadline: suspended_at + expiry,
-            body_len: raw.len() as u64,
+            body_len: raw_len as u64,
             body_digest: digest,
             revision,
         };
@@ -797,7 +836,7 @@ impl HostInner {
         let report = SuspendReport {
             id,
             protocol_bytes: body.blob.len(),
-            raw_bytes: raw.len(),
+            raw_bytes: raw_len,
             stored_bytes: stored.len() + meta_bytes.len(),
             persisted: false,
         };
@@ -819,7 +858,7 @@ impl HostInner {
                         tracing::debug!("session {id} frozen for its move");
                         return Ok(report);
                     }
-                    Err(back) => back,
+                    Err(back) => back.sealed(),
                 }
             }
             None => record,
@@ -863,6 +902,7 @@ impl HostInner {
                     meta,
                     hot: Some(Arc::new(body)),
                     offload_at,
+                    persisted,
                 }),
             );
             st.children

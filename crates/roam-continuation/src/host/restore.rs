@@ -93,10 +93,12 @@ impl HostInner {
     }
 
     /// Puts a slot back to Frozen (refused resume).
-    fn refreeze(&self, id: SessionId, meta: Meta, hot: Option<Arc<Body>>) {
+    fn refreeze(&self, id: SessionId, meta: Meta, hot: Option<Arc<Body>>, persisted: bool) {
         let mut st = self.state();
+        // Only a stored copy may leave memory.
         let offload_at = hot
             .as_ref()
+            .filter(|_| persisted)
             .map(|_| Instant::now() + self.config.offload_after);
         if let Some(t) = offload_at {
             st.offloads.insert((t, id));
@@ -107,6 +109,7 @@ impl HostInner {
                 meta,
                 hot,
                 offload_at,
+                persisted,
             }),
         );
         drop(st);
@@ -114,7 +117,12 @@ impl HostInner {
     }
 
     async fn thaw(self: &Arc<Self>, id: SessionId, frozen: Frozen) -> roam::LookupResult {
-        let Frozen { meta, hot, .. } = frozen;
+        let Frozen {
+            meta,
+            hot,
+            persisted,
+            ..
+        } = frozen;
         let body = match hot {
             Some(b) => b,
             None => match self.load(id).await {
@@ -131,7 +139,7 @@ impl HostInner {
                     if let Err(e) = self.store.quarantine(id.0.to_vec(), what.clone()).await {
                         tracing::error!("session {id}: quarantine failed: {e}");
                     }
-                    self.refreeze(id, meta, None);
+                    self.refreeze(id, meta, None, persisted);
                     self.discard_frozen_slot(id, DiscardReason::Corrupt(what))
                         .await;
                     return Ok(None);
@@ -140,7 +148,7 @@ impl HostInner {
         };
         let now_wall = SystemTime::now();
         if now_wall >= meta.deadline {
-            self.refreeze(id, meta, Some(body));
+            self.refreeze(id, meta, Some(body), persisted);
             self.discard_frozen_slot(id, DiscardReason::Expired).await;
             return Ok(None);
         }
@@ -150,7 +158,7 @@ impl HostInner {
             if let Some(f) = &self.on_refused {
                 f(id, &inc);
             }
-            self.refreeze(id, meta, Some(body));
+            self.refreeze(id, meta, Some(body), persisted);
             // "Try again later": a compatible host (or version) may take it.
             return Err(roam_proto::Error::ServerBusy);
         }
@@ -181,7 +189,7 @@ impl HostInner {
                         DiscardReason::Restore(other)
                     }
                 };
-                self.refreeze(id, meta, Some(body));
+                self.refreeze(id, meta, Some(body), persisted);
                 self.discard_frozen_slot(id, reason).await;
                 return Ok(None);
             }
@@ -189,9 +197,11 @@ impl HostInner {
         // A continuation is valid only as the latest state of its session
         // (PROTOCOL.md §13): delete it before the session moves on, so a
         // crash from here on can never restore a stale copy.
-        if let Err(e) = self.store.delete(vec![id]).await {
+        if !persisted {
+            // Moved in and served from memory: the store never had it.
+        } else if let Err(e) = self.store.delete(vec![id]).await {
             tracing::error!("session {id}: could not delete its continuation before resuming: {e}");
-            self.refreeze(id, meta, Some(body));
+            self.refreeze(id, meta, Some(body), persisted);
             return Err(roam_proto::Error::ServerBusy);
         }
         {
