@@ -91,6 +91,7 @@ impl Preset {
 fn identities(preset: Preset) -> &'static Identities {
     static IDS: OnceLock<[Identities; 3]> = OnceLock::new();
     let ids = IDS.get_or_init(|| {
+        tune_malloc();
         let server_key = Keypair::from_private([0x5a; 32]);
         [Preset::Default, Preset::Small, Preset::Tiny].map(|preset| {
             let session = preset.config();
@@ -217,8 +218,6 @@ pub struct World {
     link: Link,
     /// The oracle's bookkeeping, `[client, server]`.
     pub books: [Book; 2],
-    /// Reused output buffer for `poll_transmit`.
-    scratch: Vec<u8>,
     /// Reused buffer for bytes being delivered.
     chunk: Vec<u8>,
     /// Reused buffer for stream reads.
@@ -230,6 +229,56 @@ thread_local! {
     /// from copies of it (libFuzzer runs inputs on one thread).
     static ESTABLISHED: RefCell<[Option<World>; 3]> = const { RefCell::new([None, None, None]) };
 }
+
+/// Buffers a finished input's world leaves for the next one, so an input does
+/// not start by growing (and, past glibc's mmap threshold, page-faulting in)
+/// the same buffers again.
+#[derive(Default)]
+struct Spare {
+    to_server: Vec<u8>,
+    to_client: Vec<u8>,
+    chunk: Vec<u8>,
+    readbuf: Vec<u8>,
+}
+
+thread_local! {
+    static SPARE: RefCell<Spare> = RefCell::new(Spare::default());
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        let spare = Spare {
+            to_server: std::mem::take(&mut self.link.to_server.bytes),
+            to_client: std::mem::take(&mut self.link.to_client.bytes),
+            chunk: std::mem::take(&mut self.chunk),
+            readbuf: std::mem::take(&mut self.readbuf),
+        };
+        // `try_with`: a world dropped during thread teardown gives nothing back.
+        let _ = SPARE.try_with(|s| {
+            if let Ok(mut s) = s.try_borrow_mut() {
+                *s = spare;
+            }
+        });
+    }
+}
+
+/// Keeps glibc's allocator from handing large buffers (stream send buffers,
+/// link pipes, receive buffers: up to a few MiB under the default preset)
+/// back to the kernel after every input: with its defaults, each input's
+/// large allocations are fresh `mmap`s whose pages fault in on first touch.
+/// Memory bounds are the oracle's job (its own checks), not the allocator's.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn tune_malloc() {
+    // SAFETY: mallopt only adjusts allocator parameters; called once, from
+    // the fuzzing thread, before the first input runs.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 64 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 512 << 20);
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn tune_malloc() {}
 
 impl World {
     /// A client and server with a completed handshake under `preset`: a copy
@@ -252,19 +301,30 @@ impl World {
         })
     }
 
-    /// An exact copy (sessions included) of an established world.
+    /// An exact copy (sessions included) of an established world. Its link
+    /// and scratch buffers reuse the allocations the previous input's world
+    /// gave back ([`SPARE`]): contents equal, capacity already grown.
     fn copy(&self) -> Self {
         let copy = |s: &Session| s.fuzz_clone().expect("an established session copies");
+        let mut spare = SPARE.with(|spare| std::mem::take(&mut *spare.borrow_mut()));
+        let mut link = self.link.clone();
+        for (pipe, buf) in [
+            (&mut link.to_server, &mut spare.to_server),
+            (&mut link.to_client, &mut spare.to_client),
+        ] {
+            buf.clear();
+            buf.extend_from_slice(&pipe.bytes);
+            pipe.bytes = std::mem::take(buf);
+        }
         World {
             ids: self.ids,
             now: self.now,
             client: copy(&self.client),
             server: self.server.as_ref().map(copy),
-            link: self.link.clone(),
+            link,
             books: self.books.clone(),
-            scratch: Vec::new(),
-            chunk: Vec::new(),
-            readbuf: Vec::new(),
+            chunk: spare.chunk,
+            readbuf: spare.readbuf,
         }
     }
 
@@ -284,7 +344,6 @@ impl World {
                 ..Link::default()
             },
             books: Default::default(),
-            scratch: Vec::new(),
             chunk: Vec::new(),
             readbuf: Vec::new(),
         };
@@ -300,21 +359,9 @@ impl World {
     pub fn settle(&mut self) {
         let now = self.now;
         let link = &mut self.link;
-        transmit(
-            &mut self.client,
-            now,
-            &mut self.scratch,
-            link.client_tid,
-            &mut link.to_server,
-        );
+        transmit(&mut self.client, now, link.client_tid, &mut link.to_server);
         if let Some(server) = self.server.as_mut() {
-            transmit(
-                server,
-                now,
-                &mut self.scratch,
-                link.server_tid,
-                &mut link.to_client,
-            );
+            transmit(server, now, link.server_tid, &mut link.to_client);
         }
         self.drain_events(Side::Client);
         self.drain_events(Side::Server);
@@ -566,7 +613,10 @@ impl World {
     fn read(&mut self, side: Side, sel: u8, len: usize) {
         let id = self.pick_stream(side, sel);
         let mut buf = std::mem::take(&mut self.readbuf);
-        buf.resize(len, 0);
+        // Grown once, never shrunk or re-zeroed: `read` writes what it returns.
+        if buf.len() < len {
+            buf.resize(len, 0);
+        }
         let result = match self.session(side) {
             Some(s) => s.read(id, &mut buf[..len]),
             None => Ok(None),
@@ -931,24 +981,25 @@ impl World {
 /// Calls `s.poll_transmit` until it has nothing more (`MAX_TRANSMITS`
 /// records' worth at most: a session that never goes quiet without new input
 /// fails the run), putting what it sends on transport `tid` into `pipe`.
-fn transmit(
-    s: &mut Session,
-    now: Instant,
-    scratch: &mut Vec<u8>,
-    tid: Option<TransportId>,
-    pipe: &mut Pipe,
-) {
+fn transmit(s: &mut Session, now: Instant, tid: Option<TransportId>, pipe: &mut Pipe) {
     for _ in 0..=MAX_TRANSMITS {
-        scratch.clear();
-        let Some(sent_on) = s.poll_transmit(now, scratch) else {
+        // Written straight onto the link (no copy through a scratch buffer),
+        // and taken back off if it was for another transport.
+        let before = pipe.bytes.len();
+        let Some(sent_on) = s.poll_transmit(now, &mut pipe.bytes) else {
+            assert_eq!(
+                pipe.bytes.len(),
+                before,
+                "poll_transmit wrote for no transport"
+            );
             return;
         };
         assert!(
-            !scratch.is_empty(),
+            pipe.bytes.len() > before,
             "poll_transmit named a transport but wrote nothing"
         );
-        if tid == Some(sent_on) && !pipe.closed {
-            pipe.bytes.extend_from_slice(scratch);
+        if tid != Some(sent_on) || pipe.closed {
+            pipe.bytes.truncate(before);
         }
     }
     panic!("{:?} never quiet after {MAX_TRANSMITS} transmits", s.role());
