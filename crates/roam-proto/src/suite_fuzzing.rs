@@ -89,7 +89,23 @@ fn digest<const N: usize>(key: &[u8], nonce: u64, parts: &[&[u8]]) -> [u8; N] {
 
 fn xor(key: &[u8; 32], buf: &mut [u8]) {
     let k = key[0] | 1;
-    buf.iter_mut().for_each(|b| *b ^= k);
+    // 64 bytes per iteration as eight words: a byte loop pays the fuzzer's
+    // coverage counter (a memory increment) once per 16 bytes vectorized.
+    let pad = u64::from_ne_bytes([k; 8]);
+    let (blocks, rest) = buf.as_chunks_mut::<64>();
+    for b in blocks {
+        let (w, _) = b.as_chunks_mut::<8>();
+        let x = |w: &mut [u8; 8]| *w = (u64::from_ne_bytes(*w) ^ pad).to_ne_bytes();
+        x(&mut w[0]);
+        x(&mut w[1]);
+        x(&mut w[2]);
+        x(&mut w[3]);
+        x(&mut w[4]);
+        x(&mut w[5]);
+        x(&mut w[6]);
+        x(&mut w[7]);
+    }
+    rest.iter_mut().for_each(|b| *b ^= k);
 }
 
 fn tag(key: &[u8; 32], nonce: u64, ad: &[u8], ct: &[u8]) -> [u8; TAG_LEN] {
