@@ -91,6 +91,7 @@ impl Preset {
 fn identities(preset: Preset) -> &'static Identities {
     static IDS: OnceLock<[Identities; 3]> = OnceLock::new();
     let ids = IDS.get_or_init(|| {
+        tune_malloc();
         let server_key = Keypair::from_private([0x5a; 32]);
         [Preset::Default, Preset::Small, Preset::Tiny].map(|preset| {
             let session = preset.config();
@@ -199,10 +200,6 @@ pub struct Book {
     tainted: bool,
     /// Streams this side's application opened.
     opened: u64,
-    /// `streams` still known to the session, for the memory check.
-    live: Vec<StreamId>,
-    /// How many of `streams` have been added to `live`.
-    checked: usize,
     closed: bool,
     connected: bool,
 }
@@ -217,8 +214,6 @@ pub struct World {
     link: Link,
     /// The oracle's bookkeeping, `[client, server]`.
     pub books: [Book; 2],
-    /// Reused output buffer for `poll_transmit`.
-    scratch: Vec<u8>,
     /// Reused buffer for bytes being delivered.
     chunk: Vec<u8>,
     /// Reused buffer for stream reads.
@@ -230,6 +225,56 @@ thread_local! {
     /// from copies of it (libFuzzer runs inputs on one thread).
     static ESTABLISHED: RefCell<[Option<World>; 3]> = const { RefCell::new([None, None, None]) };
 }
+
+/// Buffers a finished input's world leaves for the next one, so an input does
+/// not start by growing (and, past glibc's mmap threshold, page-faulting in)
+/// the same buffers again.
+#[derive(Default)]
+struct Spare {
+    to_server: Vec<u8>,
+    to_client: Vec<u8>,
+    chunk: Vec<u8>,
+    readbuf: Vec<u8>,
+}
+
+thread_local! {
+    static SPARE: RefCell<Spare> = RefCell::new(Spare::default());
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        let spare = Spare {
+            to_server: std::mem::take(&mut self.link.to_server.bytes),
+            to_client: std::mem::take(&mut self.link.to_client.bytes),
+            chunk: std::mem::take(&mut self.chunk),
+            readbuf: std::mem::take(&mut self.readbuf),
+        };
+        // `try_with`: a world dropped during thread teardown gives nothing back.
+        let _ = SPARE.try_with(|s| {
+            if let Ok(mut s) = s.try_borrow_mut() {
+                *s = spare;
+            }
+        });
+    }
+}
+
+/// Keeps glibc's allocator from handing large buffers (stream send buffers,
+/// link pipes, receive buffers: up to a few MiB under the default preset)
+/// back to the kernel after every input: with its defaults, each input's
+/// large allocations are fresh `mmap`s whose pages fault in on first touch.
+/// Memory bounds are the oracle's job (its own checks), not the allocator's.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn tune_malloc() {
+    // SAFETY: mallopt only adjusts allocator parameters; called once, from
+    // the fuzzing thread, before the first input runs.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 64 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 512 << 20);
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn tune_malloc() {}
 
 impl World {
     /// A client and server with a completed handshake under `preset`: a copy
@@ -252,19 +297,30 @@ impl World {
         })
     }
 
-    /// An exact copy (sessions included) of an established world.
+    /// An exact copy (sessions included) of an established world. Its link
+    /// and scratch buffers reuse the allocations the previous input's world
+    /// gave back ([`SPARE`]): contents equal, capacity already grown.
     fn copy(&self) -> Self {
         let copy = |s: &Session| s.fuzz_clone().expect("an established session copies");
+        let mut spare = SPARE.with(|spare| std::mem::take(&mut *spare.borrow_mut()));
+        let mut link = self.link.clone();
+        for (pipe, buf) in [
+            (&mut link.to_server, &mut spare.to_server),
+            (&mut link.to_client, &mut spare.to_client),
+        ] {
+            buf.clear();
+            buf.extend_from_slice(&pipe.bytes);
+            pipe.bytes = std::mem::take(buf);
+        }
         World {
             ids: self.ids,
             now: self.now,
             client: copy(&self.client),
             server: self.server.as_ref().map(copy),
-            link: self.link.clone(),
+            link,
             books: self.books.clone(),
-            scratch: Vec::new(),
-            chunk: Vec::new(),
-            readbuf: Vec::new(),
+            chunk: spare.chunk,
+            readbuf: spare.readbuf,
         }
     }
 
@@ -284,7 +340,6 @@ impl World {
                 ..Link::default()
             },
             books: Default::default(),
-            scratch: Vec::new(),
             chunk: Vec::new(),
             readbuf: Vec::new(),
         };
@@ -300,21 +355,9 @@ impl World {
     pub fn settle(&mut self) {
         let now = self.now;
         let link = &mut self.link;
-        transmit(
-            &mut self.client,
-            now,
-            &mut self.scratch,
-            link.client_tid,
-            &mut link.to_server,
-        );
+        transmit(&mut self.client, now, link.client_tid, &mut link.to_server);
         if let Some(server) = self.server.as_mut() {
-            transmit(
-                server,
-                now,
-                &mut self.scratch,
-                link.server_tid,
-                &mut link.to_client,
-            );
+            transmit(server, now, link.server_tid, &mut link.to_client);
         }
         self.drain_events(Side::Client);
         self.drain_events(Side::Server);
@@ -566,7 +609,10 @@ impl World {
     fn read(&mut self, side: Side, sel: u8, len: usize) {
         let id = self.pick_stream(side, sel);
         let mut buf = std::mem::take(&mut self.readbuf);
-        buf.resize(len, 0);
+        // Grown once, never shrunk or re-zeroed: `read` writes what it returns.
+        if buf.len() < len {
+            buf.resize(len, 0);
+        }
         let result = match self.session(side) {
             Some(s) => s.read(id, &mut buf[..len]),
             None => Ok(None),
@@ -644,8 +690,9 @@ impl World {
     pub fn apply(&mut self, op: Op) {
         match op {
             Op::Open { side, meta_len } => {
-                let meta = vec![b'm'; usize::from(meta_len) * 5];
-                if let Some(Ok(id)) = self.session(side.into()).map(|s| s.open_stream(&meta)) {
+                const META: &[u8] = &[b'm'; 255 * 5];
+                let meta = &META[..usize::from(meta_len) * 5];
+                if let Some(Ok(id)) = self.session(side.into()).map(|s| s.open_stream(meta)) {
                     self.book(side.into()).opened += 1;
                     self.book(side.into()).streams.push(id);
                 }
@@ -849,7 +896,7 @@ impl World {
     }
 
     /// The invariants that hold after every step, on both sides. `full` adds
-    /// the per-stream scan (proportional to the streams alive, so it runs
+    /// the per-stream scan (proportional to the streams held, so it runs
     /// every `FULL_CHECK_EVERY` steps and at the end, not after each step).
     pub fn check(&mut self, full: bool) {
         let now = self.now;
@@ -887,13 +934,11 @@ impl World {
                 continue;
             }
             let mut unread = 0u64;
-            // Streams the session still knows (forgotten ones hold nothing);
-            // pruned here so the check stays proportional to live streams.
-            book.live.extend_from_slice(&book.streams[book.checked..]);
-            book.checked = book.streams.len();
-            book.live.retain(|&id| s.stream_meta(id).is_some());
-            for &id in &book.live {
-                let n = s.readable_len(id) as u64;
+            // Every stream the session holds (forgotten ones hold nothing),
+            // in one pass over its stream table rather than a lookup per
+            // stream the oracle knows of.
+            for (id, n) in s.fuzz_unread() {
+                let n = n as u64;
                 assert!(
                     n <= cfg.stream_window,
                     "{side:?} stream {id}: {n} unread bytes, window {}",
@@ -931,24 +976,25 @@ impl World {
 /// Calls `s.poll_transmit` until it has nothing more (`MAX_TRANSMITS`
 /// records' worth at most: a session that never goes quiet without new input
 /// fails the run), putting what it sends on transport `tid` into `pipe`.
-fn transmit(
-    s: &mut Session,
-    now: Instant,
-    scratch: &mut Vec<u8>,
-    tid: Option<TransportId>,
-    pipe: &mut Pipe,
-) {
+fn transmit(s: &mut Session, now: Instant, tid: Option<TransportId>, pipe: &mut Pipe) {
     for _ in 0..=MAX_TRANSMITS {
-        scratch.clear();
-        let Some(sent_on) = s.poll_transmit(now, scratch) else {
+        // Written straight onto the link (no copy through a scratch buffer),
+        // and taken back off if it was for another transport.
+        let before = pipe.bytes.len();
+        let Some(sent_on) = s.poll_transmit(now, &mut pipe.bytes) else {
+            assert_eq!(
+                pipe.bytes.len(),
+                before,
+                "poll_transmit wrote for no transport"
+            );
             return;
         };
         assert!(
-            !scratch.is_empty(),
+            pipe.bytes.len() > before,
             "poll_transmit named a transport but wrote nothing"
         );
-        if tid == Some(sent_on) && !pipe.closed {
-            pipe.bytes.extend_from_slice(scratch);
+        if tid != Some(sent_on) || pipe.closed {
+            pipe.bytes.truncate(before);
         }
     }
     panic!("{:?} never quiet after {MAX_TRANSMITS} transmits", s.role());

@@ -19,8 +19,9 @@
 //!   ephemeral differs and replay detection still works.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 
-use snow::params::{CipherChoice, DHChoice, HashChoice};
+use snow::params::{CipherChoice, DHChoice, HashChoice, NoiseParams};
 use snow::resolvers::CryptoResolver;
 use snow::types::{Cipher, Dh, Hash, Random};
 
@@ -88,7 +89,23 @@ fn digest<const N: usize>(key: &[u8], nonce: u64, parts: &[&[u8]]) -> [u8; N] {
 
 fn xor(key: &[u8; 32], buf: &mut [u8]) {
     let k = key[0] | 1;
-    buf.iter_mut().for_each(|b| *b ^= k);
+    // 64 bytes per iteration as eight words: a byte loop pays the fuzzer's
+    // coverage counter (a memory increment) once per 16 bytes vectorized.
+    let pad = u64::from_ne_bytes([k; 8]);
+    let (blocks, rest) = buf.as_chunks_mut::<64>();
+    for b in blocks {
+        let (w, _) = b.as_chunks_mut::<8>();
+        let x = |w: &mut [u8; 8]| *w = (u64::from_ne_bytes(*w) ^ pad).to_ne_bytes();
+        x(&mut w[0]);
+        x(&mut w[1]);
+        x(&mut w[2]);
+        x(&mut w[3]);
+        x(&mut w[4]);
+        x(&mut w[5]);
+        x(&mut w[6]);
+        x(&mut w[7]);
+    }
+    rest.iter_mut().for_each(|b| *b ^= k);
 }
 
 fn tag(key: &[u8; 32], nonce: u64, ad: &[u8], ct: &[u8]) -> [u8; TAG_LEN] {
@@ -118,10 +135,22 @@ impl Aead {
     }
 }
 
-/// A Noise builder for `pattern` with the cheap resolver.
+/// A Noise builder for `pattern` with the cheap resolver. The parsed
+/// parameters are kept per pattern (there are two), so a handshake does not
+/// re-parse its pattern string.
 pub(crate) fn noise(pattern: &str) -> Result<snow::Builder<'static>, snow::Error> {
+    static PARSED: Mutex<Vec<(String, NoiseParams)>> = Mutex::new(Vec::new());
+    let mut parsed = PARSED.lock().unwrap_or_else(|e| e.into_inner());
+    let params = match parsed.iter().find(|(p, _)| p == pattern) {
+        Some((_, params)) => params.clone(),
+        None => {
+            let params: NoiseParams = pattern.parse()?;
+            parsed.push((pattern.to_owned(), params.clone()));
+            params
+        }
+    };
     Ok(snow::Builder::with_resolver(
-        pattern.parse()?,
+        params,
         Box::new(CheapResolver),
     ))
 }
@@ -303,5 +332,78 @@ impl Cipher for CheapCipher {
         out[..n].copy_from_slice(ct);
         xor(&self.0, &mut out[..n]);
         Ok(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every check the real AEAD makes still fails here: any flipped bit of
+    /// body or tag, truncation, extension, the wrong nonce (replay, reorder),
+    /// the wrong key; associated data is bound. Sizes straddle the 64-byte
+    /// blocks.
+    #[test]
+    fn stand_in_aead_keeps_every_check() {
+        let key = [0x42; 32];
+        let aead = Aead::new(&key);
+        for len in [0, 1, 7, 63, 64, 65, 127, 128, 200, 1000] {
+            let plain: Vec<u8> = (0..len).map(|i| (i * 31 + 7) as u8).collect();
+            let mut buf = plain.clone();
+            let tag = aead.seal(9, &mut buf).unwrap();
+            if len > 0 {
+                assert_ne!(buf, plain, "len {len}: not encrypted");
+            }
+            let sealed = buf.clone();
+            aead.open(9, &mut buf, &tag).unwrap();
+            assert_eq!(buf, plain, "len {len}: round trip");
+            for i in 0..len {
+                for bit in [0x01, 0x80] {
+                    let mut bad = sealed.clone();
+                    bad[i] ^= bit;
+                    assert!(
+                        aead.open(9, &mut bad, &tag).is_err(),
+                        "len {len}: byte {i} flip"
+                    );
+                    let mut expect = sealed.clone();
+                    expect[i] ^= bit;
+                    assert_eq!(bad, expect, "a failed open leaves the ciphertext");
+                }
+            }
+            for i in 0..TAG_LEN {
+                let mut t = tag;
+                t[i] ^= 4;
+                assert!(aead.open(9, &mut sealed.clone(), &t).is_err());
+            }
+            assert!(
+                aead.open(8, &mut sealed.clone(), &tag).is_err(),
+                "wrong nonce"
+            );
+            assert!(
+                aead.open(10, &mut sealed.clone(), &tag).is_err(),
+                "wrong nonce"
+            );
+            let other = Aead::new(&[0x43; 32]);
+            assert!(
+                other.open(9, &mut sealed.clone(), &tag).is_err(),
+                "wrong key"
+            );
+            if len > 0 {
+                let mut short = sealed[..len - 1].to_vec();
+                assert!(aead.open(9, &mut short, &tag).is_err(), "truncated");
+            }
+            let mut long = sealed.clone();
+            long.push(0);
+            assert!(aead.open(9, &mut long, &tag).is_err(), "extended");
+            // The Noise cipher: associated data is bound.
+            let c = CheapCipher(key);
+            let mut out = vec![0; len + TAG_LEN];
+            let n = c.encrypt(3, b"ad", &plain, &mut out);
+            let mut back = vec![0; len];
+            assert_eq!(c.decrypt(3, b"ad", &out[..n], &mut back).unwrap(), len);
+            assert_eq!(back, plain);
+            assert!(c.decrypt(3, b"ae", &out[..n], &mut back).is_err());
+            assert!(c.decrypt(4, b"ad", &out[..n], &mut back).is_err());
+        }
     }
 }

@@ -39,6 +39,13 @@ impl Session {
         self.high_sent
     }
 
+    /// Fuzzing only: every stream this session holds, with its unread bytes,
+    /// in one pass over the stream table (a target's memory-bound check).
+    #[doc(hidden)]
+    pub fn fuzz_unread(&self) -> impl Iterator<Item = (u64, usize)> + '_ {
+        self.streams.iter().map(|(&id, s)| (id, s.recv_buf.len()))
+    }
+
     /// Fuzzing only: an exact copy of this session, so a target can set up an
     /// established pair once and start every input from a copy of it instead
     /// of running a handshake per input. `None` while a transport is still
