@@ -1,6 +1,8 @@
 //! Arbitrary bytes as a client's opening (`docs/PROTOCOL.md` §4.2).
 //!
-//! `parse_hello` must never panic and never claim more bytes than it was given.
+//! `route_opening` (the server endpoint's routing decision) must never panic
+//! and never claim more bytes than it was given; a refusal's reply is empty or
+//! a 6-byte refusal; a resume's `Moved` reply carries the address.
 //! A new-session hello is answered by a real server session (`Session::accept`),
 //! which is then fed the rest of the input as the client's next message and
 //! driven through `poll_transmit`, `poll_event` and `handle_timeout`.
@@ -11,7 +13,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use libfuzzer_sys::fuzz_target;
-use roam_proto::{parse_hello, Config, Keypair, ServerConfig, Session, Status};
+use roam_proto::{route_opening, Config, Keypair, Opening, ServerConfig, Session, Status};
 
 /// Built once per process: key derivation is the slow part of setting up.
 fn server_config() -> &'static ServerConfig {
@@ -37,12 +39,28 @@ fn drain(session: &mut Session, now: Instant) {
 }
 
 fuzz_target!(|data: &[u8]| {
-    let Ok(Some((hello, used))) = parse_hello(data) else {
-        return;
+    let (hello, used) = match route_opening(data) {
+        Opening::New { hello, used } => (hello, used),
+        Opening::Resume { hello, used, .. } => {
+            assert!(used <= data.len());
+            let moved = hello.redirect("10.0.0.2:7447").expect("a usable address");
+            assert_eq!(&moved[..6], b"ROAM\x00\x06");
+            assert_eq!(&moved[8..], b"10.0.0.2:7447");
+            return;
+        }
+        Opening::Refuse { reply, .. } => {
+            assert!(
+                reply.is_empty() || reply.len() == 6,
+                "refusal of {} bytes",
+                reply.len()
+            );
+            return;
+        }
+        _ => return,
     };
     assert!(
         used <= data.len(),
-        "parse_hello used {used} of {} bytes",
+        "route_opening used {used} of {} bytes",
         data.len()
     );
 

@@ -31,8 +31,8 @@ use std::time::{Duration, Instant};
 use arbitrary::{Arbitrary, Unstructured};
 use roam_proto::frame::Frame;
 use roam_proto::{
-    parse_hello, ClientConfig, Config, Event, Keypair, ServerConfig, ServerTrust, Session, State,
-    StreamId, TransportId,
+    route_opening, ClientConfig, Config, Event, Keypair, Opening, ServerConfig, ServerTrust,
+    Session, State, StreamId, TransportId,
 };
 
 /// Identities, built once per process: key derivation dominates setup.
@@ -511,13 +511,16 @@ impl World {
     fn server_hello(&mut self, data: &[u8]) -> bool {
         let now = self.now;
         self.link.hello_buf.extend_from_slice(data);
-        let (hello, used) = match parse_hello(&self.link.hello_buf) {
-            Ok(Some(h)) => h,
-            Ok(None) => return false,
-            Err(_) => {
+        // The endpoint's routing decision, as every server makes it.
+        let (hello, used) = match route_opening(&self.link.hello_buf) {
+            Opening::Incomplete => return false,
+            Opening::New { hello, used } | Opening::Resume { hello, used, .. } => (hello, used),
+            Opening::Refuse { reply, .. } => {
+                self.link.to_client.bytes.extend_from_slice(&reply);
                 self.refuse();
                 return false;
             }
+            _ => unreachable!("route_opening's answers are all handled"),
         };
         assert!(used <= self.link.hello_buf.len());
         let rest = self.link.hello_buf.split_off(used);
@@ -537,8 +540,7 @@ impl World {
                 s.handle_input(now, tid, &rest).is_err()
             }
             Err(e) => {
-                let mut out = Vec::new();
-                hello.reject(e.refusal_status(), &mut out);
+                let out = hello.refusal(&e);
                 self.link.to_client.bytes.extend_from_slice(&out);
                 self.refuse();
                 false

@@ -200,10 +200,7 @@ impl Store {
 
     /// Queues `ops` for the writer now (requests commit in queue order);
     /// await the receiver with [`Store::committed`].
-    fn enqueue(
-        &self,
-        ops: Vec<Op>,
-    ) -> Result<oneshot::Receiver<Result<(), String>>, StoreError> {
+    fn enqueue(&self, ops: Vec<Op>) -> Result<oneshot::Receiver<Result<(), String>>, StoreError> {
         let (reply, rx) = oneshot::channel();
         let w = self.inner.writer.lock().unwrap_or_else(|e| e.into_inner());
         let w = w.as_ref().ok_or(StoreError::Closed)?;
