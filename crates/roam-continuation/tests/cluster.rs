@@ -159,7 +159,10 @@ async fn start_cluster(versions: &[&str], extra: Extra) -> TestCluster {
     let mut nodes = Vec::new();
     for ((name, clients, peers, key), version) in prepared.into_iter().zip(versions) {
         let dir = tempfile::tempdir().unwrap();
-        let mut hc = HostConfig::new(dir.path(), cli::server_config(service_key.clone()));
+        let mut sc = cli::server_config(service_key.clone());
+        // Every test client comes from 127.0.0.1.
+        sc.max_sessions_per_ip = 100_000;
+        let mut hc = HostConfig::new(dir.path(), sc);
         hc.cluster = Some(ClusterIdentity::new(config.clone(), &name, key).unwrap());
         let (host, _) = Host::builder(hc)
             .service(echo_service(version, echoed.clone()))
@@ -665,6 +668,60 @@ async fn an_operator_sees_status_and_moves_and_drains() {
         for t in ts {
             assert_eq!(t.task.await.unwrap().expect("transfer"), 64 << 10);
         }
+        c.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_moves_a_thousand_sessions_and_every_one_keeps_working() {
+    bounded(Duration::from_secs(240), "test", async {
+        let c = start_cluster(&["1", "1", "1"], Extra::default()).await;
+        const N: usize = 1000;
+        let mut clients = Vec::with_capacity(N);
+        for i in 0..N {
+            let session = roam::connect(
+                &c.client_addr("h0"),
+                cli::client_config(Some(c.service_key.public())),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("client {i}: {e}"));
+            let mut stream = session.open_stream(b"echo").unwrap();
+            let hello = (i as u64).to_be_bytes();
+            stream.write_all(&hello).await.unwrap();
+            let mut back = [0u8; 8];
+            stream.read_exact(&mut back).await.unwrap();
+            assert_eq!(back, hello);
+            clients.push((session, stream));
+        }
+        let report = c.nodes[0].host.drain().await.expect("drain");
+        assert!(report.failed.is_empty(), "{:?}", report.failed);
+        assert_eq!(report.moved, N);
+        eprintln!("drained {N} sessions in {:?}", report.elapsed);
+        // Every session answers from its new host, with its own bytes.
+        let started = std::time::Instant::now();
+        for (i, (session, stream)) in clients.iter_mut().enumerate() {
+            let msg = (i as u64 | 1 << 62).to_be_bytes();
+            stream.write_all(&msg).await.unwrap();
+            let mut back = [0u8; 8];
+            stream.read_exact(&mut back).await.unwrap();
+            assert_eq!(back, msg, "session {i} echoes after the drain");
+            let id = session.id().unwrap();
+            assert!(
+                matches!(c.holder(id), Some(1 | 2)),
+                "session {i} is elsewhere"
+            );
+        }
+        eprintln!(
+            "all {N} echoed from their new hosts {:?} later",
+            started.elapsed()
+        );
+        assert!(
+            c.nodes[0].host.sessions().is_empty(),
+            "nothing left on the drained host"
+        );
+        let ins: u64 = c.nodes[1..].iter().map(|n| n.host.stats().moves_in).sum();
+        assert_eq!(ins, N as u64);
         c.shutdown().await;
     })
     .await;

@@ -67,6 +67,8 @@ pub struct Conn {
     free_at: [Option<Instant>; 2],
     /// Link rate in bytes per second.
     rate: u64,
+    /// Which server host (replica) the connection reaches.
+    host: usize,
 }
 
 /// Knobs of one simulation run.
@@ -131,6 +133,17 @@ pub struct Sim {
     pub record_c2s: bool,
     /// Recorded client-to-server bytes, per connection, when `record_c2s` is set.
     pub recorded: Vec<Vec<u8>>,
+    /// Replicas of the server (host 0 is `server_addr`; more with
+    /// [`Sim::add_hosts`]): the server session lives on `holder`; the
+    /// others answer a resume with a `Moved` refusal naming the holder's
+    /// address (`docs/PROTOCOL.md` §9.3).
+    hosts: Vec<SocketAddr>,
+    /// The host holding the server session.
+    pub holder: usize,
+    /// The host the client dials (follows MOVE_TO and `Moved`).
+    pub dial_host: usize,
+    /// Moves done with [`Sim::move_session`].
+    pub moves: u64,
 }
 
 impl Sim {
@@ -174,7 +187,84 @@ impl Sim {
             server_addr: "198.51.100.1:7447".parse().expect("addr"),
             record_c2s: false,
             recorded: Vec::new(),
+            hosts: vec!["198.51.100.1:7447".parse().expect("addr")],
+            holder: 0,
+            dial_host: 0,
+            moves: 0,
         }
+    }
+
+    /// Adds `n` more server hosts (replicas of one service, sharing its
+    /// key); the session can then move between them ([`Sim::move_session`]).
+    pub fn add_hosts(&mut self, n: usize) {
+        for _ in 0..n {
+            let i = self.hosts.len();
+            self.hosts
+                .push(format!("198.51.100.{}:7447", i + 1).parse().expect("addr"));
+        }
+    }
+
+    /// Number of server hosts.
+    pub fn host_count(&self) -> usize {
+        self.hosts.len()
+    }
+
+    /// Moves the server session, live, to host `to`, as a cluster does
+    /// (`docs/PROTOCOL.md` §14.3): with `move_to` the old host first tells
+    /// the client `MOVE_TO` (sent on its transport, if it has one, before
+    /// the snapshot); the session is exported, every connection the old
+    /// host served dies with it, and `to` restores it. From then on the old
+    /// host answers resumes with `Moved` naming `to`. Returns the
+    /// snapshot's size.
+    pub fn move_session(&mut self, to: usize, move_to: bool) -> Result<usize, String> {
+        if to >= self.hosts.len() || to == self.holder {
+            return Err(format!("no other host {to}"));
+        }
+        let Some(mut old) = self.server.take() else {
+            return Err("no server session".into());
+        };
+        if move_to {
+            old.move_to(self.hosts[to].to_string());
+            // What the session still has to say goes out before it is
+            // exported (as the tokio driver's detach does).
+            let now = self.now;
+            let mut out = Vec::new();
+            while let Some(tid) = old.poll_transmit(now, &mut out) {
+                if let Some(i) = self
+                    .conns
+                    .iter()
+                    .position(|c| matches!(c.server, ServerEnd::Attached(t) if t == tid))
+                {
+                    let data = std::mem::take(&mut out);
+                    self.send(i, data, false);
+                } else {
+                    out.clear();
+                }
+            }
+        }
+        let blob = old.export(self.now).map_err(|e| e.to_string())?;
+        drop(old);
+        let from = self.holder;
+        for c in &mut self.conns {
+            if c.host == from && !matches!(c.server, ServerEnd::Closed) {
+                c.server = ServerEnd::Closed;
+                c.c2s.clear();
+                if !c.blackholed {
+                    let at = c
+                        .s2c
+                        .back()
+                        .map_or(self.now, |(t, _)| *t)
+                        .max(self.now + c.delay);
+                    c.reset_at = Some((Some(at), None));
+                }
+            }
+        }
+        let restored = Session::restore_server(&self.server_cfg, self.now, &blob, Duration::ZERO)
+            .map_err(|e| e.to_string())?;
+        self.server = Some(restored);
+        self.holder = to;
+        self.moves += 1;
+        Ok(blob.len())
     }
 
     /// Simulated time since the start.
@@ -185,7 +275,12 @@ impl Sim {
     /// The client dials a new transport now (new session or resume).
     pub fn dial(&mut self) {
         self.reconnect_at = None;
-        let Ok(tid) = self.client.connect(self.now, Some(self.server_addr)) else {
+        let addr = self
+            .hosts
+            .get(self.dial_host)
+            .copied()
+            .unwrap_or(self.server_addr);
+        let Ok(tid) = self.client.connect(self.now, Some(addr)) else {
             return;
         };
         let (lo, hi) = self.cfg.delay_ms;
@@ -201,6 +296,7 @@ impl Sim {
             delay,
             free_at: [None, None],
             rate: self.cfg.rate.max(1),
+            host: self.dial_host,
         };
         if self.partitioned {
             // The SYN goes nowhere: the client learns of it after a connect timeout.
@@ -439,6 +535,31 @@ impl Sim {
                     _ => unreachable!("route_opening's answers are all handled"),
                 };
                 let rest = buf[used..].to_vec();
+                let host = self.conns[i].host;
+                if host != self.holder {
+                    // Not here: a resume is sent to the holder, a new
+                    // session refused (these replicas hold one session).
+                    let (out, e) = match resume {
+                        Some(_) => (
+                            hello
+                                .redirect(&self.hosts[self.holder].to_string())
+                                .expect("short address"),
+                            roam_proto::Error::Moved(self.hosts[self.holder].to_string()),
+                        ),
+                        None => (
+                            hello.refusal(&roam_proto::Error::ServerBusy),
+                            roam_proto::Error::ServerBusy,
+                        ),
+                    };
+                    self.endpoint_errors.push(e);
+                    let c = &mut self.conns[i];
+                    if !c.blackholed {
+                        let at = now + c.delay;
+                        c.s2c.push_back((at, out));
+                    }
+                    self.close_from(i, false);
+                    return;
+                }
                 let result = match resume {
                     None => match Session::accept(&self.server_cfg, now, &hello, peer) {
                         Ok((s, tid)) => {
@@ -563,6 +684,16 @@ impl Sim {
 
     fn collect_events(&mut self) {
         while let Some(e) = self.client.poll_event() {
+            if let Event::MoveRequested { addr } = &e {
+                // The client follows MOVE_TO and `Moved` at once, as the
+                // tokio driver does.
+                if let Some(h) = self.hosts.iter().position(|a| a.to_string() == *addr) {
+                    if h != self.dial_host {
+                        self.dial_host = h;
+                        self.dial();
+                    }
+                }
+            }
             if let Event::TransportClosed { transport, .. } = &e {
                 if let Some(i) = self
                     .conns
@@ -625,6 +756,7 @@ impl Sim {
             delay: Duration::from_millis(1),
             free_at: [None, None],
             rate: self.cfg.rate.max(1),
+            host: self.holder,
         };
         self.conns.push(conn);
         if self.record_c2s {

@@ -66,6 +66,9 @@ const ANSWER_WAIT: Duration = Duration::from_secs(10);
 const CONNECT_STEP: &str = "the destination's cluster port";
 /// Idle peer connections are closed after this long.
 const PEER_IDLE: Duration = Duration::from_secs(60);
+/// A session moved in is written to the store if it is still frozen this
+/// long after its commit (until then it is in memory, like a live session).
+const PERSIST_AFTER: Duration = Duration::from_millis(200);
 /// Moves a drain runs at once.
 const DRAIN_PARALLEL: usize = 32;
 
@@ -912,9 +915,9 @@ impl HostInner {
             }
         };
         for name in precopied {
-            match inc.precopy.get(name) {
+            match inc.precopy.remove(name) {
                 Some(v) => {
-                    body.attrs.values.insert(name.clone(), v.clone());
+                    body.attrs.values.insert(name.clone(), v);
                 }
                 None => {
                     return Msg::Refuse(Refusal::Unavailable(format!(
@@ -1001,6 +1004,10 @@ impl HostInner {
     fn persist_moved_in(self: &Arc<Self>, id: SessionId, revision: u64) {
         let host = self.clone();
         tokio::spawn(async move {
+            // Its client is usually resuming already: wait a little, and
+            // write only a session that is still frozen then (the write
+            // would otherwise compete with the resume for the CPU).
+            tokio::time::sleep(PERSIST_AFTER).await;
             let pending = |st: &crate::host::State| match st.slots.get(&id) {
                 Some(Slot::Frozen(f)) if !f.persisted && f.meta.revision == revision => {
                     Some((f.meta.clone(), f.hot.clone()))
@@ -1072,14 +1079,37 @@ fn delta_transfer(
     record: &Record,
     precopy: &BTreeMap<String, Vec<u8>>,
 ) -> (Msg, usize) {
-    let mut body: Body = record.body.clone();
+    // Unchanged attributes travel as names with empty values; nothing
+    // large is copied.
     let mut precopied = Vec::new();
-    for (name, v) in body.attrs.values.iter_mut() {
-        if precopy.get(name) == Some(v) && !v.is_empty() {
-            precopied.push(name.clone());
-            v.clear();
-        }
-    }
+    let values = record
+        .body
+        .attrs
+        .values
+        .iter()
+        .map(|(name, v)| {
+            if precopy.get(name) == Some(v) && !v.is_empty() {
+                precopied.push(name.clone());
+                (name.clone(), Vec::new())
+            } else {
+                (name.clone(), v.clone())
+            }
+        })
+        .collect();
+    let b = &record.body;
+    let body = Body {
+        routine: b.routine.clone(),
+        attrs: crate::attrs::AttrStore {
+            values,
+            exported: b.attrs.exported.clone(),
+        },
+        requires: b.requires.clone(),
+        streams: b.streams.clone(),
+        unaccepted: b.unaccepted.clone(),
+        orphans: b.orphans.clone(),
+        expiry: b.expiry,
+        blob: b.blob.clone(),
+    };
     let raw = body.encode();
     let (stored, digest) = seal_body(&raw);
     let mut meta = record.meta.clone();
