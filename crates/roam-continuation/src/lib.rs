@@ -90,7 +90,7 @@ pub mod store;
 
 pub use attrs::{read_attrs, AttrError, ReadAttrsError, ATTRS_META};
 pub use cluster::config::ClusterConfig;
-pub use cluster::{ClusterIdentity, DrainReport, MoveError, MoveReport};
+pub use cluster::{ClusterIdentity, DrainReport, MoveError, MoveReport, ShedPolicy};
 pub use error::{DiscardReason, Error, Incompatible, SuspendError};
 pub use host::{CorruptEntry, Discarded, Host, HostBuilder, HostConfig, HostStats, OpenReport};
 pub use service::{Generation, Service, DEFAULT_EXPIRY};

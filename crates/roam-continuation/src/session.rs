@@ -45,6 +45,8 @@ pub(crate) struct Live {
     pub(crate) st: Mutex<LiveState>,
     /// `Some` while roam wants a continuation.
     pub(crate) freeze: watch::Sender<Option<FreezeReason>>,
+    /// Since when it is live on this host (for load shedding by age).
+    pub(crate) since: Instant,
 }
 
 pub(crate) struct LiveState {
@@ -94,6 +96,7 @@ impl Live {
                 moving: None,
             }),
             freeze: watch::Sender::new(None),
+            since: Instant::now(),
         })
     }
 

@@ -726,3 +726,52 @@ async fn a_drain_moves_a_thousand_sessions_and_every_one_keeps_working() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_shedding_moves_heavy_sessions_to_the_least_loaded_replicas() {
+    bounded(Duration::from_secs(120), "test", async {
+        let c = start_cluster(&["1", "1", "1"], Extra::default()).await;
+        // h1 already holds 4 sessions, h2 none; h0 holds 6: 3 heavy, 3 light.
+        let mut on_h1 = Vec::new();
+        for _ in 0..4 {
+            on_h1.push(transfer(&c, "h1", 64 << 10, Duration::from_millis(50)).await);
+        }
+        let mut heavy = Vec::new();
+        for _ in 0..3 {
+            heavy.push(transfer(&c, "h0", 8 << 20, Duration::from_millis(5)).await);
+        }
+        let mut light = Vec::new();
+        for _ in 0..3 {
+            light.push(transfer(&c, "h0", 64 << 10, Duration::from_millis(50)).await);
+        }
+        for t in &heavy {
+            wait_verified(t, 2 << 20).await;
+        }
+        for t in on_h1.iter().chain(&light) {
+            wait_verified(t, 16 << 10).await;
+        }
+        let policy = roam_continuation::ShedPolicy::heavier_than(2 << 20, 10);
+        let report = c.nodes[0].host.shed(&policy).await.expect("shed");
+        assert!(report.failed.is_empty(), "{:?}", report.failed);
+        assert_eq!(report.moved, 3, "exactly the heavy sessions moved");
+        for t in &heavy {
+            let id = t.session.id().unwrap();
+            wait_until(Duration::from_secs(10), "heavy session on h2", || {
+                c.holder(id) == Some(2)
+            })
+            .await;
+        }
+        for t in &light {
+            assert_eq!(
+                c.holder(t.session.id().unwrap()),
+                Some(0),
+                "light ones stay"
+            );
+        }
+        for t in heavy.into_iter().chain(light).chain(on_h1) {
+            t.task.await.unwrap().expect("transfer");
+        }
+        c.shutdown().await;
+    })
+    .await;
+}

@@ -207,6 +207,42 @@ pub struct DrainReport {
     pub elapsed: Duration,
 }
 
+/// Which live sessions a host sheds to the least-loaded replicas
+/// ([`Host::shed`](crate::Host::shed); M-Apache's load shedding, Service
+/// Continuations §5.2): those live here longer than `older_than`, or that
+/// moved more than `heavier_than` bytes (both directions, whole life), at
+/// most `max`.
+#[derive(Debug, Clone, Default)]
+#[non_exhaustive]
+pub struct ShedPolicy {
+    /// Shed sessions live on this host at least this long.
+    pub older_than: Option<Duration>,
+    /// Shed sessions that carried at least this many bytes.
+    pub heavier_than: Option<u64>,
+    /// At most this many sessions per call.
+    pub max: usize,
+}
+
+impl ShedPolicy {
+    /// Sessions older than `t`, at most `max`.
+    pub fn older_than(t: Duration, max: usize) -> Self {
+        Self {
+            older_than: Some(t),
+            heavier_than: None,
+            max,
+        }
+    }
+
+    /// Sessions heavier than `bytes`, at most `max`.
+    pub fn heavier_than(bytes: u64, max: usize) -> Self {
+        Self {
+            older_than: None,
+            heavier_than: Some(bytes),
+            max,
+        }
+    }
+}
+
 async fn step<T>(
     what: &'static str,
     wait: Duration,
@@ -629,6 +665,80 @@ impl HostInner {
                 Ok((_, Ok(_))) => report.moved += 1,
                 Ok((id, Err(e))) => report.failed.push((id, e.to_string())),
                 Err(e) => tracing::error!("drain: a move task failed: {e}"),
+            }
+        }
+        report.elapsed = started.elapsed();
+        Ok(report)
+    }
+
+    /// Moves the live sessions `policy` selects, each to the replica that
+    /// holds the fewest sessions at that moment (asked with STATUS; hosts
+    /// that do not answer are left out).
+    pub(crate) async fn shed(
+        self: &Arc<Self>,
+        policy: &ShedPolicy,
+    ) -> Result<DrainReport, MoveError> {
+        let ident = self.identity()?.clone();
+        let started = Instant::now();
+        let picked: Vec<SessionId> = {
+            let st = self.state();
+            st.slots
+                .iter()
+                .filter_map(|(id, s)| match s {
+                    Slot::Live(l) => Some((*id, l.clone())),
+                    _ => None,
+                })
+                .filter(|(_, l)| {
+                    let old = policy.older_than.is_some_and(|t| l.since.elapsed() >= t);
+                    let heavy = policy.heavier_than.is_some_and(|b| {
+                        l.lock().handle.as_ref().is_some_and(|h| {
+                            let s = h.stats();
+                            s.bytes_sent + s.bytes_received >= b
+                        })
+                    });
+                    old || heavy
+                })
+                .map(|(id, _)| id)
+                .take(policy.max)
+                .collect()
+        };
+        let mut loads = Vec::new();
+        for m in ident.config.hosts.values().filter(|m| m.name != ident.me) {
+            let asked = timeout(CONNECT_WAIT + ANSWER_WAIT, async {
+                let mut l =
+                    Link::connect(&m.peers, &ident.config.name, &ident.host_key, &m.key).await?;
+                l.call(&Msg::Status).await
+            })
+            .await;
+            match asked {
+                Ok(Ok(Msg::StatusReply { sessions, .. })) => {
+                    loads.push((sessions.len(), m.name.clone()))
+                }
+                other => tracing::warn!("shed: {} does not answer ({other:?}); left out", m.name),
+            }
+        }
+        let mut report = DrainReport::default();
+        if loads.is_empty() {
+            return Err(MoveError::UnknownHost("(no other host answers)".into()));
+        }
+        let sem = Arc::new(tokio::sync::Semaphore::new(DRAIN_PARALLEL));
+        let mut tasks = Vec::new();
+        for id in picked {
+            let least = loads.iter_mut().min().expect("not empty");
+            least.0 += 1;
+            let to = least.1.clone();
+            let host = self.clone();
+            let sem = sem.clone();
+            tasks.push(tokio::spawn(async move {
+                let _permit = sem.acquire_owned().await;
+                (id, host.move_session(id, &to).await)
+            }));
+        }
+        for t in tasks {
+            match t.await {
+                Ok((_, Ok(_))) => report.moved += 1,
+                Ok((id, Err(e))) => report.failed.push((id, e.to_string())),
+                Err(e) => tracing::error!("shed: a move task failed: {e}"),
             }
         }
         report.elapsed = started.elapsed();

@@ -644,6 +644,16 @@ impl Host {
         self.inner.drain().await
     }
 
+    /// Load shedding: moves the live sessions `policy` selects (older than
+    /// T on this host, or heavier than B bytes) to the replicas holding the
+    /// fewest sessions, as M-Apache does (Service Continuations §5.2).
+    pub async fn shed(
+        &self,
+        policy: &crate::cluster::ShedPolicy,
+    ) -> Result<crate::cluster::DrainReport, crate::cluster::MoveError> {
+        self.inner.shed(policy).await
+    }
+
     /// Serves the cluster port on `listener` until `shutdown`: moves from
     /// the other hosts, and the operator's `status`, `move` and `drain`.
     /// Only keys listed in the cluster file get past the handshake.
