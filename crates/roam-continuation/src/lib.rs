@@ -65,9 +65,16 @@
 //!   frame checksum, and the protocol blob's own SHA-256) is reported, the
 //!   entry moved to a quarantine table, and never resumed.
 //!
+//! - **Clusters** ([`cluster`]): hosts of one service move live sessions
+//!   between them mid-stream (`docs/PROTOCOL.md` §14): compatibility check,
+//!   attribute pre-copy, `MOVE_TO`, the application's continuation, a delta
+//!   transfer over Noise IK between host keys listed in a cluster file,
+//!   commit or abort. [`Host::move_session`], [`Host::drain`],
+//!   [`Host::shed`] (load shedding), [`Host::serve_peers`] (the cluster
+//!   port, also for `roam cluster`).
+//!
 //! Non-goals: complete continuations (restarting an application process per
-//! session), moving a continuation to another host over the network, and
-//! client-side continuations (a client that restarts). The client side needs
+//! session) and client-side continuations (a client that restarts). The client side needs
 //! nothing from this crate except, optionally, [`read_attrs`].
 //!
 //! ## Example
