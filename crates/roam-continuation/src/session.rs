@@ -29,8 +29,9 @@ pub enum FreezeReason {
     /// The host is shutting down and keeps its sessions for the next process.
     Shutdown,
     /// The session is moving to another host of the cluster
-    /// ([`Host::move_session`](crate::Host::move_session)): its client was
-    /// told to resume there; the continuation goes to that host.
+    /// ([`Host::move_session`](crate::Host::move_session)): the
+    /// continuation goes to that host, and the client is told to resume
+    /// there as the session is exported.
     Move,
 }
 
@@ -69,6 +70,10 @@ pub(crate) struct LiveState {
     pub(crate) revision: u64,
     /// A move in progress waits here for the session's continuation.
     pub(crate) moving: Option<tokio::sync::oneshot::Sender<crate::cluster::Handover>>,
+    /// Where the client is sent (MOVE_TO) when the application answers a
+    /// move's freeze: not before, or a client already gone would stop the
+    /// credit an application blocked in a write waits for.
+    pub(crate) move_to: Option<String>,
 }
 
 impl Live {
@@ -94,6 +99,7 @@ impl Live {
                 suspending: false,
                 revision: 0,
                 moving: None,
+                move_to: None,
             }),
             freeze: watch::Sender::new(None),
             since: Instant::now(),
@@ -119,7 +125,11 @@ impl Live {
     /// Withdraws a move's freeze request (the move failed before the
     /// application answered).
     pub(crate) fn withdraw_move(&self) {
-        self.lock().moving = None;
+        {
+            let mut st = self.lock();
+            st.moving = None;
+            st.move_to = None;
+        }
         self.freeze.send_if_modified(|r| {
             if matches!(r, Some(FreezeReason::Move)) {
                 *r = None;

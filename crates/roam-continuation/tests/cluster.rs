@@ -256,6 +256,18 @@ struct Transfer {
 }
 
 async fn transfer(c: &TestCluster, host: &str, len: u64, pace: Duration) -> Transfer {
+    transfer_paced(c, host, len, pace, Duration::ZERO).await
+}
+
+/// [`transfer`] whose reader also pauses `read_pace` after each read: the
+/// echo then spends most of its time blocked writing to the client.
+async fn transfer_paced(
+    c: &TestCluster,
+    host: &str,
+    len: u64,
+    pace: Duration,
+    read_pace: Duration,
+) -> Transfer {
     let session = roam::connect(
         &c.client_addr(host),
         cli::client_config(Some(c.service_key.public())),
@@ -303,6 +315,9 @@ async fn transfer(c: &TestCluster, host: &str, len: u64, pace: Duration) -> Tran
             }
             off += n as u64;
             v2.store(off, Ordering::SeqCst);
+            if !read_pace.is_zero() {
+                tokio::time::sleep(read_pace).await;
+            }
         }
         writer
             .await
@@ -358,6 +373,43 @@ async fn a_session_moves_mid_transfer_and_every_byte_comes_back() {
         let outs: u64 = c.nodes.iter().map(|n| n.host.stats().moves_out).sum();
         let ins: u64 = c.nodes.iter().map(|n| n.host.stats().moves_in).sum();
         assert_eq!((outs, ins), (4, 4));
+        c.shutdown().await;
+    })
+    .await;
+}
+
+/// The client reads slowly, so the application is nearly always blocked
+/// writing to it when a move asks for its continuation. The client must
+/// not be sent away before the application answers: its credit is what
+/// unblocks the write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_waits_for_an_application_blocked_writing_to_a_slow_reader() {
+    bounded(Duration::from_secs(120), "test", async {
+        let c = start_cluster(&["1", "1"], Extra::default()).await;
+        const LEN: u64 = 12 << 20;
+        let t = transfer_paced(&c, "h0", LEN, Duration::ZERO, Duration::from_millis(2)).await;
+        let id = t.session.id().unwrap();
+        let mut at = 0;
+        for round in 1..=4u64 {
+            // The send window is full again before each move.
+            let w = t.written.load(Ordering::SeqCst);
+            wait_until(Duration::from_secs(30), "the echo backed up", || {
+                t.written.load(Ordering::SeqCst) > w
+                    && t.written.load(Ordering::SeqCst) - t.verified.load(Ordering::SeqCst)
+                        >= 1 << 20
+            })
+            .await;
+            let to = 1 - at;
+            let report = c.nodes[at]
+                .host
+                .move_session(id, &c.nodes[to].name)
+                .await
+                .unwrap_or_else(|e| panic!("move {round}: {e}"));
+            assert_eq!(report.revision, round);
+            at = to;
+        }
+        let got = t.task.await.unwrap().expect("transfer");
+        assert_eq!(got, LEN, "every byte came back exactly once, in order");
         c.shutdown().await;
     })
     .await;

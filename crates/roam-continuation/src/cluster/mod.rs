@@ -519,13 +519,10 @@ impl HostInner {
             (Some(r), _) => r,
             (None, Some(l)) => {
                 let (tx, rx) = oneshot::channel();
-                let handle = {
+                {
                     let mut ls = l.lock();
                     ls.moving = Some(tx);
-                    ls.handle.clone()
-                };
-                if let Some(h) = handle {
-                    h.move_to(member.clients.clone());
+                    ls.move_to = Some(member.clients.clone());
                 }
                 l.request_freeze(FreezeReason::Move);
                 match timeout(FREEZE_WAIT, rx).await {

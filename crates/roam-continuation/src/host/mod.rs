@@ -771,6 +771,16 @@ impl HostInner {
                 _ => return Err(SuspendError::AlreadySuspended),
             }
         }
+        // A move tells the client where to go now, as the session's
+        // parting words: the application has answered, so nothing here
+        // waits any more for credit from the client it sends away.
+        let move_to = {
+            let st = live.lock();
+            st.moving.as_ref().and(st.move_to.clone())
+        };
+        if let Some(addr) = move_to {
+            handle.move_to(addr);
+        }
         let detached = match handle.detach().await {
             Ok(d) => d,
             Err(e) => {
