@@ -8,7 +8,7 @@
 //! Options: `--lazy-ms N` (lazy generation after N ms suspended; default
 //! eager), `--expiry-s N` (default 3600), `--offload-ms N` (default 30000).
 //! As a cluster host (sessions move between hosts, `docs/PROTOCOL.md` §14):
-//! `--cluster FILE --host NAME --host-key FILE --service-key FILE` (see
+//! `--cluster FILE --host NAME --host-key FILE --service-key FILE [--etcd URL]` (see
 //! `support/cluster.rs`).
 //! Stops on Ctrl-C, keeping every session for the next start.
 

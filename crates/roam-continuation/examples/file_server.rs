@@ -17,7 +17,7 @@
 //! travels in the protocol snapshot.
 //!
 //! As a cluster host (`docs/PROTOCOL.md` §14): `--cluster FILE --host NAME
-//! --host-key FILE --service-key FILE` (see `support/cluster.rs`); every
+//! --host-key FILE --service-key FILE [--etcd URL]` (see `support/cluster.rs`); every
 //! host needs the same files under its `--root`. Stops on Ctrl-C, keeping
 //! every download for the next start.
 

@@ -10,7 +10,7 @@
 //! Options: `--rate N` chunks per second (default 100), `--chunk-len N`
 //! bytes (default 1024). As a cluster host (listeners move between hosts,
 //! `docs/PROTOCOL.md` §14): `--cluster FILE --host NAME --host-key FILE
-//! --service-key FILE` (see `support/cluster.rs`). Stops on Ctrl-C,
+//! --service-key FILE [--etcd URL]` (see `support/cluster.rs`). Stops on Ctrl-C,
 //! keeping every listener.
 
 #[path = "support/cli.rs"]

@@ -30,6 +30,8 @@ pub enum Error {
     Corrupt(String),
     /// The continuation cannot run on this host.
     Incompatible(Incompatible),
+    /// The cluster's shared directory (etcd) could not be reached or used.
+    Shared(crate::cluster::etcd::SharedError),
 }
 
 impl fmt::Display for Error {
@@ -42,6 +44,7 @@ impl fmt::Display for Error {
             Self::DuplicateService(s) => write!(f, "service {s:?} registered twice"),
             Self::BadName(s) => write!(f, "name {s:?} must be 1 to 255 bytes"),
             Self::UnknownSession(id) => write!(f, "this host holds no session {id}"),
+            Self::Shared(e) => write!(f, "cluster directory: {e}"),
             Self::NotEstablished => write!(f, "session not established yet"),
             Self::DependencyCycle(id) => {
                 write!(f, "depending on session {id} would create a cycle")
@@ -180,6 +183,9 @@ pub enum DiscardReason {
     Restore(RestoreError),
     /// The application or operator asked for it ([`Host::discard`](crate::Host::discard)).
     Requested,
+    /// Another host of the cluster took it over (this host's etcd lease
+    /// lapsed and that host claimed it); the text names the host.
+    Claimed(String),
 }
 
 impl fmt::Display for DiscardReason {
@@ -190,6 +196,7 @@ impl fmt::Display for DiscardReason {
             Self::Corrupt(what) => write!(f, "stored continuation is corrupt ({what})"),
             Self::Restore(e) => write!(f, "{e}"),
             Self::Requested => write!(f, "discarded on request"),
+            Self::Claimed(h) => write!(f, "taken over by {h}"),
         }
     }
 }

@@ -11,12 +11,14 @@ use std::time::Duration;
 
 use common::{bounded, cli, init_logging, wait_until};
 use roam::RoamStream;
+use roam_continuation::cluster::etcd::EtcdOptions;
 use roam_continuation::cluster::link::Link;
 use roam_continuation::cluster::wire::{Msg, Refusal};
 use roam_continuation::{
     ClusterConfig, ClusterIdentity, Continuation, Host, HostConfig, ManagedSession, MoveError,
     Service,
 };
+use roam_etcd::testing::EtcdServer;
 use roam_proto::Keypair;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
@@ -112,6 +114,20 @@ struct Extra {
     hosts: Vec<String>,
     /// Operator names and keys.
     operators: Vec<(String, roam_proto::PublicKey)>,
+    /// etcd's URL: the hosts keep the cluster's directory there (lease TTL
+    /// 2 s).
+    etcd: Option<String>,
+}
+
+/// A real etcd for one test (killed when dropped) and the `Extra` that
+/// points the hosts at it.
+async fn with_etcd() -> (EtcdServer, Extra) {
+    let etcd = EtcdServer::start().await.expect("etcd");
+    let extra = Extra {
+        etcd: Some(etcd.url()),
+        ..Extra::default()
+    };
+    (etcd, extra)
 }
 
 impl Extra {
@@ -163,7 +179,13 @@ async fn start_cluster(versions: &[&str], extra: Extra) -> TestCluster {
         // Every test client comes from 127.0.0.1.
         sc.max_sessions_per_ip = 100_000;
         let mut hc = HostConfig::new(dir.path(), sc);
-        hc.cluster = Some(ClusterIdentity::new(config.clone(), &name, key).unwrap());
+        let mut ident = ClusterIdentity::new(config.clone(), &name, key).unwrap();
+        if let Some(url) = &extra.etcd {
+            let mut opts = EtcdOptions::new(vec![url.clone()]);
+            opts.lease_ttl = Duration::from_secs(2);
+            ident = ident.with_etcd(opts);
+        }
+        hc.cluster = Some(ident);
         let (host, _) = Host::builder(hc)
             .service(echo_service(version, echoed.clone()))
             .open()
@@ -268,12 +290,20 @@ async fn transfer_paced(
     pace: Duration,
     read_pace: Duration,
 ) -> Transfer {
-    let session = roam::connect(
-        &c.client_addr(host),
-        cli::client_config(Some(c.service_key.public())),
-    )
-    .await
-    .expect("connect");
+    transfer_to(c, &c.client_addr(host), len, pace, read_pace).await
+}
+
+/// [`transfer_paced`] to any address (a proxy in front of a host).
+async fn transfer_to(
+    c: &TestCluster,
+    addr: &str,
+    len: u64,
+    pace: Duration,
+    read_pace: Duration,
+) -> Transfer {
+    let session = roam::connect(addr, cli::client_config(Some(c.service_key.public())))
+        .await
+        .expect("connect");
     let stream = session.open_stream(b"echo").unwrap();
     let (mut r, mut w) = tokio::io::split(stream);
     let written = Arc::new(AtomicU64::new(0));
@@ -343,8 +373,18 @@ async fn wait_verified(t: &Transfer, at_least: u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_moves_mid_transfer_and_every_byte_comes_back() {
+    moves_mid_transfer(Extra::default()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_etcd_a_session_moves_mid_transfer_and_every_byte_comes_back() {
+    let (_etcd, extra) = with_etcd().await;
+    moves_mid_transfer(extra).await;
+}
+
+async fn moves_mid_transfer(extra: Extra) {
     bounded(Duration::from_secs(120), "test", async {
-        let c = start_cluster(&["1", "1", "1"], Extra::default()).await;
+        let c = start_cluster(&["1", "1", "1"], extra).await;
         const LEN: u64 = 24 << 20;
         let t = transfer(&c, "h0", LEN, Duration::ZERO).await;
         let id = t.session.id().unwrap();
@@ -410,6 +450,80 @@ async fn a_move_waits_for_an_application_blocked_writing_to_a_slow_reader() {
         }
         let got = t.task.await.unwrap().expect("transfer");
         assert_eq!(got, LEN, "every byte came back exactly once, in order");
+        c.shutdown().await;
+    })
+    .await;
+}
+
+/// A suspended session that moves leaves no copy behind, in the source's
+/// store or in etcd: a stale copy must never resume. etcd then holds the
+/// destination's copy, until the client resumes there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_etcd_a_suspended_session_moves_and_leaves_no_copy_behind() {
+    let (etcd, extra) = with_etcd().await;
+    bounded(Duration::from_secs(90), "test", async {
+        let c = start_cluster(&["1", "1"], extra).await;
+        let proxy = roam_sim::proxy::FaultProxy::start(c.client_addr("h0").parse().unwrap())
+            .await
+            .unwrap();
+        const LEN: u64 = 4 << 20;
+        let t = transfer_to(
+            &c,
+            &proxy.addr().to_string(),
+            LEN,
+            Duration::from_millis(5),
+            Duration::ZERO,
+        )
+        .await;
+        let id = t.session.id().unwrap();
+        wait_verified(&t, 256 << 10).await;
+        let db = roam_etcd::Client::connect(&[etcd.url()]).await.unwrap();
+        let hex: String = id.0.iter().map(|b| format!("{b:02x}")).collect();
+        let owner = format!("/roam/test/owner/{hex}").into_bytes();
+        let record = format!("/roam/test/record/{hex}").into_bytes();
+        // The client is cut off: h0 suspends the session into a
+        // continuation, in its store and in etcd.
+        proxy.refuse(true);
+        proxy.reset_all();
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let o = db.get(&owner).await.unwrap().map(|kv| kv.value);
+            if o.as_deref() == Some(b"h0".as_slice()) {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "h0 never owned it in etcd"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(db.get(&record).await.unwrap().is_some());
+        let r = c.nodes[0].host.move_session(id, "h1").await.expect("move");
+        assert_eq!(r.to, "h1");
+        assert!(!c.nodes[0].host.frozen_ids().contains(&id));
+        // h1 keeps it (in its store and etcd) once it has stayed frozen.
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let o = db.get(&owner).await.unwrap().map(|kv| kv.value);
+            if o.as_deref() == Some(b"h1".as_slice()) {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "h1 never owned it in etcd"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // The client returns to h0's address, is sent on to h1, resumes.
+        proxy.refuse(false);
+        let got = t.task.await.unwrap().expect("transfer");
+        assert_eq!(got, LEN, "every byte came back exactly once, in order");
+        assert_eq!(c.holder(id), Some(1));
+        assert!(
+            db.get(&record).await.unwrap().is_none(),
+            "taken out at the resume"
+        );
+        assert!(db.get(&owner).await.unwrap().is_none());
         c.shutdown().await;
     })
     .await;
@@ -727,11 +841,20 @@ async fn an_operator_sees_status_and_moves_and_drains() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drain_moves_a_thousand_sessions_and_every_one_keeps_working() {
+    drain_keeps_every_session(1000, Extra::default()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_etcd_a_drain_moves_every_session_and_each_keeps_working() {
+    let (_etcd, extra) = with_etcd().await;
+    drain_keeps_every_session(200, extra).await;
+}
+
+async fn drain_keeps_every_session(n: usize, extra: Extra) {
     bounded(Duration::from_secs(240), "test", async {
-        let c = start_cluster(&["1", "1", "1"], Extra::default()).await;
-        const N: usize = 1000;
-        let mut clients = Vec::with_capacity(N);
-        for i in 0..N {
+        let c = start_cluster(&["1", "1", "1"], extra).await;
+        let mut clients = Vec::with_capacity(n);
+        for i in 0..n {
             let session = roam::connect(
                 &c.client_addr("h0"),
                 cli::client_config(Some(c.service_key.public())),
@@ -748,8 +871,8 @@ async fn a_drain_moves_a_thousand_sessions_and_every_one_keeps_working() {
         }
         let report = c.nodes[0].host.drain().await.expect("drain");
         assert!(report.failed.is_empty(), "{:?}", report.failed);
-        assert_eq!(report.moved, N);
-        eprintln!("drained {N} sessions in {:?}", report.elapsed);
+        assert_eq!(report.moved, n);
+        eprintln!("drained {n} sessions in {:?}", report.elapsed);
         // Every session answers from its new host, with its own bytes.
         let started = std::time::Instant::now();
         for (i, (session, stream)) in clients.iter_mut().enumerate() {
@@ -765,7 +888,7 @@ async fn a_drain_moves_a_thousand_sessions_and_every_one_keeps_working() {
             );
         }
         eprintln!(
-            "all {N} echoed from their new hosts {:?} later",
+            "all {n} echoed from their new hosts {:?} later",
             started.elapsed()
         );
         assert!(
@@ -773,7 +896,7 @@ async fn a_drain_moves_a_thousand_sessions_and_every_one_keeps_working() {
             "nothing left on the drained host"
         );
         let ins: u64 = c.nodes[1..].iter().map(|n| n.host.stats().moves_in).sum();
-        assert_eq!(ins, N as u64);
+        assert_eq!(ins, n as u64);
         c.shutdown().await;
     })
     .await;

@@ -5,7 +5,10 @@
 //! - `--host-key FILE`: this host's own key (created if missing; its public
 //!   half must be the `key=` of this host's line);
 //! - `--service-key FILE`: the key clients pin, shared by every host (see
-//!   `cli::load_or_create_key`).
+//!   `cli::load_or_create_key`);
+//! - `--etcd URL[,URL..]`: keep the cluster's directory on etcd (suspended
+//!   sessions survive the loss of their host; `docs/PROTOCOL.md` §14.6);
+//!   `--etcd-ttl SECS` sets the hosts' lease TTL (default 10).
 //!
 //! With them the server also listens on its `peers=` address for moves from
 //! the other hosts and the operator's `roam cluster` requests.
@@ -14,6 +17,7 @@
 
 use std::path::Path;
 
+use roam_continuation::cluster::etcd::EtcdOptions;
 use roam_continuation::{ClusterConfig, ClusterIdentity, Host, HostConfig};
 
 use super::cli;
@@ -34,7 +38,18 @@ pub fn configure(config: &mut HostConfig) -> Result<Option<String>, Box<dyn std:
         .get(&name)
         .map(|m| m.peers.clone())
         .ok_or_else(|| format!("host {name:?} is not in {file}"))?;
-    config.cluster = Some(ClusterIdentity::new(cluster, &name, host_key)?);
+    let mut ident = ClusterIdentity::new(cluster, &name, host_key)?;
+    if let Some(urls) = cli::arg("--etcd") {
+        let mut opts = EtcdOptions::new(urls.split(',').map(str::to_string).collect());
+        if let Some(t) = cli::arg("--etcd-ttl") {
+            let secs: u64 = t
+                .parse()
+                .map_err(|_| format!("--etcd-ttl {t}: not a number of seconds"))?;
+            opts.lease_ttl = std::time::Duration::from_secs(secs.max(1));
+        }
+        ident = ident.with_etcd(opts);
+    }
+    config.cluster = Some(ident);
     Ok(Some(peers))
 }
 

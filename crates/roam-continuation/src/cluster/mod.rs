@@ -31,6 +31,7 @@
 //! it), D forgets what it got and redirects the client back to S.
 
 pub mod config;
+pub mod etcd;
 pub mod link;
 pub mod wire;
 
@@ -82,6 +83,10 @@ pub struct ClusterIdentity {
     pub me: String,
     /// This host's host key (its public half is in the file).
     pub host_key: Keypair,
+    /// The shared directory on etcd, if any (`docs/PROTOCOL.md` §14.6):
+    /// suspended sessions' continuations are kept there too, so another
+    /// host resumes them if this one dies.
+    pub etcd: Option<etcd::EtcdOptions>,
 }
 
 impl ClusterIdentity {
@@ -102,7 +107,14 @@ impl ClusterIdentity {
             config,
             me: me.to_string(),
             host_key,
+            etcd: None,
         })
+    }
+
+    /// Uses etcd as the cluster's shared directory.
+    pub fn with_etcd(mut self, opts: etcd::EtcdOptions) -> Self {
+        self.etcd = Some(opts);
+        self
     }
 
     fn member(&self, name: &str) -> Option<&Member> {
@@ -169,6 +181,9 @@ pub enum MoveError {
     Timeout(&'static str),
     /// The destination answered out of turn.
     Protocol(String),
+    /// This host could not let the session go (its store or the cluster's
+    /// etcd failed); the text says which.
+    Local(String),
 }
 
 impl std::fmt::Display for MoveError {
@@ -183,6 +198,7 @@ impl std::fmt::Display for MoveError {
             Self::Refused(r) => write!(f, "the destination refused: {r}"),
             Self::Timeout(step) => write!(f, "timed out waiting for {step}"),
             Self::Protocol(what) => write!(f, "the destination answered out of turn: {what}"),
+            Self::Local(what) => write!(f, "this host could not let the session go: {what}"),
         }
     }
 }
@@ -513,7 +529,9 @@ impl HostInner {
             let _ = link.send(&Msg::Abort { id }).await;
             return Err(fail(e, frozen, &live));
         }
-        // 3. Freeze: tell the client where to go, ask the application.
+        // 3. Freeze: ask the application (its answer tells the client
+        // where to go).
+        let src_frozen = frozen.is_some();
         let freeze_at = Instant::now();
         let record = match (frozen, &live) {
             (Some(r), _) => r,
@@ -556,6 +574,27 @@ impl HostInner {
             return Err(fail(e, Some(record), &live));
         }
         // 5. Let go, then commit. From here on resumes here are redirected.
+        // A session that was suspended here leaves no copy behind: a stale
+        // one must never resume, here after a restart or from etcd.
+        if src_frozen {
+            let gone = async {
+                self.store
+                    .delete(vec![id])
+                    .await
+                    .map_err(|e| MoveError::Local(format!("deleting the local copy: {e}")))?;
+                if let Some(r) = &self.shared {
+                    r.take(id)
+                        .await
+                        .map_err(|e| MoveError::Local(format!("the cluster's copy: {e}")))?;
+                }
+                Ok::<(), MoveError>(())
+            }
+            .await;
+            if let Err(e) = gone {
+                let _ = timeout(Duration::from_secs(1), link.send(&Msg::Abort { id })).await;
+                return Err(fail(e, Some(record), &live));
+            }
+        }
         {
             let mut st = self.state();
             st.moved.insert(
@@ -1127,11 +1166,14 @@ impl HostInner {
             let sealed =
                 tokio::task::spawn_blocking(move || Record::seal(meta, (*body).clone())).await;
             let Ok(rec) = sealed else { return };
+            let (meta_bytes, stored);
             let queued = {
                 let mut st = host.state();
                 if pending(&st).is_none() {
                     return;
                 }
+                meta_bytes = rec.meta_bytes.clone();
+                stored = rec.stored.clone();
                 match host.store.put_queued(id, rec.meta_bytes, rec.stored) {
                     Ok(rx) => {
                         let offload_at = Instant::now() + host.config.offload_after;
@@ -1149,8 +1191,11 @@ impl HostInner {
                     }
                 }
             };
-            if let Err(e) = crate::store::Store::put_done(queued).await {
-                tracing::error!("session {id} moved here; writing it to the store failed: {e}");
+            match crate::store::Store::put_done(queued).await {
+                Ok(()) => host.mirror(id, &meta_bytes, &stored).await,
+                Err(e) => {
+                    tracing::error!("session {id} moved here; writing it to the store failed: {e}")
+                }
             }
         });
     }

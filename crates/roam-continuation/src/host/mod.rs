@@ -155,6 +155,12 @@ pub struct HostStats {
     pub moves_out: u64,
     /// Sessions moved here from other hosts.
     pub moves_in: u64,
+    /// Continuations claimed here from the cluster's etcd after their host
+    /// died.
+    pub claimed: u64,
+    /// Continuations that could not be kept in the cluster's etcd (too
+    /// large, etcd unreachable): they live on this host only.
+    pub unshared: u64,
 }
 
 type RefusedHandler = Arc<dyn Fn(SessionId, &Incompatible) + Send + Sync>;
@@ -209,7 +215,35 @@ impl HostBuilder {
             }
             services.insert(s.name.clone(), Arc::new(s));
         }
-        let dir = self.config.state_dir.clone();
+        let mut config = self.config;
+        let mut shared = None;
+        if let Some(c) = &config.cluster {
+            // Clients learn every host of the cluster (§9.1), this one
+            // first: if it dies, they look for their session at the others.
+            if config.server.proto.addresses.is_empty() {
+                let mut addrs = vec![c.config.hosts[&c.me].clients.clone()];
+                addrs.extend(
+                    c.config
+                        .hosts
+                        .iter()
+                        .filter(|(n, _)| **n != c.me)
+                        .map(|(_, m)| m.clients.clone()),
+                );
+                config.server.proto.addresses = addrs;
+            }
+            if let Some(opts) = &c.etcd {
+                let r = crate::cluster::etcd::Registry::open(
+                    &c.config.name,
+                    &c.me,
+                    &c.config.hosts[&c.me].clients,
+                    opts.clone(),
+                )
+                .await
+                .map_err(Error::Shared)?;
+                shared = Some(r);
+            }
+        }
+        let dir = config.state_dir.clone();
         let (store, scanned) = tokio::task::spawn_blocking(move || {
             let store = Store::open(&dir)?;
             let scanned = store.scan()?;
@@ -220,7 +254,7 @@ impl HostBuilder {
 
         let (stop, stop_rx) = watch::channel(());
         let inner = Arc::new(HostInner {
-            config: self.config,
+            config,
             services,
             store,
             state: Mutex::new(State::default()),
@@ -228,8 +262,20 @@ impl HostBuilder {
             gc_wake: Arc::new(Notify::new()),
             counters: Counters::default(),
             on_refused: self.on_refused,
+            shared: shared.clone(),
             _stop: stop,
         });
+        if let Some(r) = shared {
+            let weak = Arc::downgrade(&inner);
+            tokio::spawn(r.keep_alive(stop_rx.clone(), move |gone| {
+                let Some(host) = weak.upgrade() else { return };
+                tokio::spawn(async move {
+                    let why = DiscardReason::Claimed("another host of the cluster".into());
+                    host.discard_many(gone.into_iter().map(|id| (id, why.clone())).collect())
+                        .await;
+                });
+            }));
+        }
         let mut report = OpenReport::default();
         for s in scanned {
             match s.meta {
@@ -357,6 +403,8 @@ pub(crate) struct Counters {
     discarded: AtomicU64,
     corrupt: AtomicU64,
     refused: AtomicU64,
+    pub(crate) claimed: AtomicU64,
+    pub(crate) unshared: AtomicU64,
 }
 
 pub(crate) struct HostInner {
@@ -370,6 +418,8 @@ pub(crate) struct HostInner {
     pub(crate) gc_wake: Arc<Notify>,
     pub(crate) counters: Counters,
     on_refused: Option<RefusedHandler>,
+    /// The cluster's shared directory on etcd, if configured.
+    pub(crate) shared: Option<Arc<crate::cluster::etcd::Registry>>,
     /// Dropped with the host: stops the collector.
     _stop: watch::Sender<()>,
 }
@@ -602,6 +652,8 @@ impl Host {
         s.refused = c.refused.load(Ordering::Relaxed);
         s.moves_out = c.moves_out.load(Ordering::Relaxed);
         s.moves_in = c.moves_in.load(Ordering::Relaxed);
+        s.claimed = c.claimed.load(Ordering::Relaxed);
+        s.unshared = c.unshared.load(Ordering::Relaxed);
         s
     }
 
@@ -900,7 +952,7 @@ impl HostInner {
             meta_bytes,
             stored,
         } = record;
-        let persisted = match self.store.put(id, meta_bytes, stored).await {
+        let persisted = match self.store.put(id, meta_bytes.clone(), stored.clone()).await {
             Ok(()) => true,
             Err(e) => {
                 tracing::error!(
@@ -909,6 +961,9 @@ impl HostInner {
                 false
             }
         };
+        if persisted {
+            self.mirror(id, &meta_bytes, &stored).await;
+        }
         let children: Vec<Arc<Live>> = {
             let mut st = self.state();
             let offload_at = persisted.then(|| Instant::now() + self.config.offload_after);
@@ -943,6 +998,18 @@ impl HostInner {
         self.gc_wake.notify_one();
         tracing::debug!("session {id} suspended into a continuation");
         persisted
+    }
+
+    /// Keeps a stored continuation in the cluster's shared directory too
+    /// (with etcd): it then survives this host. A failure is logged; the
+    /// continuation stays here either way.
+    pub(crate) async fn mirror(&self, id: SessionId, meta: &[u8], stored: &[u8]) {
+        if let Some(r) = &self.shared {
+            if let Err(e) = r.put_record(id, meta, stored).await {
+                self.counters.unshared.fetch_add(1, Ordering::Relaxed);
+                tracing::error!("session {id}: not kept in the cluster: {e}");
+            }
+        }
     }
 
     /// A live session ended (or its suspend found it ended): forget it and
@@ -1045,6 +1112,9 @@ impl HostInner {
                     };
                     if let Err(e) = self.store.delete(vec![id]).await {
                         tracing::error!("session {id}: deleting its continuation failed: {e}");
+                    }
+                    if let Some(r) = &self.shared {
+                        r.forget(id).await;
                     }
                     if let Some(svc) = self.services.get(&f.meta.service).cloned() {
                         self.report_discard(&svc, id, reason, attrs);

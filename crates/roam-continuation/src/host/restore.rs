@@ -51,24 +51,28 @@ impl HostInner {
     /// is waited for.
     pub(super) async fn lookup(self: Arc<Self>, id: SessionId) -> Location {
         let deadline = tokio::time::Instant::now() + TRANSITION_WAIT;
+        let mut claimed = false;
         let frozen = loop {
             let notified = self.changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            {
+            let ask_shared = {
                 let mut st = self.state();
                 match st.slots.get(&id) {
                     None => {
-                        return match st.moved.get(&id) {
+                        match st.moved.get(&id) {
                             Some(t) if t.until > Instant::now() => {
-                                Location::Elsewhere(t.clients.clone())
+                                return Location::Elsewhere(t.clients.clone())
                             }
                             Some(_) => {
                                 st.moved.remove(&id);
-                                Location::Unknown
                             }
-                            None => Location::Unknown,
-                        };
+                            None => {}
+                        }
+                        if self.shared.is_none() || claimed {
+                            return Location::Unknown;
+                        }
+                        true
                     }
                     Some(Slot::Live(_)) => return Location::Unknown,
                     Some(Slot::Frozen(_)) => {
@@ -80,7 +84,19 @@ impl HostInner {
                         }
                         break f;
                     }
-                    Some(Slot::Freezing | Slot::Thawing | Slot::Moving | Slot::Incoming(_)) => {}
+                    Some(Slot::Freezing | Slot::Thawing | Slot::Moving | Slot::Incoming(_)) => {
+                        false
+                    }
+                }
+            };
+            if ask_shared {
+                match self.clone().locate_shared(id).await {
+                    Some(loc) => return loc,
+                    // Claimed and installed as Frozen: thaw it.
+                    None => {
+                        claimed = true;
+                        continue;
+                    }
                 }
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
@@ -90,6 +106,79 @@ impl HostInner {
         let result = self.thaw(id, frozen).await;
         self.changed.notify_waiters();
         result.into()
+    }
+
+    /// Asks the cluster's etcd about a session this host does not hold:
+    /// `Some` answer for roam, or `None` when it was claimed here (its host
+    /// died) and now waits in its slot, Frozen, for the thaw.
+    async fn locate_shared(self: Arc<Self>, id: SessionId) -> Option<Location> {
+        use crate::cluster::etcd::Found;
+        let r = self.shared.as_ref()?;
+        match r.locate(id).await {
+            Ok(Found::Nothing) => Some(Location::Unknown),
+            Ok(Found::Owned(host)) => {
+                let addr = match self
+                    .config
+                    .cluster
+                    .as_ref()
+                    .and_then(|c| c.config.hosts.get(&host))
+                {
+                    Some(m) => m.clients.clone(),
+                    None => match r.host_addr(&host).await {
+                        Ok(Some(a)) => a,
+                        _ => return Some(Location::Refused(roam_proto::Error::ServerBusy)),
+                    },
+                };
+                Some(Location::Elsewhere(addr))
+            }
+            Ok(Found::Claimed(meta_bytes, stored)) => {
+                let checked = Meta::decode(&meta_bytes)
+                    .map_err(|c| c.0.to_string())
+                    .and_then(|m| {
+                        open_body(&m, &stored)
+                            .map(|b| (m, b))
+                            .map_err(|c| c.0.to_string())
+                    });
+                let (meta, body) = match checked {
+                    Ok(x) => x,
+                    Err(what) => {
+                        self.counters.corrupt.fetch_add(1, Ordering::Relaxed);
+                        tracing::error!(
+                            "session {id}: the continuation claimed from etcd is corrupt ({what})"
+                        );
+                        return Some(Location::Unknown);
+                    }
+                };
+                // Ours now: kept here like any continuation until it thaws.
+                let persisted = match self.store.put(id, meta_bytes, stored).await {
+                    Ok(()) => true,
+                    Err(e) => {
+                        tracing::error!("session {id}: claimed, kept in memory only: {e}");
+                        false
+                    }
+                };
+                self.counters.claimed.fetch_add(1, Ordering::Relaxed);
+                let mut st = self.state();
+                if st.slots.contains_key(&id) {
+                    return Some(Location::Refused(roam_proto::Error::ServerBusy));
+                }
+                st.expiries.insert((meta.deadline, id));
+                st.slots.insert(
+                    id,
+                    Slot::Frozen(Frozen {
+                        meta,
+                        hot: Some(Arc::new(body)),
+                        offload_at: None,
+                        persisted,
+                    }),
+                );
+                None
+            }
+            Err(e) => {
+                tracing::warn!("session {id}: the cluster's etcd could not say where it is: {e}");
+                Some(Location::Refused(roam_proto::Error::ServerBusy))
+            }
+        }
     }
 
     /// Puts a slot back to Frozen (refused resume).
@@ -197,6 +286,25 @@ impl HostInner {
         // A continuation is valid only as the latest state of its session
         // (PROTOCOL.md §13): delete it before the session moves on, so a
         // crash from here on can never restore a stale copy.
+        if let Some(r) = self.shared.as_ref().filter(|_| persisted) {
+            // The cluster's copy first, and only if still ours: a host that
+            // claimed it after our lease lapsed has it now.
+            match r.take(id).await {
+                Ok(()) => {}
+                Err(crate::cluster::etcd::SharedError::Lost(holder)) => {
+                    tracing::warn!("session {id}: {holder} took it over; dropping our copy");
+                    self.refreeze(id, meta, Some(body), persisted);
+                    self.discard_frozen_slot(id, DiscardReason::Claimed(holder))
+                        .await;
+                    return Err(roam_proto::Error::ServerBusy);
+                }
+                Err(e) => {
+                    tracing::error!("session {id}: not resumed, the cluster's etcd failed: {e}");
+                    self.refreeze(id, meta, Some(body), persisted);
+                    return Err(roam_proto::Error::ServerBusy);
+                }
+            }
+        }
         if !persisted {
             // Moved in and served from memory: the store never had it.
         } else if let Err(e) = self.store.delete(vec![id]).await {

@@ -48,6 +48,12 @@ pub(crate) struct Dialer {
     /// host we were sent to cannot be reached, the session may well still
     /// be where it was (a move that failed), so the next dial goes back.
     pub(super) fallback: Option<String>,
+    /// The transport of the resume attempt in flight, until it is lost
+    /// (a resume that did not complete there moves the ring on).
+    pub(super) resuming: Option<roam_proto::TransportId>,
+    /// The address the session was opened at: first in the ring of
+    /// addresses a failing re-dial walks ([`Dialer::rotate`]).
+    first: String,
 }
 
 /// Moves followed at once between two resumes; later ones wait the backoff.
@@ -61,6 +67,8 @@ impl Dialer {
             None
         };
         Self {
+            first: addr.clone(),
+            resuming: None,
             addr,
             config,
             attempt: 0,
@@ -184,6 +192,7 @@ impl Dialer {
                 match sh.session.connect(now, Some(peer)) {
                     Ok(tid) => {
                         tracing::debug!("dialed {peer}, resuming on transport {tid:?}");
+                        self.resuming = Some(tid);
                         return Some(Conn::new(tid, sock, peer, None));
                     }
                     Err(e) => tracing::debug!("not resuming: {e}"),
@@ -198,6 +207,8 @@ impl Dialer {
                     );
                     self.addr = back;
                     self.force = true;
+                } else {
+                    self.rotate(&sh.addresses, "is unreachable");
                 }
             }
         }
@@ -237,6 +248,33 @@ impl Dialer {
             }
             None => {}
         }
+    }
+
+    /// The current address failed (`why`): the next re-dial goes to the
+    /// next of the addresses the server announced (§9.1), in turn, the
+    /// first address included, so a client whose host died finds the
+    /// replica that holds its session, and one whose host comes back finds
+    /// that. It still waits the backoff: a dead cluster is not hammered.
+    pub(super) fn rotate(&mut self, announced: &[String], why: &str) {
+        if announced.is_empty() {
+            return;
+        }
+        let mut ring: Vec<&String> = Vec::with_capacity(announced.len() + 1);
+        ring.push(&self.first);
+        for a in announced {
+            if !ring.contains(&a) {
+                ring.push(a);
+            }
+        }
+        if ring.len() < 2 {
+            return;
+        }
+        let next = match ring.iter().position(|a| **a == self.addr) {
+            Some(i) => ring[(i + 1) % ring.len()].clone(),
+            None => ring[0].clone(),
+        };
+        tracing::info!("{} {why}; next re-dial goes to {next}", self.addr);
+        self.addr = next;
     }
 
     /// The server asked us to resume at `addr`.

@@ -296,7 +296,21 @@ impl Driver {
                 i += 1;
             } else {
                 let c = self.conns.remove(i);
+                self.note_lost(sh, c.tid);
                 sh.session.handle_transport_closed(now, c.tid);
+            }
+        }
+    }
+
+    /// A connection is gone. If it was the client's resume attempt and the
+    /// resume never completed on it, the address is not serving us: the next
+    /// re-dial tries the next address the server announced.
+    fn note_lost(&mut self, sh: &Shared, tid: roam_proto::TransportId) {
+        if let Kind::Client(d) = &mut self.kind {
+            if d.resuming.take_if(|t| *t == tid).is_some()
+                && sh.session.active_transport() != Some(tid)
+            {
+                d.rotate(&sh.addresses, "closed the connection before the resume");
             }
         }
     }
@@ -390,6 +404,12 @@ impl Driver {
                         )
                     {
                         events.send(SessionEvent::ResumeRefused { error: e });
+                        // The session may live on at another address the
+                        // server announced (a cluster whose host we were
+                        // sent to, or fell back to, does not hold it).
+                        if let Kind::Client(d) = &mut self.kind {
+                            d.rotate(&sh.addresses, "does not know the session");
+                        }
                     }
                 }
                 if let Some(c) = self.conns.iter_mut().find(|c| c.tid == transport) {
@@ -530,12 +550,15 @@ impl Driver {
                 };
                 let c = self.conns.remove(i);
                 tracing::debug!("transport {:?} from {}: {gone}", c.tid, c.peer);
+                self.note_lost(&sh, c.tid);
                 sh.session.handle_transport_closed(std_now, c.tid);
             }
             Wake::Io(Io::Failed(i, e)) => {
                 let c = self.conns.remove(i);
                 tracing::debug!("transport {:?} from {}: {e}", c.tid, c.peer);
-                inner.lock().session.handle_transport_closed(std_now, c.tid);
+                let mut sh = inner.lock();
+                self.note_lost(&sh, c.tid);
+                sh.session.handle_transport_closed(std_now, c.tid);
             }
             Wake::Io(Io::Wrote) | Wake::Notified | Wake::Timer => {}
             Wake::Dialer(w) => {

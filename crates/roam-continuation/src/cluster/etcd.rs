@@ -1,0 +1,450 @@
+//! The cluster's shared directory on etcd (`docs/PROTOCOL.md` §14.6): who
+//! is up, who owns which suspended session, and the suspended sessions'
+//! continuations themselves, so that a host killed outright does not take
+//! them with it.
+//!
+//! Keys, under `/roam/<cluster>/`:
+//! - `host/<name>`: the host's client address, under the host's lease (it
+//!   disappears a TTL after the host stops renewing).
+//! - `owner/<session id hex>`: the name of the host that holds the
+//!   session's continuation, under that host's lease.
+//! - `record/<session id hex>`: the continuation (its meta and sealed body,
+//!   exactly as the host's own store keeps them), under no lease: it
+//!   outlives its host.
+//!
+//! Single winner: every change of a record goes through a transaction
+//! that compares the owner key. A host deletes its record before it
+//! resumes the session (only while it still owns it); another host claims a
+//! record only when its owner key is gone (the owner's lease expired), and
+//! in the same transaction takes ownership and deletes the record. So a
+//! continuation is restored at most once, by whoever wins the compare.
+//!
+//! Leases are renewed with one-shot keep-alive requests (no long-lived
+//! stream to lose when etcd's leader changes). A host that finds its lease
+//! gone takes a new one and re-owns its records that nobody claimed; the
+//! ones that were claimed meanwhile are another host's now, and dropped
+//! here. A leader change may extend a dead host's lease beyond its TTL:
+//! claims then wait longer, they are never wrong.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use roam::SessionId;
+use roam_etcd::{Client, CmpOp, Compare, LeaseId, Op, OpResponse, Txn};
+
+/// The default lease TTL: how long after a host's death its suspended
+/// sessions can be claimed by another host.
+pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(10);
+
+/// The default cap on a continuation kept in etcd (its requests are
+/// limited to 1.5 MiB by default).
+pub const DEFAULT_RECORD_CAP: usize = 1 << 20;
+
+/// How a host uses etcd.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct EtcdOptions {
+    /// etcd's client URLs (`http://HOST:PORT`).
+    pub endpoints: Vec<String>,
+    /// The lease TTL ([`DEFAULT_LEASE_TTL`]).
+    pub lease_ttl: Duration,
+    /// Continuations larger than this stay on their host only
+    /// ([`DEFAULT_RECORD_CAP`]).
+    pub record_cap: usize,
+}
+
+impl EtcdOptions {
+    /// etcd at `endpoints`, default TTL and cap.
+    pub fn new(endpoints: Vec<String>) -> Self {
+        Self {
+            endpoints,
+            lease_ttl: DEFAULT_LEASE_TTL,
+            record_cap: DEFAULT_RECORD_CAP,
+        }
+    }
+}
+
+/// Why the shared directory could not do something.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SharedError {
+    /// etcd did not answer, or answered with an error.
+    Etcd(String),
+    /// The continuation is larger than the cap.
+    TooLarge {
+        /// Its size.
+        size: usize,
+        /// The cap.
+        cap: usize,
+    },
+    /// Another host owns the session now (it claimed it after this host's
+    /// lease lapsed).
+    Lost(String),
+    /// A record in etcd that does not decode.
+    Corrupt(String),
+}
+
+impl std::fmt::Display for SharedError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Etcd(e) => write!(f, "etcd: {e}"),
+            Self::TooLarge { size, cap } => write!(
+                f,
+                "the continuation is {size} bytes, above the cluster's cap of {cap} bytes: \
+                 it is kept on this host only and will not survive this host's loss"
+            ),
+            Self::Lost(owner) => write!(f, "host {owner} owns the session now"),
+            Self::Corrupt(why) => write!(f, "the record in etcd is corrupt: {why}"),
+        }
+    }
+}
+
+impl std::error::Error for SharedError {}
+
+fn etcd(e: roam_etcd::Error) -> SharedError {
+    SharedError::Etcd(e.to_string())
+}
+
+/// Where a session not held here is, by the shared directory.
+pub(crate) enum Found {
+    /// Owned by this live host (its name).
+    Owned(String),
+    /// Claimed by this host: the continuation (meta, sealed body).
+    Claimed(Vec<u8>, Vec<u8>),
+    /// Nobody has it (or it is live somewhere: live sessions are not kept
+    /// in etcd).
+    Nothing,
+}
+
+/// This host's connection to the shared directory.
+pub(crate) struct Registry {
+    client: Client,
+    prefix: String,
+    me: String,
+    clients_addr: String,
+    opts: EtcdOptions,
+    lease: Mutex<LeaseId>,
+    /// Sessions whose record this host put in etcd (and has not taken
+    /// back): after a lost lease, those whose record is gone were claimed.
+    mirrored: Mutex<HashSet<SessionId>>,
+}
+
+fn hex(id: &SessionId) -> String {
+    id.0.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl Registry {
+    /// Connects, takes a lease and announces this host.
+    pub(crate) async fn open(
+        cluster: &str,
+        me: &str,
+        clients_addr: &str,
+        opts: EtcdOptions,
+    ) -> Result<Arc<Self>, SharedError> {
+        let client = Client::connect(&opts.endpoints).await.map_err(etcd)?;
+        let lease = client.grant(opts.lease_ttl).await.map_err(etcd)?;
+        let r = Arc::new(Self {
+            client,
+            prefix: format!("/roam/{cluster}/"),
+            me: me.to_string(),
+            clients_addr: clients_addr.to_string(),
+            opts,
+            lease: Mutex::new(lease.id),
+            mirrored: Mutex::new(HashSet::new()),
+        });
+        r.client
+            .put(&r.host_key(me), clients_addr.as_bytes(), lease.id)
+            .await
+            .map_err(etcd)?;
+        Ok(r)
+    }
+
+    fn host_key(&self, name: &str) -> Vec<u8> {
+        format!("{}host/{name}", self.prefix).into_bytes()
+    }
+
+    fn owner_key(&self, id: &SessionId) -> Vec<u8> {
+        format!("{}owner/{}", self.prefix, hex(id)).into_bytes()
+    }
+
+    fn record_key(&self, id: &SessionId) -> Vec<u8> {
+        format!("{}record/{}", self.prefix, hex(id)).into_bytes()
+    }
+
+    fn lease(&self) -> LeaseId {
+        *self.lease.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn mirrored(&self) -> std::sync::MutexGuard<'_, HashSet<SessionId>> {
+        self.mirrored.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Keeps a suspended session's continuation in etcd, owned by this
+    /// host. Above the cap it is refused ([`SharedError::TooLarge`]).
+    pub(crate) async fn put_record(
+        &self,
+        id: SessionId,
+        meta: &[u8],
+        stored: &[u8],
+    ) -> Result<(), SharedError> {
+        let size = 4 + meta.len() + stored.len();
+        if size > self.opts.record_cap {
+            return Err(SharedError::TooLarge {
+                size,
+                cap: self.opts.record_cap,
+            });
+        }
+        let mut value = Vec::with_capacity(size);
+        value.extend_from_slice(&(meta.len() as u32).to_be_bytes());
+        value.extend_from_slice(meta);
+        value.extend_from_slice(stored);
+        let owner = self.owner_key(&id);
+        // Ours already, or nobody's: never overwrite another host's.
+        let txn = |compare| Txn {
+            compare: vec![compare],
+            success: vec![
+                Op::Put {
+                    key: owner.clone(),
+                    value: self.me.as_bytes().to_vec(),
+                    lease: self.lease(),
+                },
+                Op::Put {
+                    key: self.record_key(&id),
+                    value: value.clone(),
+                    lease: 0,
+                },
+            ],
+            failure: vec![Op::Get { key: owner.clone() }],
+        };
+        let r = self
+            .client
+            .txn(txn(Compare::Version(owner.clone(), CmpOp::Equal, 0)))
+            .await
+            .map_err(etcd)?;
+        if !r.succeeded {
+            let r = self
+                .client
+                .txn(txn(Compare::Value(
+                    owner.clone(),
+                    CmpOp::Equal,
+                    self.me.as_bytes().to_vec(),
+                )))
+                .await
+                .map_err(etcd)?;
+            if !r.succeeded {
+                return Err(SharedError::Lost(owner_in(&r.responses)));
+            }
+        }
+        self.mirrored().insert(id);
+        Ok(())
+    }
+
+    /// Takes this host's record of `id` out of etcd (before the session
+    /// resumes here, moves away or is discarded). `Ok` if there was none;
+    /// [`SharedError::Lost`] if another host owns it now.
+    pub(crate) async fn take(&self, id: SessionId) -> Result<(), SharedError> {
+        let owner = self.owner_key(&id);
+        let r = self
+            .client
+            .txn(Txn {
+                compare: vec![Compare::Value(
+                    owner.clone(),
+                    CmpOp::Equal,
+                    self.me.as_bytes().to_vec(),
+                )],
+                success: vec![
+                    Op::Delete {
+                        key: self.record_key(&id),
+                    },
+                    Op::Delete { key: owner.clone() },
+                ],
+                failure: vec![Op::Get { key: owner }],
+            })
+            .await
+            .map_err(etcd)?;
+        let was_mirrored = self.mirrored().remove(&id);
+        if r.succeeded {
+            return Ok(());
+        }
+        let holder = owner_in(&r.responses);
+        if holder.is_empty() && !was_mirrored {
+            // Never put there (too large, or etcd was down then).
+            return Ok(());
+        }
+        if holder.is_empty() {
+            // Our owner key lapsed with our lease: a record still there is
+            // unclaimed; take it out in one compare on both keys.
+            let r = self
+                .client
+                .txn(Txn {
+                    compare: vec![
+                        Compare::Version(self.owner_key(&id), CmpOp::Equal, 0),
+                        Compare::Version(self.record_key(&id), CmpOp::Greater, 0),
+                    ],
+                    success: vec![Op::Delete {
+                        key: self.record_key(&id),
+                    }],
+                    failure: vec![],
+                })
+                .await
+                .map_err(etcd)?;
+            if r.succeeded {
+                return Ok(());
+            }
+            return Err(SharedError::Lost("another host (it has resumed it)".into()));
+        }
+        Err(SharedError::Lost(holder))
+    }
+
+    /// Forgets `id` in etcd if it is ours (a discarded continuation).
+    pub(crate) async fn forget(&self, id: SessionId) {
+        if let Err(e) = self.take(id).await {
+            tracing::debug!("session {id}: not removed from etcd: {e}");
+        }
+    }
+
+    /// Where a session this host does not hold is: with a live owner, or
+    /// claimed here now (its owner's lease expired), or nowhere.
+    pub(crate) async fn locate(&self, id: SessionId) -> Result<Found, SharedError> {
+        let owner = self.owner_key(&id);
+        let record = self.record_key(&id);
+        let r = self
+            .client
+            .txn(Txn {
+                compare: vec![
+                    Compare::Version(owner.clone(), CmpOp::Equal, 0),
+                    Compare::Version(record.clone(), CmpOp::Greater, 0),
+                ],
+                success: vec![
+                    Op::Get {
+                        key: record.clone(),
+                    },
+                    Op::Delete { key: record },
+                    Op::Put {
+                        key: owner.clone(),
+                        value: self.me.as_bytes().to_vec(),
+                        lease: self.lease(),
+                    },
+                ],
+                failure: vec![Op::Get { key: owner }],
+            })
+            .await
+            .map_err(etcd)?;
+        if !r.succeeded {
+            let holder = owner_in(&r.responses);
+            return Ok(if holder.is_empty() || holder == self.me {
+                Found::Nothing
+            } else {
+                Found::Owned(holder)
+            });
+        }
+        let value = match r.responses.first() {
+            Some(OpResponse::Get(kvs)) if !kvs.is_empty() => kvs[0].value.clone(),
+            _ => return Err(SharedError::Corrupt("claimed, but no record came".into())),
+        };
+        if value.len() < 4 {
+            return Err(SharedError::Corrupt(format!("{} bytes", value.len())));
+        }
+        let n = u32::from_be_bytes(value[..4].try_into().expect("4 bytes")) as usize;
+        if value.len() < 4 + n {
+            return Err(SharedError::Corrupt(format!(
+                "meta of {n} bytes in a record of {}",
+                value.len()
+            )));
+        }
+        tracing::info!("session {id}: claimed from the cluster (its host's lease expired)");
+        Ok(Found::Claimed(
+            value[4..4 + n].to_vec(),
+            value[4 + n..].to_vec(),
+        ))
+    }
+
+    /// Client address of host `name`, if it is up (its key exists).
+    pub(crate) async fn host_addr(&self, name: &str) -> Result<Option<String>, SharedError> {
+        Ok(self
+            .client
+            .get(&self.host_key(name))
+            .await
+            .map_err(etcd)?
+            .map(|kv| String::from_utf8_lossy(&kv.value).into_owned()))
+    }
+
+    /// Renews the lease every third of its TTL until `stop` fires. A lease
+    /// found gone is replaced; `lost` gets the sessions claimed meanwhile.
+    pub(crate) async fn keep_alive(
+        self: Arc<Self>,
+        mut stop: tokio::sync::watch::Receiver<()>,
+        lost: impl Fn(Vec<SessionId>) + Send + 'static,
+    ) {
+        let every = (self.opts.lease_ttl / 3).max(Duration::from_millis(200));
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(every) => {}
+                _ = stop.changed() => break,
+            }
+            match self.client.keep_alive_once(self.lease()).await {
+                Ok(Some(_)) => {}
+                Ok(None) => match self.renew().await {
+                    Ok(gone) if !gone.is_empty() => lost(gone),
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!("etcd: could not take a new lease: {e}"),
+                },
+                Err(e) => tracing::warn!("etcd: lease keep-alive failed: {e}"),
+            }
+        }
+        let _ = self.client.revoke(self.lease()).await;
+    }
+
+    /// The lease expired: a new one, this host announced again, and its
+    /// records re-owned where nobody claimed them. Returns those claimed.
+    async fn renew(&self) -> Result<Vec<SessionId>, SharedError> {
+        let lease = self.client.grant(self.opts.lease_ttl).await.map_err(etcd)?;
+        *self.lease.lock().unwrap_or_else(|e| e.into_inner()) = lease.id;
+        tracing::warn!("etcd: this host's lease had expired; took a new one");
+        self.client
+            .put(
+                &self.host_key(&self.me),
+                self.clients_addr.as_bytes(),
+                lease.id,
+            )
+            .await
+            .map_err(etcd)?;
+        let ids: Vec<SessionId> = self.mirrored().iter().copied().collect();
+        let mut gone = Vec::new();
+        for id in ids {
+            let owner = self.owner_key(&id);
+            let r = self
+                .client
+                .txn(Txn {
+                    compare: vec![
+                        Compare::Version(owner.clone(), CmpOp::Equal, 0),
+                        Compare::Version(self.record_key(&id), CmpOp::Greater, 0),
+                    ],
+                    success: vec![Op::Put {
+                        key: owner,
+                        value: self.me.as_bytes().to_vec(),
+                        lease: lease.id,
+                    }],
+                    failure: vec![],
+                })
+                .await
+                .map_err(etcd)?;
+            if !r.succeeded {
+                self.mirrored().remove(&id);
+                gone.push(id);
+            }
+        }
+        Ok(gone)
+    }
+}
+
+/// The owner named by a transaction's failure branch (`Get` of the owner
+/// key), empty if it has none.
+fn owner_in(responses: &[OpResponse]) -> String {
+    match responses.first() {
+        Some(OpResponse::Get(kvs)) if !kvs.is_empty() => {
+            String::from_utf8_lossy(&kvs[0].value).into_owned()
+        }
+        _ => String::new(),
+    }
+}

@@ -1,0 +1,248 @@
+//! A cluster whose directory is a real etcd (`docs/PROTOCOL.md` §14.6),
+//! with real host processes: `bench_server` hosts keep their suspended
+//! sessions' continuations in etcd too, so when the host holding them is
+//! killed (SIGKILL) another host claims them once the dead host's lease
+//! expires, and the `bench_client` processes, which walk the addresses
+//! the cluster announced, resume there and receive every index exactly
+//! once, in order. Ports are probed free on 127.0.0.1; etcd runs on a
+//! temporary data dir; every process is killed at the end, even on failure.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use roam_etcd::testing::EtcdServer;
+use roam_proto::Keypair;
+use roam_sim::proxy::FaultProxy;
+
+const LIMIT: Duration = Duration::from_secs(60);
+
+/// Path of an example binary of this package, built if missing.
+fn example(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let dir = exe.parent().and_then(Path::parent).expect("target dir");
+    let path = dir.join("examples").join(name);
+    if !path.exists() {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut cmd = Command::new(cargo);
+        cmd.args(["build", "-p", "roam-continuation", "--example", name]);
+        if dir.file_name().is_some_and(|n| n == "release") {
+            cmd.arg("--release");
+        }
+        assert!(
+            cmd.status().expect("cargo build").success(),
+            "building {name}"
+        );
+    }
+    path
+}
+
+/// A child whose stdout lines arrive on a channel; killed on drop.
+struct Proc {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    name: String,
+}
+
+impl Proc {
+    fn spawn(bin: &str, name: &str, args: &[&str]) -> Self {
+        let mut child = Command::new(example(bin))
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {name}: {e}"));
+        let out = child.stdout.take().expect("stdout");
+        let (tx, lines) = mpsc::channel();
+        let n = name.to_string();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                println!("  [{n}] {line}");
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Self {
+            child,
+            lines,
+            name: name.to_string(),
+        }
+    }
+
+    /// Waits for a line starting with `prefix`; returns it.
+    fn expect(&self, prefix: &str) -> String {
+        let deadline = Instant::now() + LIMIT;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) if l.starts_with(prefix) => return l,
+                Ok(l) if l.starts_with("error") => panic!("{}: {l}", self.name),
+                Ok(_) => {}
+                Err(_) => panic!("{}: no line {prefix:?} within {LIMIT:?}", self.name),
+            }
+        }
+    }
+
+    fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+fn free_port() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    l.local_addr().expect("addr").to_string()
+}
+
+fn write_key(path: &Path) -> Keypair {
+    let kp = Keypair::generate().expect("keygen");
+    let hex: String = kp
+        .private_bytes()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .expect("key file");
+    writeln!(f, "{hex}").expect("write key");
+    kp
+}
+
+#[test]
+fn sessions_suspended_on_a_killed_host_resume_on_another_host() {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let etcd = match rt.block_on(EtcdServer::start()) {
+        Ok(e) => e,
+        Err(e) => panic!("etcd: {e}"),
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    let service_key = d.join("service.key");
+    let service = write_key(&service_key);
+    let mut text = "cluster bench\n".to_string();
+    let mut hosts = Vec::new();
+    for i in 0..2 {
+        let name = format!("h{i}");
+        let key_path = d.join(format!("{name}.key"));
+        let kp = write_key(&key_path);
+        let (clients, peers) = (free_port(), free_port());
+        text.push_str(&format!(
+            "host {name} clients={clients} peers={peers} key={}\n",
+            kp.public()
+        ));
+        hosts.push((name, key_path, clients));
+    }
+    let cluster = d.join("cluster.conf");
+    std::fs::write(&cluster, &text).expect("cluster file");
+    let url = etcd.url();
+    let mut servers: Vec<Proc> = hosts
+        .iter()
+        .map(|(name, key_path, clients)| {
+            let state = d.join(format!("state-{name}"));
+            let p = Proc::spawn(
+                "bench_server",
+                name,
+                &[
+                    "--listen",
+                    clients,
+                    "--state-dir",
+                    state.to_str().unwrap(),
+                    "--offload-ms",
+                    "0",
+                    "--cluster",
+                    cluster.to_str().unwrap(),
+                    "--host",
+                    name,
+                    "--host-key",
+                    key_path.to_str().unwrap(),
+                    "--service-key",
+                    service_key.to_str().unwrap(),
+                    "--etcd",
+                    &url,
+                    "--etcd-ttl",
+                    "2",
+                ],
+            );
+            p.expect("listening ");
+            p
+        })
+        .collect();
+
+    // Three clients reach h0 through a proxy that can cut them off.
+    let proxy = FaultProxy::spawn(hosts[0].2.parse().unwrap()).expect("proxy");
+    let count = 3000;
+    let clients: Vec<Proc> = (0..3)
+        .map(|i| {
+            Proc::spawn(
+                "bench_client",
+                &format!("client{i}"),
+                &[
+                    "--connect",
+                    &proxy.addr().to_string(),
+                    "--server-key",
+                    &service.public().to_string(),
+                    "--count",
+                    &count.to_string(),
+                    "--interval-us",
+                    "500",
+                    "--report-every",
+                    "500",
+                ],
+            )
+        })
+        .collect();
+    for c in &clients {
+        c.expect("connected");
+        c.expect("progress 1000");
+    }
+    // Cut them off: h0 suspends the three sessions into continuations,
+    // kept in its store and in etcd. Then h0 dies outright.
+    proxy.refuse(true);
+    proxy.reset_all();
+    for _ in 0..3 {
+        servers[0].expect("suspended ");
+    }
+    servers[0].kill9();
+    let killed = Instant::now();
+
+    // Each client finds h1 among the announced addresses; h1 claims its
+    // session once h0's lease has expired, and it goes on from there.
+    for c in &clients {
+        c.expect("resumed after");
+    }
+    eprintln!(
+        "all three resumed on h1 {:?} after h0 was killed",
+        killed.elapsed()
+    );
+    for c in &clients {
+        assert_eq!(c.expect("ok "), format!("ok {count}"), "{}", c.name);
+    }
+    for _ in 0..3 {
+        servers[1].expect("resumed ");
+    }
+    // Nothing is left in etcd: every claimed record was taken out before
+    // its session resumed.
+    let left = rt.block_on(async {
+        let c = roam_etcd::Client::connect(std::slice::from_ref(&url)).await.unwrap();
+        c.get_prefix(b"/roam/bench/record/").await.unwrap()
+    });
+    assert!(left.is_empty(), "records left in etcd: {}", left.len());
+    for s in servers.iter_mut() {
+        s.kill9();
+    }
+    drop(etcd);
+}
