@@ -117,6 +117,8 @@ struct Extra {
     /// etcd's URL: the hosts keep the cluster's directory there (lease TTL
     /// 2 s).
     etcd: Option<String>,
+    /// The cap on a continuation kept in etcd, if not the default.
+    etcd_cap: Option<usize>,
 }
 
 /// A real etcd for one test (killed when dropped) and the `Extra` that
@@ -183,6 +185,9 @@ async fn start_cluster(versions: &[&str], extra: Extra) -> TestCluster {
         if let Some(url) = &extra.etcd {
             let mut opts = EtcdOptions::new(vec![url.clone()]);
             opts.lease_ttl = Duration::from_secs(2);
+            if let Some(cap) = extra.etcd_cap {
+                opts.record_cap = cap;
+            }
             ident = ident.with_etcd(opts);
         }
         hc.cluster = Some(ident);
@@ -497,7 +502,16 @@ async fn with_etcd_a_suspended_session_moves_and_leaves_no_copy_behind() {
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        assert!(db.get(&record).await.unwrap().is_some());
+        let sealed = db
+            .get(&record)
+            .await
+            .unwrap()
+            .expect("record in etcd")
+            .value;
+        assert!(
+            !sealed.windows(4).any(|w| w == b"echo"),
+            "etcd holds the record sealed, not in the clear"
+        );
         let r = c.nodes[0].host.move_session(id, "h1").await.expect("move");
         assert_eq!(r.to, "h1");
         assert!(!c.nodes[0].host.frozen_ids().contains(&id));
@@ -524,6 +538,49 @@ async fn with_etcd_a_suspended_session_moves_and_leaves_no_copy_behind() {
             "taken out at the resume"
         );
         assert!(db.get(&owner).await.unwrap().is_none());
+        c.shutdown().await;
+    })
+    .await;
+}
+
+/// A continuation above the cluster's cap stays on its host only: the
+/// host says so (its `unshared` counter, an error in the log), etcd holds
+/// nothing of it, and the session resumes there as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_etcd_a_continuation_above_the_cap_stays_on_its_host() {
+    let (etcd, mut extra) = with_etcd().await;
+    extra.etcd_cap = Some(256);
+    bounded(Duration::from_secs(60), "test", async {
+        let c = start_cluster(&["1"], extra).await;
+        let proxy = roam_sim::proxy::FaultProxy::start(c.client_addr("h0").parse().unwrap())
+            .await
+            .unwrap();
+        const LEN: u64 = 1 << 20;
+        let t = transfer_to(
+            &c,
+            &proxy.addr().to_string(),
+            LEN,
+            Duration::from_millis(5),
+            Duration::ZERO,
+        )
+        .await;
+        wait_verified(&t, 64 << 10).await;
+        proxy.refuse(true);
+        proxy.reset_all();
+        wait_until(Duration::from_secs(20), "the continuation", || {
+            c.nodes[0].host.stats().frozen == 1
+        })
+        .await;
+        assert_eq!(c.nodes[0].host.stats().unshared, 1);
+        let db = roam_etcd::Client::connect(&[etcd.url()]).await.unwrap();
+        assert!(db
+            .get_prefix(b"/roam/test/record/")
+            .await
+            .unwrap()
+            .is_empty());
+        proxy.refuse(false);
+        let got = t.task.await.unwrap().expect("transfer");
+        assert_eq!(got, LEN);
         c.shutdown().await;
     })
     .await;

@@ -237,7 +237,9 @@ fn sessions_suspended_on_a_killed_host_resume_on_another_host() {
     // Nothing is left in etcd: every claimed record was taken out before
     // its session resumed.
     let left = rt.block_on(async {
-        let c = roam_etcd::Client::connect(std::slice::from_ref(&url)).await.unwrap();
+        let c = roam_etcd::Client::connect(std::slice::from_ref(&url))
+            .await
+            .unwrap();
         c.get_prefix(b"/roam/bench/record/").await.unwrap()
     });
     assert!(left.is_empty(), "records left in etcd: {}", left.len());

@@ -12,6 +12,12 @@
 //!   exactly as the host's own store keeps them), under no lease: it
 //!   outlives its host.
 //!
+//! Records are sealed (AES-256-GCM, a fresh random nonce each, the key name
+//! as associated data) under a key derived from the service key every host
+//! holds: etcd, its backups and whoever reads them see neither resume
+//! secrets nor application state, and cannot move a record to another
+//! session's key.
+//!
 //! Single winner: every change of a record goes through a transaction
 //! that compares the owner key. A host deletes its record before it
 //! resumes the session (only while it still owns it); another host claims a
@@ -30,8 +36,11 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM, NONCE_LEN};
+use ring::rand::{SecureRandom, SystemRandom};
 use roam::SessionId;
 use roam_etcd::{Client, CmpOp, Compare, LeaseId, Op, OpResponse, Txn};
+use roam_proto::Keypair;
 
 /// The default lease TTL: how long after a host's death its suspended
 /// sessions can be claimed by another host.
@@ -124,6 +133,8 @@ pub(crate) struct Registry {
     clients_addr: String,
     opts: EtcdOptions,
     lease: Mutex<LeaseId>,
+    /// Seals and opens records (see the module documentation).
+    sealer: LessSafeKey,
     /// Sessions whose record this host put in etcd (and has not taken
     /// back): after a lost lease, those whose record is gone were claimed.
     mirrored: Mutex<HashSet<SessionId>>,
@@ -139,8 +150,10 @@ impl Registry {
         cluster: &str,
         me: &str,
         clients_addr: &str,
+        service_key: &Keypair,
         opts: EtcdOptions,
     ) -> Result<Arc<Self>, SharedError> {
+        let sealer = record_key(service_key, cluster);
         let client = Client::connect(&opts.endpoints).await.map_err(etcd)?;
         let lease = client.grant(opts.lease_ttl).await.map_err(etcd)?;
         let r = Arc::new(Self {
@@ -150,6 +163,7 @@ impl Registry {
             clients_addr: clients_addr.to_string(),
             opts,
             lease: Mutex::new(lease.id),
+            sealer,
             mirrored: Mutex::new(HashSet::new()),
         });
         r.client
@@ -187,17 +201,18 @@ impl Registry {
         meta: &[u8],
         stored: &[u8],
     ) -> Result<(), SharedError> {
-        let size = 4 + meta.len() + stored.len();
+        let size = NONCE_LEN + 4 + meta.len() + stored.len() + AES_256_GCM.tag_len();
         if size > self.opts.record_cap {
             return Err(SharedError::TooLarge {
                 size,
                 cap: self.opts.record_cap,
             });
         }
-        let mut value = Vec::with_capacity(size);
-        value.extend_from_slice(&(meta.len() as u32).to_be_bytes());
-        value.extend_from_slice(meta);
-        value.extend_from_slice(stored);
+        let mut plain = Vec::with_capacity(size);
+        plain.extend_from_slice(&(meta.len() as u32).to_be_bytes());
+        plain.extend_from_slice(meta);
+        plain.extend_from_slice(stored);
+        let value = self.seal(&self.record_key(&id), plain)?;
         let owner = self.owner_key(&id);
         // Ours already, or nobody's: never overwrite another host's.
         let txn = |compare| Txn {
@@ -338,10 +353,11 @@ impl Registry {
                 Found::Owned(holder)
             });
         }
-        let value = match r.responses.first() {
+        let sealed = match r.responses.first() {
             Some(OpResponse::Get(kvs)) if !kvs.is_empty() => kvs[0].value.clone(),
             _ => return Err(SharedError::Corrupt("claimed, but no record came".into())),
         };
+        let value = self.open_sealed(&self.record_key(&id), sealed)?;
         if value.len() < 4 {
             return Err(SharedError::Corrupt(format!("{} bytes", value.len())));
         }
@@ -357,6 +373,51 @@ impl Registry {
             value[4..4 + n].to_vec(),
             value[4 + n..].to_vec(),
         ))
+    }
+
+    /// `nonce ‖ AES-256-GCM(plain)` with `key` as associated data.
+    fn seal(&self, key: &[u8], mut plain: Vec<u8>) -> Result<Vec<u8>, SharedError> {
+        let mut nonce = [0u8; NONCE_LEN];
+        SystemRandom::new()
+            .fill(&mut nonce)
+            .map_err(|_| SharedError::Etcd("no randomness for a record's nonce".into()))?;
+        self.sealer
+            .seal_in_place_append_tag(
+                Nonce::assume_unique_for_key(nonce),
+                Aad::from(key),
+                &mut plain,
+            )
+            .map_err(|_| SharedError::Corrupt("record too large to seal".into()))?;
+        let mut out = Vec::with_capacity(NONCE_LEN + plain.len());
+        out.extend_from_slice(&nonce);
+        out.extend_from_slice(&plain);
+        Ok(out)
+    }
+
+    /// The inverse of [`Registry::seal`].
+    fn open_sealed(&self, key: &[u8], mut sealed: Vec<u8>) -> Result<Vec<u8>, SharedError> {
+        if sealed.len() < NONCE_LEN + AES_256_GCM.tag_len() {
+            return Err(SharedError::Corrupt(format!(
+                "a sealed record of {} bytes",
+                sealed.len()
+            )));
+        }
+        let nonce: [u8; NONCE_LEN] = sealed[..NONCE_LEN].try_into().expect("checked length");
+        let plain = self
+            .sealer
+            .open_in_place(
+                Nonce::assume_unique_for_key(nonce),
+                Aad::from(key),
+                &mut sealed[NONCE_LEN..],
+            )
+            .map_err(|_| {
+                SharedError::Corrupt(
+                    "the record does not open with this service's key (another service, or altered)"
+                        .into(),
+                )
+            })?
+            .to_vec();
+        Ok(plain)
     }
 
     /// Client address of host `name`, if it is up (its key exists).
@@ -436,6 +497,22 @@ impl Registry {
         }
         Ok(gone)
     }
+}
+
+/// The records' key: HKDF-SHA256 of the service's private key, salted
+/// and labelled so it is used for nothing else, bound to the cluster name.
+fn record_key(service_key: &Keypair, cluster: &str) -> LessSafeKey {
+    use ring::hkdf::{Salt, HKDF_SHA256};
+    let prk =
+        Salt::new(HKDF_SHA256, b"roam-cluster-etcd-record/1").extract(&service_key.private_bytes());
+    let info = [cluster.as_bytes()];
+    let okm = prk
+        .expand(&info, &AES_256_GCM)
+        .expect("32 bytes is a valid HKDF-SHA256 output length");
+    let mut key = [0u8; 32];
+    okm.fill(&mut key)
+        .expect("the length AES-256-GCM asked for");
+    LessSafeKey::new(UnboundKey::new(&AES_256_GCM, &key).expect("32-byte key"))
 }
 
 /// The owner named by a transaction's failure branch (`Get` of the owner

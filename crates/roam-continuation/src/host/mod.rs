@@ -236,6 +236,7 @@ impl HostBuilder {
                     &c.config.name,
                     &c.me,
                     &c.config.hosts[&c.me].clients,
+                    &config.server.proto.keypair,
                     opts.clone(),
                 )
                 .await
