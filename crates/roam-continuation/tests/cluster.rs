@@ -306,9 +306,19 @@ async fn transfer_to(
     pace: Duration,
     read_pace: Duration,
 ) -> Transfer {
-    let session = roam::connect(addr, cli::client_config(Some(c.service_key.public())))
-        .await
-        .expect("connect");
+    let config = cli::client_config(Some(c.service_key.public()));
+    transfer_with(addr, config, len, pace, read_pace).await
+}
+
+/// [`transfer_to`] with the client's configuration.
+async fn transfer_with(
+    addr: &str,
+    config: roam::ClientConfig,
+    len: u64,
+    pace: Duration,
+    read_pace: Duration,
+) -> Transfer {
+    let session = roam::connect(addr, config).await.expect("connect");
     let stream = session.open_stream(b"echo").unwrap();
     let (mut r, mut w) = tokio::io::split(stream);
     let written = Arc::new(AtomicU64::new(0));
@@ -581,6 +591,101 @@ async fn with_etcd_a_continuation_above_the_cap_stays_on_its_host() {
         proxy.refuse(false);
         let got = t.task.await.unwrap().expect("transfer");
         assert_eq!(got, LEN);
+        c.shutdown().await;
+    })
+    .await;
+}
+
+/// The client asks to move (`MOVE_ASK`): to a named replica, then to any
+/// (the host picks the one holding the fewest sessions), mid-transfer,
+/// every byte checked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_asks_to_move_to_a_named_replica_then_to_any() {
+    bounded(Duration::from_secs(120), "test", async {
+        let c = start_cluster(&["1", "1", "1"], Extra::default()).await;
+        // h2 holds two sessions, h0 and h1 none.
+        let mut others = Vec::new();
+        for _ in 0..2 {
+            others.push(transfer(&c, "h2", 1 << 20, Duration::from_millis(20)).await);
+        }
+        const LEN: u64 = 16 << 20;
+        let t = transfer(&c, "h0", LEN, Duration::from_millis(1)).await;
+        let id = t.session.id().unwrap();
+        wait_verified(&t, 1 << 20).await;
+        t.session.ask_move("h1");
+        wait_until(Duration::from_secs(20), "the move to h1", || {
+            c.holder(id) == Some(1)
+        })
+        .await;
+        let v = t.verified.load(Ordering::SeqCst);
+        wait_verified(&t, v + (1 << 20)).await;
+        // Any host: h0 holds none, h2 two: the least loaded is h0.
+        t.session.ask_move("");
+        wait_until(
+            Duration::from_secs(20),
+            "the move to the least loaded",
+            || c.holder(id) == Some(0),
+        )
+        .await;
+        // A name that is no host of the cluster is declined: it stays.
+        t.session.ask_move("nowhere");
+        let v = t.verified.load(Ordering::SeqCst);
+        wait_verified(&t, v + (1 << 20)).await;
+        assert_eq!(c.holder(id), Some(0));
+        let got = t.task.await.unwrap().expect("transfer");
+        assert_eq!(got, LEN, "every byte came back exactly once, in order");
+        for o in others {
+            assert_eq!(o.task.await.unwrap().expect("other transfer"), 1 << 20);
+        }
+        let outs: u64 = c.nodes.iter().map(|n| n.host.stats().moves_out).sum();
+        assert_eq!(outs, 2);
+        c.shutdown().await;
+    })
+    .await;
+}
+
+/// The rate-based policy (SC §7.1.3): the path to h0 slows down (a proxy
+/// adds latency), the client's inbound rate falls by more than 25 % below
+/// its best, it asks to move, and the session goes on from the other
+/// replica, reached directly, every byte checked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_whose_throughput_drops_asks_to_move_and_is_moved() {
+    bounded(Duration::from_secs(120), "test", async {
+        let c = start_cluster(&["1", "1"], Extra::default()).await;
+        let proxy = roam_sim::proxy::FaultProxy::start(c.client_addr("h0").parse().unwrap())
+            .await
+            .unwrap();
+        let mut config = cli::client_config(Some(c.service_key.public()));
+        let mut policy = roam::MovePolicy::default();
+        policy.window = Duration::from_millis(500);
+        config.move_when_slow = Some(policy);
+        // ~6 MB/s both ways, paced by the writer.
+        const LEN: u64 = 48 << 20;
+        let t = transfer_with(
+            &proxy.addr().to_string(),
+            config,
+            LEN,
+            Duration::from_millis(10),
+            Duration::ZERO,
+        )
+        .await;
+        let id = t.session.id().unwrap();
+        wait_verified(&t, 4 << 20).await;
+        assert_eq!(c.holder(id), Some(0));
+        assert_eq!(
+            c.nodes[0].host.stats().moves_out,
+            0,
+            "no move while the rate holds"
+        );
+        // The path degrades: 40 ms each way caps the echo far below its pace.
+        proxy.set_delay(Duration::from_millis(40));
+        wait_until(Duration::from_secs(30), "the move away from h0", || {
+            c.holder(id) == Some(1)
+        })
+        .await;
+        assert_eq!(c.nodes[0].host.stats().moves_out, 1);
+        let got = t.task.await.unwrap().expect("transfer");
+        assert_eq!(got, LEN, "every byte came back exactly once, in order");
         c.shutdown().await;
     })
     .await;

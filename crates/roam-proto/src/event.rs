@@ -131,6 +131,11 @@ pub enum Event {
         /// `host:port`.
         addr: String,
     },
+    /// Server: the client asks to be moved to another host (§9.4).
+    MoveAsked {
+        /// The host's name in the cluster; empty for "any".
+        host: String,
+    },
     /// The session is over; no further events follow except `TransportClosed`.
     Closed {
         /// Why.

@@ -34,6 +34,8 @@ pub enum FrameType {
     Addresses = 0x07,
     /// §9.2 Ask the client to move to an address (reliable).
     MoveTo = 0x08,
+    /// §9.4 The client asks to be moved to another host (reliable).
+    MoveAsk = 0x09,
     /// §6.1 A new stream with its metadata (reliable).
     Open = 0x10,
     /// §6.2 Stream bytes (reliable).
@@ -61,6 +63,7 @@ impl FrameType {
             0x06 => Self::Close,
             0x07 => Self::Addresses,
             0x08 => Self::MoveTo,
+            0x09 => Self::MoveAsk,
             0x10 => Self::Open,
             0x11 => Self::Data,
             0x12 => Self::DataFin,
@@ -104,6 +107,9 @@ pub enum Frame<'a> {
     },
     MoveTo {
         addr: &'a [u8],
+    },
+    MoveAsk {
+        host: &'a [u8],
     },
     Open {
         stream: u64,
@@ -177,6 +183,9 @@ impl<'a> Frame<'a> {
             FrameType::MoveTo => Frame::MoveTo {
                 addr: r.lp_bytes(MAX_TEXT_LEN, "address")?,
             },
+            FrameType::MoveAsk => Frame::MoveAsk {
+                host: r.lp_bytes(MAX_TEXT_LEN, "host name")?,
+            },
             FrameType::Open => Frame::Open {
                 stream: r.varint()?,
                 meta: r.lp_bytes(MAX_META_LEN, "stream metadata")?,
@@ -245,6 +254,10 @@ impl<'a> Frame<'a> {
             Frame::MoveTo { addr } => {
                 put_varint(out, FrameType::MoveTo as u64);
                 put_lp_bytes(out, addr);
+            }
+            Frame::MoveAsk { host } => {
+                put_varint(out, FrameType::MoveAsk as u64);
+                put_lp_bytes(out, host);
             }
             Frame::Open { stream, meta } => {
                 put2(out, FrameType::Open, *stream);
@@ -411,6 +424,7 @@ mod tests {
             round_trip(&Frame::Close { code: a, reason: &bytes });
             round_trip(&Frame::Addresses { addrs: vec![&bytes, b"10.0.0.1:7447"] });
             round_trip(&Frame::MoveTo { addr: &bytes });
+            round_trip(&Frame::MoveAsk { host: &bytes });
             round_trip(&Frame::Open { stream: a, meta: &bytes });
             round_trip(&Frame::Data { stream: a, offset: b, fin, data: &bytes });
             round_trip(&Frame::Reset { stream: a, code: b });

@@ -209,3 +209,81 @@ fn a_first_connect_redirected_fails_with_the_address() {
     assert_eq!(err, roam_proto::Error::Moved("10.0.0.2:7447".into()));
     assert_eq!(c.state(), State::Closed);
 }
+
+/// Opens a session between a fresh client and a server on `cfg`.
+fn pair(
+    cfg: &ServerConfig,
+    service_key: &Keypair,
+    now: Instant,
+) -> (Session, TransportId, Session, TransportId) {
+    let mut client = Session::client(ClientConfig {
+        keypair: Keypair::generate().unwrap(),
+        server_trust: ServerTrust::Pinned(service_key.public()),
+        session: Config::default(),
+    });
+    let ct = client.connect(now, None).unwrap();
+    let bytes = opening(now, &mut client);
+    let Opening::New { hello, used } = route_opening(&bytes) else {
+        panic!("expected a new session");
+    };
+    let (mut s, st) = Session::accept(cfg, now, &hello, None).unwrap();
+    s.handle_input(now, st, &bytes[used..]).unwrap();
+    pump(now, &mut client, ct, &mut s, st);
+    assert_eq!(client.state(), State::Active);
+    (client, ct, s, st)
+}
+
+fn asked(s: &mut Session) -> Vec<String> {
+    let mut v = Vec::new();
+    while let Some(ev) = s.poll_event() {
+        if let Event::MoveAsked { host } = ev {
+            v.push(host);
+        }
+    }
+    v
+}
+
+#[test]
+fn a_clients_move_request_reaches_the_server_once_even_across_a_suspension() {
+    let service_key = Keypair::generate().unwrap();
+    let cfg = server_config(&service_key);
+    let now = Instant::now();
+    let (mut client, ct, mut s, st) = pair(&cfg, &service_key, now);
+    client.ask_move("replica-2".into());
+    pump(now, &mut client, ct, &mut s, st);
+    assert_eq!(asked(&mut s), vec!["replica-2".to_string()]);
+
+    // Asked while the transport is down: it is reliable, so it arrives
+    // after the resume, once.
+    let now = now + Duration::from_millis(10);
+    client.handle_transport_closed(now, ct);
+    s.handle_transport_closed(now, st);
+    client.ask_move(String::new());
+    let ct = client.connect(now, None).unwrap();
+    let bytes = opening(now, &mut client);
+    let Opening::Resume { hello, used, .. } = route_opening(&bytes) else {
+        panic!("expected a resume");
+    };
+    let st = s.accept_resume(now, &hello, None).unwrap();
+    s.handle_input(now, st, &bytes[used..]).unwrap();
+    pump(now, &mut client, ct, &mut s, st);
+    assert_eq!(asked(&mut s), vec![String::new()], "empty: any host");
+    pump(now, &mut client, ct, &mut s, st);
+    assert!(asked(&mut s).is_empty(), "not delivered twice");
+}
+
+#[test]
+fn only_a_client_asks_to_move() {
+    // A server's session never makes a MOVE_ASK...
+    let service_key = Keypair::generate().unwrap();
+    let cfg = server_config(&service_key);
+    let now = Instant::now();
+    let (mut client, ct, mut s, st) = pair(&cfg, &service_key, now);
+    s.ask_move("x".into());
+    pump(now, &mut client, ct, &mut s, st);
+    assert!(asked(&mut client).is_empty());
+    // ...and the frame is the test vector of §5.2.4.
+    let mut f = Vec::new();
+    roam_proto::frame::Frame::MoveAsk { host: b"x" }.encode(&mut f);
+    assert_eq!(f, [0x09, 0x01, b'x']);
+}

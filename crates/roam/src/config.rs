@@ -17,6 +17,38 @@ pub struct ClientConfig {
     pub connect_timeout: Duration,
     /// Re-dial at once when Linux reports a link or address change (default true).
     pub watch_network: bool,
+    /// Ask the server to move the session to another host of its cluster
+    /// when the inbound rate drops (default off; see [`MovePolicy`]).
+    pub move_when_slow: Option<MovePolicy>,
+}
+
+/// The client's rate-based move policy (Service Continuations §7.1.3): the
+/// inbound data rate is estimated over windows of `window`; when a window's
+/// rate is `drop` (a fraction) or more below the best window rate seen from
+/// the current server, the client asks to be moved (`MOVE_ASK`,
+/// `docs/PROTOCOL.md` §9.4), then waits five windows before asking again.
+/// Meant for sessions that receive a steady stream (a download, a feed): an
+/// application that simply stops sending also lowers the rate.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub struct MovePolicy {
+    /// The estimation window (default 1 s).
+    pub window: Duration,
+    /// The drop that triggers a request (default 0.25: 25 %).
+    pub drop: f64,
+    /// Rates are judged only once the best reached this many bytes per
+    /// second (default 64 KiB/s).
+    pub min_rate: u64,
+}
+
+impl Default for MovePolicy {
+    fn default() -> Self {
+        Self {
+            window: Duration::from_secs(1),
+            drop: 0.25,
+            min_rate: 64 << 10,
+        }
+    }
 }
 
 impl ClientConfig {
@@ -28,6 +60,7 @@ impl ClientConfig {
             backoff_max: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(10),
             watch_network: true,
+            move_when_slow: None,
         }
     }
 }

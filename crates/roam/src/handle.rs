@@ -78,6 +78,12 @@ pub enum SessionEvent {
     /// The session was taken out of its driver by
     /// [`SessionHandle::detach`]: it lives on only in the continuation.
     Detached,
+    /// Server: the client asks to be moved to another host of the
+    /// cluster (`docs/PROTOCOL.md` §9.4); a cluster host does it.
+    MoveAsked {
+        /// The host's name; empty for "any host you choose".
+        host: String,
+    },
 }
 
 /// A snapshot of a session for status displays.
@@ -375,6 +381,18 @@ impl SessionHandle {
     /// Linux link and address changes already do this automatically.
     pub fn redial_now(&self) {
         self.inner().lock().redial_requested = true;
+        self.inner().notify.notify_one();
+    }
+
+    /// Client: asks the server to move this session to host `host` of its
+    /// cluster (its name in the cluster file; empty lets the server choose,
+    /// e.g. the least loaded). The request is reliable and survives
+    /// suspension; the server may decline (it is not in a cluster, no such
+    /// host, the move failed), and a move that happens shows as a short
+    /// stall. The same request goes out on its own with
+    /// [`ClientConfig::move_when_slow`](crate::ClientConfig::move_when_slow).
+    pub fn ask_move(&self, host: &str) {
+        self.inner().lock().session.ask_move(host.to_string());
         self.inner().notify.notify_one();
     }
 

@@ -67,7 +67,7 @@ mod sockopt;
 mod stream;
 
 pub use client::connect;
-pub use config::{ClientConfig, ServerConfig};
+pub use config::{ClientConfig, MovePolicy, ServerConfig};
 pub use detach::{Detached, Directory, Locating, Location, LookupResult, OnInstalled, Restored};
 pub use error::Error;
 pub use handle::{SessionEvent, SessionHandle, SessionStats};

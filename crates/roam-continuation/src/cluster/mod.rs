@@ -53,6 +53,27 @@ use config::{ClusterConfig, Member};
 use link::{Link, LinkError};
 use wire::{Msg, Refusal, SessionRow};
 
+/// How many sessions each other host holds (asked with STATUS; a host
+/// that does not answer is left out).
+async fn loads(ident: &ClusterIdentity) -> Vec<(usize, String)> {
+    let mut loads = Vec::new();
+    for m in ident.config.hosts.values().filter(|m| m.name != ident.me) {
+        let asked = timeout(CONNECT_WAIT + ANSWER_WAIT, async {
+            let mut l =
+                Link::connect(&m.peers, &ident.config.name, &ident.host_key, &m.key).await?;
+            l.call(&Msg::Status).await
+        })
+        .await;
+        match asked {
+            Ok(Ok(Msg::StatusReply { sessions, .. })) => {
+                loads.push((sessions.len(), m.name.clone()))
+            }
+            other => tracing::warn!("{} does not answer STATUS ({other:?}); left out", m.name),
+        }
+    }
+    loads
+}
+
 /// What the move's mover receives from the suspending application.
 pub(crate) type Handover = Record;
 
@@ -707,6 +728,35 @@ impl HostInner {
         Ok(report)
     }
 
+    /// The client of session `id` asked to be moved (`MOVE_ASK`, §9.4): to
+    /// host `to`, or, if empty, to the replica holding the fewest sessions.
+    /// Declined (and logged) when this host is not in a cluster, `to` is
+    /// not another host of it, or no other host answers.
+    pub(crate) async fn asked_move(self: &Arc<Self>, id: SessionId, to: String) {
+        let Ok(ident) = self.identity().cloned() else {
+            tracing::debug!("session {id} asked to move; this host is not in a cluster");
+            return;
+        };
+        let to = if to.is_empty() {
+            match loads(&ident).await.into_iter().min() {
+                Some((_, name)) => name,
+                None => {
+                    tracing::warn!("session {id} asked to move; no other host answers");
+                    return;
+                }
+            }
+        } else {
+            to
+        };
+        match self.move_session(id, &to).await {
+            Ok(r) => tracing::info!(
+                "session {id} moved to {to} at its client's request (frozen {:?})",
+                r.frozen
+            ),
+            Err(e) => tracing::warn!("session {id} asked to move to {to}: {e}"),
+        }
+    }
+
     /// Moves the live sessions `policy` selects, each to the replica that
     /// holds the fewest sessions at that moment (asked with STATUS; hosts
     /// that do not answer are left out).
@@ -738,21 +788,7 @@ impl HostInner {
                 .take(policy.max)
                 .collect()
         };
-        let mut loads = Vec::new();
-        for m in ident.config.hosts.values().filter(|m| m.name != ident.me) {
-            let asked = timeout(CONNECT_WAIT + ANSWER_WAIT, async {
-                let mut l =
-                    Link::connect(&m.peers, &ident.config.name, &ident.host_key, &m.key).await?;
-                l.call(&Msg::Status).await
-            })
-            .await;
-            match asked {
-                Ok(Ok(Msg::StatusReply { sessions, .. })) => {
-                    loads.push((sessions.len(), m.name.clone()))
-                }
-                other => tracing::warn!("shed: {} does not answer ({other:?}); left out", m.name),
-            }
-        }
+        let mut loads = loads(&ident).await;
         let mut report = DrainReport::default();
         if loads.is_empty() {
             return Err(MoveError::UnknownHost("(no other host answers)".into()));

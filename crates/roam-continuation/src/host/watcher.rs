@@ -96,6 +96,12 @@ pub(super) async fn watch_live(
                 }
             }
             Ok(SessionEvent::Detached) => return,
+            Ok(SessionEvent::MoveAsked { host: to }) => {
+                if let Some(h) = host.upgrade() {
+                    let id = live.id;
+                    tokio::spawn(async move { h.asked_move(id, to).await });
+                }
+            }
             Ok(SessionEvent::Closed { reason }) => {
                 if let Some(h) = host.upgrade() {
                     let expired =

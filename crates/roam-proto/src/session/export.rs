@@ -767,6 +767,10 @@ fn encode_entry(o: &mut Vec<u8>, e: &Entry) {
             o.push(9);
             put_lp_bytes(o, addr.as_bytes());
         }
+        Entry::MoveAsk(host) => {
+            o.push(10);
+            put_lp_bytes(o, host.as_bytes());
+        }
     }
 }
 
@@ -809,6 +813,7 @@ fn decode_entry(r: &mut Reader<'_>) -> Result<Entry, RestoreError> {
             Entry::Addresses(v)
         }
         9 => Entry::MoveTo(text(r)?),
+        10 => Entry::MoveAsk(text(r)?),
         _ => return Err(RestoreError::Invalid("log entry kind")),
     })
 }

@@ -117,6 +117,7 @@ enum Entry {
     },
     Addresses(Vec<String>),
     MoveTo(String),
+    MoveAsk(String),
 }
 
 impl Entry {
@@ -1034,6 +1035,18 @@ impl Session {
             && addr.len() <= crate::frame::MAX_TEXT_LEN
         {
             self.log.push_back(Entry::MoveTo(addr));
+        }
+    }
+
+    /// Client: ask the server to move this session to host `host` of its
+    /// cluster (empty: any host the server picks), §9.4. The server may
+    /// refuse silently; a move that happens arrives as a `MOVE_TO`.
+    pub fn ask_move(&mut self, host: String) {
+        if self.role == Role::Client
+            && self.check_open().is_ok()
+            && host.len() <= crate::frame::MAX_TEXT_LEN
+        {
+            self.log.push_back(Entry::MoveAsk(host));
         }
     }
 

@@ -255,6 +255,13 @@ impl Session {
                 let addr = String::from_utf8_lossy(addr).into_owned();
                 self.events.push_back(Event::MoveRequested { addr });
             }
+            Frame::MoveAsk { .. } if self.role == Role::Client => {
+                return Err(Error::ProtocolViolation("MOVE_ASK sent by a server"));
+            }
+            Frame::MoveAsk { host } => {
+                let host = String::from_utf8_lossy(host).into_owned();
+                self.events.push_back(Event::MoveAsked { host });
+            }
             Frame::Ping { .. }
             | Frame::Pong { .. }
             | Frame::Ack { .. }

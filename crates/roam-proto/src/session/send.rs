@@ -251,6 +251,10 @@ impl Session {
                 addr: addr.as_bytes(),
             }
             .encode(out),
+            Entry::MoveAsk(host) => Frame::MoveAsk {
+                host: host.as_bytes(),
+            }
+            .encode(out),
         }
         0
     }

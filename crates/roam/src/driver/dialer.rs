@@ -51,6 +51,8 @@ pub(crate) struct Dialer {
     /// The transport of the resume attempt in flight, until it is lost
     /// (a resume that did not complete there moves the ring on).
     pub(super) resuming: Option<roam_proto::TransportId>,
+    /// The rate-based move policy, if configured.
+    slowdown: Option<super::slowdown::Slowdown>,
     /// The address the session was opened at: first in the ring of
     /// addresses a failing re-dial walks ([`Dialer::rotate`]).
     first: String,
@@ -69,6 +71,9 @@ impl Dialer {
         Self {
             first: addr.clone(),
             resuming: None,
+            slowdown: config
+                .move_when_slow
+                .map(|p| super::slowdown::Slowdown::new(p, Instant::now())),
             addr,
             config,
             attempt: 0,
@@ -146,6 +151,16 @@ impl Dialer {
         if !need {
             self.redial_at = None;
         }
+        let mut window_end = None;
+        if let Some(s) = &mut self.slowdown {
+            let received = sh.session.stats().bytes_received;
+            let connected = sh.session.active_transport().is_some();
+            let (ask, end) = s.check(now, received, connected);
+            if ask && sh.closed.is_none() {
+                sh.session.ask_move(String::new());
+            }
+            window_end = Some(end);
+        }
         if sh.closed.is_some() {
             self.dial = None;
             self.force = false;
@@ -154,7 +169,10 @@ impl Dialer {
             self.redial_at = None;
             self.start_dial();
         }
-        self.redial_at
+        match (self.redial_at, window_end) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// Waits for the dial in progress to finish or the network to change.
@@ -286,6 +304,10 @@ impl Dialer {
         }
         self.fallback = Some(std::mem::replace(&mut self.addr, addr));
         self.moves += 1;
+        if let Some(s) = &mut self.slowdown {
+            // Rates from the next server are judged on their own.
+            s.restart();
+        }
         if self.moves <= MAX_FORCED_MOVES {
             tracing::info!("server asked us to move to {}", self.addr);
             self.dial = None;

@@ -18,6 +18,7 @@
 mod conn;
 mod dialer;
 mod server_side;
+mod slowdown;
 
 use std::future::{pending, poll_fn};
 use std::pin::Pin;
@@ -459,6 +460,9 @@ impl Driver {
                 }
             }
             Event::AddressesUpdated { addrs } => sh.addresses = addrs,
+            Event::MoveAsked { host } => {
+                events.send(SessionEvent::MoveAsked { host });
+            }
             Event::MoveRequested { addr } => {
                 if let Kind::Client(d) = &mut self.kind {
                     d.move_to(addr);
