@@ -471,8 +471,8 @@ async fn a_move_waits_for_an_application_blocked_writing_to_a_slow_reader() {
 }
 
 /// A suspended session that moves leaves no copy behind, in the source's
-/// store or in etcd: a stale copy must never resume. etcd then holds the
-/// destination's copy, until the client resumes there.
+/// store or in etcd: a stale copy must never resume. At most the
+/// destination's copy is in etcd, until the client resumes there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_etcd_a_suspended_session_moves_and_leaves_no_copy_behind() {
     let (etcd, extra) = with_etcd().await;
@@ -525,20 +525,16 @@ async fn with_etcd_a_suspended_session_moves_and_leaves_no_copy_behind() {
         let r = c.nodes[0].host.move_session(id, "h1").await.expect("move");
         assert_eq!(r.to, "h1");
         assert!(!c.nodes[0].host.frozen_ids().contains(&id));
-        // h1 keeps it (in its store and etcd) once it has stayed frozen.
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        loop {
-            let o = db.get(&owner).await.unwrap().map(|kv| kv.value);
-            if o.as_deref() == Some(b"h1".as_slice()) {
-                break;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "h1 never owned it in etcd"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        // The client returns to h0's address, is sent on to h1, resumes.
+        // Nothing of it is h0's any more: in etcd the record is gone or
+        // h1's (h1 writes it if it is still frozen 200 ms after the move;
+        // the client, walking the announced addresses, may resume first).
+        let o = db.get(&owner).await.unwrap().map(|kv| kv.value);
+        assert!(
+            o.is_none() || o.as_deref() == Some(b"h1".as_slice()),
+            "owner after the move: {o:?}"
+        );
+        assert_eq!(c.nodes[0].host.stats().frozen, 0);
+        // The client comes back (to h0, sent on to h1), resumes at h1.
         proxy.refuse(false);
         let got = t.task.await.unwrap().expect("transfer");
         assert_eq!(got, LEN, "every byte came back exactly once, in order");
@@ -577,11 +573,13 @@ async fn with_etcd_a_continuation_above_the_cap_stays_on_its_host() {
         wait_verified(&t, 64 << 10).await;
         proxy.refuse(true);
         proxy.reset_all();
+        // (The client may resume at once from h0's own address, which the
+        // host announced: the continuation was made and judged anyway.)
         wait_until(Duration::from_secs(20), "the continuation", || {
-            c.nodes[0].host.stats().frozen == 1
+            c.nodes[0].host.stats().unshared == 1
         })
         .await;
-        assert_eq!(c.nodes[0].host.stats().unshared, 1);
+        assert_eq!(c.nodes[0].host.stats().suspends, 1);
         let db = roam_etcd::Client::connect(&[etcd.url()]).await.unwrap();
         assert!(db
             .get_prefix(b"/roam/test/record/")

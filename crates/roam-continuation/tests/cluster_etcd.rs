@@ -133,18 +133,30 @@ fn sessions_suspended_on_a_killed_host_resume_on_another_host() {
     let d = dir.path();
     let service_key = d.join("service.key");
     let service = write_key(&service_key);
+    // h0 is reached through a proxy that can cut its clients off (as a
+    // load balancer in front of it would): its clients' address in the
+    // cluster file, which hosts announce and redirect to, is the proxy's.
+    let h0_listen = free_port();
+    let proxy = FaultProxy::spawn(h0_listen.parse().unwrap()).expect("proxy");
     let mut text = "cluster bench\n".to_string();
     let mut hosts = Vec::new();
     for i in 0..2 {
         let name = format!("h{i}");
         let key_path = d.join(format!("{name}.key"));
         let kp = write_key(&key_path);
-        let (clients, peers) = (free_port(), free_port());
+        let (listen, peers) = match i {
+            0 => (h0_listen.clone(), free_port()),
+            _ => (free_port(), free_port()),
+        };
+        let clients = match i {
+            0 => proxy.addr().to_string(),
+            _ => listen.clone(),
+        };
         text.push_str(&format!(
             "host {name} clients={clients} peers={peers} key={}\n",
             kp.public()
         ));
-        hosts.push((name, key_path, clients));
+        hosts.push((name, key_path, listen));
     }
     let cluster = d.join("cluster.conf");
     std::fs::write(&cluster, &text).expect("cluster file");
@@ -182,8 +194,7 @@ fn sessions_suspended_on_a_killed_host_resume_on_another_host() {
         })
         .collect();
 
-    // Three clients reach h0 through a proxy that can cut them off.
-    let proxy = FaultProxy::spawn(hosts[0].2.parse().unwrap()).expect("proxy");
+    // Three clients reach h0 through the proxy.
     let count = 3000;
     let clients: Vec<Proc> = (0..3)
         .map(|i| {

@@ -74,6 +74,47 @@ async fn loads(ident: &ClusterIdentity) -> Vec<(usize, String)> {
     loads
 }
 
+/// An idle link is reused for this long (the destination closes links idle
+/// for [`PEER_IDLE`]).
+const LINK_REUSE: Duration = Duration::from_secs(20);
+
+/// Idle links to the other hosts, by host name, each after a finished move:
+/// the next move to that host takes one instead of a new handshake.
+#[derive(Default)]
+pub(crate) struct LinkPool {
+    idle: std::sync::Mutex<std::collections::HashMap<String, Vec<(Link, Instant)>>>,
+}
+
+impl LinkPool {
+    fn lock(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, Vec<(Link, Instant)>>> {
+        self.idle.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A recently used idle link to `host`, if any.
+    fn take(&self, host: &str) -> Option<Link> {
+        let mut idle = self.lock();
+        let links = idle.get_mut(host)?;
+        while let Some((link, since)) = links.pop() {
+            if since.elapsed() < LINK_REUSE {
+                return Some(link);
+            }
+        }
+        None
+    }
+
+    /// Keeps `link` for the next move to `host` (at most `DRAIN_PARALLEL`).
+    fn put(&self, host: &str, link: Link) {
+        let mut idle = self.lock();
+        let links = idle.entry(host.to_string()).or_default();
+        links.retain(|(_, since)| since.elapsed() < LINK_REUSE);
+        if links.len() < DRAIN_PARALLEL {
+            links.push((link, Instant::now()));
+        }
+    }
+}
+
 /// What the move's mover receives from the suspending application.
 pub(crate) type Handover = Record;
 
@@ -493,21 +534,20 @@ impl HostInner {
         let fail = |e: MoveError, rec: Option<Record>, live: &Option<Arc<crate::session::Live>>| {
             (e, rec, live.clone())
         };
-        // 1. Offer with the compatibility vector.
-        let mut link = match step(
-            CONNECT_STEP,
-            CONNECT_WAIT,
-            Link::connect(
-                &member.peers,
-                &ident.config.name,
-                &ident.host_key,
-                &member.key,
-            ),
-        )
-        .await
-        {
-            Ok(l) => l,
-            Err(e) => return Err(fail(e, frozen, &live)),
+        // 1. Offer with the compatibility vector, on an idle link to the
+        // destination if there is one (a drain makes hundreds of moves to
+        // the same few hosts; each new link costs a Noise handshake).
+        let connect = || {
+            step(
+                CONNECT_STEP,
+                CONNECT_WAIT,
+                Link::connect(
+                    &member.peers,
+                    &ident.config.name,
+                    &ident.host_key,
+                    &member.key,
+                ),
+            )
         };
         let offer = Msg::Offer {
             id,
@@ -516,17 +556,33 @@ impl HostInner {
             requires,
             revision,
         };
-        if let Err(e) = async {
-            let got = step(
-                "the destination's answer to the offer",
-                ANSWER_WAIT,
-                link.call(&offer),
-            )
-            .await?;
-            expect(got, "accept")
-        }
-        .await
-        {
+        let offered = |mut link: Link| {
+            let offer = &offer;
+            async move {
+                let got = step(
+                    "the destination's answer to the offer",
+                    ANSWER_WAIT,
+                    link.call(offer),
+                )
+                .await;
+                (link, got)
+            }
+        };
+        let (mut link, answer) = match self.links.take(&member.name) {
+            Some(pooled) => match offered(pooled).await {
+                // The idle link had been closed meanwhile: a new one.
+                (_, Err(MoveError::Link(_))) => match connect().await {
+                    Ok(l) => offered(l).await,
+                    Err(e) => return Err(fail(e, frozen, &live)),
+                },
+                done => done,
+            },
+            None => match connect().await {
+                Ok(l) => offered(l).await,
+                Err(e) => return Err(fail(e, frozen, &live)),
+            },
+        };
+        if let Err(e) = answer.and_then(|got| expect(got, "accept")) {
             return Err(fail(e, frozen, &live));
         }
         // 2. Pre-copy the attributes while the session runs on (none if
@@ -639,14 +695,17 @@ impl HostInner {
             expect(got, "committed")
         }
         .await;
-        if let Err(e) = committed {
-            // The destination may or may not have committed: it holds a
-            // checked copy and the client is sent there; keeping ours too
-            // could serve a stale state. Report it and keep the redirect.
-            tracing::error!(
-                "move of session {id} to {}: commit unconfirmed ({e}); the session is left to the destination",
-                member.name
-            );
+        match committed {
+            Ok(()) => self.links.put(&member.name, link),
+            Err(e) => {
+                // The destination may or may not have committed: it holds
+                // a checked copy and the client is sent there; keeping ours
+                // too could serve a stale state. Report it, keep the redirect.
+                tracing::error!(
+                    "move of session {id} to {}: commit unconfirmed ({e}); the session is left to the destination",
+                    member.name
+                );
+            }
         }
         self.counters.moves_out.fetch_add(1, Ordering::Relaxed);
         let now = Instant::now();

@@ -264,6 +264,7 @@ impl HostBuilder {
             counters: Counters::default(),
             on_refused: self.on_refused,
             shared: shared.clone(),
+            links: Default::default(),
             _stop: stop,
         });
         if let Some(r) = shared {
@@ -421,6 +422,8 @@ pub(crate) struct HostInner {
     on_refused: Option<RefusedHandler>,
     /// The cluster's shared directory on etcd, if configured.
     pub(crate) shared: Option<Arc<crate::cluster::etcd::Registry>>,
+    /// Idle links to the other hosts of the cluster.
+    pub(crate) links: crate::cluster::LinkPool,
     /// Dropped with the host: stops the collector.
     _stop: watch::Sender<()>,
 }
