@@ -670,7 +670,7 @@ fn cluster_section(s: &mut String, o: &Outcome<crate::scenarios::cluster::Cluste
     );
     let _ = writeln!(
         s,
-        "| sessions | moved | drain() returned | every client Resumed | every client echoed | sessions per host |\n|---:|---:|---:|---:|---:|---|"
+        "| sessions | links reused | moved | drain() returned | every client Resumed | every client echoed | sessions per host |\n|---:|---|---:|---:|---:|---:|---|"
     );
     for r in &t.drain {
         let hosts: Vec<String> = r
@@ -680,8 +680,9 @@ fn cluster_section(s: &mut String, o: &Outcome<crate::scenarios::cluster::Cluste
             .collect();
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} |",
             r.sessions,
+            if r.reuse_links { "yes" } else { "no" },
             r.moved,
             f(r.drain_ms, 1),
             f(r.all_resumed_ms, 1),

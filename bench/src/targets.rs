@@ -207,7 +207,7 @@ fn cluster(sc: &Scenarios, v: &mut Vec<Target>) {
             format!("cluster drain of {n} sessions: drain() time (ms)"),
             "<=",
             goal,
-            c.and_then(|c| c.drain.iter().find(|r| r.sessions == n))
+            c.and_then(|c| c.drain.iter().find(|r| r.sessions == n && r.reuse_links))
                 .map_or(f64::NAN, |r| r.drain_ms),
             "every client resumed and echoed later: see section 7",
         ));

@@ -127,6 +127,8 @@ pub(crate) struct StallRow {
 #[derive(Debug, Serialize)]
 pub(crate) struct DrainRow {
     pub(crate) sessions: usize,
+    /// Whether the hosts reused links to their destinations.
+    pub(crate) reuse_links: bool,
     pub(crate) moved: usize,
     /// `drain()` call to its return.
     pub(crate) drain_ms: f64,
@@ -347,6 +349,8 @@ struct Node {
 struct Fleet {
     service_key: Keypair,
     nodes: Vec<Node>,
+    /// Every host's `HostConfig::reuse_links`.
+    reuse_links: bool,
     _dir: tempfile::TempDir,
 }
 
@@ -358,6 +362,16 @@ fn session_config() -> roam_proto::Config {
 impl Fleet {
     /// Starts `n` hosts; `precopy` is every host's `HostConfig::precopy`.
     async fn start(ctx: &Ctx, n: usize, precopy: bool) -> io::Result<Fleet> {
+        Self::start_with(ctx, n, precopy, true).await
+    }
+
+    /// [`Fleet::start`], with `HostConfig::reuse_links` as given.
+    async fn start_with(
+        ctx: &Ctx,
+        n: usize,
+        precopy: bool,
+        reuse_links: bool,
+    ) -> io::Result<Fleet> {
         let dir = tempfile::Builder::new()
             .prefix("cluster-")
             .tempdir_in(&ctx.env.dir)?;
@@ -395,6 +409,7 @@ impl Fleet {
             let mut hc = HostConfig::new(&state, server);
             hc.cluster = Some(ClusterIdentity::new(config.clone(), &name, key).map_err(err)?);
             hc.precopy = precopy;
+            hc.reuse_links = reuse_links;
             let (host, _) = Host::builder(hc)
                 .service(service())
                 .open()
@@ -434,6 +449,7 @@ impl Fleet {
         Ok(Fleet {
             service_key,
             nodes,
+            reuse_links,
             _dir: dir,
         })
     }
@@ -759,6 +775,7 @@ async fn drain_row(ctx: &Ctx, fleet: &Fleet, n: usize) -> io::Result<DrainRow> {
     drop(streams);
     Ok(DrainRow {
         sessions: n,
+        reuse_links: fleet.reuse_links,
         moved: report.moved,
         drain_ms,
         all_resumed_ms: (last_resumed - began).as_secs_f64() * 1000.0,
@@ -898,15 +915,18 @@ pub(crate) async fn run(ctx: Arc<Ctx>, _lab: Arc<Lab>) -> io::Result<Cluster> {
     stall.sort_by_key(|r| (!r.precopy, r.state_bytes));
     let mut drain = Vec::new();
     for &n in &p.cluster_drains {
-        let fleet = Fleet::start(&ctx, 3, true).await?;
-        warm_up(&ctx, &fleet).await?;
-        let row = drain_row(&ctx, &fleet, n).await?;
-        progress(&format!(
-            "cluster drain of {n}: {:.1} ms, all resumed {:.1} ms, all echoed {:.1} ms",
-            row.drain_ms, row.all_resumed_ms, row.all_echoed_ms
-        ));
-        drain.push(row);
-        fleet.stop().await;
+        // Without link reuse first: the figure it is compared to.
+        for reuse in [false, true] {
+            let fleet = Fleet::start_with(&ctx, 3, true, reuse).await?;
+            warm_up(&ctx, &fleet).await?;
+            let row = drain_row(&ctx, &fleet, n).await?;
+            progress(&format!(
+                "cluster drain of {n} (link reuse {reuse}): {:.1} ms, all resumed {:.1} ms, all echoed {:.1} ms",
+                row.drain_ms, row.all_resumed_ms, row.all_echoed_ms
+            ));
+            drain.push(row);
+            fleet.stop().await;
+        }
     }
     let missing: Vec<String> = [64, 1000]
         .iter()

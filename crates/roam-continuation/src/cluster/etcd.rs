@@ -282,33 +282,96 @@ impl Registry {
             return Ok(());
         }
         let holder = owner_in(&r.responses);
-        if holder.is_empty() && !was_mirrored {
-            // Never put there (too large, or etcd was down then).
+        if !holder.is_empty() {
+            return Err(SharedError::Lost(holder));
+        }
+        // No owner: our key lapsed with a lease (this process's or, after a
+        // restart, the last one's). A record still there is unclaimed: take
+        // it out in one compare on both keys.
+        let r = self
+            .client
+            .txn(Txn {
+                compare: vec![
+                    Compare::Version(self.owner_key(&id), CmpOp::Equal, 0),
+                    Compare::Version(self.record_key(&id), CmpOp::Greater, 0),
+                ],
+                success: vec![Op::Delete {
+                    key: self.record_key(&id),
+                }],
+                failure: vec![],
+            })
+            .await
+            .map_err(etcd)?;
+        if r.succeeded || !was_mirrored {
+            // Taken out, or nothing there that this process ever put (too
+            // large, etcd down then, or before a restart: see `reown`).
             return Ok(());
         }
-        if holder.is_empty() {
-            // Our owner key lapsed with our lease: a record still there is
-            // unclaimed; take it out in one compare on both keys.
+        Err(SharedError::Lost("another host (it has resumed it)".into()))
+    }
+
+    /// Re-owns, under the current lease, continuations this host holds
+    /// (at start-up: those its store kept; after a lost lease: those it had
+    /// put). Returns the ones another host took meanwhile: claimed (owned by
+    /// it) or, for those this process had put, claimed and resumed already
+    /// (owner and record both gone).
+    pub(crate) async fn reown(
+        &self,
+        ids: &[SessionId],
+        put_here: bool,
+    ) -> Result<Vec<SessionId>, SharedError> {
+        let lease = self.lease();
+        let mut gone = Vec::new();
+        for &id in ids {
+            let owner = self.owner_key(&id);
+            let mine = Op::Put {
+                key: owner.clone(),
+                value: self.me.as_bytes().to_vec(),
+                lease,
+            };
+            // Still ours (a restart within the old lease's TTL) or nobody's
+            // with the record there: ours again.
             let r = self
                 .client
                 .txn(Txn {
-                    compare: vec![
-                        Compare::Version(self.owner_key(&id), CmpOp::Equal, 0),
-                        Compare::Version(self.record_key(&id), CmpOp::Greater, 0),
-                    ],
-                    success: vec![Op::Delete {
-                        key: self.record_key(&id),
-                    }],
+                    compare: vec![Compare::Value(
+                        owner.clone(),
+                        CmpOp::Equal,
+                        self.me.as_bytes().to_vec(),
+                    )],
+                    success: vec![mine.clone()],
                     failure: vec![],
                 })
                 .await
                 .map_err(etcd)?;
             if r.succeeded {
-                return Ok(());
+                self.mirrored().insert(id);
+                continue;
             }
-            return Err(SharedError::Lost("another host (it has resumed it)".into()));
+            let r = self
+                .client
+                .txn(Txn {
+                    compare: vec![
+                        Compare::Version(owner.clone(), CmpOp::Equal, 0),
+                        Compare::Version(self.record_key(&id), CmpOp::Greater, 0),
+                    ],
+                    success: vec![mine],
+                    failure: vec![Op::Get { key: owner }],
+                })
+                .await
+                .map_err(etcd)?;
+            if r.succeeded {
+                self.mirrored().insert(id);
+                continue;
+            }
+            let holder = owner_in(&r.responses);
+            if !holder.is_empty() || put_here {
+                self.mirrored().remove(&id);
+                gone.push(id);
+            }
+            // Else never in etcd as far as this process knows: kept here.
         }
-        Err(SharedError::Lost(holder))
+        Ok(gone)
     }
 
     /// Forgets `id` in etcd if it is ours (a discarded continuation).
@@ -323,6 +386,19 @@ impl Registry {
     pub(crate) async fn locate(&self, id: SessionId) -> Result<Found, SharedError> {
         let owner = self.owner_key(&id);
         let record = self.record_key(&id);
+        // Reads first: a resume naming a session nobody has (a stale or
+        // forged id) costs two reads, not a write transaction.
+        if let Some(kv) = self.client.get(&owner).await.map_err(etcd)? {
+            let holder = String::from_utf8_lossy(&kv.value).into_owned();
+            return Ok(if holder == self.me {
+                Found::Nothing
+            } else {
+                Found::Owned(holder)
+            });
+        }
+        if self.client.get(&record).await.map_err(etcd)?.is_none() {
+            return Ok(Found::Nothing);
+        }
         let r = self
             .client
             .txn(Txn {
@@ -471,31 +547,7 @@ impl Registry {
             .await
             .map_err(etcd)?;
         let ids: Vec<SessionId> = self.mirrored().iter().copied().collect();
-        let mut gone = Vec::new();
-        for id in ids {
-            let owner = self.owner_key(&id);
-            let r = self
-                .client
-                .txn(Txn {
-                    compare: vec![
-                        Compare::Version(owner.clone(), CmpOp::Equal, 0),
-                        Compare::Version(self.record_key(&id), CmpOp::Greater, 0),
-                    ],
-                    success: vec![Op::Put {
-                        key: owner,
-                        value: self.me.as_bytes().to_vec(),
-                        lease: lease.id,
-                    }],
-                    failure: vec![],
-                })
-                .await
-                .map_err(etcd)?;
-            if !r.succeeded {
-                self.mirrored().remove(&id);
-                gone.push(id);
-            }
-        }
-        Ok(gone)
+        self.reown(&ids, true).await
     }
 }
 

@@ -568,7 +568,12 @@ impl HostInner {
                 (link, got)
             }
         };
-        let (mut link, answer) = match self.links.take(&member.name) {
+        let pooled = self
+            .config
+            .reuse_links
+            .then(|| self.links.take(&member.name))
+            .flatten();
+        let (mut link, answer) = match pooled {
             Some(pooled) => match offered(pooled).await {
                 // The idle link had been closed meanwhile: a new one.
                 (_, Err(MoveError::Link(_))) => match connect().await {
@@ -696,7 +701,8 @@ impl HostInner {
         }
         .await;
         match committed {
-            Ok(()) => self.links.put(&member.name, link),
+            Ok(()) if self.config.reuse_links => self.links.put(&member.name, link),
+            Ok(()) => {}
             Err(e) => {
                 // The destination may or may not have committed: it holds
                 // a checked copy and the client is sent there; keeping ours

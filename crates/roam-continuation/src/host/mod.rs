@@ -76,6 +76,10 @@ pub struct HostConfig {
     /// is empty and every attribute travels in the final transfer, after the
     /// freeze; for measuring what the pre-copy saves.
     pub precopy: bool,
+    /// Whether moves reuse idle links to their destination (default true).
+    /// When false every move opens its own (a Noise handshake each); for
+    /// measuring what the reuse saves.
+    pub reuse_links: bool,
 }
 
 impl HostConfig {
@@ -88,6 +92,7 @@ impl HostConfig {
             shutdown_grace: Duration::from_secs(5),
             cluster: None,
             precopy: true,
+            reuse_links: true,
         }
     }
 }
@@ -314,6 +319,33 @@ impl HostBuilder {
                     });
                 }
             }
+        }
+        // With etcd, the continuations kept here are this host's again
+        // under its new lease, unless another host claimed them while this
+        // one was down: those are its now, and go here.
+        if let Some(r) = &inner.shared {
+            let ids: Vec<SessionId> = {
+                let st = inner.state();
+                st.slots
+                    .iter()
+                    .filter(|(_, s)| matches!(s, Slot::Frozen(_)))
+                    .map(|(id, _)| *id)
+                    .collect()
+            };
+            let gone = r.reown(&ids, false).await.map_err(Error::Shared)?;
+            report.loaded -= gone.len();
+            inner
+                .discard_many(
+                    gone.into_iter()
+                        .map(|id| {
+                            (
+                                id,
+                                DiscardReason::Claimed("another host of the cluster".into()),
+                            )
+                        })
+                        .collect(),
+                )
+                .await;
         }
         // Children whose parent is no longer stored (a crash between the
         // parent's discard and theirs) go now.
