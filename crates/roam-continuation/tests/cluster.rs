@@ -543,7 +543,20 @@ async fn with_etcd_a_suspended_session_moves_and_leaves_no_copy_behind() {
             db.get(&record).await.unwrap().is_none(),
             "taken out at the resume"
         );
-        assert!(db.get(&owner).await.unwrap().is_none());
+        // h1 owns it while it is live there, until it ends.
+        let o = db.get(&owner).await.unwrap().map(|kv| kv.value);
+        assert!(
+            o.is_none() || o.as_deref() == Some(b"h1".as_slice()),
+            "owner after the resume: {o:?}"
+        );
+        t.session.close(0, "done").await;
+        wait_owner(
+            &db,
+            &owner,
+            None,
+            "the owner key released at the session's end",
+        )
+        .await;
         c.shutdown().await;
     })
     .await;
@@ -1106,6 +1119,71 @@ async fn load_shedding_moves_heavy_sessions_to_the_least_loaded_replicas() {
         for t in heavy.into_iter().chain(light).chain(on_h1) {
             t.task.await.unwrap().expect("transfer");
         }
+        c.shutdown().await;
+    })
+    .await;
+}
+
+/// Waits (bounded, 20 s) until etcd's `owner` key holds `want` (`None`:
+/// until it is gone).
+async fn wait_owner(db: &roam_etcd::Client, owner: &[u8], want: Option<&str>, what: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let o = db.get(owner).await.unwrap().map(|kv| kv.value);
+        if o.as_deref() == want.map(str::as_bytes) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: owner is {:?}",
+            o.map(|v| String::from_utf8_lossy(&v).into_owned())
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// With etcd, a live session's owner is a key there: none while it stays
+/// on the host that created it, the destination's from each move's commit
+/// (compared to the source: the single-winner transactions themselves are
+/// tested against etcd in `cluster::etcd`'s unit tests), released at the
+/// session's end. Every byte is checked throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_etcd_a_live_sessions_owner_follows_its_moves() {
+    let (etcd, extra) = with_etcd().await;
+    bounded(Duration::from_secs(90), "test", async {
+        let c = start_cluster(&["1", "1", "1"], extra).await;
+        const LEN: u64 = 8 << 20;
+        let t = transfer(&c, "h0", LEN, Duration::from_millis(2)).await;
+        let id = t.session.id().unwrap();
+        wait_verified(&t, 256 << 10).await;
+        let db = roam_etcd::Client::connect(&[etcd.url()]).await.unwrap();
+        let hex: String = id.0.iter().map(|b| format!("{b:02x}")).collect();
+        let owner = format!("/roam/test/owner/{hex}").into_bytes();
+        // Never suspended nor moved: no key (its host knows it).
+        assert!(db.get(&owner).await.unwrap().is_none());
+        c.nodes[0].host.move_session(id, "h1").await.expect("move");
+        // Written by the destination before it answered the commit.
+        let o = db.get(&owner).await.unwrap().map(|kv| kv.value);
+        assert_eq!(o.as_deref(), Some(b"h1".as_slice()));
+        let before = t.verified.load(Ordering::SeqCst);
+        wait_verified(&t, before + (256 << 10)).await;
+        c.nodes[1]
+            .host
+            .move_session(id, "h2")
+            .await
+            .expect("move on");
+        let o = db.get(&owner).await.unwrap().map(|kv| kv.value);
+        assert_eq!(o.as_deref(), Some(b"h2".as_slice()));
+        assert_eq!(t.task.await.unwrap().expect("transfer"), LEN);
+        assert_eq!(c.holder(id), Some(2));
+        t.session.close(0, "done").await;
+        wait_owner(
+            &db,
+            &owner,
+            None,
+            "the owner key released at the session's end",
+        )
+        .await;
         c.shutdown().await;
     })
     .await;

@@ -7,7 +7,9 @@
 //! - `host/<name>`: the host's client address, under the host's lease (it
 //!   disappears a TTL after the host stops renewing).
 //! - `owner/<session id hex>`: the name of the host that holds the
-//!   session's continuation, under that host's lease.
+//!   session, under that host's lease: suspended there (its continuation
+//!   is in `record/`), or live there after it moved in (a session that
+//!   never suspended nor moved has no key: its first host knows it).
 //! - `record/<session id hex>`: the continuation (its meta and sealed body,
 //!   exactly as the host's own store keeps them), under no lease: it
 //!   outlives its host.
@@ -18,12 +20,15 @@
 //! secrets nor application state, and cannot move a record to another
 //! session's key.
 //!
-//! Single winner: every change of a record goes through a transaction
-//! that compares the owner key. A host deletes its record before it
-//! resumes the session (only while it still owns it); another host claims a
-//! record only when its owner key is gone (the owner's lease expired), and
-//! in the same transaction takes ownership and deletes the record. So a
-//! continuation is restored at most once, by whoever wins the compare.
+//! Single winner: every change of a record or an owner goes through a
+//! transaction that compares the owner key. A host deletes its record before
+//! it resumes the session (only while it still owns it); another host claims
+//! a record only when its owner key is gone (the owner's lease expired), and
+//! in the same transaction takes ownership and deletes the record. A move's
+//! destination becomes the owner at the commit, comparing the owner key to
+//! the source (or to nobody, with no record either). So a continuation is
+//! restored at most once, and a session has at most one owner, whoever wins
+//! the compare.
 //!
 //! Leases are renewed with one-shot keep-alive requests (no long-lived
 //! stream to lose when etcd's leader changes). A host that finds its lease
@@ -120,8 +125,8 @@ pub(crate) enum Found {
     Owned(String),
     /// Claimed by this host: the continuation (meta, sealed body).
     Claimed(Vec<u8>, Vec<u8>),
-    /// Nobody has it (or it is live somewhere: live sessions are not kept
-    /// in etcd).
+    /// Nobody has it, as far as etcd knows (a session live on the host
+    /// that created it, never suspended nor moved, has no owner key).
     Nothing,
 }
 
@@ -138,6 +143,9 @@ pub(crate) struct Registry {
     /// Sessions whose record this host put in etcd (and has not taken
     /// back): after a lost lease, those whose record is gone were claimed.
     mirrored: Mutex<HashSet<SessionId>>,
+    /// Sessions whose owner key this host wrote (records put, claims,
+    /// moves in) and still holds: their end or departure releases it.
+    owned: Mutex<HashSet<SessionId>>,
 }
 
 fn hex(id: &SessionId) -> String {
@@ -165,6 +173,7 @@ impl Registry {
             lease: Mutex::new(lease.id),
             sealer,
             mirrored: Mutex::new(HashSet::new()),
+            owned: Mutex::new(HashSet::new()),
         });
         r.client
             .put(&r.host_key(me), clients_addr.as_bytes(), lease.id)
@@ -191,6 +200,73 @@ impl Registry {
 
     fn mirrored(&self) -> std::sync::MutexGuard<'_, HashSet<SessionId>> {
         self.mirrored.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn owned(&self) -> std::sync::MutexGuard<'_, HashSet<SessionId>> {
+        self.owned.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether this host holds `id`'s owner key (so the session's end must
+    /// release it).
+    pub(crate) fn owns(&self, id: SessionId) -> bool {
+        self.owned().contains(&id)
+    }
+
+    /// The session left for another host, which owns it now (its commit
+    /// changed the key): nothing of it is this host's to release.
+    pub(crate) fn disown(&self, id: SessionId) {
+        self.owned().remove(&id);
+        self.mirrored().remove(&id);
+    }
+
+    /// A move's destination, at the commit: becomes the owner of `id` if
+    /// `from` (the source) owns it, or nobody does and no record of it is
+    /// kept. [`SharedError::Lost`] names the owner otherwise: the source
+    /// was not the session's owner, and the move must not happen.
+    pub(crate) async fn move_in(&self, id: SessionId, from: &str) -> Result<(), SharedError> {
+        let owner = self.owner_key(&id);
+        let mine = Op::Put {
+            key: owner.clone(),
+            value: self.me.as_bytes().to_vec(),
+            lease: self.lease(),
+        };
+        let r = self
+            .client
+            .txn(Txn {
+                compare: vec![Compare::Value(
+                    owner.clone(),
+                    CmpOp::Equal,
+                    from.as_bytes().to_vec(),
+                )],
+                success: vec![mine.clone()],
+                failure: vec![],
+            })
+            .await
+            .map_err(etcd)?;
+        if !r.succeeded {
+            let r = self
+                .client
+                .txn(Txn {
+                    compare: vec![
+                        Compare::Version(owner.clone(), CmpOp::Equal, 0),
+                        Compare::Version(self.record_key(&id), CmpOp::Equal, 0),
+                    ],
+                    success: vec![mine],
+                    failure: vec![Op::Get { key: owner }],
+                })
+                .await
+                .map_err(etcd)?;
+            if !r.succeeded {
+                let holder = owner_in(&r.responses);
+                return Err(SharedError::Lost(if holder.is_empty() {
+                    "nobody: its continuation waits in etcd to be claimed".into()
+                } else {
+                    holder
+                }));
+            }
+        }
+        self.owned().insert(id);
+        Ok(())
     }
 
     /// Keeps a suspended session's continuation in etcd, owned by this
@@ -251,14 +327,28 @@ impl Registry {
             }
         }
         self.mirrored().insert(id);
+        self.owned().insert(id);
         Ok(())
     }
 
-    /// Takes this host's record of `id` out of etcd (before the session
-    /// resumes here, moves away or is discarded). `Ok` if there was none;
-    /// [`SharedError::Lost`] if another host owns it now.
+    /// Takes this host's record of `id` out of etcd before the session
+    /// resumes here or moves away; the owner key stays (the session is
+    /// still this host's until it ends or a destination commits). `Ok` if
+    /// there was none; [`SharedError::Lost`] if another host owns it now.
     pub(crate) async fn take(&self, id: SessionId) -> Result<(), SharedError> {
+        self.release(id, false).await
+    }
+
+    /// Deletes `id`'s record and, with `owner_too`, its owner key, in one
+    /// transaction comparing the owner key to this host.
+    async fn release(&self, id: SessionId, owner_too: bool) -> Result<(), SharedError> {
         let owner = self.owner_key(&id);
+        let mut success = vec![Op::Delete {
+            key: self.record_key(&id),
+        }];
+        if owner_too {
+            success.push(Op::Delete { key: owner.clone() });
+        }
         let r = self
             .client
             .txn(Txn {
@@ -267,20 +357,19 @@ impl Registry {
                     CmpOp::Equal,
                     self.me.as_bytes().to_vec(),
                 )],
-                success: vec![
-                    Op::Delete {
-                        key: self.record_key(&id),
-                    },
-                    Op::Delete { key: owner.clone() },
-                ],
+                success,
                 failure: vec![Op::Get { key: owner }],
             })
             .await
             .map_err(etcd)?;
         let was_mirrored = self.mirrored().remove(&id);
         if r.succeeded {
+            if owner_too {
+                self.owned().remove(&id);
+            }
             return Ok(());
         }
+        self.owned().remove(&id);
         let holder = owner_in(&r.responses);
         if !holder.is_empty() {
             return Err(SharedError::Lost(holder));
@@ -346,6 +435,7 @@ impl Registry {
                 .map_err(etcd)?;
             if r.succeeded {
                 self.mirrored().insert(id);
+                self.owned().insert(id);
                 continue;
             }
             let r = self
@@ -362,11 +452,13 @@ impl Registry {
                 .map_err(etcd)?;
             if r.succeeded {
                 self.mirrored().insert(id);
+                self.owned().insert(id);
                 continue;
             }
             let holder = owner_in(&r.responses);
             if !holder.is_empty() || put_here {
                 self.mirrored().remove(&id);
+                self.owned().remove(&id);
                 gone.push(id);
             }
             // Else never in etcd as far as this process knows: kept here.
@@ -374,9 +466,10 @@ impl Registry {
         Ok(gone)
     }
 
-    /// Forgets `id` in etcd if it is ours (a discarded continuation).
+    /// Forgets `id` in etcd if it is ours: its record and its owner key (a
+    /// discarded continuation, or a session that ended here).
     pub(crate) async fn forget(&self, id: SessionId) {
-        if let Err(e) = self.take(id).await {
+        if let Err(e) = self.release(id, true).await {
             tracing::debug!("session {id}: not removed from etcd: {e}");
         }
     }
@@ -444,6 +537,7 @@ impl Registry {
                 value.len()
             )));
         }
+        self.owned().insert(id);
         tracing::info!("session {id}: claimed from the cluster (its host's lease expired)");
         Ok(Found::Claimed(
             value[4..4 + n].to_vec(),
@@ -547,7 +641,38 @@ impl Registry {
             .await
             .map_err(etcd)?;
         let ids: Vec<SessionId> = self.mirrored().iter().copied().collect();
-        self.reown(&ids, true).await
+        let gone = self.reown(&ids, true).await?;
+        // Sessions live here after moving in: their owner key went with the
+        // old lease. Nobody can have claimed them (no record): ours again.
+        let live: Vec<SessionId> = {
+            let mirrored = self.mirrored();
+            self.owned()
+                .iter()
+                .filter(|id| !mirrored.contains(id))
+                .copied()
+                .collect()
+        };
+        for id in live {
+            let owner = self.owner_key(&id);
+            let r = self
+                .client
+                .txn(Txn {
+                    compare: vec![Compare::Version(owner.clone(), CmpOp::Equal, 0)],
+                    success: vec![Op::Put {
+                        key: owner,
+                        value: self.me.as_bytes().to_vec(),
+                        lease: lease.id,
+                    }],
+                    failure: vec![],
+                })
+                .await
+                .map_err(etcd)?;
+            if !r.succeeded {
+                tracing::warn!("session {id}: another host owns it in etcd now");
+                self.owned().remove(&id);
+            }
+        }
+        Ok(gone)
     }
 }
 
@@ -575,5 +700,101 @@ fn owner_in(responses: &[OpResponse]) -> String {
             String::from_utf8_lossy(&kvs[0].value).into_owned()
         }
         _ => String::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use roam_etcd::testing::EtcdServer;
+
+    async fn host(etcd: &EtcdServer, key: &Keypair, name: &str) -> Arc<Registry> {
+        let opts = EtcdOptions::new(vec![etcd.url()]);
+        Registry::open("t", name, "127.0.0.1:1", key, opts)
+            .await
+            .expect("registry")
+    }
+
+    async fn owner_of(etcd: &Client, id: &SessionId) -> Option<String> {
+        let key = format!("/roam/t/owner/{}", hex(id)).into_bytes();
+        etcd.get(&key)
+            .await
+            .expect("get")
+            .map(|kv| String::from_utf8_lossy(&kv.value).into_owned())
+    }
+
+    /// The ownership of a session is a single-winner compare in etcd: a
+    /// move's destination becomes the owner only if the source is (or
+    /// nobody is, with no record waiting to be claimed); a stale source
+    /// loses, naming the owner; of many destinations racing, one wins; only
+    /// the owner's release deletes the key.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn move_in_is_a_single_winner_compare_on_the_owner() {
+        let etcd = EtcdServer::start().await.expect("etcd");
+        let db = Client::connect(&[etcd.url()]).await.unwrap();
+        let key = Keypair::generate().unwrap();
+        let a = host(&etcd, &key, "a").await;
+        let b = host(&etcd, &key, "b").await;
+        let c = host(&etcd, &key, "c").await;
+        let id = SessionId([7; 16]);
+        // Nobody's: a's move to b (a live session never in etcd) commits.
+        b.move_in(id, "a").await.expect("first move");
+        assert_eq!(owner_of(&db, &id).await.as_deref(), Some("b"));
+        assert!(b.owns(id));
+        // a is a stale source now: its move to c is refused, naming b.
+        match c.move_in(id, "a").await {
+            Err(SharedError::Lost(h)) => assert_eq!(h, "b"),
+            other => panic!("a stale source's move: {other:?}"),
+        }
+        assert!(!c.owns(id));
+        // b's move to c commits; b lets go.
+        c.move_in(id, "b").await.expect("second move");
+        b.disown(id);
+        assert_eq!(owner_of(&db, &id).await.as_deref(), Some("c"));
+        // Only the owner's release deletes the key.
+        b.forget(id).await;
+        assert_eq!(owner_of(&db, &id).await.as_deref(), Some("c"));
+        c.forget(id).await;
+        assert_eq!(owner_of(&db, &id).await, None);
+        assert!(!c.owns(id));
+
+        // A record with no owner (its host's lease expired) is for a claim
+        // to take, not for a move to step over.
+        let id2 = SessionId([8; 16]);
+        a.put_record(id2, b"meta", b"body").await.expect("record");
+        assert_eq!(owner_of(&db, &id2).await.as_deref(), Some("a"));
+        db.delete(&a.owner_key(&id2)).await.unwrap();
+        match b.move_in(id2, "x").await {
+            Err(SharedError::Lost(h)) => assert!(h.contains("claimed"), "{h}"),
+            other => panic!("a move over a claimable record: {other:?}"),
+        }
+        assert_eq!(owner_of(&db, &id2).await, None);
+
+        // Eight destinations race for one unowned session: one wins, and
+        // every loser names the winner.
+        let id3 = SessionId([9; 16]);
+        let mut racers = Vec::new();
+        for i in 0..8 {
+            racers.push(host(&etcd, &key, &format!("r{i}")).await);
+        }
+        let mut set = tokio::task::JoinSet::new();
+        for (i, r) in racers.iter().enumerate() {
+            let r = r.clone();
+            set.spawn(async move { (i, r.move_in(id3, "src").await) });
+        }
+        let mut results: Vec<Result<(), SharedError>> = vec![Ok(()); 8];
+        while let Some(j) = set.join_next().await {
+            let (i, r) = j.expect("racer");
+            results[i] = r;
+        }
+        let winners: Vec<usize> = (0..8).filter(|&i| results[i].is_ok()).collect();
+        assert_eq!(winners.len(), 1, "{results:?}");
+        let winner = format!("r{}", winners[0]);
+        assert_eq!(owner_of(&db, &id3).await.as_deref(), Some(winner.as_str()));
+        for r in &results {
+            if let Err(e) = r {
+                assert_eq!(e, &SharedError::Lost(winner.clone()));
+            }
+        }
     }
 }

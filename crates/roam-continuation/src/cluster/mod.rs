@@ -124,6 +124,9 @@ const CONNECT_WAIT: Duration = Duration::from_secs(3);
 const FREEZE_WAIT: Duration = Duration::from_secs(10);
 /// The destination's answer to a transfer or a commit.
 const ANSWER_WAIT: Duration = Duration::from_secs(10);
+/// A destination's limit for taking ownership in etcd at a commit (well
+/// under [`ANSWER_WAIT`]).
+const DIRECTORY_WAIT: Duration = Duration::from_secs(4);
 /// The name of the first step, for errors (and for skipping a host a
 /// drain cannot reach).
 const CONNECT_STEP: &str = "the destination's cluster port";
@@ -655,8 +658,7 @@ impl HostInner {
             let _ = timeout(Duration::from_secs(1), link.send(&Msg::Abort { id })).await;
             return Err(fail(e, Some(record), &live));
         }
-        // 5. Let go, then commit. From here on resumes here are redirected.
-        // A session that was suspended here leaves no copy behind: a stale
+        // 5. Let go, then commit. A session that was suspended here leaves no copy behind: a stale
         // one must never resume, here after a restart or from etcd.
         if src_frozen {
             let gone = async {
@@ -677,6 +679,25 @@ impl HostInner {
                 return Err(fail(e, Some(record), &live));
             }
         }
+        // The slot stays `Moving` until the destination answers: a resume
+        // arriving here meanwhile waits for the outcome.
+        let committed = async {
+            let got = step(
+                "the destination's commit",
+                ANSWER_WAIT,
+                link.call(&Msg::Commit { id, revision }),
+            )
+            .await?;
+            expect(got, "committed")
+        }
+        .await;
+        if let Err(e @ MoveError::Refused(_)) = committed {
+            // Refused, so certainly not committed (with etcd: this host is
+            // not the session's owner there, or etcd could not say): the
+            // destination sends the client back, and the session stays.
+            return Err(fail(e, Some(record), &live));
+        }
+        // From here on resumes here are redirected.
         {
             let mut st = self.state();
             st.moved.insert(
@@ -690,16 +711,9 @@ impl HostInner {
             st.slots.remove(&id);
         }
         self.changed.notify_waiters();
-        let committed = async {
-            let got = step(
-                "the destination's commit",
-                ANSWER_WAIT,
-                link.call(&Msg::Commit { id, revision }),
-            )
-            .await?;
-            expect(got, "committed")
+        if let Some(r) = &self.shared {
+            r.disown(id);
         }
-        .await;
         match committed {
             Ok(()) if self.config.reuse_links => self.links.put(&member.name, link),
             Ok(()) => {}
@@ -1048,8 +1062,8 @@ impl HostInner {
                         precopied,
                     },
                 ) => Some(self.transferred(id, revision, &meta, &body, &precopied)),
-                (Some(_), Msg::Commit { id, revision }) => {
-                    let r = self.commit(id, revision).await;
+                (Some(from), Msg::Commit { id, revision }) => {
+                    let r = self.commit(id, revision, from).await;
                     if matches!(r, Msg::Committed) {
                         offered = None;
                     }
@@ -1204,9 +1218,12 @@ impl HostInner {
         Msg::Installed
     }
 
-    /// Destination: the source let go. Stores the continuation durably and
-    /// lets the waiting resume restore it.
-    async fn commit(self: &Arc<Self>, id: SessionId, revision: u64) -> Msg {
+    /// Destination: the source let go. With etcd, becomes the session's
+    /// owner there first (refused if `from` does not own it, or etcd cannot
+    /// say: the move is then called off and the session stays at the
+    /// source). Stores the continuation durably and lets the waiting resume
+    /// restore it.
+    async fn commit(self: &Arc<Self>, id: SessionId, revision: u64, from: &str) -> Msg {
         let record = {
             let mut st = self.state();
             match st.slots.get_mut(&id) {
@@ -1221,6 +1238,23 @@ impl HostInner {
                 "nothing staged for session {id} at revision {revision}"
             )));
         };
+        if let Some(r) = &self.shared {
+            // Bounded well inside the source's wait for this answer, so a
+            // refusal (not a timeout) reaches it and the session stays.
+            let owned = match timeout(DIRECTORY_WAIT, r.move_in(id, from)).await {
+                Ok(r) => r,
+                Err(_) => Err(etcd::SharedError::Etcd(format!(
+                    "no answer within {DIRECTORY_WAIT:?}"
+                ))),
+            };
+            if let Err(e) = owned {
+                tracing::warn!("move of session {id} from {from} refused at the commit: {e}");
+                self.abort_incoming(id, from);
+                return Msg::Refuse(Refusal::Unavailable(format!(
+                    "ownership of session {id} in the cluster's etcd: {e}"
+                )));
+            }
+        }
         // Served from memory at once (the client waits for it); written to
         // the store in the background, like any live session's state is
         // only in memory until it is suspended.

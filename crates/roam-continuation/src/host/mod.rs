@@ -1072,6 +1072,11 @@ impl HostInner {
         if !removed {
             return;
         }
+        // Owned in etcd (it moved in, or was suspended here): released, so
+        // no other host sends its client here.
+        if let Some(r) = self.shared.as_ref().filter(|r| r.owns(id)) {
+            r.forget(id).await;
+        }
         if expired {
             let attrs = live.lock().attrs.values.clone();
             self.report_discard(&live.service, id, DiscardReason::Expired, attrs);
@@ -1180,6 +1185,9 @@ impl HostInner {
                     // once, without waiting for a peer that may never ack.
                     if let Some(h) = handle {
                         let _ = h.detach().await;
+                    }
+                    if let Some(r) = self.shared.as_ref().filter(|r| r.owns(id)) {
+                        r.forget(id).await;
                     }
                     let attrs = l.lock().attrs.values.clone();
                     self.report_discard(&l.service, id, reason, attrs);
