@@ -836,7 +836,7 @@ async fn a_destination_that_dies_during_the_transfer_leaves_the_session_at_the_s
             loop {
                 match link.recv().await.unwrap() {
                     Msg::Offer { .. } => link.send(&Msg::Accept).await.unwrap(),
-                    Msg::Precopy { .. } => {}
+                    Msg::Precopy { .. } => link.send(&Msg::Accept).await.unwrap(),
                     Msg::Transfer { .. } => return, // dies: the connection drops
                     m => panic!("unexpected {m:?}"),
                 }

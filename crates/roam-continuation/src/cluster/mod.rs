@@ -15,7 +15,8 @@
 //!    the property) and its revisions (refusing a stale one), then holds
 //!    resumes of the session until the move ends. D → S `Accept`.
 //! 2. S → D `Precopy`: the session's attributes, while it keeps running
-//!    (an empty one if `HostConfig::precopy` is off).
+//!    (an empty one if `HostConfig::precopy` is off). D → S `Accept` once
+//!    it has them, so the freeze never waits behind the copy.
 //! 3. S tells C `MOVE_TO D` and asks the application for its continuation
 //!    (`FreezeReason::Move`). C abandons S and resumes at D, which waits.
 //! 4. The application suspends at its next quiescent point; S sends the
@@ -601,16 +602,24 @@ impl HostInner {
             BTreeMap::new()
         };
         let precopy_bytes: usize = attrs.iter().map(|(k, v)| k.len() + v.len()).sum();
-        if let Err(e) = step(
-            "the pre-copy",
-            ANSWER_WAIT,
-            link.send(&Msg::Precopy {
-                id,
-                attrs: attrs.clone(),
-            }),
-        )
-        .await
-        {
+        // Acknowledged once the destination has decoded and kept it: the
+        // freeze must not wait behind a large pre-copy still on its way or
+        // being decoded (M-TCP's overlap: the copy costs the session
+        // nothing, only the delta is on the stall's path).
+        let precopied = async {
+            let got = step(
+                "the pre-copy",
+                ANSWER_WAIT,
+                link.call(&Msg::Precopy {
+                    id,
+                    attrs: attrs.clone(),
+                }),
+            )
+            .await?;
+            expect(got, "accept")
+        }
+        .await;
+        if let Err(e) = precopied {
             let _ = link.send(&Msg::Abort { id }).await;
             return Err(fail(e, frozen, &live));
         }
@@ -1047,10 +1056,15 @@ impl HostInner {
                     Some(r)
                 }
                 (Some(_), Msg::Precopy { id, attrs }) => {
-                    if let Some(Slot::Incoming(inc)) = self.state().slots.get_mut(&id) {
-                        inc.precopy = attrs;
-                    }
-                    None
+                    Some(match self.state().slots.get_mut(&id) {
+                        Some(Slot::Incoming(inc)) => {
+                            inc.precopy = attrs;
+                            Msg::Accept
+                        }
+                        _ => {
+                            Msg::Refuse(Refusal::Unavailable(format!("no offer for session {id}")))
+                        }
+                    })
                 }
                 (
                     Some(_),

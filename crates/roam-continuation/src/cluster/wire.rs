@@ -112,6 +112,7 @@ pub enum Msg {
     Refuse(Refusal),
     /// Source → destination: attributes copied while the session still runs
     /// at the source (pre-copy); the transfer sends only what changed since.
+    /// Answered `Accept` once kept (or refused if no offer is pending).
     Precopy {
         /// The session.
         id: SessionId,
