@@ -423,6 +423,13 @@ impl World {
     fn deliver(&mut self, to: Side, max: usize) -> bool {
         // Application calls since the last step may have left output to poll.
         self.settle();
+        self.deliver_settled(to, max)
+    }
+
+    /// [`World::deliver`] without the leading [`World::settle`], for callers
+    /// that have just settled and changed nothing since (`pump`): a second
+    /// settle would only find nothing to transmit and no events.
+    fn deliver_settled(&mut self, to: Side, max: usize) -> bool {
         let pipe = match to {
             Side::Client => &mut self.link.to_client,
             Side::Server => &mut self.link.to_server,
@@ -444,13 +451,19 @@ impl World {
         } else {
             max.min(pipe.bytes.len())
         };
+        // The delivered bytes leave the pipe before the session sees them
+        // (what it sends back in reply lands behind the undelivered rest).
+        // All of them: the pipe's buffer itself, swapped for the spare one.
+        // Part: the rest moves to the spare buffer, which becomes the pipe,
+        // so the delivered prefix is read where it lies (one copy, of the
+        // rest, instead of copying the prefix out and shifting the rest).
         let mut chunk = std::mem::take(&mut self.chunk);
-        if n == pipe.bytes.len() {
-            std::mem::swap(&mut chunk, &mut pipe.bytes);
-        } else {
-            chunk.extend_from_slice(&pipe.bytes[..n]);
-            pipe.bytes.drain(..n);
+        chunk.clear();
+        if n < pipe.bytes.len() {
+            chunk.extend_from_slice(&pipe.bytes[n..]);
+            pipe.bytes.truncate(n);
         }
+        std::mem::swap(&mut chunk, &mut pipe.bytes);
         self.input(to, &chunk);
         chunk.clear();
         self.chunk = chunk;
@@ -557,9 +570,12 @@ impl World {
 
     /// Delivers everything both ways until nothing moves.
     pub fn pump(&mut self) {
+        // Settled once here; after that every delivery ends settled (or did
+        // nothing after its caller's settle), so none needs a leading one.
+        self.settle();
         for _ in 0..MAX_PUMP_ROUNDS {
-            let a = self.deliver(Side::Server, 0);
-            let b = self.deliver(Side::Client, 0);
+            let a = self.deliver_settled(Side::Server, 0);
+            let b = self.deliver_settled(Side::Client, 0);
             if !a && !b {
                 return;
             }
@@ -739,6 +755,10 @@ impl World {
                     s.move_to("10.0.0.9:7447".into());
                 }
             }
+            Op::AskMove { named } => {
+                let host = if named { "h1" } else { "" };
+                self.client.ask_move(host.into());
+            }
             Op::Deliver { to, max } => {
                 self.deliver(to.into(), usize::from(max));
             }
@@ -838,6 +858,9 @@ impl World {
                 },
                 FuzzFrame::MoveTo => Frame::MoveTo {
                     addr: b"10.9.9.9:7447",
+                },
+                FuzzFrame::MoveAsk { host_len } => Frame::MoveAsk {
+                    host: &TEXT[..usize::from(host_len)],
                 },
                 FuzzFrame::Open { stream, meta_len } => Frame::Open {
                     stream: self.pick_stream(from, stream).0,
@@ -1085,6 +1108,11 @@ pub enum Op {
         from: Who,
         frames: Vec<FuzzFrame>,
     },
+    /// The client asks to be moved (MOVE_ASK, §9.4): to a named host, or
+    /// to any.
+    AskMove {
+        named: bool,
+    },
 }
 
 /// A number: usually small or near the value an honest peer would send,
@@ -1150,6 +1178,9 @@ pub enum FuzzFrame {
     },
     MaxData(Num),
     MaxStreams(Num),
+    MoveAsk {
+        host_len: u8,
+    },
 }
 
 /// `ROAM_FUZZ_TRACE=1` prints each script step, for triaging a crash.
