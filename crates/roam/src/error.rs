@@ -50,15 +50,36 @@ impl Error {
     }
 }
 
+/// What a `CLOSE` code of the protocol's own means (PROTOCOL §10), for
+/// messages; `None` for application codes and unknown ones.
+fn close_code_meaning(code: u64) -> Option<&'static str> {
+    use roam_proto::code;
+    Some(match code {
+        code::NO_ERROR => return None,
+        code::UNAUTHORIZED => "this client's key is not authorized there",
+        code::PROTOCOL_VIOLATION => "protocol violation",
+        code::FLOW_CONTROL => "flow-control violation",
+        code::INTERNAL => "internal error at the peer",
+        code::STREAM_REFUSED => "too many streams",
+        code::SERVER_BUSY => "the server is at one of its limits, try again later",
+        _ => return None,
+    })
+}
+
 /// Describes how a session ended, for messages.
 pub(crate) fn describe_close(reason: &CloseReason) -> String {
     match reason {
         CloseReason::Local { code } => format!("session closed locally (code {code})"),
-        CloseReason::Peer { code, reason } if reason.is_empty() => {
-            format!("peer closed the session (code {code})")
-        }
         CloseReason::Peer { code, reason } => {
-            format!("peer closed the session (code {code}): {reason}")
+            let what = match close_code_meaning(*code) {
+                Some(m) => format!("peer closed the session: {m} (code {code})"),
+                None => format!("peer closed the session (code {code})"),
+            };
+            if reason.is_empty() {
+                what
+            } else {
+                format!("{what}: {reason}")
+            }
         }
         CloseReason::Error(e) => e.to_string(),
         other => format!("session closed: {other:?}"),
@@ -117,5 +138,40 @@ impl From<Error> for io::Error {
             Error::Unreachable { source, .. } => io::Error::new(source.kind(), source),
             other => io::Error::new(io::ErrorKind::ConnectionAborted, other),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A refusal reads as what it is, with the peer's reason; a plain or an
+    /// application close keeps its number.
+    #[test]
+    fn close_messages_name_the_protocols_codes() {
+        let busy = describe_close(&CloseReason::Peer {
+            code: roam_proto::code::SERVER_BUSY,
+            reason: "server busy: this client key already holds 2 sessions".into(),
+        });
+        assert_eq!(
+            busy,
+            "peer closed the session: the server is at one of its limits, try again later \
+             (code 6): server busy: this client key already holds 2 sessions"
+        );
+        let bare = describe_close(&CloseReason::Peer {
+            code: roam_proto::code::SERVER_BUSY,
+            reason: String::new(),
+        });
+        assert!(bare.contains("at one of its limits") && bare.ends_with("(code 6)"));
+        let app = describe_close(&CloseReason::Peer {
+            code: 0x104,
+            reason: String::new(),
+        });
+        assert_eq!(app, "peer closed the session (code 260)");
+        let normal = describe_close(&CloseReason::Peer {
+            code: 0,
+            reason: "bye".into(),
+        });
+        assert_eq!(normal, "peer closed the session (code 0): bye");
     }
 }
