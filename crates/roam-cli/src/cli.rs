@@ -34,6 +34,7 @@ use crate::config::FileConfig;
 ///   max_sessions_per_key = 128
 ///   max_targets = 8192
 ///   max_targets_per_session = 256
+///   metrics = "127.0.0.1:9447"
 ///
 ///   [client]            # pipe and forward
 ///   key = "/home/me/.local/state/roam/client.key"
@@ -212,6 +213,13 @@ pub(crate) struct ServeArgs {
     /// it are reset with code 0x104.
     #[arg(long, value_name = "N", verbatim_doc_comment)]
     pub(crate) max_targets_per_session: Option<usize>,
+    /// Serve Prometheus metrics at http://ADDR/metrics (OpenMetrics text):
+    /// sessions by state, opened and closed (by how), bytes, resumes, bytes
+    /// replayed, streams, target connections, refused streams by reason, and
+    /// each cap with its use. Plain HTTP without authentication, as with any
+    /// exporter: use a loopback or private address, e.g. 127.0.0.1:9447.
+    #[arg(long, value_name = "ADDR", verbatim_doc_comment)]
+    pub(crate) metrics: Option<String>,
 }
 
 #[derive(Debug, Args)]

@@ -33,6 +33,8 @@ pub(crate) struct ServeConfig {
     pub(crate) max_sessions_per_key: Option<usize>,
     pub(crate) max_targets: Option<usize>,
     pub(crate) max_targets_per_session: Option<usize>,
+    /// `--metrics`: where to serve Prometheus metrics.
+    pub(crate) metrics: Option<String>,
 }
 
 /// `[client]`: defaults for `roam pipe` and `roam forward`.

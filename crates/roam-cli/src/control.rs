@@ -107,8 +107,47 @@ pub(crate) fn encode_reply(p: &ProcessStatus) -> Result<Vec<u8>, String> {
 }
 
 struct Entry {
+    /// Tells this entry from the others (its watcher removes only it).
+    serial: u64,
     label: String,
     handle: roam::SessionHandle,
+}
+
+/// What the sessions that have ended moved, and how they ended: the
+/// metrics' counters are these plus the live sessions' figures, updated in
+/// one step with the removal of the ended session's entry so that no
+/// counter ever goes down.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Totals {
+    /// Sessions listed so far (opened).
+    pub(crate) opened: u64,
+    /// Ended sessions, by how they ended ([`close_label`]).
+    pub(crate) closed: std::collections::BTreeMap<&'static str, u64>,
+    pub(crate) bytes_sent: u64,
+    pub(crate) bytes_received: u64,
+    pub(crate) bytes_replayed: u64,
+    pub(crate) resumes: u64,
+}
+
+/// How a session ended, as a metrics label: `local`, `peer`, `peer_error`
+/// (the peer closed it with an error code), `expired` (suspended past its
+/// timeout) or `error`.
+pub(crate) fn close_label(reason: &roam::CloseReason) -> &'static str {
+    match reason {
+        roam::CloseReason::Local { .. } => "local",
+        roam::CloseReason::Peer { code: 0, .. } => "peer",
+        roam::CloseReason::Peer { .. } => "peer_error",
+        roam::CloseReason::Error(roam_proto::Error::Expired) => "expired",
+        _ => "error",
+    }
+}
+
+/// The sessions listed and the totals of the ended ones (one lock).
+#[derive(Default)]
+struct Sessions {
+    entries: Vec<Entry>,
+    next_serial: u64,
+    totals: Totals,
 }
 
 /// Reports a process's caps and their use when asked.
@@ -117,7 +156,7 @@ type LimitsFn = Arc<dyn Fn() -> Vec<Limit> + Send + Sync>;
 /// The sessions of this process.
 #[derive(Clone, Default)]
 pub(crate) struct Registry {
-    entries: Arc<Mutex<Vec<Entry>>>,
+    sessions: Arc<Mutex<Sessions>>,
     limits: Arc<Mutex<Option<LimitsFn>>>,
 }
 
@@ -137,25 +176,55 @@ impl Registry {
         f.map_or_else(Vec::new, |f| f())
     }
 
-    /// Lists `handle` under `label` until the session closes.
+    /// Lists `handle` under `label` until the session closes; then adds
+    /// what it moved, and how it ended, to the totals.
     pub(crate) fn add(&self, label: String, handle: roam::SessionHandle) {
-        let entries = self.entries.clone();
+        let sessions = self.sessions.clone();
         let watch = handle.clone();
-        self.lock_entries().push(Entry { label, handle });
+        let serial = {
+            let mut s = self.lock_sessions();
+            let serial = s.next_serial;
+            s.next_serial += 1;
+            s.totals.opened += 1;
+            s.entries.push(Entry {
+                serial,
+                label,
+                handle,
+            });
+            serial
+        };
         tokio::spawn(async move {
-            watch.closed().await;
-            let mut e = entries.lock().unwrap_or_else(|e| e.into_inner());
-            e.retain(|x| !x.handle.is_closed());
+            let reason = watch.closed().await;
+            let st = watch.stats();
+            let mut s = sessions.lock().unwrap_or_else(|e| e.into_inner());
+            s.entries.retain(|x| x.serial != serial);
+            let t = &mut s.totals;
+            t.bytes_sent += st.bytes_sent;
+            t.bytes_received += st.bytes_received;
+            t.bytes_replayed += st.bytes_replayed;
+            t.resumes += st.resumes;
+            *t.closed.entry(close_label(&reason)).or_default() += 1;
         });
     }
 
-    fn lock_entries(&self) -> std::sync::MutexGuard<'_, Vec<Entry>> {
-        self.entries.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock_sessions(&self) -> std::sync::MutexGuard<'_, Sessions> {
+        self.sessions.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The listed sessions' stats and the ended ones' totals, read together
+    /// (for the metrics).
+    pub(crate) fn figures(&self) -> (Vec<roam::SessionStats>, Totals) {
+        let s = self.lock_sessions();
+        (
+            s.entries.iter().map(|e| e.handle.stats()).collect(),
+            s.totals.clone(),
+        )
     }
 
     pub(crate) fn snapshot(&self) -> Vec<SessionStatus> {
         let now = SystemTime::now();
-        self.lock_entries()
+        self.lock_sessions()
+            .entries
             .iter()
             .map(|e| {
                 let s = e.handle.stats();

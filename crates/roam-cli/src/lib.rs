@@ -14,6 +14,7 @@ mod demo;
 mod forward;
 mod keys;
 mod limits;
+mod metrics;
 mod notices;
 mod paths;
 mod pipe;

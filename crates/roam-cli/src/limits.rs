@@ -138,6 +138,10 @@ pub(crate) struct TargetCaps {
     /// Throttles the warning about refused targets (an attacker at a cap
     /// would otherwise write one line per stream).
     log: Mutex<roam::LogThrottle>,
+    /// Streams refused so far, by reason (for the metrics).
+    refused: Mutex<std::collections::BTreeMap<&'static str, u64>>,
+    /// Target connections made so far.
+    connected: std::sync::atomic::AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -155,7 +159,41 @@ impl TargetCaps {
             max_per_session,
             counts: Mutex::default(),
             log: Mutex::new(roam::LogThrottle::new(Duration::from_secs(10))),
+            refused: Mutex::default(),
+            connected: std::sync::atomic::AtomicU64::new(0),
         })
+    }
+
+    /// Counts a stream refused for `reason` (a metrics label).
+    pub(crate) fn note_refused(&self, reason: &'static str) {
+        *self
+            .refused
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(reason)
+            .or_default() += 1;
+    }
+
+    /// Counts a target connection made.
+    pub(crate) fn note_connected(&self) {
+        self.connected
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Streams refused so far by reason, and target connections made.
+    pub(crate) fn tallies(&self) -> (std::collections::BTreeMap<&'static str, u64>, u64) {
+        (
+            self.refused
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
+            self.connected.load(std::sync::atomic::Ordering::Relaxed),
+        )
+    }
+
+    /// Target connections held now.
+    pub(crate) fn held(&self) -> usize {
+        self.counts().total
     }
 
     fn counts(&self) -> MutexGuard<'_, TargetCounts> {

@@ -195,6 +195,22 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
             l
         });
     }
+    if let Some(addr) = args.metrics.or_else(|| config.serve.metrics.clone()) {
+        let l = TcpListener::bind(&addr).await.map_err(|e| {
+            CliError(format!(
+                "cannot serve metrics on {addr}: {e}; choose another address with --metrics"
+            ))
+        })?;
+        let at = l.local_addr().map_or(addr, |a| a.to_string());
+        eprintln!("roam serve: metrics at http://{at}/metrics");
+        tokio::spawn(crate::metrics::serve(
+            l,
+            crate::metrics::Sources {
+                sessions: registry.clone(),
+                targets: targets.clone(),
+            },
+        ));
+    }
     let _control = crate::control::start(config, format!("serve {local}"), registry.clone());
     run_relay(
         listener,
@@ -283,6 +299,7 @@ async fn relay_stream(
     };
     let Some((host, port)) = parsed else {
         tracing::warn!("refused stream from {peer}: target {target:?} is not HOST:PORT");
+        targets.note_refused("bad_target");
         stream.reset(reset::BAD_TARGET);
         return;
     };
@@ -290,6 +307,7 @@ async fn relay_stream(
         tracing::warn!(
             "refused stream from {peer} to {target}: target not allowed (permit it with --allow {target})"
         );
+        targets.note_refused("not_allowed");
         stream.reset(reset::TARGET_NOT_ALLOWED);
         return;
     }
@@ -311,6 +329,7 @@ async fn relay_stream(
                     reset::TARGET_LIMIT
                 );
             }
+            targets.note_refused("target_limit");
             stream.reset(reset::TARGET_LIMIT);
             return;
         }
@@ -324,16 +343,19 @@ async fn relay_stream(
         Ok(Ok(t)) => t,
         Ok(Err(e)) => {
             tracing::warn!("stream from {peer}: cannot connect to {target}: {e}");
+            targets.note_refused("unreachable");
             stream.reset(reset::TARGET_UNREACHABLE);
             return;
         }
         Err(_) => {
             tracing::warn!("stream from {peer}: connecting to {target} timed out");
+            targets.note_refused("unreachable");
             stream.reset(reset::TARGET_UNREACHABLE);
             return;
         }
     };
     let _ = tcp.set_nodelay(true);
+    targets.note_connected();
     tracing::info!("stream from {peer} connected to {target}");
     let copied = tokio::select! {
         r = crate::pump::pump(&mut stream, &mut tcp) => r,

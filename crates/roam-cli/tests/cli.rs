@@ -97,12 +97,18 @@ struct Relay {
 
 impl Relay {
     fn start(state: &Path, allow: &[String]) -> Relay {
+        Self::start_with(state, allow, &[])
+    }
+
+    /// [`Relay::start`] with more flags.
+    fn start_with(state: &Path, allow: &[String], extra: &[&str]) -> Relay {
         let port = free_port();
         let mut cmd = roam(state);
         cmd.args(["serve", "--listen", &format!("127.0.0.1:{port}")]);
         for a in allow {
             cmd.args(["--allow", a]);
         }
+        cmd.args(extra);
         let mut child = cmd
             .stderr(Stdio::piped())
             .stdout(Stdio::null())
@@ -221,6 +227,114 @@ fn serve_and_pipe_move_data_with_checksum() {
             .permissions(),
     );
     assert_eq!(mode & 0o777, 0o600);
+}
+
+/// `GET path` on `addr`: the status line and the body.
+fn http_get(addr: &str, path: &str) -> (String, String) {
+    let mut c = std::net::TcpStream::connect(addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(c, "GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut all = String::new();
+    c.read_to_string(&mut all).unwrap();
+    let (head, body) = all.split_once("\r\n\r\n").unwrap_or((&all, ""));
+    (
+        head.lines().next().unwrap_or("").to_string(),
+        body.to_string(),
+    )
+}
+
+/// The value of the sample `name` (labels included, exactly) in `text`.
+fn sample(text: &str, name: &str) -> Option<u64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+}
+
+/// `roam serve --metrics`: the figures a scraper reads follow real traffic
+/// (3 MiB through a pipe, checked by SHA-256; a refused target), counters
+/// only grow, and ended sessions stay counted.
+#[test]
+fn serve_metrics_count_sessions_bytes_and_refusals() {
+    let state = tempfile::tempdir().unwrap();
+    let sink = start_sink();
+    let relay = Relay::start_with(
+        state.path(),
+        &[format!("127.0.0.1:{sink}")],
+        &["--metrics", "127.0.0.1:0"],
+    );
+    let line = relay.wait_for("metrics at http://", Duration::from_secs(20));
+    let addr = line
+        .split("http://")
+        .nth(1)
+        .and_then(|r| r.strip_suffix("/metrics"))
+        .unwrap()
+        .to_string();
+    let (status, before) = http_get(&addr, "/metrics");
+    assert_eq!(status, "HTTP/1.1 200 OK");
+    assert!(before.ends_with("# EOF\n"), "{before}");
+    assert_eq!(sample(&before, "roam_sessions_opened_total"), Some(0));
+
+    let data = random_bytes(3 << 20);
+    let want = format!("{} {}\n", hex(&Sha256::digest(&data)), data.len());
+    let mut cmd = roam(state.path());
+    cmd.args([
+        "pipe",
+        &format!("127.0.0.1:{}", relay.port),
+        &sink.to_string(),
+    ]);
+    let (code, out, err) = run_with_input(cmd, data, Duration::from_secs(60));
+    assert_eq!(code, 0, "stderr: {err}");
+    assert_eq!(String::from_utf8_lossy(&out), want, "stderr: {err}");
+    let mut cmd = roam(state.path());
+    cmd.args([
+        "pipe",
+        "--no-fallback",
+        &format!("127.0.0.1:{}", relay.port),
+        "127.0.0.1:9",
+    ]);
+    let (code, _, _) = run_with_input(cmd, b"x".to_vec(), Duration::from_secs(30));
+    assert_ne!(code, 0);
+
+    // Both sessions end at the relay shortly after their clients exit.
+    let end = Instant::now() + Duration::from_secs(20);
+    let text = loop {
+        let (_, text) = http_get(&addr, "/metrics");
+        let closed: u64 = text
+            .lines()
+            .filter(|l| l.starts_with("roam_sessions_closed_total{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .sum();
+        if closed == 2 {
+            break text;
+        }
+        assert!(
+            Instant::now() < end,
+            "sessions never counted closed:\n{text}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(
+        sample(&text, "roam_sessions_opened_total"),
+        Some(2),
+        "{text}"
+    );
+    let received = sample(&text, "roam_bytes_received_total").unwrap();
+    assert!(received >= 3 << 20, "3 MiB came in: {received}\n{text}");
+    assert_eq!(
+        sample(&text, "roam_streams_refused_total{reason=\"not_allowed\"}"),
+        Some(1),
+        "{text}"
+    );
+    assert_eq!(
+        sample(&text, "roam_target_connections_opened_total"),
+        Some(1),
+        "{text}"
+    );
+    assert_eq!(sample(&text, "roam_target_connections"), Some(0), "{text}");
+    assert!(text.contains("roam_limit{limit="), "{text}");
+    // Counters only grow: a later scrape never reads less.
+    let (_, later) = http_get(&addr, "/metrics");
+    assert!(sample(&later, "roam_bytes_received_total").unwrap() >= received);
+    assert_eq!(http_get(&addr, "/nope").0, "HTTP/1.1 404 Not Found");
 }
 
 #[test]
