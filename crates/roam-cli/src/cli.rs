@@ -215,8 +215,8 @@ pub(crate) struct ServeArgs {
     pub(crate) max_targets_per_session: Option<usize>,
     /// Serve Prometheus metrics at http://ADDR/metrics (OpenMetrics text):
     /// sessions by state, opened and closed (by how), bytes, resumes, bytes
-    /// replayed, streams, target connections, refused streams by reason, and
-    /// each cap with its use. Plain HTTP without authentication, as with any
+    /// replayed, streams, target connections, refused streams, connections
+    /// and sessions by reason, and each cap with its use. Plain HTTP without authentication, as with any
     /// exporter: use a loopback or private address, e.g. 127.0.0.1:9447.
     #[arg(long, value_name = "ADDR", verbatim_doc_comment)]
     pub(crate) metrics: Option<String>,

@@ -15,6 +15,9 @@
 //! - `roam_target_connections`, `roam_target_connections_opened_total`.
 //! - `roam_streams_refused_total{reason}`: `bad_target`, `not_allowed`,
 //!   `target_limit`, `unreachable`.
+//! - `roam_refused_total{reason}`: connections and sessions refused,
+//!   `connections` (answered busy), `connections_dropped`, `sessions`,
+//!   `per_ip`, `per_key`, `unauthorized`.
 //! - `roam_limit{limit}`, `roam_limit_used{limit}`: each cap and its use.
 //!
 //! The endpoint is plain HTTP without authentication, like every Prometheus
@@ -51,6 +54,8 @@ fn label(name: &str, value: &str) -> Labels {
 pub(crate) struct Sources {
     pub(crate) sessions: Registry,
     pub(crate) targets: Arc<TargetCaps>,
+    /// The relay's admission counts (refused connections and sessions).
+    pub(crate) server: roam::ServerStats,
 }
 
 /// The OpenMetrics text of the relay's figures now.
@@ -142,6 +147,17 @@ pub(crate) fn render(src: &Sources) -> String {
         "roam_streams_refused",
         "Streams refused: bad_target, not_allowed, target_limit, unreachable",
         refusals,
+    );
+    let refused_sessions = Family::<Labels, Counter>::default();
+    for (reason, n) in &src.server.usage().refused {
+        refused_sessions
+            .get_or_create(&label("reason", reason))
+            .inc_by(*n);
+    }
+    reg.register(
+        "roam_refused",
+        "Connections and sessions refused: connections (answered busy), connections_dropped, sessions, per_ip, per_key, unauthorized",
+        refused_sessions,
     );
     let caps = Family::<Labels, Gauge>::default();
     let used = Family::<Labels, Gauge>::default();
@@ -264,6 +280,7 @@ mod tests {
         Sources {
             sessions: Registry::default(),
             targets: TargetCaps::new(10, 5),
+            server: roam::ServerStats::default(),
         }
     }
 

@@ -208,6 +208,7 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
             crate::metrics::Sources {
                 sessions: registry.clone(),
                 targets: targets.clone(),
+                server: server.stats.clone(),
             },
         ));
     }

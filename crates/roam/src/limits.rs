@@ -44,6 +44,14 @@ struct Counts {
     per_key: HashMap<PublicKey, usize>,
     /// Connections beyond the cap currently being answered "busy".
     busy_answering: usize,
+    /// Refusals since the server started, by reason ([`ServerUsage::refused`]).
+    refused: std::collections::BTreeMap<&'static str, u64>,
+}
+
+impl Counts {
+    fn refuse(&mut self, why: &'static str) {
+        *self.refused.entry(why).or_default() += 1;
+    }
 }
 
 /// A snapshot of a server's usage (see [`ServerStats::usage`]).
@@ -60,6 +68,12 @@ pub struct ServerUsage {
     pub top_ip: Option<(IpAddr, usize)>,
     /// The client key holding the most sessions, and how many.
     pub top_key: Option<(PublicKey, usize)>,
+    /// Connections and sessions refused since the server started, by
+    /// reason: `connections` (over `max_connections`, answered busy),
+    /// `connections_dropped` (over that too, closed at once), `sessions`
+    /// (`max_sessions`), `per_ip`, `per_key`, `unauthorized` (a key not in
+    /// the authorized keys).
+    pub refused: std::collections::BTreeMap<&'static str, u64>,
 }
 
 /// Why a new session was refused.
@@ -100,6 +114,7 @@ impl ServerStats {
                 .iter()
                 .max_by_key(|(k, n)| (**n, std::cmp::Reverse(**k)))
                 .map(|(k, n)| (*k, *n)),
+            refused: c.refused.clone(),
         }
     }
 
@@ -122,11 +137,13 @@ impl ServerStats {
     ) -> Result<SessionSlot, Refusal> {
         let mut c = self.counts();
         if c.sessions >= max_sessions {
+            c.refuse("sessions");
             return Err(Refusal::Sessions(max_sessions));
         }
         if let Some(ip) = ip {
             let n = c.per_ip.entry(ip).or_insert(0);
             if *n >= max_per_ip {
+                c.refuse("per_ip");
                 return Err(Refusal::PerIp(max_per_ip));
             }
             *n += 1;
@@ -155,8 +172,10 @@ impl ServerStats {
     pub(crate) fn busy_slot(&self, max: usize) -> Option<BusySlot> {
         let mut c = self.counts();
         if c.busy_answering >= max {
+            c.refuse("connections_dropped");
             return None;
         }
+        c.refuse("connections");
         c.busy_answering += 1;
         Some(BusySlot {
             stats: self.clone(),
@@ -184,6 +203,11 @@ pub(crate) struct SessionSlot {
 }
 
 impl SessionSlot {
+    /// Counts the session's refusal because its key is not authorized.
+    pub(crate) fn note_unauthorized(&self) {
+        self.stats.counts().refuse("unauthorized");
+    }
+
     /// Records the client's static key once the handshake revealed it, unless
     /// the key already holds `max_per_key` sessions (then returns that count).
     pub(crate) fn set_key(&mut self, key: PublicKey, max_per_key: usize) -> Result<(), usize> {
@@ -197,6 +221,7 @@ impl SessionSlot {
             if held == 0 {
                 c.per_key.remove(&key);
             }
+            c.refuse("per_key");
             return Err(held);
         }
         *n += 1;

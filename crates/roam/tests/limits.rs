@@ -77,6 +77,12 @@ async fn over_the_connection_cap_busy_at_once_and_beyond_the_overflow_closed() {
         .expect("closed at once")
         .unwrap_or(0);
     assert_eq!(n, 0);
+    let refused = stats.usage().refused;
+    assert!(
+        refused.get("connections").is_some_and(|&n| n >= 2),
+        "{refused:?}"
+    );
+    assert_eq!(refused.get("connections_dropped"), Some(&1), "{refused:?}");
 }
 
 #[tokio::test]
@@ -118,6 +124,11 @@ async fn per_ip_and_per_key_caps_refuse_and_release() {
     let d = roam::connect(&addr, client_config(Some(key))).await;
     assert!(is_busy(&d), "{:?}", d.err());
     assert_eq!(stats.usage().top_ip.map(|t| t.1), Some(2));
+    // Each refusal is counted under its cap (the metrics read these).
+    let refused = stats.usage().refused;
+    assert_eq!(refused.get("per_key"), Some(&1), "{refused:?}");
+    assert_eq!(refused.get("per_ip"), Some(&1), "{refused:?}");
+    assert_eq!(refused.get("sessions"), None, "{refused:?}");
     // Closing one frees a place.
     a.close(roam_proto::code::NO_ERROR, "").await;
     let end = Instant::now() + Duration::from_secs(5);

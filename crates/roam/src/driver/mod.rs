@@ -476,6 +476,9 @@ impl Driver {
                     )
                 {
                     server_side::warn_unauthorized(sh);
+                    if let Kind::Server(s) = &self.kind {
+                        s.note_unauthorized();
+                    }
                 }
                 tracing::info!(
                     "session {} closed: {}",

@@ -99,6 +99,11 @@ impl ServerSide {
         }
     }
 
+    /// The session was refused: its client key is not authorized.
+    pub(super) fn note_unauthorized(&self) {
+        self.slot.note_unauthorized();
+    }
+
     /// The session's first handshake completed with `peer_key`: counts it
     /// against the per-key cap, or closes the session (busy) if the key
     /// already holds its share. Returns whether the session may go on.
