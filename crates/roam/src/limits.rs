@@ -356,6 +356,16 @@ mod tests {
         assert_eq!((u.sessions, u.top_ip), (3, Some((ip, 2))));
         assert_eq!(u.top_key, Some((key, 1)));
         drop((a, b, c));
-        assert_eq!(stats.usage(), ServerUsage::default());
+        // Every slot released; the refusals stay counted, one per cap.
+        let u = stats.usage();
+        let refused: Vec<(&str, u64)> = u.refused.iter().map(|(k, v)| (*k, *v)).collect();
+        assert_eq!(refused, [("per_ip", 1), ("per_key", 1), ("sessions", 1)]);
+        assert_eq!(
+            u,
+            ServerUsage {
+                refused: u.refused.clone(),
+                ..ServerUsage::default()
+            }
+        );
     }
 }
