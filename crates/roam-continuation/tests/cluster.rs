@@ -851,8 +851,7 @@ async fn a_destination_that_dies_during_the_transfer_leaves_the_session_at_the_s
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn with_etcd_a_destination_that_dies_during_the_transfer_leaves_the_session_at_the_source(
-) {
+async fn with_etcd_a_destination_that_dies_during_the_transfer_leaves_the_session_at_the_source() {
     let (_etcd, extra) = with_etcd().await;
     dying_destination(extra).await;
 }
