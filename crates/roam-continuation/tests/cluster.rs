@@ -132,6 +132,43 @@ async fn with_etcd() -> (EtcdServer, Extra) {
     (etcd, extra)
 }
 
+/// The hex form of a session id, as in its etcd keys.
+fn hex_id(id: roam::SessionId) -> String {
+    id.0.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Asserts that etcd (at `url`, if the cluster uses one) keeps neither a
+/// record nor an owner for `id`: a live session leaves nothing there that
+/// could resume a stale copy of it.
+async fn assert_nothing_in_etcd(url: Option<&str>, id: roam::SessionId) {
+    let Some(url) = url else { return };
+    let db = roam_etcd::Client::connect(&[url.to_string()])
+        .await
+        .unwrap();
+    let hex = hex_id(id);
+    for kind in ["record", "owner"] {
+        let key = format!("/roam/test/{kind}/{hex}");
+        let got = db.get(key.as_bytes()).await.unwrap();
+        assert!(got.is_none(), "{key} left in etcd for a live session");
+    }
+}
+
+/// Waits until etcd names `host` as the owner at key `owner`.
+async fn wait_etcd_owner(db: &roam_etcd::Client, owner: &[u8], host: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let o = db.get(owner).await.unwrap().map(|kv| kv.value);
+        if o.as_deref() == Some(host.as_bytes()) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{host} never owned it in etcd (owner: {o:?})"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 impl Extra {
     /// A host listed in the file whose ports are closed.
     async fn down(name: &str) -> String {
@@ -493,25 +530,14 @@ async fn with_etcd_a_suspended_session_moves_and_leaves_no_copy_behind() {
         let id = t.session.id().unwrap();
         wait_verified(&t, 256 << 10).await;
         let db = roam_etcd::Client::connect(&[etcd.url()]).await.unwrap();
-        let hex: String = id.0.iter().map(|b| format!("{b:02x}")).collect();
+        let hex = hex_id(id);
         let owner = format!("/roam/test/owner/{hex}").into_bytes();
         let record = format!("/roam/test/record/{hex}").into_bytes();
         // The client is cut off: h0 suspends the session into a
         // continuation, in its store and in etcd.
         proxy.refuse(true);
         proxy.reset_all();
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        loop {
-            let o = db.get(&owner).await.unwrap().map(|kv| kv.value);
-            if o.as_deref() == Some(b"h0".as_slice()) {
-                break;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "h0 never owned it in etcd"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        wait_etcd_owner(&db, &owner, "h0").await;
         let sealed = db
             .get(&record)
             .await
@@ -704,8 +730,19 @@ async fn a_client_whose_throughput_drops_asks_to_move_and_is_moved() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_hundred_consecutive_moves_among_three_hosts() {
+    hundred_moves(Extra::default()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_etcd_one_hundred_consecutive_moves_among_three_hosts() {
+    let (_etcd, extra) = with_etcd().await;
+    hundred_moves(extra).await;
+}
+
+async fn hundred_moves(extra: Extra) {
+    let etcd = extra.etcd.clone();
     bounded(Duration::from_secs(180), "test", async {
-        let c = start_cluster(&["1", "1", "1"], Extra::default()).await;
+        let c = start_cluster(&["1", "1", "1"], extra).await;
         // Paced so that it still runs when the last move is done.
         const LEN: u64 = 64 << 20;
         let t = transfer(&c, "h0", LEN, Duration::from_millis(2)).await;
@@ -738,6 +775,8 @@ async fn one_hundred_consecutive_moves_among_three_hosts() {
             "100 moves: frozen median {:?}, max {:?}",
             frozen[50], frozen[99]
         );
+        assert_eq!(c.holder(id), Some(at));
+        assert_nothing_in_etcd(etcd.as_deref(), id).await;
         c.shutdown().await;
     })
     .await;
@@ -745,8 +784,19 @@ async fn one_hundred_consecutive_moves_among_three_hosts() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_incompatible_destination_is_refused_naming_the_property() {
+    incompatible_refused(Extra::default()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_etcd_an_incompatible_destination_is_refused_naming_the_property() {
+    let (_etcd, extra) = with_etcd().await;
+    incompatible_refused(extra).await;
+}
+
+async fn incompatible_refused(extra: Extra) {
+    let etcd = extra.etcd.clone();
     bounded(Duration::from_secs(60), "test", async {
-        let c = start_cluster(&["1", "2"], Extra::default()).await;
+        let c = start_cluster(&["1", "2"], extra).await;
         const LEN: u64 = 4 << 20;
         let t = transfer(&c, "h0", LEN, Duration::from_millis(1)).await;
         let id = t.session.id().unwrap();
@@ -770,6 +820,8 @@ async fn an_incompatible_destination_is_refused_naming_the_property() {
             Err(MoveError::UnknownHost(h)) => assert_eq!(h, "nowhere"),
             other => panic!("{other:?}"),
         }
+        assert_eq!(c.holder(id), Some(0));
+        assert_nothing_in_etcd(etcd.as_deref(), id).await;
         c.shutdown().await;
     })
     .await;
@@ -777,15 +829,20 @@ async fn an_incompatible_destination_is_refused_naming_the_property() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_destination_leaves_the_session_at_the_source() {
+    unreachable_destination(Extra::default()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_etcd_an_unreachable_destination_leaves_the_session_at_the_source() {
+    let (_etcd, extra) = with_etcd().await;
+    unreachable_destination(extra).await;
+}
+
+async fn unreachable_destination(mut extra: Extra) {
+    let etcd = extra.etcd.clone();
     bounded(Duration::from_secs(60), "test", async {
-        let c = start_cluster(
-            &["1"],
-            Extra {
-                hosts: vec![Extra::down("gone").await],
-                ..Default::default()
-            },
-        )
-        .await;
+        extra.hosts.push(Extra::down("gone").await);
+        let c = start_cluster(&["1"], extra).await;
         const LEN: u64 = 4 << 20;
         let t = transfer(&c, "h0", LEN, Duration::from_millis(1)).await;
         let id = t.session.id().unwrap();
@@ -794,6 +851,8 @@ async fn an_unreachable_destination_leaves_the_session_at_the_source() {
         assert!(matches!(e, MoveError::Link(_)), "{e}");
         assert_eq!(c.holder(id), Some(0));
         assert_eq!(t.task.await.unwrap().expect("transfer"), LEN);
+        assert_eq!(c.holder(id), Some(0));
+        assert_nothing_in_etcd(etcd.as_deref(), id).await;
         c.shutdown().await;
     })
     .await;
@@ -801,6 +860,17 @@ async fn an_unreachable_destination_leaves_the_session_at_the_source() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_destination_that_dies_during_the_transfer_leaves_the_session_at_the_source() {
+    dying_destination(Extra::default()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_etcd_a_destination_that_dies_during_the_transfer_leaves_the_session_at_the_source() {
+    let (_etcd, extra) = with_etcd().await;
+    dying_destination(extra).await;
+}
+
+async fn dying_destination(mut extra: Extra) {
+    let etcd = extra.etcd.clone();
     bounded(Duration::from_secs(90), "test", async {
         // "d" is a host of the cluster that accepts the offer and then dies
         // (its connection drops) when the transfer arrives. Its client port
@@ -812,18 +882,12 @@ async fn a_destination_that_dies_during_the_transfer_leaves_the_session_at_the_s
         let d_clients = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let d_clients_addr = d_clients.local_addr().unwrap();
         drop(d_clients);
-        let c = start_cluster(
-            &["1"],
-            Extra {
-                hosts: vec![format!(
-                    "host d clients={d_clients_addr} peers={} key={}\n",
-                    d_peers.local_addr().unwrap(),
-                    d_key.public()
-                )],
-                ..Default::default()
-            },
-        )
-        .await;
+        extra.hosts.push(format!(
+            "host d clients={d_clients_addr} peers={} key={}\n",
+            d_peers.local_addr().unwrap(),
+            d_key.public()
+        ));
+        let c = start_cluster(&["1"], extra).await;
         // The dying destination.
         let d_config = c.config.clone();
         let dying = tokio::spawn(async move {
@@ -856,6 +920,7 @@ async fn a_destination_that_dies_during_the_transfer_leaves_the_session_at_the_s
         // returns from the dead destination) and finishes there.
         assert_eq!(t.task.await.unwrap().expect("transfer"), LEN);
         assert_eq!(c.holder(id), Some(0));
+        assert_nothing_in_etcd(etcd.as_deref(), id).await;
         c.shutdown().await;
     })
     .await;
@@ -863,8 +928,19 @@ async fn a_destination_that_dies_during_the_transfer_leaves_the_session_at_the_s
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_source_killed_right_after_the_switch_does_not_stop_the_session() {
+    source_killed_after_switch(Extra::default()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_etcd_the_source_killed_right_after_the_switch_does_not_stop_the_session() {
+    let (_etcd, extra) = with_etcd().await;
+    source_killed_after_switch(extra).await;
+}
+
+async fn source_killed_after_switch(extra: Extra) {
+    let etcd = extra.etcd.clone();
     bounded(Duration::from_secs(60), "test", async {
-        let mut c = start_cluster(&["1", "1"], Extra::default()).await;
+        let mut c = start_cluster(&["1", "1"], extra).await;
         const LEN: u64 = 8 << 20;
         let t = transfer(&c, "h0", LEN, Duration::from_millis(1)).await;
         let id = t.session.id().unwrap();
@@ -873,6 +949,7 @@ async fn the_source_killed_right_after_the_switch_does_not_stop_the_session() {
         c.nodes[0].kill();
         assert_eq!(t.task.await.unwrap().expect("transfer"), LEN);
         assert_eq!(c.holder(id), Some(1));
+        assert_nothing_in_etcd(etcd.as_deref(), id).await;
         c.shutdown().await;
     })
     .await;
@@ -880,8 +957,19 @@ async fn the_source_killed_right_after_the_switch_does_not_stop_the_session() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hosts_and_operators_outside_the_cluster_are_refused() {
+    outsiders_refused(Extra::default()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_etcd_hosts_and_operators_outside_the_cluster_are_refused() {
+    let (_etcd, extra) = with_etcd().await;
+    outsiders_refused(extra).await;
+}
+
+async fn outsiders_refused(extra: Extra) {
+    let etcd = extra.etcd.clone();
     bounded(Duration::from_secs(60), "test", async {
-        let c = start_cluster(&["1", "1"], Extra::default()).await;
+        let c = start_cluster(&["1", "1"], extra).await;
         let h0 = &c.config.hosts["h0"];
         // A stranger that knows h0's key but is not in the file.
         let stranger = Keypair::generate().unwrap();
@@ -902,7 +990,10 @@ async fn hosts_and_operators_outside_the_cluster_are_refused() {
         // A client session at h0 that a stranger tries to take: no offer
         // can even be made, and the session is untouched.
         let t = transfer(&c, "h0", 1 << 20, Duration::ZERO).await;
+        let id = t.session.id().unwrap();
         assert_eq!(t.task.await.unwrap().expect("transfer"), 1 << 20);
+        assert_eq!(c.holder(id), Some(0));
+        assert_nothing_in_etcd(etcd.as_deref(), id).await;
         c.shutdown().await;
     })
     .await;
@@ -1020,10 +1111,11 @@ async fn a_drain_moves_a_thousand_sessions_and_every_one_keeps_working() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_etcd_a_drain_moves_every_session_and_each_keeps_working() {
     let (_etcd, extra) = with_etcd().await;
-    drain_keeps_every_session(200, extra).await;
+    drain_keeps_every_session(1000, extra).await;
 }
 
 async fn drain_keeps_every_session(n: usize, extra: Extra) {
+    let etcd = extra.etcd.clone();
     bounded(Duration::from_secs(240), "test", async {
         let c = start_cluster(&["1", "1", "1"], extra).await;
         let mut clients = Vec::with_capacity(n);
@@ -1070,6 +1162,14 @@ async fn drain_keeps_every_session(n: usize, extra: Extra) {
         );
         let ins: u64 = c.nodes[1..].iter().map(|n| n.host.stats().moves_in).sum();
         assert_eq!(ins, n as u64);
+        if let Some(url) = &etcd {
+            // Every session is live again: etcd keeps no record of any.
+            let db = roam_etcd::Client::connect(std::slice::from_ref(url))
+                .await
+                .unwrap();
+            let left = db.get_prefix(b"/roam/test/record/").await.unwrap();
+            assert!(left.is_empty(), "records left in etcd: {}", left.len());
+        }
         c.shutdown().await;
     })
     .await;

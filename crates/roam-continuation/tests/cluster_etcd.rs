@@ -7,120 +7,13 @@
 //! once, in order. Ports are probed free on 127.0.0.1; etcd runs on a
 //! temporary data dir; every process is killed at the end, even on failure.
 
-use std::io::{BufRead, BufReader, Write};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+mod common;
 
+use std::time::Instant;
+
+use common::{free_port, write_key, Proc};
 use roam_etcd::testing::EtcdServer;
-use roam_proto::Keypair;
 use roam_sim::proxy::FaultProxy;
-
-const LIMIT: Duration = Duration::from_secs(60);
-
-/// Path of an example binary of this package, built if missing.
-fn example(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let dir = exe.parent().and_then(Path::parent).expect("target dir");
-    let path = dir.join("examples").join(name);
-    if !path.exists() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let mut cmd = Command::new(cargo);
-        cmd.args(["build", "-p", "roam-continuation", "--example", name]);
-        if dir.file_name().is_some_and(|n| n == "release") {
-            cmd.arg("--release");
-        }
-        assert!(
-            cmd.status().expect("cargo build").success(),
-            "building {name}"
-        );
-    }
-    path
-}
-
-/// A child whose stdout lines arrive on a channel; killed on drop.
-struct Proc {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-    name: String,
-}
-
-impl Proc {
-    fn spawn(bin: &str, name: &str, args: &[&str]) -> Self {
-        let mut child = Command::new(example(bin))
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap_or_else(|e| panic!("spawn {name}: {e}"));
-        let out = child.stdout.take().expect("stdout");
-        let (tx, lines) = mpsc::channel();
-        let n = name.to_string();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                println!("  [{n}] {line}");
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        Self {
-            child,
-            lines,
-            name: name.to_string(),
-        }
-    }
-
-    /// Waits for a line starting with `prefix`; returns it.
-    fn expect(&self, prefix: &str) -> String {
-        let deadline = Instant::now() + LIMIT;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(l) if l.starts_with(prefix) => return l,
-                Ok(l) if l.starts_with("error") => panic!("{}: {l}", self.name),
-                Ok(_) => {}
-                Err(_) => panic!("{}: no line {prefix:?} within {LIMIT:?}", self.name),
-            }
-        }
-    }
-
-    fn kill9(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        self.kill9();
-    }
-}
-
-fn free_port() -> String {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    l.local_addr().expect("addr").to_string()
-}
-
-fn write_key(path: &Path) -> Keypair {
-    let kp = Keypair::generate().expect("keygen");
-    let hex: String = kp
-        .private_bytes()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(path)
-        .expect("key file");
-    writeln!(f, "{hex}").expect("write key");
-    kp
-}
 
 #[test]
 fn sessions_suspended_on_a_killed_host_resume_on_another_host() {

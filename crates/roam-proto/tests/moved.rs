@@ -73,22 +73,9 @@ fn a_resume_at_the_old_host_is_redirected_and_nothing_is_lost() {
     let service_key = Keypair::generate().unwrap();
     let cfg = server_config(&service_key);
     let mut now = Instant::now();
-    let mut client = Session::client(ClientConfig {
-        keypair: Keypair::generate().unwrap(),
-        server_trust: ServerTrust::Pinned(service_key.public()),
-        session: Config::default(),
-    });
 
     // A new session at host A.
-    let ct = client.connect(now, None).unwrap();
-    let bytes = opening(now, &mut client);
-    let Opening::New { hello, used } = route_opening(&bytes) else {
-        panic!("expected a new session");
-    };
-    let (mut a, at) = Session::accept(&cfg, now, &hello, None).unwrap();
-    a.handle_input(now, at, &bytes[used..]).unwrap();
-    pump(now, &mut client, ct, &mut a, at);
-    assert_eq!(client.state(), State::Active);
+    let (mut client, ct, mut a, at) = pair(&cfg, &service_key, now);
     let id = client.id().unwrap();
 
     // Traffic both ways, partly unacknowledged when the snapshot is taken.

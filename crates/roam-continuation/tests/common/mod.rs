@@ -301,3 +301,119 @@ async fn idle_loop(s: roam_continuation::ManagedSession) {
         .suspend(roam_continuation::Continuation::new("idle"))
         .await;
 }
+
+// Example binaries run as child processes (`bench_server`, `bench_client`).
+
+/// How long a child process's expected line may take.
+pub const PROC_LIMIT: Duration = Duration::from_secs(60);
+
+/// Path of an example binary of this package, built if missing.
+pub fn example(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    // target/<profile>/deps/<test> -> target/<profile>/examples/<name>
+    let dir = exe.parent().and_then(Path::parent).expect("target dir");
+    let path = dir.join("examples").join(name);
+    if !path.exists() {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut cmd = std::process::Command::new(cargo);
+        cmd.args(["build", "-p", "roam-continuation", "--example", name]);
+        if dir.file_name().is_some_and(|n| n == "release") {
+            cmd.arg("--release");
+        }
+        let status = cmd.status().expect("run cargo build");
+        assert!(status.success(), "building example {name} failed");
+    }
+    path
+}
+
+/// A child process (an example binary) whose stdout lines arrive on a
+/// channel; killed on drop.
+pub struct Proc {
+    pub child: std::process::Child,
+    lines: std::sync::mpsc::Receiver<String>,
+    pub name: String,
+}
+
+impl Proc {
+    /// Runs example `bin` with `args`; `name` labels its output.
+    pub fn spawn(bin: &str, name: &str, args: &[&str]) -> Self {
+        use std::io::{BufRead, BufReader};
+        use std::process::{Command, Stdio};
+        let mut child = Command::new(example(bin))
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {name}: {e}"));
+        let out = child.stdout.take().expect("stdout");
+        let (tx, lines) = std::sync::mpsc::channel();
+        let n = name.to_string();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                println!("  [{n}] {line}");
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Self {
+            child,
+            lines,
+            name: name.to_string(),
+        }
+    }
+
+    /// Waits for a line starting with `prefix`; returns it. A line starting
+    /// with `error` fails the test.
+    pub fn expect(&self, prefix: &str) -> String {
+        let deadline = std::time::Instant::now() + PROC_LIMIT;
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) if l.starts_with(prefix) => return l,
+                Ok(l) if l.starts_with("error") => panic!("{}: {l}", self.name),
+                Ok(_) => {}
+                Err(_) => panic!("{}: no line {prefix:?} within {PROC_LIMIT:?}", self.name),
+            }
+        }
+    }
+
+    /// SIGKILL, then reap.
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// A TCP port on 127.0.0.1 that was free a moment ago, as `addr:port`.
+pub fn free_port() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    l.local_addr().expect("addr").to_string()
+}
+
+/// A new keypair, its private key written to `path` in hex (mode 0600).
+pub fn write_key(path: &Path) -> roam_proto::Keypair {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let kp = roam_proto::Keypair::generate().expect("keygen");
+    let hex: String = kp
+        .private_bytes()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .expect("key file");
+    writeln!(f, "{hex}").expect("write key");
+    kp
+}
