@@ -137,33 +137,41 @@ fn hex_id(id: roam::SessionId) -> String {
     id.0.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Asserts that etcd (at `url`, if the cluster uses one) keeps neither a
-/// record nor an owner for `id`: a live session leaves nothing there that
-/// could resume a stale copy of it.
-async fn assert_nothing_in_etcd(url: Option<&str>, id: roam::SessionId) {
+/// Asserts that etcd (at `url`, if the cluster uses one) agrees with the
+/// cluster about `id`, live at host `holder`: no record (nothing that could
+/// resume a stale copy of it) and, if it has an owner key (it moved or was
+/// suspended), that key names `holder`.
+async fn assert_etcd_agrees(url: Option<&str>, id: roam::SessionId, holder: &str) {
     let Some(url) = url else { return };
     let db = roam_etcd::Client::connect(&[url.to_string()])
         .await
         .unwrap();
     let hex = hex_id(id);
-    for kind in ["record", "owner"] {
-        let key = format!("/roam/test/{kind}/{hex}");
-        let got = db.get(key.as_bytes()).await.unwrap();
-        assert!(got.is_none(), "{key} left in etcd for a live session");
-    }
+    let record = format!("/roam/test/record/{hex}");
+    let got = db.get(record.as_bytes()).await.unwrap();
+    assert!(got.is_none(), "{record} left in etcd for a live session");
+    let owner = format!("/roam/test/owner/{hex}");
+    let got = db.get(owner.as_bytes()).await.unwrap().map(|kv| kv.value);
+    assert!(
+        got.is_none() || got.as_deref() == Some(holder.as_bytes()),
+        "{owner} names {:?}, but the session is live at {holder}",
+        got.map(|v| String::from_utf8_lossy(&v).into_owned())
+    );
 }
 
-/// Waits until etcd names `host` as the owner at key `owner`.
-async fn wait_etcd_owner(db: &roam_etcd::Client, owner: &[u8], host: &str) {
+/// Waits (bounded, 20 s) until etcd's `owner` key holds `want` (`None`:
+/// until it is gone).
+async fn wait_owner(db: &roam_etcd::Client, owner: &[u8], want: Option<&str>, what: &str) {
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     loop {
         let o = db.get(owner).await.unwrap().map(|kv| kv.value);
-        if o.as_deref() == Some(host.as_bytes()) {
+        if o.as_deref() == want.map(str::as_bytes) {
             return;
         }
         assert!(
             std::time::Instant::now() < deadline,
-            "{host} never owned it in etcd (owner: {o:?})"
+            "{what}: owner is {:?}",
+            o.map(|v| String::from_utf8_lossy(&v).into_owned())
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -537,7 +545,7 @@ async fn with_etcd_a_suspended_session_moves_and_leaves_no_copy_behind() {
         // continuation, in its store and in etcd.
         proxy.refuse(true);
         proxy.reset_all();
-        wait_etcd_owner(&db, &owner, "h0").await;
+        wait_owner(&db, &owner, Some("h0"), "h0 owns it in etcd").await;
         let sealed = db
             .get(&record)
             .await
@@ -776,7 +784,7 @@ async fn hundred_moves(extra: Extra) {
             frozen[50], frozen[99]
         );
         assert_eq!(c.holder(id), Some(at));
-        assert_nothing_in_etcd(etcd.as_deref(), id).await;
+        assert_etcd_agrees(etcd.as_deref(), id, &c.nodes[at].name).await;
         c.shutdown().await;
     })
     .await;
@@ -821,7 +829,7 @@ async fn incompatible_refused(extra: Extra) {
             other => panic!("{other:?}"),
         }
         assert_eq!(c.holder(id), Some(0));
-        assert_nothing_in_etcd(etcd.as_deref(), id).await;
+        assert_etcd_agrees(etcd.as_deref(), id, "h0").await;
         c.shutdown().await;
     })
     .await;
@@ -852,7 +860,7 @@ async fn unreachable_destination(mut extra: Extra) {
         assert_eq!(c.holder(id), Some(0));
         assert_eq!(t.task.await.unwrap().expect("transfer"), LEN);
         assert_eq!(c.holder(id), Some(0));
-        assert_nothing_in_etcd(etcd.as_deref(), id).await;
+        assert_etcd_agrees(etcd.as_deref(), id, "h0").await;
         c.shutdown().await;
     })
     .await;
@@ -920,7 +928,7 @@ async fn dying_destination(mut extra: Extra) {
         // returns from the dead destination) and finishes there.
         assert_eq!(t.task.await.unwrap().expect("transfer"), LEN);
         assert_eq!(c.holder(id), Some(0));
-        assert_nothing_in_etcd(etcd.as_deref(), id).await;
+        assert_etcd_agrees(etcd.as_deref(), id, "h0").await;
         c.shutdown().await;
     })
     .await;
@@ -949,7 +957,7 @@ async fn source_killed_after_switch(extra: Extra) {
         c.nodes[0].kill();
         assert_eq!(t.task.await.unwrap().expect("transfer"), LEN);
         assert_eq!(c.holder(id), Some(1));
-        assert_nothing_in_etcd(etcd.as_deref(), id).await;
+        assert_etcd_agrees(etcd.as_deref(), id, "h1").await;
         c.shutdown().await;
     })
     .await;
@@ -993,7 +1001,7 @@ async fn outsiders_refused(extra: Extra) {
         let id = t.session.id().unwrap();
         assert_eq!(t.task.await.unwrap().expect("transfer"), 1 << 20);
         assert_eq!(c.holder(id), Some(0));
-        assert_nothing_in_etcd(etcd.as_deref(), id).await;
+        assert_etcd_agrees(etcd.as_deref(), id, "h0").await;
         c.shutdown().await;
     })
     .await;
@@ -1224,24 +1232,6 @@ async fn load_shedding_moves_heavy_sessions_to_the_least_loaded_replicas() {
     .await;
 }
 
-/// Waits (bounded, 20 s) until etcd's `owner` key holds `want` (`None`:
-/// until it is gone).
-async fn wait_owner(db: &roam_etcd::Client, owner: &[u8], want: Option<&str>, what: &str) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let o = db.get(owner).await.unwrap().map(|kv| kv.value);
-        if o.as_deref() == want.map(str::as_bytes) {
-            return;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{what}: owner is {:?}",
-            o.map(|v| String::from_utf8_lossy(&v).into_owned())
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// With etcd, a live session's owner is a key there: none while it stays
 /// on the host that created it, the destination's from each move's commit
 /// (compared to the source: the single-winner transactions themselves are
@@ -1257,8 +1247,7 @@ async fn with_etcd_a_live_sessions_owner_follows_its_moves() {
         let id = t.session.id().unwrap();
         wait_verified(&t, 256 << 10).await;
         let db = roam_etcd::Client::connect(&[etcd.url()]).await.unwrap();
-        let hex: String = id.0.iter().map(|b| format!("{b:02x}")).collect();
-        let owner = format!("/roam/test/owner/{hex}").into_bytes();
+        let owner = format!("/roam/test/owner/{}", hex_id(id)).into_bytes();
         // Never suspended nor moved: no key (its host knows it).
         assert!(db.get(&owner).await.unwrap().is_none());
         c.nodes[0].host.move_session(id, "h1").await.expect("move");
