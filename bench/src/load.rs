@@ -42,6 +42,24 @@ impl<T: AsyncRead + AsyncWrite + Unpin + Send> Duplex for T {}
 /// A connection to the target through some peer.
 pub(crate) type Conn = Box<dyn Duplex>;
 
+/// Accept-queue length the target asks for (the kernel caps it at
+/// `net.core.somaxconn`, 4096 on the CI machine; socat's listeners ask the same).
+pub(crate) const TARGET_BACKLOG: u32 = 4096;
+
+/// The target's listening socket on a free loopback port, with a backlog of
+/// [`TARGET_BACKLOG`]. `TcpListener::bind` asks for 128 (std's value): the
+/// relay connects thousands of streams to the target in a burst (scenario
+/// 4 opens 10,000 in about two seconds), the queue overflowed, the kernel
+/// answered with SYN cookies and dropped handshakes, and a connection the
+/// relay already held as established could be reset by the target's kernel
+/// ("Connection reset by peer"), which the relay passes on as a stream reset.
+pub(crate) fn target_listener() -> io::Result<TcpListener> {
+    let s = tokio::net::TcpSocket::new_v4()?;
+    s.set_reuseaddr(true)?;
+    s.bind(SocketAddr::from(([127, 0, 0, 1], 0)))?;
+    s.listen(TARGET_BACKLOG)
+}
+
 /// Runs the target server on `listener` until the process ends.
 pub(crate) async fn serve_targets(listener: TcpListener) -> io::Result<()> {
     loop {
