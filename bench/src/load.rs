@@ -394,6 +394,52 @@ mod tests {
         a
     }
 
+    /// The target's accept queue holds a relay's burst: 1,000 connections
+    /// made while nobody accepts (the kernel queues them, no SYN cookies),
+    /// then every one echoes its own byte once the server runs. And the
+    /// queue is as long as asked (up to `somaxconn`), as `ss` reports it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn target_queue_holds_a_burst_and_every_connection_echoes() {
+        let l = target_listener().unwrap();
+        let addr = l.local_addr().unwrap();
+        if let Ok(o) = std::process::Command::new("ss")
+            .args(["-ltnH", &format!("sport = :{}", addr.port())])
+            .output()
+        {
+            let text = String::from_utf8_lossy(&o.stdout);
+            if let Some(q) = text.split_whitespace().nth(2) {
+                let somaxconn: u32 = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+                    .ok()
+                    .and_then(|t| t.trim().parse().ok())
+                    .unwrap_or(TARGET_BACKLOG);
+                assert_eq!(
+                    q.parse::<u32>().unwrap(),
+                    TARGET_BACKLOG.min(somaxconn),
+                    "{text}"
+                );
+            }
+        }
+        let n = 1000;
+        let mut conns = Vec::with_capacity(n);
+        for i in 0..n {
+            let mut s = TcpStream::connect(addr).await.unwrap();
+            s.write_all(&[OP_ECHO, i as u8]).await.unwrap();
+            conns.push(s);
+        }
+        tokio::spawn(serve_targets(l));
+        tokio::time::timeout(Duration::from_secs(60), async {
+            for (i, s) in conns.iter_mut().enumerate() {
+                let mut b = [0u8; 1];
+                s.read_exact(&mut b)
+                    .await
+                    .unwrap_or_else(|e| panic!("connection {i}: {e}"));
+                assert_eq!(b[0], i as u8, "connection {i}");
+            }
+        })
+        .await
+        .expect("every queued connection echoed within 60 s");
+    }
+
     #[tokio::test]
     async fn operations_round_trip_and_check_counts() {
         let a = target().await;
