@@ -72,7 +72,7 @@ pub(crate) fn run(cmd: AgentCmd) -> i32 {
     let r = rt.block_on(async move {
         match cmd {
             AgentCmd::Targets => {
-                let l = TcpListener::bind("127.0.0.1:0").await?;
+                let l = load::target_listener()?;
                 println!("addr {}", l.local_addr()?);
                 load::serve_targets(l).await
             }

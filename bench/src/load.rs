@@ -42,6 +42,24 @@ impl<T: AsyncRead + AsyncWrite + Unpin + Send> Duplex for T {}
 /// A connection to the target through some peer.
 pub(crate) type Conn = Box<dyn Duplex>;
 
+/// Accept-queue length the target asks for (the kernel caps it at
+/// `net.core.somaxconn`, 4096 on the CI machine; socat's listeners ask the same).
+pub(crate) const TARGET_BACKLOG: u32 = 4096;
+
+/// The target's listening socket on a free loopback port, with a backlog of
+/// [`TARGET_BACKLOG`]. `TcpListener::bind` asks for 128 (std's value): the
+/// relay connects thousands of streams to the target in a burst (scenario
+/// 4 opens 10,000 in about two seconds), the queue overflowed, the kernel
+/// answered with SYN cookies and dropped handshakes, and a connection the
+/// relay already held as established could be reset by the target's kernel
+/// ("Connection reset by peer"), which the relay passes on as a stream reset.
+pub(crate) fn target_listener() -> io::Result<TcpListener> {
+    let s = tokio::net::TcpSocket::new_v4()?;
+    s.set_reuseaddr(true)?;
+    s.bind(SocketAddr::from(([127, 0, 0, 1], 0)))?;
+    s.listen(TARGET_BACKLOG)
+}
+
 /// Runs the target server on `listener` until the process ends.
 pub(crate) async fn serve_targets(listener: TcpListener) -> io::Result<()> {
     loop {
@@ -374,6 +392,50 @@ mod tests {
         let a = l.local_addr().unwrap();
         tokio::spawn(serve_targets(l));
         a
+    }
+
+    /// The target's accept queue holds a relay's burst: 1,000 connections
+    /// made while nobody accepts (the kernel queues them, no SYN cookies),
+    /// then every one echoes its own byte once the server runs. And the
+    /// queue is as long as asked (up to `somaxconn`), as `ss` reports it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn target_queue_holds_a_burst_and_every_connection_echoes() {
+        let l = target_listener().unwrap();
+        let addr = l.local_addr().unwrap();
+        let somaxconn: u32 = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+            .unwrap_or(TARGET_BACKLOG);
+        let backlog = TARGET_BACKLOG.min(somaxconn);
+        if let Ok(o) = std::process::Command::new("ss")
+            .args(["-ltnH", &format!("sport = :{}", addr.port())])
+            .output()
+        {
+            let text = String::from_utf8_lossy(&o.stdout);
+            if let Some(q) = text.split_whitespace().nth(2) {
+                assert_eq!(q.parse::<u32>().unwrap(), backlog, "{text}");
+            }
+        }
+        // A kernel capping queues below 1,000 (somaxconn) gets a smaller burst.
+        let n = 1000.min(backlog as usize);
+        let mut conns = Vec::with_capacity(n);
+        for i in 0..n {
+            let mut s = TcpStream::connect(addr).await.unwrap();
+            s.write_all(&[OP_ECHO, i as u8]).await.unwrap();
+            conns.push(s);
+        }
+        tokio::spawn(serve_targets(l));
+        tokio::time::timeout(Duration::from_secs(60), async {
+            for (i, s) in conns.iter_mut().enumerate() {
+                let mut b = [0u8; 1];
+                s.read_exact(&mut b)
+                    .await
+                    .unwrap_or_else(|e| panic!("connection {i}: {e}"));
+                assert_eq!(b[0], i as u8, "connection {i}");
+            }
+        })
+        .await
+        .expect("every queued connection echoed within 60 s");
     }
 
     #[tokio::test]

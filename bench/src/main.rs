@@ -31,6 +31,7 @@
 #![forbid(unsafe_code)]
 
 mod agent;
+mod diag;
 mod load;
 mod peers;
 mod plot;
@@ -323,6 +324,7 @@ impl Scenarios {
 /// panics and time-outs become `Outcome::Error`.
 async fn scenario<T, F>(
     name: &str,
+    env: &Env,
     only: &[String],
     lab: &Result<Arc<Lab>, String>,
     budget: Duration,
@@ -346,7 +348,8 @@ where
         }
     };
     progress(&format!("scenario {name}: start"));
-    let task = tokio::spawn(f(lab));
+    let net0 = procs::net_counters();
+    let task = tokio::spawn(f(lab.clone()));
     let abort = task.abort_handle();
     let out = match tokio::time::timeout(budget, task).await {
         Err(_) => {
@@ -364,7 +367,10 @@ where
         Ok(Ok(Ok(v))) => Outcome::Ok(v),
     };
     match &out {
-        Outcome::Error { error } => progress(&format!("scenario {name}: ERROR: {error}")),
+        Outcome::Error { error } => {
+            progress(&format!("scenario {name}: ERROR: {error}"));
+            diag::report(env, &lab, &net0);
+        }
         _ => progress(&format!("scenario {name}: done")),
     }
     out
@@ -516,31 +522,31 @@ async fn run(cli: Cli, plan: Plan, nofile: u64) -> i32 {
     let only = &cli.only;
     let c = &ctx;
     let scen = Scenarios {
-        throughput: scenario("throughput", only, &lab, budget, |l| {
+        throughput: scenario("throughput", &c.env, only, &lab, budget, |l| {
             scenarios::throughput::run(c.clone(), l)
         })
         .await,
-        latency: scenario("latency", only, &lab, budget, |l| {
+        latency: scenario("latency", &c.env, only, &lab, budget, |l| {
             scenarios::latency::run(c.clone(), l)
         })
         .await,
-        setup: scenario("setup", only, &lab, budget, |l| {
+        setup: scenario("setup", &c.env, only, &lab, budget, |l| {
             scenarios::setup::run(c.clone(), l)
         })
         .await,
-        resume: scenario("resume", only, &lab, budget, |l| {
+        resume: scenario("resume", &c.env, only, &lab, budget, |l| {
             scenarios::resume::run(c.clone(), l)
         })
         .await,
-        memory: scenario("memory", only, &lab, budget, |l| {
+        memory: scenario("memory", &c.env, only, &lab, budget, |l| {
             scenarios::memory::run(c.clone(), l)
         })
         .await,
-        many: scenario("many", only, &lab, budget, |l| {
+        many: scenario("many", &c.env, only, &lab, budget, |l| {
             scenarios::many::run(c.clone(), l)
         })
         .await,
-        cluster: scenario("cluster", only, &lab, budget, |l| {
+        cluster: scenario("cluster", &c.env, only, &lab, budget, |l| {
             scenarios::cluster::run(c.clone(), l)
         })
         .await,

@@ -248,6 +248,10 @@ pub(crate) struct Targets {
 }
 
 impl Targets {
+    pub(crate) fn pid(&self) -> u32 {
+        self._agent.pid()
+    }
+
     pub(crate) async fn start(env: &Env) -> io::Result<Targets> {
         let mut agent = Agent::spawn(&env.me, &["targets"], &env.log("agents"))?;
         let addr = agent.addr().await?;
@@ -405,7 +409,10 @@ impl RoamServe {
         std::fs::create_dir_all(&state)?;
         let port = free_port()?;
         let mut cmd = env.roam_cmd(&state);
-        cmd.arg("serve")
+        // Info level: the relay's per-stream "ended: <error>" lines explain
+        // a reset, and a failing scenario prints them (see `diagnose`).
+        cmd.arg("-v")
+            .arg("serve")
             .arg("--listen")
             .arg(lo(port).to_string())
             .arg("--key")

@@ -176,38 +176,83 @@ async fn open_probe(ctx: &Ctx, lab: &Lab, n: usize) -> io::Result<Probe> {
     let session = roam::connect(&proxy.addr().to_string(), client_config(&ctx.keypair))
         .await
         .map_err(|e| io::Error::other(format!("session through the fault proxy: {e}")))?;
-    let target = lab.targets.addr.to_string();
-    let mut streams = Vec::with_capacity(n);
-    for _ in 0..n {
-        let mut s = session.open_stream(target.as_bytes()).map_err(|e| {
-            io::Error::other(format!("opening stream {} of {n}: {e}", streams.len()))
-        })?;
-        s.write_all(&[OP_ECHO]).await?;
-        streams.push(s);
-    }
-    tokio::time::timeout(Duration::from_secs(120), echo_all(&mut streams, 1))
-        .await
-        .map_err(|_| io::Error::other(format!("{n} streams: first echo timed out")))??;
-    let events = session.events();
-    Ok(Probe {
+    let mut probe = Probe {
         n,
         proxy,
+        events: session.events(),
         session,
-        streams,
-        events,
-    })
+        streams: Vec::with_capacity(n),
+    };
+    match open_streams(lab, &mut probe).await {
+        Ok(()) => Ok(probe),
+        Err(e) => {
+            close_probe(probe).await;
+            Err(e)
+        }
+    }
 }
 
+async fn open_streams(lab: &Lab, p: &mut Probe) -> io::Result<()> {
+    let n = p.n;
+    let target = lab.targets.addr.to_string();
+    for _ in 0..n {
+        let mut s = p.session.open_stream(target.as_bytes()).map_err(|e| {
+            io::Error::other(format!("opening stream {} of {n}: {e}", p.streams.len()))
+        })?;
+        s.write_all(&[OP_ECHO]).await?;
+        p.streams.push(s);
+    }
+    tokio::time::timeout(Duration::from_secs(120), echo_all(&mut p.streams, 1))
+        .await
+        .map_err(|_| io::Error::other(format!("{n} streams: first echo timed out")))?
+        .map_err(|e| io::Error::new(e.kind(), format!("{n} streams: first echo: {e}")))
+}
+
+/// Closes a probe's session through its proxy (lifted first), then drops
+/// the proxy. Dropping the proxy first would cut the session without its
+/// close: the relay would keep it suspended, with every stream's target
+/// connection open, for its resume timeout (days), and the scenarios after
+/// this one would run against those leftovers (descriptors, target caps).
+async fn close_probe(p: Probe) {
+    p.proxy.blackhole(false);
+    drop(p.streams);
+    if tokio::time::timeout(Duration::from_secs(10), p.session.close(0, ""))
+        .await
+        .is_err()
+    {
+        progress(&format!(
+            "resume: the session with {} streams did not close within 10 s",
+            p.n
+        ));
+    }
+    drop(p.proxy);
+}
+
+/// One round; whatever happens, every probe's session is closed before its
+/// proxy goes (see [`close_probe`]).
 async fn one_round(ctx: &Ctx, lab: &Lab, round: usize) -> io::Result<Vec<Sample>> {
-    let counts = &ctx.plan.stream_counts;
     let mut probes = Vec::new();
+    let r = measure(ctx, lab, round, &mut probes).await;
+    for p in probes {
+        close_probe(p).await;
+    }
+    r
+}
+
+async fn measure(
+    ctx: &Ctx,
+    lab: &Lab,
+    round: usize,
+    probes: &mut Vec<Probe>,
+) -> io::Result<Vec<Sample>> {
+    let counts = &ctx.plan.stream_counts;
     for &n in counts {
         probes.push(open_probe(ctx, lab, n).await?);
         progress(&format!("resume round {}: {n} streams open", round + 1));
     }
     tokio::time::sleep(IDLE).await;
     let t0 = Instant::now();
-    for p in &probes {
+    for p in probes.iter() {
         p.proxy.blackhole(true);
     }
     // The client side: each session's Suspended event, waited for together.
@@ -302,10 +347,6 @@ async fn one_round(ctx: &Ctx, lab: &Lab, round: usize) -> io::Result<Vec<Sample>
             ms(first_echo)
         ));
         tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    for p in probes {
-        drop(p.streams);
-        let _ = tokio::time::timeout(Duration::from_secs(5), p.session.close(0, "")).await;
     }
     Ok(samples)
 }
