@@ -1,7 +1,7 @@
 //! `roam forward`: a local port forward; every accepted connection is a new
 //! stream of one shared session, so all of them survive network changes.
 
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 
 use crate::cli::{CliError, CliResult, ForwardArgs};
 use crate::config::FileConfig;
@@ -22,7 +22,7 @@ pub(crate) async fn run(args: ForwardArgs, config: &FileConfig) -> CliResult {
         }
     }
     crate::limits::raise_fd_limit();
-    let listener = TcpListener::bind(&args.listen)
+    let listener = crate::limits::listen(&args.listen)
         .await
         .map_err(|e| CliError(format!("cannot listen on {}: {e}", args.listen)))?;
     let local = listener

@@ -307,9 +307,85 @@ pub(crate) fn server_limits(config: &roam::ServerConfig) -> Vec<Limit> {
     ]
 }
 
+/// Accept queue asked for on the relay's and `forward`'s listening sockets
+/// (the kernel caps it at `net.core.somaxconn`, 4096 on current Linux).
+/// std's default of 128 overflows when hundreds of clients reconnect at
+/// once (a relay restart, a network coming back): the kernel then answers
+/// with SYN cookies and drops handshakes, and clients wait a retransmission
+/// timeout.
+pub(crate) const LISTEN_BACKLOG: u32 = 4096;
+
+/// Binds `addr` (names resolved, each address tried in turn) and listens
+/// with [`LISTEN_BACKLOG`], with `SO_REUSEADDR` as `TcpListener::bind` sets.
+pub(crate) async fn listen(addr: &str) -> std::io::Result<tokio::net::TcpListener> {
+    let mut last = None;
+    for a in tokio::net::lookup_host(addr).await? {
+        let socket = if a.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()?
+        } else {
+            tokio::net::TcpSocket::new_v6()?
+        };
+        socket.set_reuseaddr(true)?;
+        match socket.bind(a).and_then(|()| socket.listen(LISTEN_BACKLOG)) {
+            Ok(l) => return Ok(l),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            format!("{addr} resolves to no address"),
+        )
+    }))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The relay's listening socket holds a burst of reconnects: its queue
+    /// is as long as asked (up to `somaxconn`), at least 1,000, and 600
+    /// connections made before any is accepted all complete and are then
+    /// accepted.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn listen_queue_holds_a_burst_of_reconnects() {
+        let l = listen("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let somaxconn: u32 = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+            .unwrap_or(LISTEN_BACKLOG);
+        let backlog = LISTEN_BACKLOG.min(somaxconn);
+        let ss = std::process::Command::new("ss")
+            .args(["-ltnH", &format!("sport = :{}", addr.port())])
+            .output()
+            .expect("ss (iproute2)");
+        let text = String::from_utf8_lossy(&ss.stdout);
+        let queue: u32 = text
+            .split_whitespace()
+            .nth(2)
+            .and_then(|q| q.parse().ok())
+            .unwrap_or_else(|| panic!("ss: {text}"));
+        assert_eq!(queue, backlog, "{text}");
+        // At least a thousand reconnects wait their turn (std's 128 did not).
+        assert!(queue >= 1000.min(somaxconn), "queue {queue}: {text}");
+        let n = 600.min(backlog as usize);
+        let mut conns = Vec::with_capacity(n);
+        for _ in 0..n {
+            let c =
+                tokio::time::timeout(Duration::from_secs(5), tokio::net::TcpStream::connect(addr))
+                    .await
+                    .expect("connect within 5 s")
+                    .unwrap();
+            conns.push(c);
+        }
+        for _ in 0..n {
+            tokio::time::timeout(Duration::from_secs(5), l.accept())
+                .await
+                .expect("queued")
+                .unwrap();
+        }
+    }
 
     #[test]
     fn budget_fits_the_fd_limit() {

@@ -130,7 +130,7 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
             "--max-connections {max_connections} and --max-targets {max_targets} may need {needed} file descriptors, more than the open-file limit {nofile}; the relay may run out of descriptors under load"
         );
     }
-    let listener = TcpListener::bind(&listen).await.map_err(|e| {
+    let listener = crate::limits::listen(&listen).await.map_err(|e| {
         CliError(format!("cannot listen on {listen}: {e}; is another relay running? choose another address with --listen"))
     })?;
     let local = listener
