@@ -1,6 +1,6 @@
 //! Evidence printed when a scenario fails, before the scratch directory
 //! (and with it every peer's log) is removed: the relay's warnings and the
-//! "ended: <error>" lines behind its stream resets, the target agent's
+//! `ended: <error>` lines behind its stream resets, the target agent's
 //! log, open descriptors of the long-lived processes, and the kernel's
 //! socket summary. Kept to a few dozen lines so a CI log explains itself.
 
