@@ -65,6 +65,7 @@ mod netwatch;
 mod server;
 mod sockopt;
 mod stream;
+mod tcpmem;
 
 pub use client::connect;
 pub use config::{ClientConfig, MovePolicy, ServerConfig};

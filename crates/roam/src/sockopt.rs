@@ -36,3 +36,9 @@ pub(crate) fn configure(stream: &TcpStream, user_timeout: Duration) {
     #[cfg(not(any(target_os = "linux", target_os = "android")))]
     let _ = user_timeout;
 }
+
+/// Sets the socket's receive buffer (`SO_RCVBUF`; the kernel doubles it for
+/// its bookkeeping and stops auto-tuning it).
+pub(crate) fn set_rcvbuf(stream: &TcpStream, bytes: usize) -> std::io::Result<()> {
+    SockRef::from(stream).set_recv_buffer_size(bytes)
+}

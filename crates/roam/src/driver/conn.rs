@@ -8,6 +8,10 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use roam_proto::{Session, TransportId};
+
+use socket2::SockRef;
+
+use crate::tcpmem::{self, Advice};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::OwnedSemaphorePermit;
@@ -38,6 +42,11 @@ pub(crate) struct Conn {
     pub(super) pos: usize,
     /// Set when the session is done with this transport: flush, then drop by then.
     pub(super) retire_by: Option<Instant>,
+    /// The receive buffer this connection was held to under the kernel's
+    /// TCP memory pressure (`None`: never held, or given back).
+    held: Option<usize>,
+    /// The pressure reading this connection last checked itself against.
+    memory_checked: u64,
     /// Server: holds a slot of the connection cap for as long as the socket lives.
     _permit: Option<OwnedSemaphorePermit>,
 }
@@ -56,6 +65,8 @@ impl Conn {
             out: Vec::new(),
             pos: 0,
             retire_by: None,
+            held: None,
+            memory_checked: 0,
             _permit: permit,
         }
     }
@@ -76,6 +87,52 @@ impl Conn {
         } else {
             self.out.extend_from_slice(records);
         }
+    }
+
+    /// Follows the kernel's TCP memory pressure (see `crate::tcpmem`): while
+    /// it lasts, a connection whose receive buffer outgrew its share of
+    /// socket memory is held to the share, so the connection that carries
+    /// every stream is not the one whose segments the kernel drops; a held
+    /// connection gets a large fixed buffer back when pressure is over.
+    /// Checked once per reading (`reading`, at most every 100 ms).
+    pub(super) fn fit_memory(&mut self, reading: u64, advice: Advice) {
+        if reading == self.memory_checked {
+            return;
+        }
+        self.memory_checked = reading;
+        let want = match (advice, self.held) {
+            (Advice::Hold(n), None) => {
+                // Sockets within their share are never the ones dropped:
+                // leave their auto-tuning alone (the kernel reports the
+                // doubled size it books).
+                let booked = SockRef::from(&self.sock)
+                    .recv_buffer_size()
+                    .unwrap_or(usize::MAX);
+                if booked <= 2 * n {
+                    return;
+                }
+                n
+            }
+            (Advice::Hold(n), Some(h)) if n < h - h / 4 || n > h + h / 4 => n,
+            (Advice::Free, Some(_)) => tcpmem::released_rcvbuf(),
+            _ => return,
+        };
+        let held = matches!(advice, Advice::Hold(_)).then_some(want);
+        match crate::sockopt::set_rcvbuf(&self.sock, want) {
+            Ok(()) => tracing::debug!(
+                "transport {:?} to {}: receive buffer {} KiB ({})",
+                self.tid,
+                self.peer,
+                want / 1024,
+                if held.is_some() {
+                    "TCP memory pressure"
+                } else {
+                    "TCP memory pressure over"
+                }
+            ),
+            Err(e) => tracing::debug!("SO_RCVBUF: {e}"),
+        }
+        self.held = held;
     }
 
     /// Feeds what the socket holds right now to `session`, without
@@ -177,5 +234,73 @@ pub(super) fn poll_conns(conns: &mut [Conn], cx: &mut Context<'_>) -> Poll<Io> {
         Poll::Ready(Io::Wrote)
     } else {
         Poll::Pending
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn pair() -> (Conn, TcpStream) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let (a, b) = tokio::join!(TcpStream::connect(addr), l.accept());
+        let a = a.unwrap();
+        (Conn::new(TransportId(1), a, addr, None), b.unwrap().0)
+    }
+
+    fn booked(c: &Conn) -> usize {
+        SockRef::from(&c.sock).recv_buffer_size().unwrap()
+    }
+
+    /// Under pressure a connection whose buffer outgrew its share is held
+    /// to it, once per reading; given a large buffer back when pressure is
+    /// over; and bytes still flow through the held socket, every one checked.
+    #[tokio::test]
+    async fn a_big_buffer_is_held_under_pressure_and_given_back() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (mut c, mut peer) = pair().await;
+        crate::sockopt::set_rcvbuf(&c.sock, 2 * 1024 * 1024).unwrap();
+        let big = booked(&c);
+        c.fit_memory(1, Advice::Hold(128 * 1024));
+        let held = booked(&c);
+        assert!(held < big && held <= 2 * 128 * 1024, "{big} -> {held}");
+        // The same reading again changes nothing (no syscall either).
+        crate::sockopt::set_rcvbuf(&c.sock, 1024 * 1024).unwrap();
+        c.fit_memory(1, Advice::Hold(64 * 1024));
+        assert!(booked(&c) > held);
+        // A small change of the share is not followed; a large one is.
+        c.fit_memory(2, Advice::Hold(120 * 1024));
+        assert_eq!(c.held, Some(128 * 1024));
+        c.fit_memory(3, Advice::Hold(64 * 1024));
+        assert_eq!(c.held, Some(64 * 1024));
+        assert!(booked(&c) <= 2 * 64 * 1024);
+        // Bytes pass through the held socket intact.
+        let data: Vec<u8> = (0..4 * 1024 * 1024u32).map(|i| (i % 251) as u8).collect();
+        let sent = data.clone();
+        let w = tokio::spawn(async move {
+            peer.write_all(&sent).await.unwrap();
+            peer
+        });
+        let mut got = vec![0u8; data.len()];
+        c.sock.read_exact(&mut got).await.unwrap();
+        assert!(got == data, "bytes differ");
+        w.await.unwrap();
+        // Pressure over: the large fixed buffer.
+        c.fit_memory(4, Advice::Free);
+        assert_eq!(c.held, None);
+        assert!(booked(&c) >= tcpmem::released_rcvbuf(), "{}", booked(&c));
+    }
+
+    /// A socket already within its share keeps the kernel's auto-tuning.
+    #[tokio::test]
+    async fn a_socket_within_its_share_is_left_alone() {
+        let (mut c, _peer) = pair().await;
+        let before = booked(&c);
+        c.fit_memory(1, Advice::Hold(before));
+        assert_eq!(c.held, None);
+        assert_eq!(booked(&c), before);
+        c.fit_memory(2, Advice::Free);
+        assert_eq!(booked(&c), before);
     }
 }

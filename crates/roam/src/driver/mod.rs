@@ -213,6 +213,10 @@ impl Driver {
         let inner = self.inner.clone();
         let mut sh = inner.lock();
         sh.driver_wakeups += 1;
+        let (reading, advice) = crate::tcpmem::current(std_now);
+        for c in &mut self.conns {
+            c.fit_memory(reading, advice);
+        }
         if let Some(reply) = sh.detach.take() {
             let result = self.detach(&mut sh, std_now);
             let done = result.is_ok();
