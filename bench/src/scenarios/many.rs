@@ -32,7 +32,7 @@ use super::{progress, RatioRow};
 use crate::agent::client_config;
 use crate::load::{self, Conn};
 use crate::peers::{order, Dial, Lab, Peer, DIRECT, ROAM_FORWARD, SOCAT, SSH};
-use crate::procs::net_counters;
+use crate::procs::{net_counters, tree_cpu_seconds};
 use crate::stats::{jain, median, quantile_sorted, ratio, sorted};
 use crate::Ctx;
 
@@ -257,6 +257,39 @@ async fn one(ctx: &Ctx, lab: &Lab, case: &Case) -> io::Result<Round> {
     })
 }
 
+/// CPU a peer's processes may still use, per [`SETTLE_STEP`], and count as idle.
+const SETTLE_IDLE: f64 = 0.02;
+/// How often [`settle`] looks at the peer's processes.
+const SETTLE_STEP: Duration = Duration::from_millis(200);
+/// Longest [`settle`] waits.
+const SETTLE_MAX: Duration = Duration::from_secs(20);
+
+/// Waits until the processes of `peer` and the target are idle (under 10 %
+/// of a core), at most [`SETTLE_MAX`]: after its clients are gone a relay
+/// may go on working through what it buffered (the ssh-L round left sshd at
+/// 100 % of a core for seconds, with 1 GB of channel data, and the next
+/// peer measured on one core). Returns whether they went idle and the
+/// seconds waited.
+async fn settle(lab: &Lab, peer: &str) -> (bool, f64) {
+    let mut roots = lab.cpu_roots(if peer == ROAM_SESSIONS {
+        crate::peers::ROAM_SESSION
+    } else {
+        peer
+    });
+    roots.push(lab.targets.pid());
+    let t = Instant::now();
+    let mut before = tree_cpu_seconds(&roots);
+    while t.elapsed() < SETTLE_MAX {
+        tokio::time::sleep(SETTLE_STEP).await;
+        let now = tree_cpu_seconds(&roots);
+        if now - before < SETTLE_IDLE {
+            return (true, t.elapsed().as_secs_f64());
+        }
+        before = now;
+    }
+    (false, t.elapsed().as_secs_f64())
+}
+
 pub(crate) async fn run(ctx: Arc<Ctx>, lab: Arc<Lab>) -> io::Result<Many> {
     let tcp = |name, addr| {
         How::Peer(Peer {
@@ -311,8 +344,16 @@ pub(crate) async fn run(ctx: Arc<Ctx>, lab: Arc<Lab>) -> io::Result<Many> {
             ));
             rounds[i].push(r);
             lab.check_alive()?;
-            // Let sockets of the previous peer close before the next one starts.
+            // Let sockets of the previous peer close, and its processes
+            // finish the work it left, before the next one starts.
             tokio::time::sleep(Duration::from_millis(500)).await;
+            let (quiet, waited) = settle(&lab, cases[i].name).await;
+            if !quiet {
+                progress(&format!(
+                    "many: {} still busy {:.1} s after its round (the next peer shares the CPU with it)",
+                    cases[i].name, waited
+                ));
+            }
         }
     }
     let rows: Vec<Row> = cases

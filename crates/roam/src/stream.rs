@@ -14,8 +14,11 @@ use crate::handle::Guard;
 /// the session is suspended, reads wait and writes fill the send buffer.
 ///
 /// `poll_shutdown` finishes our direction (the peer reads end-of-stream after
-/// every byte written). Dropping the stream finishes it too, and discards
-/// anything the peer still sends.
+/// every byte written). Dropping the stream finishes it too and discards
+/// anything the peer still sends; if the peer has not finished its direction,
+/// the stream is reset as soon as every byte we wrote is acknowledged, so
+/// the peer stops sending to nobody (as a TCP close with unread data would
+/// answer with a reset, but never cutting our own bytes short).
 pub struct RoamStream {
     guard: Arc<Guard>,
     id: StreamId,
@@ -174,14 +177,23 @@ impl Drop for RoamStream {
                 let _ = sh.session.finish_stream(self.id);
             }
             if !self.read_eof {
-                // Discard whatever the peer still sends (now and later).
+                // Discard whatever the peer still sends (now and later), and
+                // once our own direction is complete (every byte written was
+                // acknowledged) reset the stream, so the peer stops sending
+                // to nobody: a relay's target of a closed download would
+                // otherwise stream on across the session (see the driver's
+                // `StreamSendComplete`). Our bytes are never cut short.
                 let mut scratch = [0u8; 4096];
                 while let Ok(Some(n)) = sh.session.read(self.id, &mut scratch) {
                     if n == 0 {
                         break;
                     }
                 }
-                sh.orphans.insert(self.id);
+                if sh.session.stream_send_complete(self.id) {
+                    let _ = sh.session.reset_stream(self.id, roam_proto::code::NO_ERROR);
+                } else {
+                    sh.orphans.insert(self.id);
+                }
             }
         }
         drop(sh);

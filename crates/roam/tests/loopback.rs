@@ -87,6 +87,53 @@ async fn several_streams_both_ways() {
     .expect("test timed out");
 }
 
+/// A stream dropped while the peer still sends (a download whose client
+/// went away) is reset once our own bytes are delivered: the peer's writes
+/// fail with a reset instead of streaming on to nobody for as long as it
+/// has data, and everything we wrote arrived, checked byte by byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_dropped_unread_stops_the_peers_sending() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    timeout(Duration::from_secs(60), async {
+        let mut server = TestServer::start().await;
+        let session = roam::connect(&server.addr.to_string(), client_config(Some(server.key)))
+            .await
+            .unwrap();
+        // The server would send 1 TB back; we send 256 KiB, read 1 MiB of
+        // the answer (checked), and drop the stream.
+        let ours = 256 * 1024;
+        let mut stream = session
+            .open_stream(format!("7 {}", 1u64 << 40).as_bytes())
+            .unwrap();
+        let mut buf = vec![0u8; ours as usize];
+        fill_pattern(7, 0, &mut buf);
+        stream.write_all(&buf).await.unwrap();
+        let mut got = vec![0u8; MB as usize];
+        stream.read_exact(&mut got).await.unwrap();
+        let mut want = vec![0u8; MB as usize];
+        fill_pattern(1007, 0, &mut want);
+        assert!(got == want, "the answer's first MiB differs");
+        drop(stream);
+        let report = timeout(Duration::from_secs(20), server.reports.recv())
+            .await
+            .expect("the server kept sending to a dropped stream")
+            .unwrap();
+        let err = report.expect_err("the server's writer should have been reset");
+        assert!(err.contains("reset"), "{err}");
+        let received = session.stats().bytes_received;
+        assert!(received < 1 << 32, "{received} bytes received");
+        // The session goes on: a new stream both ways, every byte checked.
+        let tasks = run_transfer(&session, 1, MB).await;
+        for t in tasks {
+            assert_eq!(t.await.unwrap().unwrap(), MB);
+        }
+        let _ = timeout(Duration::from_secs(5), session.close(0, "done")).await;
+        server.stop();
+    })
+    .await
+    .expect("test timed out");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transfer_survives_killed_connections() {
     timeout(Duration::from_secs(90), async {

@@ -903,6 +903,13 @@ impl Session {
         Ok(())
     }
 
+    /// Whether our direction of the stream is complete: finished and every
+    /// byte of it acknowledged by the peer (`StreamSendComplete` was emitted).
+    /// `false` for an unknown stream.
+    pub fn stream_send_complete(&self, id: StreamId) -> bool {
+        self.streams.get(&id.0).is_some_and(|s| s.fin_acked)
+    }
+
     /// Aborts the stream in both directions; unsent bytes are dropped.
     pub fn reset_stream(&mut self, id: StreamId, code: u64) -> Result<(), StreamError> {
         self.check_open()?;

@@ -446,8 +446,17 @@ impl Driver {
             }
             // Only the stream concerned: waking every writer on each event made
             // a session with 1,000 blocked streams spin (bench scenario 6).
-            Event::StreamWritable { stream } | Event::StreamSendComplete { stream } => {
+            Event::StreamWritable { stream } => {
                 if let Some(w) = sh.write_wakers.remove(&stream) {
+                    w.wake();
+                }
+            }
+            Event::StreamSendComplete { stream } => {
+                if sh.orphans.remove(&stream) {
+                    // Dropped unread, and our direction is now delivered:
+                    // tell the peer nobody reads what it still sends.
+                    let _ = sh.session.reset_stream(stream, roam_proto::code::NO_ERROR);
+                } else if let Some(w) = sh.write_wakers.remove(&stream) {
                     w.wake();
                 }
             }
