@@ -9,18 +9,19 @@ use roam_proto::Session;
 
 use crate::driver::{dial, Conn, Dialer, Driver, Kind};
 use crate::handle::{Inner, SessionHandle};
+use crate::transport::{network_peer, Transport, UNIX_PEER};
 use crate::{ClientConfig, Error};
 
 /// Connects to the roam server at `addr` (`host:port`, resolved again on every
-/// re-dial) and completes the handshake. The returned session re-dials and
-/// resumes on its own whenever its transport is lost, until it is closed or
-/// expires.
+/// re-dial, or `unix:PATH` for a server on a Unix-domain socket) and
+/// completes the handshake. The returned session re-dials and resumes on its
+/// own whenever its transport is lost, until it is closed or expires.
 ///
-/// Errors: [`Error::Unreachable`] if no TCP connection could be made,
+/// Errors: [`Error::Unreachable`] if no connection could be made,
 /// [`Error::Closed`] with the protocol's reason if the handshake failed (not a
 /// roam server, server key mismatch, unauthorized key, ...).
 pub async fn connect(addr: &str, config: ClientConfig) -> Result<SessionHandle, Error> {
-    let (sock, peer) = tokio::time::timeout(config.connect_timeout, dial(addr))
+    let (sock, _) = tokio::time::timeout(config.connect_timeout, dial(addr))
         .await
         .unwrap_or_else(|_| {
             Err(std::io::Error::new(
@@ -32,15 +33,29 @@ pub async fn connect(addr: &str, config: ClientConfig) -> Result<SessionHandle, 
             addr: addr.to_string(),
             source,
         })?;
-    crate::sockopt::configure(&sock, config.proto.session.suspend_after * 2);
+    connect_over(sock, addr, config).await
+}
+
+/// Runs the handshake over a transport the caller already holds (a socket
+/// pair, a descriptor adopted with [`Transport::adopt`], a connection made
+/// through a proxy) instead of dialing; `addr` is where later re-dials go
+/// (as for [`connect`]). Errors as for [`connect`], except that there is no
+/// first dial to fail.
+pub async fn connect_over(
+    transport: Transport,
+    addr: &str,
+    config: ClientConfig,
+) -> Result<SessionHandle, Error> {
+    let peer = transport.peer().unwrap_or(UNIX_PEER);
+    crate::sockopt::configure(&transport, config.proto.session.suspend_after * 2);
 
     let mut session = Session::client(config.proto.clone());
-    let tid = session.connect(Instant::now().into_std(), Some(peer))?;
+    let tid = session.connect(Instant::now().into_std(), network_peer(peer))?;
     let inner = Inner::new(session);
     let handle = SessionHandle::new(inner.clone());
     let driver = Driver::new(
         inner.clone(),
-        Conn::new(tid, sock, peer, None),
+        Conn::new(tid, transport, peer, None),
         Kind::Client(Box::new(Dialer::new(addr.to_string(), config))),
     );
     tokio::spawn(driver.run());

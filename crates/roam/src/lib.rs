@@ -66,8 +66,9 @@ mod server;
 mod sockopt;
 mod stream;
 mod tcpmem;
+mod transport;
 
-pub use client::connect;
+pub use client::{connect, connect_over};
 pub use config::{ClientConfig, MovePolicy, ServerConfig};
 pub use detach::{Detached, Directory, Locating, Location, LookupResult, OnInstalled, Restored};
 pub use error::Error;
@@ -76,6 +77,7 @@ pub use limits::{LogThrottle, ServerStats, ServerUsage};
 pub use netwatch::NetworkChanges;
 pub use server::{serve, serve_with_directory, serve_with_restore};
 pub use stream::RoamStream;
+pub use transport::{Listener, Transport, UNIX_PEER};
 
 /// Re-exported so applications need not depend on `roam-proto` for common types.
 pub use roam_proto::{CloseReason, Keypair, PublicKey, SessionId, State, StreamId, SuspendReason};

@@ -10,9 +10,9 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::transport::{network_peer, Listener, Transport};
 use roam_proto::{route_opening, Hello, Opening, Session, SessionId};
 use tokio::io::AsyncReadExt;
-use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
@@ -66,7 +66,10 @@ struct Ctx {
     refusals: SharedThrottle,
 }
 
-/// Runs a roam server on `listener` until `shutdown` completes.
+/// Runs a roam server on `listener` until `shutdown` completes: a
+/// `TcpListener`, or a `UnixListener` for local clients (they connect to
+/// `unix:PATH`; all of them count as one address, [`crate::UNIX_PEER`], for
+/// `max_sessions_per_ip`).
 ///
 /// `on_session` is called (on the session's driver task: keep it short, e.g.
 /// spawn) with each new session once its handshake has completed; resumes of
@@ -74,7 +77,7 @@ struct Ctx {
 /// server stops accepting, closes every session gracefully, and returns once
 /// they have stopped or `shutdown_grace` has passed.
 pub async fn serve<F>(
-    listener: TcpListener,
+    listener: impl Into<Listener>,
     config: ServerConfig,
     shutdown: impl Future<Output = ()>,
     on_session: F,
@@ -100,7 +103,7 @@ where
 /// [`Restored::on_installed`] gets the handle, and the resume proceeds on it.
 /// `on_session` still sees only new sessions.
 pub async fn serve_with_restore<F, L, Fut>(
-    listener: TcpListener,
+    listener: impl Into<Listener>,
     config: ServerConfig,
     shutdown: impl Future<Output = ()>,
     on_session: F,
@@ -128,7 +131,7 @@ where
 /// `docs/PROTOCOL.md` §9.3) and resumes there; [`Location::Unknown`] and
 /// [`Location::Refused`] refuse the resume.
 pub async fn serve_with_directory<F>(
-    listener: TcpListener,
+    listener: impl Into<Listener>,
     config: ServerConfig,
     shutdown: impl Future<Output = ()>,
     on_session: F,
@@ -141,12 +144,13 @@ where
 }
 
 async fn serve_inner(
-    listener: TcpListener,
+    listener: impl Into<Listener>,
     config: ServerConfig,
     shutdown: impl Future<Output = ()>,
     on_session: OnSession,
     directory: Arc<dyn Directory>,
 ) -> io::Result<()> {
+    let listener: Listener = listener.into();
     let max_connections = config.max_connections.max(1);
     let limit = Arc::new(Semaphore::new(max_connections));
     config
@@ -216,7 +220,7 @@ async fn serve_inner(
 /// Answers a connection over the connection cap with the Busy refusal
 /// (status 5): reads its hello for at most [`BUSY_HELLO_TIMEOUT`], so the
 /// client learns at once to try later instead of waiting in the backlog.
-async fn answer_busy(ctx: Arc<Ctx>, mut sock: TcpStream, peer: SocketAddr, _slot: BusySlot) {
+async fn answer_busy(ctx: Arc<Ctx>, mut sock: Transport, peer: SocketAddr, _slot: BusySlot) {
     let _running = ctx.running.clone();
     let timeout = ctx.config.hello_timeout.min(BUSY_HELLO_TIMEOUT);
     match tokio::time::timeout(timeout, read_opening(&mut sock)).await {
@@ -231,7 +235,7 @@ async fn answer_busy(ctx: Arc<Ctx>, mut sock: TcpStream, peer: SocketAddr, _slot
 /// Reads a connection's opening until [`route_opening`] decides, and returns
 /// its decision with the bytes read. A connection that closes first fails
 /// the handshake.
-async fn read_opening(sock: &mut TcpStream) -> Result<(Opening, Vec<u8>), roam_proto::Error> {
+async fn read_opening(sock: &mut Transport) -> Result<(Opening, Vec<u8>), roam_proto::Error> {
     let mut buf = Vec::with_capacity(512);
     let mut chunk = [0u8; 1024];
     loop {
@@ -247,7 +251,7 @@ async fn read_opening(sock: &mut TcpStream) -> Result<(Opening, Vec<u8>), roam_p
 }
 
 /// Writes `reply` (if any) and closes: a refusal decided before any session.
-async fn refuse_raw(mut sock: TcpStream, reply: Vec<u8>) {
+async fn refuse_raw(mut sock: Transport, reply: Vec<u8>) {
     use tokio::io::AsyncWriteExt;
     let _ = tokio::time::timeout(Duration::from_secs(2), async {
         if !reply.is_empty() {
@@ -269,7 +273,7 @@ fn is_transient(e: &io::Error) -> bool {
 
 async fn handle_connection(
     ctx: Arc<Ctx>,
-    mut sock: TcpStream,
+    mut sock: Transport,
     peer: SocketAddr,
     permit: OwnedSemaphorePermit,
 ) {
@@ -369,7 +373,7 @@ async fn resume(ctx: &Arc<Ctx>, id: SessionId, mut h: Box<Handoff>) {
 /// Starts a new session on `sock` (within the session caps) and spawns its driver.
 async fn new_session(
     ctx: &Arc<Ctx>,
-    sock: TcpStream,
+    sock: Transport,
     peer: SocketAddr,
     permit: OwnedSemaphorePermit,
     hello: Hello,
@@ -399,7 +403,7 @@ async fn new_session(
         }
     };
     let now = Instant::now().into_std();
-    let (session, tid) = match Session::accept(&ctx.config.proto, now, &hello, Some(peer)) {
+    let (session, tid) = match Session::accept(&ctx.config.proto, now, &hello, network_peer(peer)) {
         Ok(s) => s,
         Err(e) => {
             if let Some(n) = ctx.refusals.allow() {

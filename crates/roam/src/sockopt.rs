@@ -17,7 +17,11 @@ const KEEPALIVE_RETRIES: u32 = 3;
 /// connection, so a black-holed transport fails fast instead of retrying for
 /// minutes). roam's own heartbeats detect silence anyway; these options only
 /// free kernel resources sooner. Failures are logged and ignored.
-pub(crate) fn configure(stream: &TcpStream, user_timeout: Duration) {
+/// Nothing to set on a Unix-domain transport.
+pub(crate) fn configure(transport: &crate::transport::Transport, user_timeout: Duration) {
+    let Some(stream) = transport.tcp() else {
+        return;
+    };
     let sock = SockRef::from(stream);
     if let Err(e) = sock.set_tcp_nodelay(true) {
         tracing::debug!("TCP_NODELAY: {e}");

@@ -12,8 +12,8 @@ use roam_proto::{Session, TransportId};
 use socket2::SockRef;
 
 use crate::tcpmem::{self, Advice};
+use crate::transport::Transport;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::TcpStream;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 
@@ -35,7 +35,7 @@ pub(super) const DRAIN_READS: usize = 16;
 /// One TCP connection carrying (or about to carry) the session.
 pub(crate) struct Conn {
     pub(super) tid: TransportId,
-    pub(super) sock: TcpStream,
+    pub(super) sock: Transport,
     pub(super) peer: SocketAddr,
     /// Records polled from the session, written from `pos` on.
     pub(super) out: Vec<u8>,
@@ -54,7 +54,7 @@ pub(crate) struct Conn {
 impl Conn {
     pub(crate) fn new(
         tid: TransportId,
-        sock: TcpStream,
+        sock: Transport,
         peer: SocketAddr,
         permit: Option<OwnedSemaphorePermit>,
     ) -> Self {
@@ -100,14 +100,14 @@ impl Conn {
             return;
         }
         self.memory_checked = reading;
+        // Unix-domain transports have no TCP buffers to fit.
+        let Some(tcp) = self.sock.tcp() else { return };
         let want = match (advice, self.held) {
             (Advice::Hold(n), None) => {
                 // Sockets within their share are never the ones dropped:
                 // leave their auto-tuning alone (the kernel reports the
                 // doubled size it books).
-                let booked = SockRef::from(&self.sock)
-                    .recv_buffer_size()
-                    .unwrap_or(usize::MAX);
+                let booked = SockRef::from(tcp).recv_buffer_size().unwrap_or(usize::MAX);
                 if booked <= 2 * n {
                     return;
                 }
@@ -118,7 +118,7 @@ impl Conn {
             _ => return,
         };
         let held = matches!(advice, Advice::Hold(_)).then_some(want);
-        match crate::sockopt::set_rcvbuf(&self.sock, want) {
+        match crate::sockopt::set_rcvbuf(tcp, want) {
             Ok(()) => tracing::debug!(
                 "transport {:?} to {}: receive buffer {} KiB ({})",
                 self.tid,
@@ -241,16 +241,23 @@ pub(super) fn poll_conns(conns: &mut [Conn], cx: &mut Context<'_>) -> Poll<Io> {
 mod tests {
     use super::*;
 
+    use tokio::net::TcpStream;
+
     async fn pair() -> (Conn, TcpStream) {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
         let (a, b) = tokio::join!(TcpStream::connect(addr), l.accept());
         let a = a.unwrap();
-        (Conn::new(TransportId(1), a, addr, None), b.unwrap().0)
+        (
+            Conn::new(TransportId(1), a.into(), addr, None),
+            b.unwrap().0,
+        )
     }
 
     fn booked(c: &Conn) -> usize {
-        SockRef::from(&c.sock).recv_buffer_size().unwrap()
+        SockRef::from(c.sock.tcp().unwrap())
+            .recv_buffer_size()
+            .unwrap()
     }
 
     /// Under pressure a connection whose buffer outgrew its share is held
@@ -260,13 +267,13 @@ mod tests {
     async fn a_big_buffer_is_held_under_pressure_and_given_back() {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let (mut c, mut peer) = pair().await;
-        crate::sockopt::set_rcvbuf(&c.sock, 2 * 1024 * 1024).unwrap();
+        crate::sockopt::set_rcvbuf(c.sock.tcp().unwrap(), 2 * 1024 * 1024).unwrap();
         let big = booked(&c);
         c.fit_memory(1, Advice::Hold(128 * 1024));
         let held = booked(&c);
         assert!(held < big && held <= 2 * 128 * 1024, "{big} -> {held}");
         // The same reading again changes nothing (no syscall either).
-        crate::sockopt::set_rcvbuf(&c.sock, 1024 * 1024).unwrap();
+        crate::sockopt::set_rcvbuf(c.sock.tcp().unwrap(), 1024 * 1024).unwrap();
         c.fit_memory(1, Advice::Hold(64 * 1024));
         assert!(booked(&c) > held);
         // A small change of the share is not followed; a large one is.

@@ -11,6 +11,8 @@ use std::time::Duration;
 use rand::Rng;
 use roam_proto::State;
 use tokio::net::TcpStream;
+
+use crate::transport::{network_peer, Transport, UNIX_PEER};
 use tokio::time::Instant;
 
 use super::conn::Conn;
@@ -18,12 +20,12 @@ use crate::handle::{SessionEvent, Shared};
 use crate::netwatch::NetworkChanges;
 
 type DialFuture =
-    Pin<Box<dyn std::future::Future<Output = io::Result<(TcpStream, SocketAddr)>> + Send>>;
+    Pin<Box<dyn std::future::Future<Output = io::Result<(Transport, SocketAddr)>> + Send>>;
 
 /// What woke a client driver on its dialer's account.
 pub(super) enum DialerWake {
     /// The dial in progress finished.
-    Dialed(io::Result<(TcpStream, SocketAddr)>),
+    Dialed(io::Result<(Transport, SocketAddr)>),
     /// The network changed; `false` once the watcher is gone.
     NetChange(bool),
 }
@@ -200,14 +202,14 @@ impl Dialer {
     pub(super) fn on_dialed(
         &mut self,
         sh: &mut Shared,
-        result: io::Result<(TcpStream, SocketAddr)>,
+        result: io::Result<(Transport, SocketAddr)>,
         now: std::time::Instant,
     ) -> Option<Conn> {
         self.dial = None;
         match result {
             Ok((sock, peer)) => {
                 crate::sockopt::configure(&sock, self.config.proto.session.suspend_after * 2);
-                match sh.session.connect(now, Some(peer)) {
+                match sh.session.connect(now, network_peer(peer)) {
                     Ok(tid) => {
                         tracing::debug!("dialed {peer}, resuming on transport {tid:?}");
                         self.resuming = Some(tid);
@@ -252,8 +254,12 @@ impl Dialer {
             Some(tid) => {
                 // Move only if the kernel would now reach the server from
                 // another address: the old path is likely gone.
-                if let Some(c) = conns.iter().find(|c| c.tid == tid) {
-                    let local = c.sock.local_addr().ok().map(|a| a.ip());
+                if let Some((c, tcp)) = conns
+                    .iter()
+                    .find(|c| c.tid == tid)
+                    .and_then(|c| Some((c, c.sock.tcp()?)))
+                {
+                    let local = tcp.local_addr().ok().map(|a| a.ip());
                     let now_src = route_source(c.peer);
                     if now_src.is_some() && local != now_src && self.dial.is_none() {
                         tracing::info!(
@@ -350,12 +356,21 @@ async fn connect_hedged(a: SocketAddr) -> io::Result<TcpStream> {
     }
 }
 
-/// Resolves `addr` and connects to the first address that answers.
-pub(crate) async fn dial(addr: &str) -> io::Result<(TcpStream, SocketAddr)> {
+/// Prefix of a server address that names a Unix-domain socket's path
+/// (`unix:/run/roam.sock`) instead of `host:port`.
+pub(crate) const UNIX_PREFIX: &str = "unix:";
+
+/// Connects to `addr`: `unix:PATH` to that Unix-domain socket, otherwise
+/// resolves `host:port` and connects to the first address that answers.
+pub(crate) async fn dial(addr: &str) -> io::Result<(Transport, SocketAddr)> {
+    if let Some(path) = addr.strip_prefix(UNIX_PREFIX) {
+        let s = tokio::net::UnixStream::connect(path).await?;
+        return Ok((s.into(), UNIX_PEER));
+    }
     let mut last = None;
     for a in tokio::net::lookup_host(addr).await? {
         match connect_hedged(a).await {
-            Ok(s) => return Ok((s, a)),
+            Ok(s) => return Ok((s.into(), a)),
             Err(e) => last = Some(e),
         }
     }

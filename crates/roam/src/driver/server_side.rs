@@ -9,9 +9,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::transport::{network_peer, Transport};
 use roam_proto::{Hello, PublicKey, SessionId};
 use tokio::io::AsyncWriteExt;
-use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit};
 
 use super::conn::Conn;
@@ -28,7 +28,7 @@ pub(crate) trait Routing: Send + Sync {
 
 /// A resume transport handed from the accept loop to the session it names.
 pub(crate) struct Handoff {
-    pub(crate) sock: TcpStream,
+    pub(crate) sock: Transport,
     pub(crate) hello: Hello,
     /// Bytes read after the hello.
     pub(crate) rest: Vec<u8>,
@@ -76,7 +76,10 @@ impl ServerSide {
         h: Handoff,
         now: std::time::Instant,
     ) -> Option<Conn> {
-        match sh.session.accept_resume(now, &h.hello, Some(h.peer)) {
+        match sh
+            .session
+            .accept_resume(now, &h.hello, network_peer(h.peer))
+        {
             Ok(tid) => {
                 crate::sockopt::configure(&h.sock, Duration::from_secs(30));
                 let conn = Conn::new(tid, h.sock, h.peer, Some(h.permit));
@@ -149,7 +152,7 @@ pub(super) fn warn_unauthorized(sh: &Shared) {
 }
 
 /// Answers a refused transport with its status and closes it.
-pub(crate) async fn reject(mut sock: TcpStream, hello: Hello, err: roam_proto::Error) {
+pub(crate) async fn reject(mut sock: Transport, hello: Hello, err: roam_proto::Error) {
     let mut out = Vec::new();
     hello.reject(err.refusal_status(), &mut out);
     let _ = tokio::time::timeout(Duration::from_secs(2), async {

@@ -134,9 +134,20 @@ impl TestServer {
     }
 
     pub async fn start_on(addr: SocketAddr) -> Self {
-        init_logging();
         let listener = TcpListener::bind(addr).await.unwrap();
         let addr = listener.local_addr().unwrap();
+        Self::start_listening(listener.into(), addr)
+    }
+
+    /// The server on a Unix-domain socket at `path` (`addr` is then
+    /// `roam::UNIX_PEER`; clients connect to `unix:PATH`).
+    pub fn start_unix(path: &std::path::Path) -> Self {
+        let listener = tokio::net::UnixListener::bind(path).unwrap();
+        Self::start_listening(listener.into(), roam::UNIX_PEER)
+    }
+
+    pub fn start_listening(listener: roam::Listener, addr: SocketAddr) -> Self {
+        init_logging();
         let kp = Keypair::generate().unwrap();
         let key = kp.public();
         let (rtx, reports) = mpsc::unbounded_channel();
