@@ -11,47 +11,6 @@ use tokio::time::timeout;
 
 const MB: u64 = 1 << 20;
 
-/// Opens `streams` streams of `len` bytes each way and checks everything.
-async fn run_transfer(
-    session: &roam::SessionHandle,
-    streams: u64,
-    len: u64,
-) -> Vec<tokio::task::JoinHandle<Result<u64, String>>> {
-    let mut tasks = Vec::new();
-    for seed in 1..=streams {
-        let stream = session
-            .open_stream(format!("{seed} {len}").as_bytes())
-            .unwrap();
-        tasks.push(tokio::spawn(async move {
-            let (mut r, mut w) = tokio::io::split(stream);
-            let writer = tokio::spawn(async move { write_pattern(&mut w, seed, len).await });
-            let got = read_pattern(&mut r, seed + 1000).await?;
-            writer
-                .await
-                .map_err(|e| e.to_string())?
-                .map_err(|e| e.to_string())?;
-            Ok(got)
-        }));
-    }
-    tasks
-}
-
-async fn check_server_reports(server: &mut TestServer, streams: u64, len: u64) {
-    for _ in 0..streams {
-        let report = timeout(Duration::from_secs(30), server.reports.recv())
-            .await
-            .expect("server report")
-            .unwrap();
-        let (meta, n) = report.expect("server side check");
-        assert_eq!(
-            n,
-            len,
-            "server received all bytes of {:?}",
-            String::from_utf8_lossy(&meta)
-        );
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn several_streams_both_ways() {
     timeout(Duration::from_secs(60), async {

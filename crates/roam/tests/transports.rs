@@ -13,43 +13,6 @@ use tokio::time::timeout;
 
 const MB: u64 = 1 << 20;
 
-/// Opens `streams` streams of `len` bytes each way; each task checks every
-/// byte it reads and returns how many.
-fn transfer(
-    session: &roam::SessionHandle,
-    streams: u64,
-    len: u64,
-) -> Vec<tokio::task::JoinHandle<Result<u64, String>>> {
-    (1..=streams)
-        .map(|seed| {
-            let stream = session
-                .open_stream(format!("{seed} {len}").as_bytes())
-                .unwrap();
-            tokio::spawn(async move {
-                let (mut r, mut w) = tokio::io::split(stream);
-                let writer = tokio::spawn(async move { write_pattern(&mut w, seed, len).await });
-                let got = read_pattern(&mut r, seed + 1000).await?;
-                writer
-                    .await
-                    .map_err(|e| e.to_string())?
-                    .map_err(|e| e.to_string())?;
-                Ok(got)
-            })
-        })
-        .collect()
-}
-
-async fn expect_reports(server: &mut TestServer, streams: u64, len: u64) {
-    for _ in 0..streams {
-        let r = timeout(Duration::from_secs(30), server.reports.recv())
-            .await
-            .expect("server report")
-            .unwrap();
-        let (meta, n) = r.unwrap_or_else(|e| panic!("server side: {e}"));
-        assert_eq!(n, len, "{}", String::from_utf8_lossy(&meta));
-    }
-}
-
 /// A server on a Unix-domain socket, a client dialing `unix:PATH`: streams
 /// both ways, every byte checked on both sides.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -62,10 +25,10 @@ async fn a_session_runs_over_a_unix_socket() {
         let session = roam::connect(&addr, client_config(Some(server.key)))
             .await
             .unwrap();
-        for t in transfer(&session, 3, 2 * MB) {
+        for t in run_transfer(&session, 3, 2 * MB).await {
             assert_eq!(t.await.unwrap().unwrap(), 2 * MB);
         }
-        expect_reports(&mut server, 3, 2 * MB).await;
+        check_server_reports(&mut server, 3, 2 * MB).await;
         assert_eq!(session.stats().bytes_received, 6 * MB);
         let _ = timeout(Duration::from_secs(5), session.close(0, "done")).await;
         server.stop();
@@ -97,7 +60,7 @@ async fn a_handed_in_transport_is_used_then_replaced_on_loss() {
             .await
             .unwrap();
         let len = 16 * MB;
-        let tasks = transfer(&session, 2, len);
+        let tasks = run_transfer(&session, 2, len).await;
         // Cut the handed-in transport once some bytes have moved.
         timeout(Duration::from_secs(20), async {
             while session.stats().bytes_received < 2 * MB {
@@ -110,7 +73,7 @@ async fn a_handed_in_transport_is_used_then_replaced_on_loss() {
         for t in tasks {
             assert_eq!(t.await.unwrap().unwrap(), len);
         }
-        expect_reports(&mut server, 2, len).await;
+        check_server_reports(&mut server, 2, len).await;
         let stats = session.stats();
         assert!(stats.resumes >= 1, "{stats:?}");
         let _ = timeout(Duration::from_secs(5), session.close(0, "done")).await;
@@ -142,7 +105,7 @@ async fn an_adopted_descriptor_carries_a_session() {
         s.write_all(&buf).await.unwrap();
         s.shutdown().await.unwrap();
         assert_eq!(read_pattern(&mut s, 1005).await.unwrap(), MB);
-        expect_reports(&mut server, 1, MB).await;
+        check_server_reports(&mut server, 1, MB).await;
         let _ = timeout(Duration::from_secs(5), session.close(0, "done")).await;
         server.stop();
     })
