@@ -177,6 +177,18 @@ async fn wait_owner(db: &roam_etcd::Client, owner: &[u8], want: Option<&str>, wh
     }
 }
 
+/// Waits (at most 20 s) for the record at `record` to be in etcd; its value.
+async fn wait_record(db: &roam_etcd::Client, record: &[u8]) -> Vec<u8> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(kv) = db.get(record).await.unwrap() {
+            return kv.value;
+        }
+        assert!(std::time::Instant::now() < deadline, "record in etcd");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 impl Extra {
     /// A host listed in the file whose ports are closed.
     async fn down(name: &str) -> String {
@@ -546,12 +558,11 @@ async fn with_etcd_a_suspended_session_moves_and_leaves_no_copy_behind() {
         proxy.refuse(true);
         proxy.reset_all();
         wait_owner(&db, &owner, Some("h0"), "h0 owns it in etcd").await;
-        let sealed = db
-            .get(&record)
-            .await
-            .unwrap()
-            .expect("record in etcd")
-            .value;
+        // The owner key alone does not prove this suspension's record is
+        // written: a session that suspended and resumed earlier in the
+        // transfer (a stall on a loaded machine) keeps its owner key, and
+        // the record of the suspension above may still be on its way.
+        let sealed = wait_record(&db, &record).await;
         assert!(
             !sealed.windows(4).any(|w| w == b"echo"),
             "etcd holds the record sealed, not in the clear"
