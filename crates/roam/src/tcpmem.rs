@@ -145,7 +145,7 @@ pub(crate) fn current(now: Instant) -> (u64, Advice) {
         }
         Advice::Free => {
             let pressed = PRESSED.load(Ordering::Relaxed);
-            if pressed != 0 && ms - pressed < RELEASE_AFTER.as_millis() as u64 {
+            if pressed != 0 && ms.saturating_sub(pressed) < RELEASE_AFTER.as_millis() as u64 {
                 // Hysteresis: keep the last hold a while.
                 decode(ADVICE.load(Ordering::Relaxed))
             } else {
