@@ -128,7 +128,9 @@ impl Session {
             self.log_base += 1;
             freed |= self.on_acked(e);
         }
-        if freed {
+        // An acknowledged `CLOSE` in the same ACK may have ended the
+        // session: nothing but `TransportClosed` follows `Closed`.
+        if freed && self.state != State::Closed {
             self.wake_writers();
         }
         self.send_cursor = self.send_cursor.max(self.log_base);

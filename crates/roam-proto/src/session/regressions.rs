@@ -143,3 +143,41 @@ fn reset_stream_does_not_read_as_clean_end_after_close() {
     let mut buf = [0u8; 4096];
     assert_eq!(server.read(id, &mut buf), Err(StreamError::Reset(49)));
 }
+
+/// One ACK that covered a blocked writer's bytes and the `CLOSE` after them
+/// closed the session and then woke the writer: `StreamWritable` came after
+/// `Closed` (found by `session_input`; the writers were looked at after the
+/// whole ACK, by which time the acknowledged `CLOSE` had ended the session).
+#[test]
+fn ack_of_data_and_close_wakes_no_writer_after_closed() {
+    let mut p = Pair::new();
+    // The client's stream leaves unread bytes at the server, so the stream
+    // outlives the close there.
+    let id = p.client.open_stream(b"").unwrap();
+    assert_eq!(p.client.write(id, b"unread").unwrap(), 6);
+    p.pump();
+    let server = p.server.as_mut().unwrap();
+    while server.poll_event().is_some() {}
+    let big = vec![9u8; 3 << 20];
+    let took = server.write(id, &big).unwrap();
+    assert!(
+        took < big.len(),
+        "the write must block ({took} bytes taken)"
+    );
+    server.close(7, "bye");
+    assert_eq!(server.state(), State::Closing);
+    p.pump();
+    let server = p.server.as_mut().unwrap();
+    assert_eq!(server.state(), State::Closed);
+    let events: Vec<Event> = std::iter::from_fn(|| server.poll_event()).collect();
+    let closed = events
+        .iter()
+        .position(|e| matches!(e, Event::Closed { .. }))
+        .expect("the server closed");
+    assert!(
+        events[closed + 1..]
+            .iter()
+            .all(|e| matches!(e, Event::TransportClosed { .. })),
+        "events after Closed: {events:?}"
+    );
+}
