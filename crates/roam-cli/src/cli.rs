@@ -87,7 +87,20 @@ Limits: at start-up the open-file limit is raised to its hard limit, and the
 default caps are derived from it so that clients, busy answers and targets
 never exhaust it. Over a connection or session cap a client is answered
 \"busy\" at once; a stream over a target cap is reset with code 0x104.
-`roam status` shows each cap and its use.")]
+`roam status` shows each cap and its use.
+
+Upgrades and restarts without dropping sessions: start the new binary with
+`roam serve --takeover` (same options), or send the running relay SIGUSR2 (it
+starts `roam serve --takeover` from its own executable path, as nginx does).
+The running relay stops accepting, hands the new process its listening socket,
+every session (as a continuation, with the bytes in flight) and every target
+connection over --takeover-socket, and exits. Target connections are never
+closed or reset; clients see their connection drop and resume on the new
+process within a few round trips, every byte delivered once. A new process
+whose state format differs is refused with an error naming both versions and
+the running relay keeps serving. What still loses sessions: kill -9 or a crash
+of the relay (its sessions' state lives only in its memory; clients are told
+the session is unknown and their target connections close), and a reboot.")]
     Serve(ServeArgs),
     /// Connect stdin/stdout to TARGET through the relay on HOST (for ssh ProxyCommand).
     #[command(after_help = "\
@@ -220,6 +233,19 @@ pub(crate) struct ServeArgs {
     /// exporter: use a loopback or private address, e.g. 127.0.0.1:9447.
     #[arg(long, value_name = "ADDR", verbatim_doc_comment)]
     pub(crate) metrics: Option<String>,
+    /// Take over from the relay running with the same --takeover-socket: it
+    /// hands this process its listening socket, every session and every
+    /// target connection, then exits (see "Upgrades" below).
+    #[arg(long, verbatim_doc_comment)]
+    pub(crate) takeover: bool,
+    /// The Unix socket a running relay hands over on
+    /// [default: <state dir>/serve.takeover].
+    #[arg(long, value_name = "PATH", verbatim_doc_comment)]
+    pub(crate) takeover_socket: Option<PathBuf>,
+    /// The state format this process claims in a takeover (tests of the
+    /// refusal only).
+    #[arg(long, value_name = "N", hide = true)]
+    pub(crate) takeover_format: Option<u32>,
 }
 
 #[derive(Debug, Args)]

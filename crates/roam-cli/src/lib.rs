@@ -21,6 +21,7 @@ mod pipe;
 mod pump;
 mod serve;
 mod signals;
+mod takeover;
 mod target;
 
 pub mod parsers;

@@ -142,6 +142,56 @@ impl Half {
     }
 }
 
+/// One direction of a copy stopped part-way ([`pump_until`]), as a relay
+/// hands it to another process: the bytes read and not yet written, and
+/// how far the direction got.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub(crate) struct HalfState {
+    /// Read from the source, not yet taken by the destination.
+    pub(crate) pending: Vec<u8>,
+    /// The source reached end-of-file (the destination may not be shut
+    /// down yet).
+    pub(crate) eof: bool,
+    /// End-of-file was passed on: the destination is shut down.
+    pub(crate) done: bool,
+    /// Bytes written to the destination so far.
+    pub(crate) total: u64,
+}
+
+impl Half {
+    fn from_state(s: HalfState) -> Self {
+        Half {
+            pending: s.pending,
+            pos: 0,
+            total: s.total,
+            eof: s.eof,
+            unflushed: false,
+            done: s.done,
+        }
+    }
+
+    fn into_state(mut self) -> HalfState {
+        self.pending.drain(..self.pos);
+        HalfState {
+            pending: self.pending,
+            eof: self.eof,
+            done: self.done,
+            total: self.total,
+        }
+    }
+}
+
+/// How [`pump_until`] ended.
+#[derive(Debug)]
+pub(crate) enum PumpEnd {
+    /// Both directions finished (`Ok((a to b, b to a))`) or one failed.
+    Finished(io::Result<(u64, u64)>),
+    /// `stop` completed first: each direction's state `(a to b, b to a)`,
+    /// nothing lost (a stop lands only between polls, where every byte read
+    /// is either written or in `pending`).
+    Stopped(HalfState, HalfState),
+}
+
 /// Copies `a` to `b` and `b` to `a` until both directions reached
 /// end-of-file (each end-of-file shuts the other side's writing down), as
 /// `tokio::io::copy_bidirectional` does; returns the bytes copied
@@ -153,6 +203,44 @@ where
 {
     let mut ab = Half::default();
     let mut ba = Half::default();
+    copy_both(a, b, &mut ab, &mut ba).await
+}
+
+/// [`pump`], starting from the given direction states (those a stopped pump
+/// returned, or defaults), until both finish or `stop` completes.
+pub(crate) async fn pump_until<A, B>(
+    a: &mut A,
+    b: &mut B,
+    ab: HalfState,
+    ba: HalfState,
+    stop: impl std::future::Future<Output = ()>,
+) -> PumpEnd
+where
+    A: AsyncRead + AsyncWrite + Unpin + ?Sized,
+    B: AsyncRead + AsyncWrite + Unpin + ?Sized,
+{
+    let mut ab = Half::from_state(ab);
+    let mut ba = Half::from_state(ba);
+    let finished = tokio::select! {
+        r = copy_both(a, b, &mut ab, &mut ba) => Some(r),
+        _ = stop => None,
+    };
+    match finished {
+        Some(r) => PumpEnd::Finished(r),
+        None => PumpEnd::Stopped(ab.into_state(), ba.into_state()),
+    }
+}
+
+async fn copy_both<A, B>(
+    a: &mut A,
+    b: &mut B,
+    ab: &mut Half,
+    ba: &mut Half,
+) -> io::Result<(u64, u64)>
+where
+    A: AsyncRead + AsyncWrite + Unpin + ?Sized,
+    B: AsyncRead + AsyncWrite + Unpin + ?Sized,
+{
     poll_fn(|cx| {
         if !ab.done {
             if let Poll::Ready(Err(e)) = ab.poll_copy(cx, a, b) {

@@ -2,18 +2,25 @@
 //! `host:port`; allowed targets get a TCP connection and the bytes are piped
 //! both ways. The target connection outlives suspensions of the client.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::Arc;
-use std::time::Duration;
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use roam::RoamStream;
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
 
 use crate::cli::{CliError, CliResult, ServeArgs};
 use crate::config::{parse_duration, FileConfig};
 use crate::control::Registry;
 use crate::limits::{server_limits, FdBudget, TargetCaps};
+use crate::pump::{HalfState, PumpEnd};
+use crate::takeover::{HandedSession, HandedStream};
 use crate::target::{split_host_port, AllowRule};
 
 /// Default listen address.
@@ -130,12 +137,42 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
             "--max-connections {max_connections} and --max-targets {max_targets} may need {needed} file descriptors, more than the open-file limit {nofile}; the relay may run out of descriptors under load"
         );
     }
-    let listener = crate::limits::listen(&listen).await.map_err(|e| {
-        CliError(format!("cannot listen on {listen}: {e}; is another relay running? choose another address with --listen"))
-    })?;
+    let takeover_path = args
+        .takeover_socket
+        .clone()
+        .unwrap_or_else(|| state.join("serve.takeover"));
+    // `--takeover`: everything comes from the running relay.
+    let mut handover: Option<Received> = None;
+    if args.takeover {
+        let format = args
+            .takeover_format
+            .unwrap_or(crate::takeover::STATE_FORMAT);
+        handover = Some(receive_takeover(&takeover_path, format).await?);
+    }
+    let listener = match handover.as_mut() {
+        Some(h) => {
+            let fd = h.listener.try_clone().map_err(|e| CliError(format!("handed-over listener: {e}")))?;
+            let std_l = std::net::TcpListener::from(fd);
+            std_l
+                .set_nonblocking(true)
+                .and_then(|()| TcpListener::from_std(std_l))
+                .map_err(|e| CliError(format!("handed-over listener unusable: {e}")))?
+        }
+        None => crate::limits::listen(&listen).await.map_err(|e| {
+            CliError(format!("cannot listen on {listen}: {e}; is another relay running? choose another address with --listen (or take it over with --takeover)"))
+        })?,
+    };
     let local = listener
         .local_addr()
         .map_or(listen.clone(), |a| a.to_string());
+    // Kept to hand over: the server owns `listener` itself.
+    let listener_fd = {
+        use std::os::fd::AsFd;
+        listener
+            .as_fd()
+            .try_clone_to_owned()
+            .map_err(|e| CliError(format!("cannot duplicate the listener: {e}")))?
+    };
     let public = keypair.public();
     let mut server = roam::ServerConfig::new(roam_proto::ServerConfig {
         keypair,
@@ -195,12 +232,27 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
             l
         });
     }
+    let mut metrics_fd = None;
+    let handed_metrics = handover.as_mut().and_then(|h| h.metrics.take());
     if let Some(addr) = args.metrics.or_else(|| config.serve.metrics.clone()) {
-        let l = TcpListener::bind(&addr).await.map_err(|e| {
-            CliError(format!(
-                "cannot serve metrics on {addr}: {e}; choose another address with --metrics"
-            ))
-        })?;
+        let l = match handed_metrics {
+            Some(fd) => {
+                let std_l = std::net::TcpListener::from(fd);
+                std_l
+                    .set_nonblocking(true)
+                    .and_then(|()| TcpListener::from_std(std_l))
+                    .map_err(|e| CliError(format!("handed-over metrics listener unusable: {e}")))?
+            }
+            None => TcpListener::bind(&addr).await.map_err(|e| {
+                CliError(format!(
+                    "cannot serve metrics on {addr}: {e}; choose another address with --metrics"
+                ))
+            })?,
+        };
+        {
+            use std::os::fd::AsFd;
+            metrics_fd = l.as_fd().try_clone_to_owned().ok();
+        }
         let at = l.local_addr().map_or(addr, |a| a.to_string());
         eprintln!("roam serve: metrics at http://{at}/metrics");
         tokio::spawn(crate::metrics::serve(
@@ -213,17 +265,275 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
         ));
     }
     let _control = crate::control::start(config, format!("serve {local}"), registry.clone());
-    run_relay(
-        listener,
-        server,
+    let relay = Relay::new(
         Arc::new(rules),
         targets,
         Some(registry),
-        shutdown_signal(),
-    )
-    .await
-    .map_err(|e| CliError(format!("relay failed: {e}")))?;
+        server.proto.clone(),
+    );
+    let (gate, gate_rx) = watch::channel(false);
+    server.accept_paused = Some(gate_rx);
+    let stats = server.stats.clone();
+    let handed_over = Arc::new(tokio::sync::Notify::new());
+    if let Some(h) = handover {
+        // The receipt is the commit point: once the old relay has it, it
+        // exits and this process serves; if it cannot be delivered, the
+        // old relay serves on and this one gives up.
+        let n = h.sessions.len();
+        let mut sock = h.sock;
+        let sent =
+            tokio::task::spawn_blocking(move || crate::takeover::send_taken(&mut sock, n)).await;
+        if !matches!(sent, Ok(Ok(()))) {
+            return Err(CliError(
+                "could not confirm the takeover to the running relay; it keeps serving".to_string(),
+            ));
+        }
+        eprintln!(
+            "roam serve: took over {n} sessions and the listener {} from the running relay",
+            h.listen
+        );
+        relay.park(h.sessions);
+    }
+    let takeover_listener = bind_takeover_socket(&takeover_path, args.takeover);
+    let serving = {
+        let handed_over = handed_over.clone();
+        tokio::spawn(serve_relay(listener, server, relay.clone(), async move {
+            tokio::select! {
+                _ = shutdown_signal() => {}
+                _ = handed_over.notified() => {}
+            }
+        }))
+    };
+    if let Some(l) = takeover_listener {
+        tokio::spawn(offer_takeover(
+            l,
+            relay,
+            gate,
+            stats,
+            local.clone(),
+            listener_fd,
+            metrics_fd,
+            handed_over,
+        ));
+    }
+    serving
+        .await
+        .map_err(|e| CliError(format!("relay failed: {e}")))?
+        .map_err(|e| CliError(format!("relay failed: {e}")))?;
     Ok(0)
+}
+
+/// What `--takeover` received, and the socket its receipt goes back on.
+struct Received {
+    listen: String,
+    listener: OwnedFd,
+    metrics: Option<OwnedFd>,
+    sessions: Vec<HandedSession>,
+    sock: std::os::unix::net::UnixStream,
+}
+
+/// `--takeover`: asks the relay on `path` for everything it holds.
+async fn receive_takeover(path: &std::path::Path, format: u32) -> Result<Received, CliError> {
+    let path = path.to_path_buf();
+    let shown = path.display().to_string();
+    tokio::task::spawn_blocking(move || -> Result<Received, CliError> {
+        let mut sock = std::os::unix::net::UnixStream::connect(&path).map_err(|e| {
+            CliError(format!(
+                "cannot take over: no relay answers on {shown}: {e}; is `roam serve` running with this --takeover-socket?"
+            ))
+        })?;
+        let _ = sock.set_read_timeout(Some(TAKEOVER_IO_TIMEOUT));
+        let _ = sock.set_write_timeout(Some(TAKEOVER_IO_TIMEOUT));
+        let answer = crate::takeover::hello_with_format(&mut sock, format)
+            .map_err(|e| CliError(format!("cannot take over from {shown}: {e}")))?;
+        if !answer.ok {
+            return Err(CliError(format!(
+                "the running relay (roam {}, state format {}) refused the takeover: {}",
+                answer.version,
+                answer.format,
+                answer.error.unwrap_or_default()
+            )));
+        }
+        let h = crate::takeover::recv_handover(&mut sock)
+            .map_err(|e| CliError(format!("takeover from {shown} failed part-way: {e}; the old relay keeps serving")))?;
+        Ok(Received {
+            listen: h.listen,
+            listener: h.listener,
+            metrics: h.metrics,
+            sessions: h.sessions,
+            sock,
+        })
+    })
+    .await
+    .map_err(|e| CliError(format!("takeover: {e}")))?
+}
+
+/// How long either side of a takeover waits on the other's socket.
+const TAKEOVER_IO_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Binds the takeover socket (replacing a stale one; a live one belongs to
+/// another relay unless `replace`, after a takeover).
+fn bind_takeover_socket(path: &std::path::Path, replace: bool) -> Option<tokio::net::UnixListener> {
+    if path.exists() && !replace && std::os::unix::net::UnixStream::connect(path).is_ok() {
+        tracing::warn!(
+            "no takeover socket: another relay serves {}; give this one its own --takeover-socket to upgrade it without loss",
+            path.display()
+        );
+        return None;
+    }
+    let _ = std::fs::remove_file(path);
+    if let Some(dir) = path.parent() {
+        let _ = crate::paths::ensure_private_dir(dir);
+    }
+    match tokio::net::UnixListener::bind(path) {
+        Ok(l) => {
+            use std::os::unix::fs::PermissionsExt;
+            let _ = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600));
+            Some(l)
+        }
+        Err(e) => {
+            tracing::warn!("no takeover socket at {}: {e}", path.display());
+            None
+        }
+    }
+}
+
+/// Serves takeovers: on a `roam serve --takeover` connection (or SIGUSR2,
+/// which starts one), hands everything over and ends the relay; on any
+/// failure puts the sessions back and goes on.
+#[allow(clippy::too_many_arguments)]
+async fn offer_takeover(
+    listener: tokio::net::UnixListener,
+    relay: Arc<Relay>,
+    gate: watch::Sender<bool>,
+    stats: roam::ServerStats,
+    local: String,
+    listener_fd: OwnedFd,
+    metrics_fd: Option<OwnedFd>,
+    handed_over: Arc<tokio::sync::Notify>,
+) {
+    let mut usr2 =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined2()).ok();
+    loop {
+        let conn = tokio::select! {
+            c = listener.accept() => c,
+            _ = async { match usr2.as_mut() { Some(s) => { s.recv().await; } None => std::future::pending().await } } => {
+                start_successor();
+                continue;
+            }
+        };
+        let sock = match conn.and_then(|(c, _)| c.into_std()) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::debug!("takeover socket: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let hello = tokio::task::spawn_blocking(move || {
+            let mut sock = sock;
+            let _ = sock.set_nonblocking(false);
+            let _ = sock.set_read_timeout(Some(TAKEOVER_IO_TIMEOUT));
+            let _ = sock.set_write_timeout(Some(TAKEOVER_IO_TIMEOUT));
+            let r = crate::takeover::answer(&mut sock, crate::takeover::STATE_FORMAT);
+            (sock, r)
+        })
+        .await;
+        let (mut sock, hello) = match hello {
+            Ok((sock, Ok(Ok(hello)))) => (sock, hello),
+            Ok((_, Ok(Err(refusal)))) => {
+                tracing::warn!("takeover refused: {refusal}");
+                eprintln!("roam serve: takeover refused: {refusal}");
+                continue;
+            }
+            Ok((_, Err(e))) => {
+                tracing::warn!("takeover socket: {e}");
+                continue;
+            }
+            Err(e) => {
+                tracing::warn!("takeover: {e}");
+                continue;
+            }
+        };
+        let started = Instant::now();
+        eprintln!(
+            "roam serve: handing over to a new relay (roam {})",
+            hello.version
+        );
+        gate.send_replace(true);
+        let sessions = relay.take_all(&stats).await;
+        let (listener_dup, metrics_dup) = (
+            listener_fd.try_clone(),
+            metrics_fd.as_ref().map(|f| f.try_clone()).transpose(),
+        );
+        let (Ok(listener_dup), Ok(metrics_dup)) = (listener_dup, metrics_dup) else {
+            tracing::error!("takeover failed: cannot duplicate the listening sockets; serving on");
+            relay.resume_after_failed_handover(sessions);
+            gate.send_replace(false);
+            continue;
+        };
+        let h = crate::takeover::Handover {
+            listen: local.clone(),
+            listener: listener_dup,
+            metrics: metrics_dup,
+            sessions,
+        };
+        let sent = tokio::task::spawn_blocking(move || {
+            let r = crate::takeover::send_handover(&mut sock, &h);
+            (h, r)
+        })
+        .await;
+        match sent {
+            Ok((h, Ok(n))) => {
+                eprintln!(
+                    "roam serve: handed {n} sessions to the new relay in {} ms; exiting",
+                    started.elapsed().as_millis()
+                );
+                // Our copies of the target connections close; the new
+                // relay's keep them open.
+                drop(h);
+                handed_over.notify_one();
+                return;
+            }
+            Ok((h, Err(e))) => {
+                tracing::error!("takeover failed part-way ({e}); the sessions stay here");
+                eprintln!("roam serve: takeover failed part-way ({e}); serving on");
+                relay.resume_after_failed_handover(h.sessions);
+                gate.send_replace(false);
+            }
+            Err(e) => {
+                tracing::error!(
+                    "takeover task failed: {e}; serving on without the sessions it held"
+                );
+                relay.resume_after_failed_handover(Vec::new());
+                gate.send_replace(false);
+            }
+        }
+    }
+}
+
+/// SIGUSR2: starts `roam serve --takeover` from this executable with this
+/// process's arguments (the new binary, if it was replaced on disk).
+fn start_successor() {
+    let exe = match std::env::current_exe() {
+        Ok(e) => e,
+        Err(e) => {
+            tracing::error!("SIGUSR2: cannot find this executable: {e}");
+            return;
+        }
+    };
+    let mut args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    if !args.iter().any(|a| a == "--takeover") {
+        args.push("--takeover".into());
+    }
+    match std::process::Command::new(&exe).args(&args).spawn() {
+        Ok(child) => eprintln!(
+            "roam serve: SIGUSR2: started {} --takeover (pid {})",
+            exe.display(),
+            child.id()
+        ),
+        Err(e) => tracing::error!("SIGUSR2: cannot start {}: {e}", exe.display()),
+    }
 }
 
 /// Completes on Ctrl-C or SIGTERM.
@@ -232,6 +542,178 @@ pub(crate) async fn shutdown_signal() {
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
         _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
+    }
+}
+
+/// What the sessions of one relay share: the policy, the caps, and the
+/// state of a handover (`crate::takeover`).
+pub(crate) struct Relay {
+    rules: Arc<Vec<AllowRule>>,
+    targets: Arc<TargetCaps>,
+    registry: Option<Registry>,
+    /// The protocol configuration parked sessions are restored with.
+    proto: roam_proto::ServerConfig,
+    /// `true` while the relay hands over: session tasks stop accepting
+    /// streams, pumps stop, and each session is taken out into `handed`.
+    handing: watch::Sender<bool>,
+    /// Session tasks running (each hands its session over or ends).
+    live: AtomicUsize,
+    /// Sessions taken out by the current handover.
+    handed: Mutex<Vec<HandedSession>>,
+    /// Sessions received in a handover (or put back after a failed one),
+    /// waiting for their client's resume, and since when.
+    parked: Mutex<HashMap<roam::SessionId, (HandedSession, Instant)>>,
+    /// How long a parked session waits for its client.
+    suspend_timeout: Duration,
+}
+
+impl Relay {
+    /// A relay with `rules` and `targets` whose parked sessions are restored
+    /// under `proto`.
+    pub(crate) fn new(
+        rules: Arc<Vec<AllowRule>>,
+        targets: Arc<TargetCaps>,
+        registry: Option<Registry>,
+        proto: roam_proto::ServerConfig,
+    ) -> Arc<Self> {
+        let suspend_timeout = proto.session.resume_timeout;
+        Arc::new(Self {
+            rules,
+            targets,
+            registry,
+            proto,
+            handing: watch::channel(false).0,
+            live: AtomicUsize::new(0),
+            handed: Mutex::new(Vec::new()),
+            parked: Mutex::new(HashMap::new()),
+            suspend_timeout,
+        })
+    }
+
+    fn parked(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<roam::SessionId, (HandedSession, Instant)>> {
+        self.parked.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Parks sessions until their clients resume (`lookup`).
+    pub(crate) fn park(&self, sessions: Vec<HandedSession>) {
+        let now = Instant::now();
+        let mut p = self.parked();
+        for s in sessions {
+            p.insert(s.id, (s, now));
+        }
+    }
+
+    /// Drops parked sessions whose clients did not come back within the
+    /// suspend timeout (their target connections close).
+    fn expire_parked(&self) {
+        let timeout = self.suspend_timeout;
+        self.parked().retain(|id, (_, since)| {
+            let keep = since.elapsed() < timeout;
+            if !keep {
+                tracing::info!("handed-over session {id} expired: its client did not resume within {timeout:?}");
+            }
+            keep
+        });
+    }
+
+    /// Asked by the server for a resume that names a session it does not
+    /// hold: a parked one is restored and its relays start again.
+    async fn lookup(self: Arc<Self>, id: roam::SessionId) -> roam::LookupResult {
+        let Some((parked, since)) = self.parked().remove(&id) else {
+            return Ok(None);
+        };
+        // Counted from here: a handover now waits for this session to be
+        // installed (or dropped) rather than miss it in between.
+        let live = LiveGuard::new(&self);
+        let session = match roam_proto::Session::restore_server(
+            &self.proto,
+            std::time::Instant::now(),
+            &parked.detached.blob,
+            since.elapsed(),
+        ) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!("handed-over session {id}: its state was refused ({e}); its target connections close");
+                return Ok(None);
+            }
+        };
+        let HandedSession {
+            detached, streams, ..
+        } = parked;
+        let relay = self.clone();
+        Ok(Some(roam::Restored::new(
+            session,
+            detached.unaccepted,
+            detached.orphans,
+            Box::new(move |handle: roam::SessionHandle| {
+                tracing::info!(
+                    "handed-over session {id} resumed; {} streams relayed again",
+                    streams.len()
+                );
+                if let Some(r) = &relay.registry {
+                    r.add(
+                        format!("relay session from {}", fmt_peer(handle.stats().peer_addr)),
+                        handle.clone(),
+                    );
+                }
+                tokio::spawn(run_session(relay, handle, streams, live));
+            }),
+        )))
+    }
+
+    /// Takes every session out of its pumps and driver (a handover). The
+    /// caller has stopped the server accepting. Returns them with the parked
+    /// ones; sessions that ended meanwhile are not in it.
+    pub(crate) async fn take_all(&self, stats: &roam::ServerStats) -> Vec<HandedSession> {
+        self.handing.send_replace(true);
+        // Session tasks see `handing` and hand over; sessions still in their
+        // handshake get a task when it completes, which hands over at once.
+        let deadline = Instant::now() + HANDOVER_WAIT;
+        loop {
+            let live = self.live.load(Ordering::SeqCst);
+            let held = stats.usage().sessions;
+            if live == 0 && held == 0 {
+                break;
+            }
+            if Instant::now() >= deadline {
+                tracing::warn!("handover: {live} session tasks and {held} sessions still running after {HANDOVER_WAIT:?}; they are not handed over");
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let mut all = std::mem::take(&mut *self.handed.lock().unwrap_or_else(|e| e.into_inner()));
+        all.extend(self.parked().drain().map(|(_, (s, _))| s));
+        all
+    }
+
+    /// After a failed handover: the sessions wait here for their clients
+    /// again and the relay goes on.
+    pub(crate) fn resume_after_failed_handover(&self, sessions: Vec<HandedSession>) {
+        self.park(sessions);
+        self.handing.send_replace(false);
+    }
+}
+
+/// How long a handover waits for every session to be taken out.
+const HANDOVER_WAIT: Duration = Duration::from_secs(5);
+
+/// Counts a session in [`Relay::live`] from the moment the relay takes it
+/// on (a new session's callback, a parked session's lookup) until its task
+/// ends, so that a handover waits for it.
+struct LiveGuard(Arc<Relay>);
+
+impl LiveGuard {
+    fn new(relay: &Arc<Relay>) -> Self {
+        relay.live.fetch_add(1, Ordering::SeqCst);
+        Self(relay.clone())
+    }
+}
+
+impl Drop for LiveGuard {
+    fn drop(&mut self) {
+        self.0.live.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -244,10 +726,32 @@ pub(crate) async fn run_relay(
     registry: Option<Registry>,
     shutdown: impl Future<Output = ()>,
 ) -> std::io::Result<()> {
-    roam::serve(
-        listener,
-        config,
-        shutdown,
+    let relay = Relay::new(rules, targets, registry, config.proto.clone());
+    serve_relay(listener, config, relay, shutdown).await
+}
+
+/// Runs `relay` on `listener` until `shutdown`, restoring parked sessions
+/// when their clients resume.
+pub(crate) async fn serve_relay(
+    listener: TcpListener,
+    config: roam::ServerConfig,
+    relay: Arc<Relay>,
+    shutdown: impl Future<Output = ()>,
+) -> std::io::Result<()> {
+    let sweeper = {
+        let relay = Arc::downgrade(&relay);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(10)).await;
+                match relay.upgrade() {
+                    Some(r) => r.expire_parked(),
+                    None => return,
+                }
+            }
+        })
+    };
+    let on_session = {
+        let relay = relay.clone();
         move |session: roam::SessionHandle| {
             let peer = session.stats().peer_addr;
             tracing::info!(
@@ -255,28 +759,101 @@ pub(crate) async fn run_relay(
                 session.id().map(|i| i.to_string()).unwrap_or_default(),
                 fmt_peer(peer)
             );
-            if let Some(r) = &registry {
+            if let Some(r) = &relay.registry {
                 r.add(
                     format!("relay session from {}", fmt_peer(peer)),
                     session.clone(),
                 );
             }
-            let rules = rules.clone();
-            let targets = targets.clone();
-            tokio::spawn(async move {
-                while let Ok((stream, meta)) = session.accept_stream().await {
-                    tokio::spawn(relay_stream(
-                        stream,
-                        meta,
-                        rules.clone(),
-                        targets.clone(),
-                        session.clone(),
-                    ));
+            let live = LiveGuard::new(&relay);
+            tokio::spawn(run_session(relay.clone(), session, Vec::new(), live));
+        }
+    };
+    let lookup = {
+        let relay = relay.clone();
+        move |id| relay.clone().lookup(id)
+    };
+    let r = roam::serve_with_restore(listener, config, shutdown, on_session, lookup).await;
+    sweeper.abort();
+    r
+}
+
+/// One session's task: relays each stream the client opens (and, after a
+/// handover, those it brought along) until the session ends or the relay
+/// hands over, when it takes the session out into [`Relay::handed`].
+async fn run_session(
+    relay: Arc<Relay>,
+    session: roam::SessionHandle,
+    resumed: Vec<HandedStream>,
+    _live: LiveGuard,
+) {
+    let mut handing = relay.handing.subscribe();
+    let mut relays: JoinSet<Option<(HandedStream, RoamStream)>> = JoinSet::new();
+    for st in resumed {
+        match session.stream(roam::StreamId(st.id)) {
+            Ok(stream) => {
+                relays.spawn(relay_stream(
+                    relay.clone(),
+                    stream,
+                    st.target.clone(),
+                    session.clone(),
+                    Some(st),
+                ));
+            }
+            Err(e) => tracing::warn!("handed-over stream {} to {} is gone: {e}", st.id, st.target),
+        }
+    }
+    let mut streams = Vec::new();
+    let mut handles = Vec::new();
+    loop {
+        tokio::select! {
+            r = session.accept_stream(), if !*handing.borrow() => match r {
+                Ok((stream, meta)) => {
+                    let target = String::from_utf8_lossy(&meta).into_owned();
+                    relays.spawn(relay_stream(relay.clone(), stream, target, session.clone(), None));
                 }
-            });
-        },
-    )
-    .await
+                Err(_) => {
+                    // Over: the relays end with the session.
+                    relays.detach_all();
+                    return;
+                }
+            },
+            Some(r) = relays.join_next(), if !relays.is_empty() => {
+                // A relay that stopped for a handover (it may finish before
+                // this loop sees `handing`): keep what it hands over.
+                if let Ok(Some((st, handle))) = r {
+                    streams.push(st);
+                    handles.push(handle);
+                }
+            }
+            _ = handing.wait_for(|h| *h) => break,
+        }
+    }
+    // Handing over: every relay stops where it is, then the session leaves
+    // its driver. The streams stay open until the export is taken, so none
+    // is reset as dropped.
+    while let Some(r) = relays.join_next().await {
+        if let Ok(Some((st, handle))) = r {
+            streams.push(st);
+            handles.push(handle);
+        }
+    }
+    let Some(id) = session.id() else { return };
+    match session.detach().await {
+        Ok(detached) => {
+            relay
+                .handed
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(HandedSession {
+                    id,
+                    detached,
+                    streams,
+                });
+        }
+        Err(e) => tracing::info!("session {id} not handed over: {e}"),
+    }
+    drop(handles);
 }
 
 fn fmt_peer(peer: Option<SocketAddr>) -> String {
@@ -284,16 +861,20 @@ fn fmt_peer(peer: Option<SocketAddr>) -> String {
 }
 
 /// Connects one stream to its target (if allowed and under the caps) and
-/// copies both ways until either side ends or the session does.
+/// copies both ways until either side ends or the session does. A stream
+/// handed over from another relay (`resumed`) brings its target connection
+/// and the bytes in flight. Returns the stream's state when the relay hands
+/// over (and the stream handle, to be dropped after the session's export).
 async fn relay_stream(
+    relay: Arc<Relay>,
     mut stream: RoamStream,
-    meta: Vec<u8>,
-    rules: Arc<Vec<AllowRule>>,
-    targets: Arc<TargetCaps>,
+    target: String,
     session: roam::SessionHandle,
-) {
+    resumed: Option<HandedStream>,
+) -> Option<(HandedStream, RoamStream)> {
     let peer = fmt_peer(session.stats().peer_addr);
-    let target = String::from_utf8_lossy(&meta).into_owned();
+    let targets = &relay.targets;
+    let mut handing = relay.handing.subscribe();
     let parsed = match split_host_port(&target) {
         Ok((host, Some(port))) if !host.is_empty() => Some((host, port)),
         _ => None,
@@ -302,15 +883,15 @@ async fn relay_stream(
         tracing::warn!("refused stream from {peer}: target {target:?} is not HOST:PORT");
         targets.note_refused("bad_target");
         stream.reset(reset::BAD_TARGET);
-        return;
+        return None;
     };
-    if !rules.iter().any(|r| r.matches(&host, port)) {
+    if !relay.rules.iter().any(|r| r.matches(&host, port)) {
         tracing::warn!(
             "refused stream from {peer} to {target}: target not allowed (permit it with --allow {target})"
         );
         targets.note_refused("not_allowed");
         stream.reset(reset::TARGET_NOT_ALLOWED);
-        return;
+        return None;
     }
     let session_label = session
         .id()
@@ -332,48 +913,103 @@ async fn relay_stream(
             }
             targets.note_refused("target_limit");
             stream.reset(reset::TARGET_LIMIT);
-            return;
+            return None;
         }
     };
-    let dial = tokio::time::timeout(
-        TARGET_CONNECT_TIMEOUT,
-        TcpStream::connect((host.as_str(), port)),
-    )
-    .await;
-    let mut tcp = match dial {
-        Ok(Ok(t)) => t,
-        Ok(Err(e)) => {
-            tracing::warn!("stream from {peer}: cannot connect to {target}: {e}");
-            targets.note_refused("unreachable");
-            stream.reset(reset::TARGET_UNREACHABLE);
-            return;
+    let (adopted, up, down) = match resumed {
+        Some(st) => (st.tcp, st.up, st.down),
+        None => (None, HalfState::default(), HalfState::default()),
+    };
+    let mut tcp = match adopted {
+        Some(fd) => {
+            let std_tcp = std::net::TcpStream::from(fd);
+            match std_tcp
+                .set_nonblocking(true)
+                .and_then(|()| TcpStream::from_std(std_tcp))
+            {
+                Ok(t) => t,
+                Err(e) => {
+                    tracing::warn!(
+                        "stream from {peer}: handed-over connection to {target} unusable: {e}"
+                    );
+                    stream.reset(reset::TARGET_UNREACHABLE);
+                    return None;
+                }
+            }
         }
-        Err(_) => {
-            tracing::warn!("stream from {peer}: connecting to {target} timed out");
-            targets.note_refused("unreachable");
-            stream.reset(reset::TARGET_UNREACHABLE);
-            return;
+        None => {
+            let dial = tokio::select! {
+                d = tokio::time::timeout(TARGET_CONNECT_TIMEOUT, TcpStream::connect((host.as_str(), port))) => d,
+                // Handing over while dialing: the new relay dials again.
+                _ = handing.wait_for(|h| *h) => {
+                    let id = stream.id().0;
+                    return Some((HandedStream { id, target, tcp: None, up, down }, stream));
+                }
+            };
+            let t = match dial {
+                Ok(Ok(t)) => t,
+                Ok(Err(e)) => {
+                    tracing::warn!("stream from {peer}: cannot connect to {target}: {e}");
+                    targets.note_refused("unreachable");
+                    stream.reset(reset::TARGET_UNREACHABLE);
+                    return None;
+                }
+                Err(_) => {
+                    tracing::warn!("stream from {peer}: connecting to {target} timed out");
+                    targets.note_refused("unreachable");
+                    stream.reset(reset::TARGET_UNREACHABLE);
+                    return None;
+                }
+            };
+            let _ = t.set_nodelay(true);
+            targets.note_connected();
+            tracing::info!("stream from {peer} connected to {target}");
+            t
         }
     };
-    let _ = tcp.set_nodelay(true);
-    targets.note_connected();
-    tracing::info!("stream from {peer} connected to {target}");
-    let copied = tokio::select! {
-        r = crate::pump::pump(&mut stream, &mut tcp) => r,
+    let end = tokio::select! {
+        e = crate::pump::pump_until(&mut stream, &mut tcp, up, down, async {
+            let _ = handing.wait_for(|h| *h).await;
+        }) => e,
         // The session expired or was closed: nobody can use this target
         // connection again, so it closes now rather than when a read fails.
         reason = session.closed() => {
             tracing::info!("stream from {peer} to {target} ended with its session: {}", roam::Error::Closed(reason));
-            return;
+            return None;
         }
     };
-    match copied {
-        Ok((up, down)) => {
-            tracing::info!("stream from {peer} to {target} done: {up} bytes up, {down} down")
+    match end {
+        PumpEnd::Finished(Ok((up, down))) => {
+            tracing::info!("stream from {peer} to {target} done: {up} bytes up, {down} down");
+            None
         }
-        Err(e) => {
+        PumpEnd::Finished(Err(e)) => {
             tracing::info!("stream from {peer} to {target} ended: {e}");
             stream.reset(roam_proto::code::NO_ERROR);
+            None
+        }
+        PumpEnd::Stopped(up, down) => {
+            let fd = match tcp.into_std() {
+                Ok(t) => OwnedFd::from(t),
+                Err(e) => {
+                    tracing::warn!(
+                        "stream from {peer} to {target}: cannot hand over its connection: {e}"
+                    );
+                    stream.reset(roam_proto::code::NO_ERROR);
+                    return None;
+                }
+            };
+            let id = stream.id().0;
+            Some((
+                HandedStream {
+                    id,
+                    target,
+                    tcp: Some(fd),
+                    up,
+                    down,
+                },
+                stream,
+            ))
         }
     }
 }

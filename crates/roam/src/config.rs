@@ -98,6 +98,12 @@ pub struct ServerConfig {
     /// clone to read it (default: a fresh, private one). Clones of this
     /// config share it: give each server it runs its own.
     pub stats: crate::ServerStats,
+    /// While this reads `true` the server accepts no connection: new ones
+    /// wait in the listen backlog, those already accepted and every session
+    /// go on. A relay handing its sessions to a new process closes the gate
+    /// first, so no resume lands on a session it is taking out (default:
+    /// none, always open).
+    pub accept_paused: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
 impl ServerConfig {
@@ -113,6 +119,7 @@ impl ServerConfig {
             hello_timeout: Duration::from_secs(10),
             shutdown_grace: Duration::from_secs(2),
             stats: crate::ServerStats::default(),
+            accept_paused: None,
         }
     }
 }

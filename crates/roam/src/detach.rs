@@ -33,6 +33,18 @@ pub struct Detached {
     pub orphans: Vec<StreamId>,
 }
 
+impl Detached {
+    /// A continuation with its stream lists, as [`SessionHandle::detach`]
+    /// made it (e.g. after it travelled to another process).
+    pub fn new(blob: Vec<u8>, unaccepted: Vec<StreamId>, orphans: Vec<StreamId>) -> Self {
+        Self {
+            blob,
+            unaccepted,
+            orphans,
+        }
+    }
+}
+
 /// Called with the handle of a restored session once it is in the routing map,
 /// before its driver runs (so an event subscription made here misses nothing).
 pub type OnInstalled = Box<dyn FnOnce(SessionHandle) + Send>;

@@ -172,11 +172,28 @@ async fn serve_inner(
     // LOG_EVERY each, with a count of the rest.
     let mut accept_errors = LogThrottle::new(LOG_EVERY);
     let mut over_cap = LogThrottle::new(LOG_EVERY);
+    let mut paused = ctx.config.accept_paused.clone();
     tokio::pin!(shutdown);
     let result = loop {
+        if let Some(gate) = paused.as_mut() {
+            // Closed gate: wait (without accepting) until it opens again, or
+            // its sender is gone (then it stays open), or shutdown.
+            let (stop, gone) = tokio::select! {
+                _ = &mut shutdown => (true, false),
+                r = gate.wait_for(|p| !*p) => (false, r.is_err()),
+            };
+            if stop {
+                break Ok(());
+            }
+            if gone {
+                paused = None;
+            }
+        }
         let accepted = tokio::select! {
             _ = &mut shutdown => break Ok(()),
             r = listener.accept() => r,
+            // The gate closed while waiting: stop accepting at once.
+            _ = gate_closes(&mut paused) => continue,
         };
         match accepted {
             Ok((sock, peer)) => match limit.clone().try_acquire_owned() {
@@ -215,6 +232,19 @@ async fn serve_inner(
     // Every driver and connection task holds a `running` sender; all dropped = all stopped.
     let _ = tokio::time::timeout(grace + Duration::from_secs(1), running_rx.recv()).await;
     result
+}
+
+/// Completes when the accept gate closes (never without a gate, or once its
+/// sender is gone).
+async fn gate_closes(gate: &mut Option<watch::Receiver<bool>>) {
+    match gate {
+        Some(g) => {
+            if g.wait_for(|p| *p).await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+        None => std::future::pending::<()>().await,
+    }
 }
 
 /// Answers a connection over the connection cap with the Busy refusal

@@ -1,0 +1,433 @@
+//! Relay takeover: a running `roam serve` hands everything it holds to a new
+//! `roam serve --takeover` process over a Unix socket (descriptors with
+//! `SCM_RIGHTS`), then exits. Nothing is closed on the way: the listening
+//! socket and every target connection move as descriptors, and each session
+//! moves as its continuation (`docs/PROTOCOL.md` §13) with the bytes its
+//! relay pumps had read and not yet written. Only the client transports are
+//! dropped; clients resume on the new process within a round trip or two.
+//!
+//! The wire, one Unix stream connection (`docs/ARCHITECTURE.md`, "Relay
+//! takeover"): *records* are a little-endian `u32` length and a JSON body;
+//! raw bytes follow a record that announces their lengths; a batch of
+//! descriptors is one byte `F` sent with `SCM_RIGHTS`, announced by the
+//! record before it.
+//!
+//! 1. new → old: `Hello { magic, format, version }`.
+//! 2. old → new: `Answer` (refused: the old relay goes on serving).
+//! 3. old → new: `Listeners`, then their descriptors.
+//! 4. old → new, per session: `SessionHeader`, the blob and every stream's
+//!    pending bytes, then the target descriptors.
+//! 5. old → new: `End`; new → old: `Taken` once it accepts on the listener
+//!    and holds every session. The old relay exits; without `Taken` it puts
+//!    the sessions back into its own service and goes on.
+
+use std::io::{self, IoSlice, IoSliceMut, Read, Write};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+
+use rustix::net::{
+    recvmsg, sendmsg, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::pump::HalfState;
+
+/// The version of this handover's state format. A relay refuses a takeover
+/// by a process that speaks another one (and goes on serving).
+pub(crate) const STATE_FORMAT: u32 = 1;
+/// First field of the hello, so a stray connection is told apart.
+const MAGIC: &str = "roam-takeover";
+/// Largest record body accepted (a session header names lengths, never bytes).
+const MAX_RECORD: usize = 16 << 20;
+/// Largest raw section accepted (a session's blob or one pending buffer).
+const MAX_RAW: u64 = 1 << 30;
+/// Descriptors per `SCM_RIGHTS` batch (the kernel takes at most 253).
+const FDS_PER_BATCH: usize = 200;
+
+/// The new process introduces itself.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct Hello {
+    /// [`MAGIC`].
+    pub(crate) magic: String,
+    /// Its [`STATE_FORMAT`].
+    pub(crate) format: u32,
+    /// Its roam version, for the log.
+    pub(crate) version: String,
+}
+
+/// The old relay's answer to a [`Hello`].
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct Answer {
+    /// Whether the handover follows.
+    pub(crate) ok: bool,
+    /// The old relay's state format.
+    pub(crate) format: u32,
+    /// The old relay's roam version.
+    pub(crate) version: String,
+    /// Why not, when refused.
+    pub(crate) error: Option<String>,
+}
+
+/// What precedes the listening descriptors.
+#[derive(Debug, Serialize, Deserialize)]
+struct Listeners {
+    /// The address clients connect to (for the log and `roam status`).
+    listen: String,
+    /// Whether a metrics listener follows the relay's listener.
+    metrics: bool,
+}
+
+/// One stream of a handed-over session, as it travels.
+#[derive(Debug, Serialize, Deserialize)]
+struct StreamHeader {
+    id: u64,
+    target: String,
+    /// Whether a target descriptor comes for it (no: it was still dialing,
+    /// the new relay dials again).
+    fd: bool,
+    up: HalfHeader,
+    down: HalfHeader,
+}
+
+/// A [`HalfState`] without its bytes (they follow raw).
+#[derive(Debug, Serialize, Deserialize)]
+struct HalfHeader {
+    pending: u64,
+    eof: bool,
+    done: bool,
+    total: u64,
+}
+
+/// What precedes a session's raw bytes and descriptors.
+#[derive(Debug, Serialize, Deserialize)]
+struct SessionHeader {
+    id: String,
+    blob: u64,
+    unaccepted: Vec<u64>,
+    orphans: Vec<u64>,
+    streams: Vec<StreamHeader>,
+}
+
+/// The last record of a handover, and the new relay's receipt.
+#[derive(Debug, Serialize, Deserialize)]
+enum Tail {
+    /// All sessions sent.
+    End { sessions: usize },
+    /// The new relay serves them now.
+    Taken { sessions: usize },
+}
+
+/// One stream of a relay session taken out of its pumps.
+#[derive(Debug)]
+pub(crate) struct HandedStream {
+    /// The stream's id in its session.
+    pub(crate) id: u64,
+    /// Its target, as the client named it (`host:port`).
+    pub(crate) target: String,
+    /// The target connection; `None` while it was still being dialed.
+    pub(crate) tcp: Option<OwnedFd>,
+    /// Stream to target: bytes read from the stream not yet written.
+    pub(crate) up: HalfState,
+    /// Target to stream: bytes read from the target not yet written.
+    pub(crate) down: HalfState,
+}
+
+/// One relay session taken out: its continuation and its streams' sockets.
+#[derive(Debug)]
+pub(crate) struct HandedSession {
+    /// The session's id.
+    pub(crate) id: roam::SessionId,
+    /// The continuation (`roam::Detached`): holds the resume secret.
+    pub(crate) detached: roam::Detached,
+    /// Streams that had a relay.
+    pub(crate) streams: Vec<HandedStream>,
+}
+
+/// Everything a relay hands over.
+#[derive(Debug)]
+pub(crate) struct Handover {
+    /// The address the listener is bound to.
+    pub(crate) listen: String,
+    /// The relay's listening socket.
+    pub(crate) listener: OwnedFd,
+    /// The metrics listener, if the relay serves metrics.
+    pub(crate) metrics: Option<OwnedFd>,
+    /// The sessions.
+    pub(crate) sessions: Vec<HandedSession>,
+}
+
+/// Writes one record.
+pub(crate) fn write_record<T: Serialize>(sock: &mut UnixStream, msg: &T) -> io::Result<()> {
+    let body = serde_json::to_vec(msg).map_err(io::Error::other)?;
+    sock.write_all(&(body.len() as u32).to_le_bytes())?;
+    sock.write_all(&body)
+}
+
+/// Reads one record.
+pub(crate) fn read_record<T: for<'de> Deserialize<'de>>(sock: &mut UnixStream) -> io::Result<T> {
+    let mut len = [0u8; 4];
+    sock.read_exact(&mut len)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_RECORD {
+        return Err(invalid(format!(
+            "record of {len} bytes (at most {MAX_RECORD})"
+        )));
+    }
+    let mut body = vec![0u8; len];
+    sock.read_exact(&mut body)?;
+    serde_json::from_slice(&body).map_err(|e| invalid(format!("malformed record: {e}")))
+}
+
+fn invalid(msg: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, msg)
+}
+
+fn read_raw(sock: &mut UnixStream, len: u64) -> io::Result<Vec<u8>> {
+    if len > MAX_RAW {
+        return Err(invalid(format!("raw section of {len} bytes")));
+    }
+    let mut v = vec![0u8; len as usize];
+    sock.read_exact(&mut v)?;
+    Ok(v)
+}
+
+/// Sends `fds` in batches of [`FDS_PER_BATCH`], one `F` byte each.
+fn send_fds(sock: &UnixStream, fds: &[&OwnedFd]) -> io::Result<()> {
+    for batch in fds.chunks(FDS_PER_BATCH) {
+        let borrowed: Vec<_> = batch.iter().map(|f| f.as_fd()).collect();
+        let mut space = vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(FDS_PER_BATCH))];
+        let mut cmsg = SendAncillaryBuffer::new(&mut space);
+        if !cmsg.push(SendAncillaryMessage::ScmRights(&borrowed)) {
+            return Err(io::Error::other("descriptor batch does not fit its buffer"));
+        }
+        let n = sendmsg(sock, &[IoSlice::new(b"F")], &mut cmsg, SendFlags::empty())?;
+        if n != 1 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+    }
+    Ok(())
+}
+
+/// Receives `count` descriptors sent by [`send_fds`].
+fn recv_fds(sock: &UnixStream, count: usize) -> io::Result<Vec<OwnedFd>> {
+    let mut out = Vec::with_capacity(count);
+    while out.len() < count {
+        let want = (count - out.len()).min(FDS_PER_BATCH);
+        let mut space = vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(FDS_PER_BATCH))];
+        let mut cmsg = RecvAncillaryBuffer::new(&mut space);
+        let mut byte = [0u8; 1];
+        let r = recvmsg(
+            sock,
+            &mut [IoSliceMut::new(&mut byte)],
+            &mut cmsg,
+            RecvFlags::CMSG_CLOEXEC,
+        )?;
+        if r.bytes != 1 || byte[0] != b'F' {
+            return Err(invalid("expected a descriptor batch".to_string()));
+        }
+        let before = out.len();
+        for msg in cmsg.drain() {
+            if let RecvAncillaryMessage::ScmRights(fds) = msg {
+                out.extend(fds);
+            }
+        }
+        if out.len() - before != want {
+            return Err(invalid(format!(
+                "descriptor batch of {} (expected {want}); is the open-file limit too low?",
+                out.len() - before
+            )));
+        }
+    }
+    Ok(out)
+}
+
+fn half_header(h: &HalfState) -> HalfHeader {
+    HalfHeader {
+        pending: h.pending.len() as u64,
+        eof: h.eof,
+        done: h.done,
+        total: h.total,
+    }
+}
+
+/// Old side, after a [`Hello`] was accepted: sends `h`, waits for the
+/// receipt. On `Ok` the new relay serves everything; on `Err` the caller
+/// still owns `h` (every descriptor is still open here) and serves on.
+pub(crate) fn send_handover(sock: &mut UnixStream, h: &Handover) -> io::Result<usize> {
+    write_record(
+        sock,
+        &Listeners {
+            listen: h.listen.clone(),
+            metrics: h.metrics.is_some(),
+        },
+    )?;
+    let mut fds = vec![&h.listener];
+    fds.extend(h.metrics.as_ref());
+    send_fds(sock, &fds)?;
+    for s in &h.sessions {
+        let header = SessionHeader {
+            id: s.id.to_string(),
+            blob: s.detached.blob.len() as u64,
+            unaccepted: s.detached.unaccepted.iter().map(|i| i.0).collect(),
+            orphans: s.detached.orphans.iter().map(|i| i.0).collect(),
+            streams: s
+                .streams
+                .iter()
+                .map(|st| StreamHeader {
+                    id: st.id,
+                    target: st.target.clone(),
+                    fd: st.tcp.is_some(),
+                    up: half_header(&st.up),
+                    down: half_header(&st.down),
+                })
+                .collect(),
+        };
+        write_record(sock, &header)?;
+        sock.write_all(&s.detached.blob)?;
+        for st in &s.streams {
+            sock.write_all(&st.up.pending)?;
+            sock.write_all(&st.down.pending)?;
+        }
+        let fds: Vec<&OwnedFd> = s.streams.iter().filter_map(|st| st.tcp.as_ref()).collect();
+        send_fds(sock, &fds)?;
+    }
+    write_record(
+        sock,
+        &Tail::End {
+            sessions: h.sessions.len(),
+        },
+    )?;
+    match read_record::<Tail>(sock)? {
+        Tail::Taken { sessions } if sessions == h.sessions.len() => Ok(sessions),
+        other => Err(invalid(format!("unexpected receipt {other:?}"))),
+    }
+}
+
+/// New side, after its [`Hello`] was accepted: receives the handover.
+pub(crate) fn recv_handover(sock: &mut UnixStream) -> io::Result<Handover> {
+    let l: Listeners = read_record(sock)?;
+    let mut fds = recv_fds(sock, 1 + usize::from(l.metrics))?.into_iter();
+    let listener = fds.next().ok_or_else(|| invalid("no listener".into()))?;
+    let metrics = fds.next();
+    let mut sessions = Vec::new();
+    loop {
+        // A session header or the tail: try the header's shape first.
+        let mut len = [0u8; 4];
+        sock.read_exact(&mut len)?;
+        let len = u32::from_le_bytes(len) as usize;
+        if len > MAX_RECORD {
+            return Err(invalid(format!("record of {len} bytes")));
+        }
+        let mut body = vec![0u8; len];
+        sock.read_exact(&mut body)?;
+        if let Ok(tail) = serde_json::from_slice::<Tail>(&body) {
+            match tail {
+                Tail::End { sessions: n } if n == sessions.len() => break,
+                other => return Err(invalid(format!("unexpected tail {other:?}"))),
+            }
+        }
+        let header: SessionHeader = serde_json::from_slice(&body)
+            .map_err(|e| invalid(format!("malformed session header: {e}")))?;
+        let id = header
+            .id
+            .parse::<roam::SessionId>()
+            .map_err(|e| invalid(format!("session id {:?}: {e}", header.id)))?;
+        let blob = read_raw(sock, header.blob)?;
+        let mut streams = Vec::with_capacity(header.streams.len());
+        for st in &header.streams {
+            let up = read_raw(sock, st.up.pending)?;
+            let down = read_raw(sock, st.down.pending)?;
+            streams.push(HandedStream {
+                id: st.id,
+                target: st.target.clone(),
+                tcp: None,
+                up: HalfState {
+                    pending: up,
+                    eof: st.up.eof,
+                    done: st.up.done,
+                    total: st.up.total,
+                },
+                down: HalfState {
+                    pending: down,
+                    eof: st.down.eof,
+                    done: st.down.done,
+                    total: st.down.total,
+                },
+            });
+        }
+        let with_fd = header.streams.iter().filter(|s| s.fd).count();
+        let mut fds = recv_fds(sock, with_fd)?.into_iter();
+        for (st, h) in streams.iter_mut().zip(&header.streams) {
+            if h.fd {
+                st.tcp = fds.next();
+            }
+        }
+        sessions.push(HandedSession {
+            id,
+            detached: roam::Detached::new(
+                blob,
+                header.unaccepted.into_iter().map(roam::StreamId).collect(),
+                header.orphans.into_iter().map(roam::StreamId).collect(),
+            ),
+            streams,
+        });
+    }
+    Ok(Handover {
+        listen: l.listen,
+        listener,
+        metrics,
+        sessions,
+    })
+}
+
+/// New side: the receipt that ends the handover.
+pub(crate) fn send_taken(sock: &mut UnixStream, sessions: usize) -> io::Result<()> {
+    write_record(sock, &Tail::Taken { sessions })
+}
+
+/// New side: introduces itself as reading state `format` (normally
+/// [`STATE_FORMAT`]) and reads the answer.
+pub(crate) fn hello_with_format(sock: &mut UnixStream, format: u32) -> io::Result<Answer> {
+    write_record(
+        sock,
+        &Hello {
+            magic: MAGIC.to_string(),
+            format,
+            version: env!("CARGO_PKG_VERSION").to_string(),
+        },
+    )?;
+    read_record(sock)
+}
+
+/// Old side: reads a hello and answers it; `Ok(Ok(hello))` when the
+/// handover should follow, `Ok(Err(why))` when it was refused.
+pub(crate) fn answer(sock: &mut UnixStream, format: u32) -> io::Result<Result<Hello, String>> {
+    let hello: Hello = read_record(sock)?;
+    let refusal = if hello.magic != MAGIC {
+        Some(format!("not a roam takeover (magic {:?})", hello.magic))
+    } else if hello.format != format {
+        Some(format!(
+            "state format mismatch: this relay (roam {}) hands over state format {format}, the new process (roam {}) reads format {}; the old relay keeps serving",
+            env!("CARGO_PKG_VERSION"),
+            hello.version,
+            hello.format
+        ))
+    } else {
+        None
+    };
+    write_record(
+        sock,
+        &Answer {
+            ok: refusal.is_none(),
+            format,
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            error: refusal.clone(),
+        },
+    )?;
+    Ok(match refusal {
+        None => Ok(hello),
+        Some(r) => Err(r),
+    })
+}

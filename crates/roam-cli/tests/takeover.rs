@@ -1,0 +1,515 @@
+//! Relay takeover (`roam serve --takeover`): a running relay hands its
+//! listener, sessions and target connections to a new process, again and
+//! again, while sessions move data both ways; every byte is checked (a
+//! counter pattern per direction, continuity checked on arrival, totals
+//! compared at the end) and no target connection may be reset. And a new
+//! process speaking another state format is refused while the old relay
+//! keeps serving. Real `roam` processes, real sockets, all on 127.0.0.1;
+//! every child is killed when its guard drops, even when a test fails.
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const BIN: &str = env!("CARGO_BIN_EXE_roam");
+
+/// Kills the child when dropped.
+struct Guard(Child);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A `roam serve` process and its stderr lines.
+struct Serve {
+    child: Guard,
+    lines: mpsc::Receiver<String>,
+}
+
+impl Serve {
+    fn start(state: &Path, port: u16, target: u16, extra: &[&str]) -> Serve {
+        let mut cmd = Command::new(BIN);
+        cmd.env("ROAM_STATE_DIR", state)
+            .env("HOME", state)
+            .env_remove("RUST_LOG")
+            .env_remove("XDG_CONFIG_HOME")
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+            .args(["--allow", &format!("127.0.0.1:{target}")])
+            .args(extra);
+        if std::env::var_os("TAKEOVER_DEBUG").is_some() {
+            cmd.arg("-v");
+        }
+        let mut child = cmd
+            .stderr(Stdio::piped())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { return };
+                if std::env::var_os("TAKEOVER_DEBUG").is_some() {
+                    eprintln!("[{}] {line}", std::process::id());
+                }
+                let _ = tx.send(line);
+            }
+        });
+        Serve {
+            child: Guard(child),
+            lines,
+        }
+    }
+
+    /// Waits for a stderr line containing `needle`; `None` if the process
+    /// ended (or `limit` passed) first. Lines before it are returned too.
+    fn wait_for(&self, needle: &str, limit: Duration) -> Result<String, Vec<String>> {
+        let end = Instant::now() + limit;
+        let mut seen = Vec::new();
+        loop {
+            let left = end.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) if l.contains(needle) => return Ok(l),
+                Ok(l) => seen.push(l),
+                Err(_) => return Err(seen),
+            }
+        }
+    }
+
+    /// Waits (bounded) for the process to exit; its status.
+    fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let end = Instant::now() + limit;
+        while Instant::now() < end {
+            if let Ok(Some(s)) = self.child.0.try_wait() {
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        None
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Byte `i` of a direction's pattern (`salt` tells the directions apart).
+fn pattern(i: u64, salt: u64) -> u8 {
+    ((i.wrapping_mul(31).wrapping_add(salt) ^ (i >> 8)) % 251) as u8
+}
+
+const UP: u64 = 1;
+const DOWN: u64 = 2;
+
+/// What the target saw on one connection.
+#[derive(Debug, Default)]
+struct TargetReport {
+    up_received: u64,
+    down_sent: u64,
+    error: Option<String>,
+}
+
+/// A target that checks the upward pattern and sends the downward one until
+/// the client finishes; reports each connection.
+async fn run_target(l: tokio::net::TcpListener, reports: Arc<Mutex<Vec<TargetReport>>>) {
+    loop {
+        let Ok((c, _)) = l.accept().await else { return };
+        let reports = reports.clone();
+        tokio::spawn(async move {
+            let (mut r, mut w) = c.into_split();
+            let stop = Arc::new(AtomicBool::new(false));
+            let sent = Arc::new(AtomicU64::new(0));
+            let writer = {
+                let (stop, sent) = (stop.clone(), sent.clone());
+                tokio::spawn(async move {
+                    let mut i = 0u64;
+                    let mut err = None;
+                    while !stop.load(Ordering::SeqCst) {
+                        let chunk: Vec<u8> = (i..i + 4096).map(|k| pattern(k, DOWN)).collect();
+                        if let Err(e) = w.write_all(&chunk).await {
+                            err = Some(format!("target write: {e}"));
+                            break;
+                        }
+                        i += 4096;
+                        sent.store(i, Ordering::SeqCst);
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                    let _ = w.shutdown().await;
+                    err
+                })
+            };
+            let mut got = 0u64;
+            let mut buf = vec![0u8; 65536];
+            let mut error = None;
+            loop {
+                match r.read(&mut buf).await {
+                    Ok(0) => break,
+                    Ok(n) => {
+                        if let Some(k) = (0..n).find(|&k| buf[k] != pattern(got + k as u64, UP)) {
+                            error = Some(format!("upward byte {} wrong", got + k as u64));
+                            break;
+                        }
+                        got += n as u64;
+                    }
+                    Err(e) => {
+                        error = Some(format!("target read after {got} bytes: {e}"));
+                        break;
+                    }
+                }
+            }
+            stop.store(true, Ordering::SeqCst);
+            let werr = writer.await.unwrap_or(Some("writer panicked".into()));
+            reports.lock().unwrap().push(TargetReport {
+                up_received: got,
+                down_sent: sent.load(Ordering::SeqCst),
+                error: error.or(werr),
+            });
+        });
+    }
+}
+
+/// What a client saw on its session's one stream.
+#[derive(Debug)]
+struct ClientReport {
+    up_sent: u64,
+    down_received: u64,
+}
+
+/// One client session: writes the upward pattern until `stop`, then
+/// finishes; reads and checks the downward pattern to its end.
+async fn run_client(
+    relay: String,
+    server_key: roam::PublicKey,
+    target: u16,
+    stop: Arc<AtomicBool>,
+) -> Result<ClientReport, String> {
+    let mut config = roam::ClientConfig::new(roam_proto::ClientConfig {
+        keypair: roam::Keypair::generate().unwrap(),
+        server_trust: roam_proto::ServerTrust::Pinned(server_key),
+        session: roam_proto::Config::default(),
+    });
+    config.watch_network = false;
+    config.backoff_initial = Duration::from_millis(20);
+    config.backoff_max = Duration::from_millis(200);
+    let session = roam::connect(&relay, config)
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
+    let stream = session
+        .open_stream(format!("127.0.0.1:{target}").as_bytes())
+        .map_err(|e| format!("open: {e}"))?;
+    let (mut r, mut w) = tokio::io::split(stream);
+    let writer = tokio::spawn(async move {
+        let mut i = 0u64;
+        while !stop.load(Ordering::SeqCst) {
+            let chunk: Vec<u8> = (i..i + 4096).map(|k| pattern(k, UP)).collect();
+            w.write_all(&chunk)
+                .await
+                .map_err(|e| format!("client write after {i}: {e}"))?;
+            i += 4096;
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        w.shutdown()
+            .await
+            .map_err(|e| format!("client finish: {e}"))?;
+        Ok::<u64, String>(i)
+    });
+    let mut got = 0u64;
+    let mut buf = vec![0u8; 65536];
+    loop {
+        let n = r
+            .read(&mut buf)
+            .await
+            .map_err(|e| format!("client read after {got}: {e}"))?;
+        if n == 0 {
+            break;
+        }
+        if let Some(k) = (0..n).find(|&k| buf[k] != pattern(got + k as u64, DOWN)) {
+            return Err(format!("downward byte {} wrong", got + k as u64));
+        }
+        got += n as u64;
+    }
+    let up_sent = writer.await.map_err(|e| e.to_string())??;
+    let _ = session.close(0, "done").await;
+    Ok(ClientReport {
+        up_sent,
+        down_received: got,
+    })
+}
+
+/// The relay's public key from its start-up line.
+fn server_key(line: &str) -> roam::PublicKey {
+    let at = line.find("server key ").expect("key in start-up line") + "server key ".len();
+    let hex: String = line[at..]
+        .chars()
+        .take_while(|c| c.is_ascii_hexdigit())
+        .collect();
+    hex.parse().expect("server key parses")
+}
+
+/// Upgrades the relay `rounds` times under load on `sessions` sessions.
+fn upgrade_under_load(sessions: usize, rounds: usize) {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let reports = Arc::new(Mutex::new(Vec::new()));
+    let target = {
+        let l = rt
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .unwrap();
+        let port = l.local_addr().unwrap().port();
+        rt.spawn(run_target(l, reports.clone()));
+        port
+    };
+    let port = free_port();
+    let mut relay = Serve::start(dir.path(), port, target, &[]);
+    let start_line = relay
+        .wait_for("listening on", Duration::from_secs(20))
+        .expect("relay starts");
+    let key = server_key(&start_line);
+    let stop = Arc::new(AtomicBool::new(false));
+    let clients: Vec<_> = (0..sessions)
+        .map(|_| {
+            rt.spawn(run_client(
+                format!("127.0.0.1:{port}"),
+                key,
+                target,
+                stop.clone(),
+            ))
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    for round in 0..rounds {
+        let next = Serve::start(dir.path(), port, target, &["--takeover"]);
+        let took = next.wait_for("took over", Duration::from_secs(30));
+        assert!(took.is_ok(), "round {round}: no takeover: {took:?}");
+        let handed = relay.wait_for("handed", Duration::from_secs(30));
+        assert!(handed.is_ok(), "round {round}: old relay: {handed:?}");
+        let status = relay.wait_exit(Duration::from_secs(20));
+        assert!(
+            status.is_some_and(|s| s.success()),
+            "round {round}: the old relay did not exit cleanly: {status:?}"
+        );
+        relay = next;
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    stop.store(true, Ordering::SeqCst);
+    let results: Vec<_> = rt.block_on(async {
+        let mut out = Vec::new();
+        for c in clients {
+            out.push(
+                tokio::time::timeout(Duration::from_secs(60), c)
+                    .await
+                    .map_err(|_| "client did not finish in 60 s".to_string())
+                    .and_then(|r| r.map_err(|e| e.to_string()))
+                    .and_then(|r| r),
+            );
+        }
+        out
+    });
+    // The target's reports arrive after each connection's end.
+    let end = Instant::now() + Duration::from_secs(10);
+    while reports.lock().unwrap().len() < sessions && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let reports = std::mem::take(&mut *reports.lock().unwrap());
+    let failed: Vec<_> = results.iter().filter_map(|r| r.as_ref().err()).collect();
+    assert!(failed.is_empty(), "clients failed: {failed:?}");
+    let bad: Vec<_> = reports.iter().filter(|r| r.error.is_some()).collect();
+    assert!(bad.is_empty(), "target connections failed: {bad:?}");
+    assert_eq!(
+        reports.len(),
+        sessions,
+        "one target connection per session, never redialed"
+    );
+    let mut up: Vec<u64> = results
+        .iter()
+        .map(|r| r.as_ref().unwrap().up_sent)
+        .collect();
+    let mut up_got: Vec<u64> = reports.iter().map(|r| r.up_received).collect();
+    let mut down: Vec<u64> = reports.iter().map(|r| r.down_sent).collect();
+    let mut down_got: Vec<u64> = results
+        .iter()
+        .map(|r| r.as_ref().unwrap().down_received)
+        .collect();
+    for v in [&mut up, &mut up_got, &mut down, &mut down_got] {
+        v.sort_unstable();
+    }
+    assert_eq!(up, up_got, "every byte written upward arrived once");
+    assert_eq!(down, down_got, "every byte written downward arrived once");
+    assert!(
+        up.iter().all(|&n| n > 0) && down.iter().all(|&n| n > 0),
+        "every session moved data both ways"
+    );
+    rt.shutdown_timeout(Duration::from_secs(1));
+}
+
+/// 100 sessions, 20 upgrades in a row (issue 11, item 7).
+#[test]
+fn relay_upgrades_twenty_times_under_load_without_losing_a_byte() {
+    upgrade_under_load(100, 20);
+}
+
+/// A new process that reads another state format is refused with an error
+/// naming both formats; the running relay keeps its sessions and serves on.
+#[test]
+fn takeover_with_another_state_format_is_refused_and_the_relay_serves_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let reports = Arc::new(Mutex::new(Vec::new()));
+    let target = {
+        let l = rt
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .unwrap();
+        let port = l.local_addr().unwrap().port();
+        rt.spawn(run_target(l, reports.clone()));
+        port
+    };
+    let port = free_port();
+    let mut relay = Serve::start(dir.path(), port, target, &[]);
+    let key = server_key(
+        &relay
+            .wait_for("listening on", Duration::from_secs(20))
+            .expect("relay starts"),
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let client = rt.spawn(run_client(
+        format!("127.0.0.1:{port}"),
+        key,
+        target,
+        stop.clone(),
+    ));
+    std::thread::sleep(Duration::from_millis(300));
+    let out = Command::new(BIN)
+        .env("ROAM_STATE_DIR", dir.path())
+        .env("HOME", dir.path())
+        .args(["serve", "--takeover", "--takeover-format", "99"])
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "refused takeover must fail: {err}");
+    assert!(
+        err.contains("state format mismatch")
+            && err.contains("99")
+            && err.contains("keeps serving"),
+        "error names the formats: {err}"
+    );
+    assert!(
+        relay.wait_exit(Duration::from_millis(300)).is_none(),
+        "the old relay keeps running"
+    );
+    // The session keeps moving data, and new sessions are accepted.
+    std::thread::sleep(Duration::from_millis(300));
+    let second = rt.spawn(run_client(
+        format!("127.0.0.1:{port}"),
+        key,
+        target,
+        stop.clone(),
+    ));
+    std::thread::sleep(Duration::from_millis(300));
+    stop.store(true, Ordering::SeqCst);
+    for c in [client, second] {
+        let r = rt
+            .block_on(async { tokio::time::timeout(Duration::from_secs(30), c).await })
+            .expect("client finishes")
+            .unwrap()
+            .expect("client ok");
+        assert!(r.up_sent > 0 && r.down_received > 0, "{r:?}");
+    }
+    rt.shutdown_timeout(Duration::from_secs(1));
+}
+
+/// Kills a process by pid when dropped (a successor the relay started).
+struct PidGuard(u32);
+
+impl Drop for PidGuard {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-9", &self.0.to_string()])
+            .status();
+    }
+}
+
+/// SIGUSR2 makes the running relay start its own successor
+/// (`roam serve --takeover` from its executable), which takes everything
+/// over; the session goes on, every byte checked.
+#[test]
+fn sigusr2_starts_a_successor_that_takes_over() {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let reports = Arc::new(Mutex::new(Vec::new()));
+    let target = {
+        let l = rt
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .unwrap();
+        let port = l.local_addr().unwrap().port();
+        rt.spawn(run_target(l, reports.clone()));
+        port
+    };
+    let port = free_port();
+    let mut relay = Serve::start(dir.path(), port, target, &[]);
+    let key = server_key(
+        &relay
+            .wait_for("listening on", Duration::from_secs(20))
+            .expect("relay starts"),
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let client = rt.spawn(run_client(
+        format!("127.0.0.1:{port}"),
+        key,
+        target,
+        stop.clone(),
+    ));
+    std::thread::sleep(Duration::from_millis(300));
+    let pid = relay.child.0.id();
+    assert!(Command::new("kill")
+        .args(["-USR2", &pid.to_string()])
+        .status()
+        .unwrap()
+        .success());
+    // The successor inherits the relay's stderr.
+    let started = relay
+        .wait_for("--takeover (pid ", Duration::from_secs(20))
+        .expect("successor started");
+    let successor: u32 = started
+        .rsplit("(pid ")
+        .next()
+        .and_then(|s| s.trim_end_matches(')').parse().ok())
+        .expect("successor pid");
+    let _successor = PidGuard(successor);
+    assert!(relay
+        .wait_for("took over 1 sessions", Duration::from_secs(20))
+        .is_ok());
+    let status = relay.wait_exit(Duration::from_secs(20));
+    assert!(status.is_some_and(|s| s.success()), "old relay: {status:?}");
+    std::thread::sleep(Duration::from_millis(300));
+    stop.store(true, Ordering::SeqCst);
+    let r = rt
+        .block_on(async { tokio::time::timeout(Duration::from_secs(30), client).await })
+        .expect("client finishes")
+        .unwrap()
+        .expect("client ok");
+    let end = Instant::now() + Duration::from_secs(10);
+    while reports.lock().unwrap().is_empty() && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let reports = reports.lock().unwrap();
+    assert_eq!(reports.len(), 1, "one target connection, never redialed");
+    assert!(reports[0].error.is_none(), "{:?}", reports[0]);
+    assert_eq!(reports[0].up_received, r.up_sent);
+    assert_eq!(reports[0].down_sent, r.down_received);
+    assert!(r.up_sent > 0 && r.down_received > 0);
+    rt.shutdown_timeout(Duration::from_secs(1));
+}
