@@ -299,6 +299,57 @@ mod tests {
         assert_eq!((n_up, n_down), (up.len() as u64, down.len() as u64));
     }
 
+    /// A pump stopped again and again mid-transfer (as a relay handing over
+    /// does) and restarted from the states it returned loses and repeats
+    /// nothing, through writers that push back, and passes end-of-file.
+    #[tokio::test]
+    async fn stopped_and_restarted_pump_loses_nothing() {
+        let (app_a, mut a) = tokio::io::duplex(1024);
+        let (mut b, app_b) = tokio::io::duplex(1024);
+        let up: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+        let down: Vec<u8> = (0..200_000u32).map(|i| (i % 241) as u8).collect();
+        let (up2, down2) = (up.clone(), down.clone());
+        let (mut ar, mut aw) = tokio::io::split(app_a);
+        let (mut br, mut bw) = tokio::io::split(app_b);
+        let wa = tokio::spawn(async move {
+            aw.write_all(&up2).await.unwrap();
+            aw.shutdown().await.unwrap();
+        });
+        let wb = tokio::spawn(async move {
+            bw.write_all(&down2).await.unwrap();
+            bw.shutdown().await.unwrap();
+        });
+        let ra = tokio::spawn(async move {
+            let mut v = Vec::new();
+            ar.read_to_end(&mut v).await.unwrap();
+            v
+        });
+        let rb = tokio::spawn(async move {
+            let mut v = Vec::new();
+            br.read_to_end(&mut v).await.unwrap();
+            v
+        });
+        let (mut ab, mut ba) = (HalfState::default(), HalfState::default());
+        let mut stops = 0;
+        let totals = loop {
+            let stop = tokio::time::sleep(std::time::Duration::from_micros(300));
+            match pump_until(&mut a, &mut b, ab, ba, stop).await {
+                PumpEnd::Finished(r) => break r.unwrap(),
+                PumpEnd::Stopped(x, y) => {
+                    stops += 1;
+                    (ab, ba) = (x, y);
+                }
+            }
+            assert!(stops < 100_000, "the pump never finished");
+        };
+        wa.await.unwrap();
+        wb.await.unwrap();
+        assert_eq!(rb.await.unwrap(), up);
+        assert_eq!(ra.await.unwrap(), down);
+        assert_eq!(totals, (up.len() as u64, down.len() as u64));
+        assert!(stops > 0, "the test must stop the pump at least once");
+    }
+
     /// A direction that went idle after push-back holds no buffer.
     #[tokio::test]
     async fn idle_direction_releases_its_buffer() {
