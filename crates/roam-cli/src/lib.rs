@@ -19,6 +19,7 @@ mod notices;
 mod paths;
 mod pipe;
 mod pump;
+mod sdnotify;
 mod serve;
 mod signals;
 mod takeover;

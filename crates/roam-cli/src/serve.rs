@@ -281,9 +281,17 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
         // old relay serves on and this one gives up.
         let n = h.sessions.len();
         let mut sock = h.sock;
+        let old_pid = rustix::net::sockopt::socket_peercred(&sock)
+            .ok()
+            .map(|c| c.pid.as_raw_nonzero().get());
+        // systemd learns the new main process before the old one can exit.
+        crate::sdnotify::notify(&format!("MAINPID={}", std::process::id()));
         let sent =
             tokio::task::spawn_blocking(move || crate::takeover::send_taken(&mut sock, n)).await;
         if !matches!(sent, Ok(Ok(()))) {
+            if let Some(pid) = old_pid {
+                crate::sdnotify::notify(&format!("MAINPID={pid}"));
+            }
             return Err(CliError(
                 "could not confirm the takeover to the running relay; it keeps serving".to_string(),
             ));
@@ -304,6 +312,10 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
             }
         }))
     };
+    crate::sdnotify::notify(&format!(
+        "READY=1\nSTATUS=listening on {local}; {} sessions taken over",
+        relay.parked().len()
+    ));
     if let Some(l) = takeover_listener {
         tokio::spawn(offer_takeover(
             l,
@@ -440,6 +452,10 @@ async fn offer_takeover(
         })
         .await;
         let (mut sock, hello) = match hello {
+            Ok((sock, Ok(Ok(_)))) if !same_user(&sock) => {
+                tracing::warn!("takeover refused: the new process runs as another user");
+                continue;
+            }
             Ok((sock, Ok(Ok(hello)))) => (sock, hello),
             Ok((_, Ok(Err(refusal)))) => {
                 tracing::warn!("takeover refused: {refusal}");
@@ -461,6 +477,7 @@ async fn offer_takeover(
             hello.version
         );
         gate.send_replace(true);
+        crate::sdnotify::notify("RELOADING=1\nSTATUS=handing over to a new relay");
         let sessions = relay.take_all(&stats).await;
         let (listener_dup, metrics_dup) = (
             listener_fd.try_clone(),
@@ -498,6 +515,10 @@ async fn offer_takeover(
             Ok((h, Err(e))) => {
                 tracing::error!("takeover failed part-way ({e}); the sessions stay here");
                 eprintln!("roam serve: takeover failed part-way ({e}); serving on");
+                crate::sdnotify::notify(&format!(
+                    "MAINPID={}\nREADY=1\nSTATUS=takeover failed; serving on",
+                    std::process::id()
+                ));
                 relay.resume_after_failed_handover(h.sessions);
                 gate.send_replace(false);
             }
@@ -509,6 +530,19 @@ async fn offer_takeover(
                 gate.send_replace(false);
             }
         }
+    }
+}
+
+/// Whether the process on the other end of `sock` runs as this user (or as
+/// root): only they may take the relay's sessions (the socket is 0600 in a
+/// 0700 directory as well).
+fn same_user(sock: &std::os::unix::net::UnixStream) -> bool {
+    match rustix::net::sockopt::socket_peercred(sock) {
+        Ok(c) => {
+            let peer = c.uid.as_raw();
+            peer == 0 || peer == nix::unistd::getuid().as_raw()
+        }
+        Err(_) => false,
     }
 }
 

@@ -37,7 +37,21 @@ struct Serve {
 
 impl Serve {
     fn start(state: &Path, port: u16, target: u16, extra: &[&str]) -> Serve {
+        Self::start_env(state, port, target, extra, &[])
+    }
+
+    /// [`Serve::start`] with more environment variables.
+    fn start_env(
+        state: &Path,
+        port: u16,
+        target: u16,
+        extra: &[&str],
+        env: &[(&str, &Path)],
+    ) -> Serve {
         let mut cmd = Command::new(BIN);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
         cmd.env("ROAM_STATE_DIR", state)
             .env("HOME", state)
             .env_remove("RUST_LOG")
@@ -512,4 +526,50 @@ fn sigusr2_starts_a_successor_that_takes_over() {
     assert_eq!(reports[0].down_sent, r.down_received);
     assert!(r.up_sent > 0 && r.down_received > 0);
     rt.shutdown_timeout(Duration::from_secs(1));
+}
+
+/// Under systemd (`Type=notify`, `NotifyAccess=all`): the relay says
+/// `READY=1` once it listens; on a takeover the old one says `RELOADING=1`,
+/// and the new one names itself the main process and says `READY=1`. The
+/// notification socket is a datagram socket this test binds, as systemd's.
+#[test]
+fn systemd_notifications_follow_the_takeover() {
+    let dir = tempfile::tempdir().unwrap();
+    let notify_path = dir.path().join("notify.sock");
+    let notify = std::os::unix::net::UnixDatagram::bind(&notify_path).unwrap();
+    notify
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let recv = || {
+        let mut buf = [0u8; 4096];
+        let n = notify.recv(&mut buf).expect("a notification");
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    };
+    let env = [("NOTIFY_SOCKET", notify_path.as_path())];
+    let port = free_port();
+    let target = free_port();
+    let relay = Serve::start_env(dir.path(), port, target, &[], &env);
+    let first = recv();
+    assert!(first.lines().any(|l| l == "READY=1"), "{first:?}");
+    let next = Serve::start_env(dir.path(), port, target, &["--takeover"], &env);
+    let successor = next.child.0.id();
+    let mut seen = Vec::new();
+    let end = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < end {
+        let m = recv();
+        seen.push(m.clone());
+        if m.lines().any(|l| l == "READY=1") {
+            break;
+        }
+    }
+    let all = seen.join("|");
+    assert!(all.contains("RELOADING=1"), "old relay reloading: {seen:?}");
+    let mainpid = format!("MAINPID={successor}");
+    let at_main = seen.iter().position(|m| m.lines().any(|l| l == mainpid));
+    let at_ready = seen.iter().position(|m| m.lines().any(|l| l == "READY=1"));
+    assert!(
+        at_main.is_some() && at_ready.is_some() && at_main <= at_ready,
+        "successor names itself main, then ready: {seen:?}"
+    );
+    drop(relay);
 }
