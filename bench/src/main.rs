@@ -139,6 +139,10 @@ pub(crate) struct Plan {
     pub(crate) cluster_move_every_s: Vec<f64>,
     /// Rounds of scenario 7's throughput test.
     pub(crate) cluster_tput_rounds: usize,
+    /// Session counts of scenario 8 (relay takeover).
+    pub(crate) takeover_sessions: Vec<usize>,
+    /// Takeovers per session count in scenario 8.
+    pub(crate) takeover_rounds: usize,
 }
 
 /// The state sizes of scenario 7 (bytes of attributes).
@@ -173,6 +177,8 @@ impl Plan {
             cluster_min_moves: 2,
             cluster_move_every_s: vec![2.0, 5.0, 10.0],
             cluster_tput_rounds: 1,
+            takeover_sessions: vec![10, 1000],
+            takeover_rounds: 3,
         }
     }
 
@@ -201,6 +207,8 @@ impl Plan {
             cluster_min_moves: 3,
             cluster_move_every_s: vec![2.0, 5.0, 10.0],
             cluster_tput_rounds: 3,
+            takeover_sessions: vec![10, 1000, 10_000],
+            takeover_rounds: 5,
         }
     }
 
@@ -229,6 +237,8 @@ impl Plan {
             cluster_min_moves: 2,
             cluster_move_every_s: vec![0.1],
             cluster_tput_rounds: 1,
+            takeover_sessions: vec![10],
+            takeover_rounds: 2,
         }
     }
 
@@ -297,6 +307,7 @@ pub(crate) struct Scenarios {
     pub(crate) memory: Outcome<scenarios::memory::Memory>,
     pub(crate) many: Outcome<scenarios::many::Many>,
     pub(crate) cluster: Outcome<scenarios::cluster::Cluster>,
+    pub(crate) takeover: Outcome<scenarios::takeover::Takeover>,
 }
 
 impl Scenarios {
@@ -311,6 +322,7 @@ impl Scenarios {
             ("memory", s.memory.is_error()),
             ("many", s.many.is_error()),
             ("cluster", s.cluster.is_error()),
+            ("takeover", s.takeover.is_error()),
         ] {
             if err {
                 v.push(name);
@@ -407,6 +419,7 @@ fn main() {
         "memory",
         "many",
         "cluster",
+        "takeover",
     ];
     if let Some(bad) = cli.only.iter().find(|o| !known.contains(&o.as_str())) {
         eprintln!(
@@ -548,6 +561,10 @@ async fn run(cli: Cli, plan: Plan, nofile: u64) -> i32 {
         .await,
         cluster: scenario("cluster", &c.env, only, &lab, budget, |l| {
             scenarios::cluster::run(c.clone(), l)
+        })
+        .await,
+        takeover: scenario("takeover", &c.env, only, &lab, budget, |l| {
+            scenarios::takeover::run(c.clone(), l)
         })
         .await,
     };

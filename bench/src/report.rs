@@ -599,7 +599,60 @@ fn markdown(r: &Results, plots: &[io::Result<PathBuf>]) -> String {
         s += "\n";
     }
     cluster_section(&mut s, &sc.cluster);
+    takeover_section(&mut s, &sc.takeover);
     s
+}
+
+/// Section 8: relay upgrades (`roam serve --takeover`).
+fn takeover_section(s: &mut String, o: &Outcome<crate::scenarios::takeover::Takeover>) {
+    let _ = writeln!(
+        s,
+        "\n## 8. Relay upgrade without loss (`roam serve --takeover`)\n"
+    );
+    if let Some(x) = status_line(o) {
+        *s += &x;
+    }
+    let Some(t) = o.ok() else {
+        return;
+    };
+    let _ = writeln!(
+        s,
+        "Each session has one stream to the echo target. Interruption: a client's `Suspended` \
+         (the old relay dropped its transport) to its `Resumed` on the new relay, over every \
+         session and round. Handover: the old relay's own time from the takeover's start to the \
+         new relay's receipt. Target: a stall of at most {} ms at 1,000 sessions{}.\n",
+        t.target_ms,
+        match t.target_met_at_1000 {
+            Some(true) => " (met: p99 within it)",
+            Some(false) => " (missed: p99 above it)",
+            None => "",
+        }
+    );
+    let _ = writeln!(
+        s,
+        "| sessions | rounds | interruption p50 | p99 | max | handover (old relay) | all resumed after start | echo failures | not resumed |\n|---:|---:|---:|---:|---:|---|---|---:|---:|"
+    );
+    for r in &t.rows {
+        let list = |v: &[f64]| {
+            v.iter()
+                .map(|x| format!("{x:.0}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} | {} | {} ms | {} ms | {} | {} |",
+            r.sessions,
+            r.rounds,
+            f(r.interruption_ms.median, 2),
+            f(r.interruption_ms.p99, 2),
+            f(r.interruption_ms.max, 2),
+            list(&r.handover_ms),
+            list(&r.all_resumed_ms),
+            r.echo_failures,
+            r.not_resumed
+        );
+    }
 }
 
 /// Bytes as the issue names state sizes (0, 1 KB, ..., 10 MB).

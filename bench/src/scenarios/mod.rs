@@ -9,6 +9,7 @@ pub(crate) mod many;
 pub(crate) mod memory;
 pub(crate) mod resume;
 pub(crate) mod setup;
+pub(crate) mod takeover;
 pub(crate) mod throughput;
 
 use crate::peers::{ROAM_FORWARD, ROAM_PIPE, ROAM_SESSION};
