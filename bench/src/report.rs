@@ -630,7 +630,7 @@ fn takeover_section(s: &mut String, o: &Outcome<crate::scenarios::takeover::Take
     );
     let _ = writeln!(
         s,
-        "| sessions | rounds | interruption p50 | p99 | max | handover (old relay) | all resumed after start | echo failures | not resumed |\n|---:|---:|---:|---:|---:|---|---|---:|---:|"
+        "| sessions | rounds | interruption p50 | p99 | max | handover (old relay) | of which taking out / sending | all resumed after start | echo failures | not resumed |\n|---:|---:|---:|---:|---:|---|---|---|---:|---:|"
     );
     for r in &t.rows {
         let list = |v: &[f64]| {
@@ -641,13 +641,15 @@ fn takeover_section(s: &mut String, o: &Outcome<crate::scenarios::takeover::Take
         };
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} | {} | {} ms | {} ms | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} ms | {} / {} ms | {} ms | {} | {} |",
             r.sessions,
             r.rounds,
             f(r.interruption_ms.median, 2),
             f(r.interruption_ms.p99, 2),
             f(r.interruption_ms.max, 2),
             list(&r.handover_ms),
+            list(&r.taking_out_ms),
+            list(&r.sending_ms),
             list(&r.all_resumed_ms),
             r.echo_failures,
             r.not_resumed

@@ -64,6 +64,10 @@ pub(crate) struct Row {
     pub(crate) interruption_ms: Summary,
     /// The old relay's handover time per round (ms), from its log.
     pub(crate) handover_ms: Vec<f64>,
+    /// Its parts: stopping relays and detaching sessions (ms) ...
+    pub(crate) taking_out_ms: Vec<f64>,
+    /// ... and sending them until the new relay's receipt (ms).
+    pub(crate) sending_ms: Vec<f64>,
     /// Per round: new process started until every session resumed (ms).
     pub(crate) all_resumed_ms: Vec<f64>,
     /// Streams whose echo failed after a round (should be 0).
@@ -119,12 +123,28 @@ fn start_relay(
     Ok(Relay { proc, log })
 }
 
-/// The old relay's "handed N sessions to the new relay in X ms" figure.
-fn handover_ms(log: &Path) -> Option<f64> {
+/// The old relay's "handed N sessions to the new relay in X ms (Y ms
+/// taking them out, Z ms sending)" figures: `(X, Y, Z)`.
+fn handover_ms(log: &Path) -> Option<(f64, f64, f64)> {
     let text = std::fs::read_to_string(log).ok()?;
     let line = text.lines().find(|l| l.contains("to the new relay in "))?;
     let rest = line.split("to the new relay in ").nth(1)?;
-    rest.split_whitespace().next()?.parse().ok()
+    let total = rest.split_whitespace().next()?.parse().ok()?;
+    let out = rest
+        .split('(')
+        .nth(1)?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    let send = rest
+        .split(", ")
+        .nth(1)?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    Some((total, out, send))
 }
 
 /// Waits (bounded) until `proc` exits.
@@ -200,6 +220,8 @@ async fn one_count(ctx: &Ctx, lab: &Lab, n: usize, rounds: usize) -> io::Result<
     }
     let mut interruptions = Vec::new();
     let mut handovers = Vec::new();
+    let mut taking_out = Vec::new();
+    let mut sending = Vec::new();
     let mut all_resumed = Vec::new();
     let mut echo_failures = 0;
     let mut not_resumed = 0;
@@ -231,8 +253,10 @@ async fn one_count(ctx: &Ctx, lab: &Lab, n: usize, rounds: usize) -> io::Result<
             if !wait_exit(&relay.proc, Duration::from_secs(20)).await {
                 return Err(io::Error::other(format!("round {round}: the old relay did not exit after the takeover")));
             }
-            if let Some(ms) = handover_ms(&relay.log) {
-                handovers.push(ms);
+            if let Some((total, out, send)) = handover_ms(&relay.log) {
+                handovers.push(total);
+                taking_out.push(out);
+                sending.push(send);
             }
             for m in marks.lock().unwrap_or_else(|e| e.into_inner()).iter() {
                 if let (Some(s), Some(r)) = (m.suspended, m.resumed) {
@@ -253,8 +277,10 @@ async fn one_count(ctx: &Ctx, lab: &Lab, n: usize, rounds: usize) -> io::Result<
                 }
             }
             progress(&format!(
-                "takeover: {n} sessions, round {round}: handover {} ms, every session resumed after {} ms",
+                "takeover: {n} sessions, round {round}: handover {} ms ({} taking out, {} sending), every session resumed after {} ms",
                 handovers.last().map_or("?".into(), |v| format!("{v:.0}")),
+                taking_out.last().map_or("?".into(), |v| format!("{v:.0}")),
+                sending.last().map_or("?".into(), |v| format!("{v:.0}")),
                 all_resumed.last().map_or("?".into(), |v| format!("{v:.1}"))
             ));
         }
@@ -275,6 +301,8 @@ async fn one_count(ctx: &Ctx, lab: &Lab, n: usize, rounds: usize) -> io::Result<
         rounds,
         interruption_ms: summary(&interruptions),
         handover_ms: handovers,
+        taking_out_ms: taking_out,
+        sending_ms: sending,
         all_resumed_ms: all_resumed,
         echo_failures,
         not_resumed,

@@ -479,6 +479,7 @@ async fn offer_takeover(
         gate.send_replace(true);
         crate::sdnotify::notify("RELOADING=1\nSTATUS=handing over to a new relay");
         let sessions = relay.take_all(&stats).await;
+        let taken_out = started.elapsed();
         let (listener_dup, metrics_dup) = (
             listener_fd.try_clone(),
             metrics_fd.as_ref().map(|f| f.try_clone()).transpose(),
@@ -503,8 +504,10 @@ async fn offer_takeover(
         match sent {
             Ok((h, Ok(n))) => {
                 eprintln!(
-                    "roam serve: handed {n} sessions to the new relay in {} ms; exiting",
-                    started.elapsed().as_millis()
+                    "roam serve: handed {n} sessions to the new relay in {} ms ({} ms taking them out, {} ms sending); exiting",
+                    started.elapsed().as_millis(),
+                    taken_out.as_millis(),
+                    (started.elapsed() - taken_out).as_millis()
                 );
                 // Our copies of the target connections close; the new
                 // relay's keep them open.
