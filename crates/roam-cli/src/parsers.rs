@@ -82,3 +82,11 @@ mod tests {
         assert_eq!(allow_rule("127.0.0.1:22").unwrap(), "127.0.0.1:22");
     }
 }
+
+/// The relay-takeover stream (`roam serve --takeover`, `docs/ARCHITECTURE.md`)
+/// with stand-in descriptors: decodes, re-encodes and decodes again.
+/// `Ok(Ok(description))` or `Ok(Err(why malformed))`; `Err` only if the
+/// round trip changed what was decoded (a bug).
+pub fn takeover(bytes: &[u8]) -> Result<Result<String, String>, String> {
+    crate::takeover::decode_bytes(bytes)
+}
