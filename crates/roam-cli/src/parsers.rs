@@ -51,6 +51,14 @@ pub fn control_reply(bytes: &[u8]) -> Result<Vec<u8>, String> {
     crate::control::decode_reply(bytes).and_then(|p| crate::control::encode_reply(&p))
 }
 
+/// The relay-takeover stream (`roam serve --takeover`, `docs/ARCHITECTURE.md`)
+/// with stand-in descriptors: decodes, re-encodes and decodes again.
+/// `Ok(Ok(description))` or `Ok(Err(why malformed))`; `Err` only if the
+/// round trip changed what was decoded (a bug).
+pub fn takeover(bytes: &[u8]) -> Result<Result<String, String>, String> {
+    crate::takeover::decode_bytes(bytes)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -81,12 +89,4 @@ mod tests {
         assert_eq!(allow_rule("[::1]:*").unwrap(), "[::1]:*");
         assert_eq!(allow_rule("127.0.0.1:22").unwrap(), "127.0.0.1:22");
     }
-}
-
-/// The relay-takeover stream (`roam serve --takeover`, `docs/ARCHITECTURE.md`)
-/// with stand-in descriptors: decodes, re-encodes and decodes again.
-/// `Ok(Ok(description))` or `Ok(Err(why malformed))`; `Err` only if the
-/// round trip changed what was decoded (a bug).
-pub fn takeover(bytes: &[u8]) -> Result<Result<String, String>, String> {
-    crate::takeover::decode_bytes(bytes)
 }

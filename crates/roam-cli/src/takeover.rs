@@ -259,7 +259,7 @@ fn half_header(h: &HalfState) -> HalfHeader {
 /// receipt. On `Ok` the new relay serves everything; on `Err` the caller
 /// still owns `h` (every descriptor is still open here) and serves on.
 pub(crate) fn send_handover(sock: &mut UnixStream, h: &Handover) -> io::Result<usize> {
-    encode(sock, h, |s, fds| send_fds(s, fds))?;
+    encode(sock, h, send_fds)?;
     match read_record::<Tail, _>(sock)? {
         Tail::Taken { sessions } if sessions == h.sessions.len() => Ok(sessions),
         other => Err(invalid(format!("unexpected receipt {other:?}"))),
@@ -322,7 +322,7 @@ pub(crate) fn encode<W: Write>(
 
 /// New side, after its [`Hello`] was accepted: receives the handover.
 pub(crate) fn recv_handover(sock: &mut UnixStream) -> io::Result<Handover> {
-    decode(sock, |s, n| recv_fds(s, n))
+    decode(sock, recv_fds)
 }
 
 /// Reads a handover from `r`, its descriptors through `recv_fds` (which
