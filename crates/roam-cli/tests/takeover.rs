@@ -573,3 +573,104 @@ fn systemd_notifications_follow_the_takeover() {
     );
     drop(relay);
 }
+
+/// A successor that dies part-way through the handover (here: this test,
+/// playing one, reads the start of it and hangs up without its receipt):
+/// the old relay puts every session back and serves on; the sessions resume
+/// on it with every byte, and their target connections are the same ones.
+#[test]
+fn a_successor_that_dies_mid_handover_leaves_the_old_relay_serving() {
+    use std::io::{Read, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let reports = Arc::new(Mutex::new(Vec::new()));
+    let target = {
+        let l = rt
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .unwrap();
+        let port = l.local_addr().unwrap().port();
+        rt.spawn(run_target(l, reports.clone()));
+        port
+    };
+    let port = free_port();
+    let mut relay = Serve::start(dir.path(), port, target, &[]);
+    let key = server_key(
+        &relay
+            .wait_for("listening on", Duration::from_secs(20))
+            .expect("relay starts"),
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let clients: Vec<_> = (0..5)
+        .map(|_| {
+            rt.spawn(run_client(
+                format!("127.0.0.1:{port}"),
+                key,
+                target,
+                stop.clone(),
+            ))
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    // The fake successor: hello with the right format, then read part of
+    // the handover and hang up.
+    let mut sock =
+        std::os::unix::net::UnixStream::connect(dir.path().join("serve.takeover")).unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let hello = br#"{"magic":"roam-takeover","format":1,"version":"test"}"#;
+    sock.write_all(&(hello.len() as u32).to_le_bytes()).unwrap();
+    sock.write_all(hello).unwrap();
+    let mut len = [0u8; 4];
+    sock.read_exact(&mut len).unwrap();
+    let mut answer = vec![0u8; u32::from_le_bytes(len) as usize];
+    sock.read_exact(&mut answer).unwrap();
+    assert!(
+        String::from_utf8_lossy(&answer).contains("\"ok\":true"),
+        "{}",
+        String::from_utf8_lossy(&answer)
+    );
+    let mut some = [0u8; 64];
+    sock.read_exact(&mut some).unwrap();
+    drop(sock);
+    let failed = relay.wait_for("serving on", Duration::from_secs(40));
+    assert!(failed.is_ok(), "old relay noticed: {failed:?}");
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        relay.wait_exit(Duration::from_millis(100)).is_none(),
+        "the old relay keeps running"
+    );
+    stop.store(true, Ordering::SeqCst);
+    let results: Vec<_> = clients
+        .into_iter()
+        .map(|c| {
+            rt.block_on(async { tokio::time::timeout(Duration::from_secs(60), c).await })
+                .expect("client finishes")
+                .unwrap()
+        })
+        .collect();
+    let end = Instant::now() + Duration::from_secs(10);
+    while reports.lock().unwrap().len() < 5 && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let reports = std::mem::take(&mut *reports.lock().unwrap());
+    let failed: Vec<_> = results.iter().filter_map(|r| r.as_ref().err()).collect();
+    assert!(failed.is_empty(), "clients failed: {failed:?}");
+    assert_eq!(reports.len(), 5, "one target connection per session");
+    assert!(reports.iter().all(|r| r.error.is_none()), "{reports:?}");
+    let mut up: Vec<u64> = results
+        .iter()
+        .map(|r| r.as_ref().unwrap().up_sent)
+        .collect();
+    let mut up_got: Vec<u64> = reports.iter().map(|r| r.up_received).collect();
+    let mut down: Vec<u64> = reports.iter().map(|r| r.down_sent).collect();
+    let mut down_got: Vec<u64> = results
+        .iter()
+        .map(|r| r.as_ref().unwrap().down_received)
+        .collect();
+    for v in [&mut up, &mut up_got, &mut down, &mut down_got] {
+        v.sort_unstable();
+    }
+    assert_eq!(up, up_got);
+    assert_eq!(down, down_got);
+    rt.shutdown_timeout(Duration::from_secs(1));
+}
