@@ -273,39 +273,137 @@ fn server_key(line: &str) -> roam::PublicKey {
     hex.parse().expect("server key parses")
 }
 
+/// A checking target, a relay in its own state directory, and the relay's
+/// key: what every test here starts from.
+struct Fixture {
+    dir: tempfile::TempDir,
+    rt: tokio::runtime::Runtime,
+    reports: Arc<Mutex<Vec<TargetReport>>>,
+    target: u16,
+    port: u16,
+    key: roam::PublicKey,
+}
+
+impl Fixture {
+    /// Starts the target and the first relay (returned beside it).
+    fn start() -> (Fixture, Serve) {
+        let dir = tempfile::tempdir().unwrap();
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let reports = Arc::new(Mutex::new(Vec::new()));
+        let target = {
+            let l = rt
+                .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+                .unwrap();
+            let port = l.local_addr().unwrap().port();
+            rt.spawn(run_target(l, reports.clone()));
+            port
+        };
+        let port = free_port();
+        let relay = Serve::start(dir.path(), port, target, &[]);
+        let key = server_key(
+            &relay
+                .wait_for("listening on", Duration::from_secs(20))
+                .expect("relay starts"),
+        );
+        let f = Fixture {
+            dir,
+            rt,
+            reports,
+            target,
+            port,
+            key,
+        };
+        (f, relay)
+    }
+
+    /// `n` clients moving data both ways until `stop`.
+    fn clients(
+        &self,
+        n: usize,
+        stop: &Arc<AtomicBool>,
+    ) -> Vec<tokio::task::JoinHandle<Result<ClientReport, String>>> {
+        (0..n)
+            .map(|_| {
+                self.rt.spawn(run_client(
+                    format!("127.0.0.1:{}", self.port),
+                    self.key,
+                    self.target,
+                    stop.clone(),
+                ))
+            })
+            .collect()
+    }
+
+    /// Waits (each at most `limit`) for the clients' results.
+    fn results(
+        &self,
+        clients: Vec<tokio::task::JoinHandle<Result<ClientReport, String>>>,
+        limit: Duration,
+    ) -> Vec<Result<ClientReport, String>> {
+        self.rt.block_on(async {
+            let mut out = Vec::new();
+            for c in clients {
+                out.push(
+                    tokio::time::timeout(limit, c)
+                        .await
+                        .map_err(|_| format!("client did not finish in {limit:?}"))
+                        .and_then(|r| r.map_err(|e| e.to_string()))
+                        .and_then(|r| r),
+                );
+            }
+            out
+        })
+    }
+
+    /// Every client succeeded, each had exactly one target connection that
+    /// saw no error, and every byte written either way arrived once.
+    fn check(&self, results: &[Result<ClientReport, String>]) {
+        let sessions = results.len();
+        // The target's reports arrive after each connection's end.
+        let end = Instant::now() + Duration::from_secs(10);
+        while self.reports.lock().unwrap().len() < sessions && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let reports = std::mem::take(&mut *self.reports.lock().unwrap());
+        let failed: Vec<_> = results.iter().filter_map(|r| r.as_ref().err()).collect();
+        assert!(failed.is_empty(), "clients failed: {failed:?}");
+        let bad: Vec<_> = reports.iter().filter(|r| r.error.is_some()).collect();
+        assert!(bad.is_empty(), "target connections failed: {bad:?}");
+        assert_eq!(
+            reports.len(),
+            sessions,
+            "one target connection per session, never redialed"
+        );
+        let mut up: Vec<u64> = results
+            .iter()
+            .map(|r| r.as_ref().unwrap().up_sent)
+            .collect();
+        let mut up_got: Vec<u64> = reports.iter().map(|r| r.up_received).collect();
+        let mut down: Vec<u64> = reports.iter().map(|r| r.down_sent).collect();
+        let mut down_got: Vec<u64> = results
+            .iter()
+            .map(|r| r.as_ref().unwrap().down_received)
+            .collect();
+        for v in [&mut up, &mut up_got, &mut down, &mut down_got] {
+            v.sort_unstable();
+        }
+        assert_eq!(up, up_got, "every byte written upward arrived once");
+        assert_eq!(down, down_got, "every byte written downward arrived once");
+        assert!(
+            up.iter().all(|&n| n > 0) && down.iter().all(|&n| n > 0),
+            "every session moved data both ways"
+        );
+    }
+}
+
 /// Upgrades the relay `rounds` times under load on `sessions` sessions.
 fn upgrade_under_load(sessions: usize, rounds: usize) {
-    let dir = tempfile::tempdir().unwrap();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let reports = Arc::new(Mutex::new(Vec::new()));
-    let target = {
-        let l = rt
-            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-            .unwrap();
-        let port = l.local_addr().unwrap().port();
-        rt.spawn(run_target(l, reports.clone()));
-        port
-    };
-    let port = free_port();
-    let mut relay = Serve::start(dir.path(), port, target, &[]);
-    let start_line = relay
-        .wait_for("listening on", Duration::from_secs(20))
-        .expect("relay starts");
-    let key = server_key(&start_line);
+    let (f, mut relay) = Fixture::start();
     let stop = Arc::new(AtomicBool::new(false));
-    let clients: Vec<_> = (0..sessions)
-        .map(|_| {
-            rt.spawn(run_client(
-                format!("127.0.0.1:{port}"),
-                key,
-                target,
-                stop.clone(),
-            ))
-        })
-        .collect();
+    let clients = f.clients(sessions, &stop);
     std::thread::sleep(Duration::from_millis(500));
     for round in 0..rounds {
-        let next = Serve::start(dir.path(), port, target, &["--takeover"]);
+        let next = Serve::start(f.dir.path(), f.port, f.target, &["--takeover"]);
         let took = next.wait_for("took over", Duration::from_secs(30));
         assert!(took.is_ok(), "round {round}: no takeover: {took:?}");
         let handed = relay.wait_for("handed", Duration::from_secs(30));
@@ -319,54 +417,9 @@ fn upgrade_under_load(sessions: usize, rounds: usize) {
         std::thread::sleep(Duration::from_millis(300));
     }
     stop.store(true, Ordering::SeqCst);
-    let results: Vec<_> = rt.block_on(async {
-        let mut out = Vec::new();
-        for c in clients {
-            out.push(
-                tokio::time::timeout(Duration::from_secs(60), c)
-                    .await
-                    .map_err(|_| "client did not finish in 60 s".to_string())
-                    .and_then(|r| r.map_err(|e| e.to_string()))
-                    .and_then(|r| r),
-            );
-        }
-        out
-    });
-    // The target's reports arrive after each connection's end.
-    let end = Instant::now() + Duration::from_secs(10);
-    while reports.lock().unwrap().len() < sessions && Instant::now() < end {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let reports = std::mem::take(&mut *reports.lock().unwrap());
-    let failed: Vec<_> = results.iter().filter_map(|r| r.as_ref().err()).collect();
-    assert!(failed.is_empty(), "clients failed: {failed:?}");
-    let bad: Vec<_> = reports.iter().filter(|r| r.error.is_some()).collect();
-    assert!(bad.is_empty(), "target connections failed: {bad:?}");
-    assert_eq!(
-        reports.len(),
-        sessions,
-        "one target connection per session, never redialed"
-    );
-    let mut up: Vec<u64> = results
-        .iter()
-        .map(|r| r.as_ref().unwrap().up_sent)
-        .collect();
-    let mut up_got: Vec<u64> = reports.iter().map(|r| r.up_received).collect();
-    let mut down: Vec<u64> = reports.iter().map(|r| r.down_sent).collect();
-    let mut down_got: Vec<u64> = results
-        .iter()
-        .map(|r| r.as_ref().unwrap().down_received)
-        .collect();
-    for v in [&mut up, &mut up_got, &mut down, &mut down_got] {
-        v.sort_unstable();
-    }
-    assert_eq!(up, up_got, "every byte written upward arrived once");
-    assert_eq!(down, down_got, "every byte written downward arrived once");
-    assert!(
-        up.iter().all(|&n| n > 0) && down.iter().all(|&n| n > 0),
-        "every session moved data both ways"
-    );
-    rt.shutdown_timeout(Duration::from_secs(1));
+    let results = f.results(clients, Duration::from_secs(60));
+    f.check(&results);
+    f.rt.shutdown_timeout(Duration::from_secs(1));
 }
 
 /// 100 sessions, 20 upgrades in a row (issue 11, item 7).
