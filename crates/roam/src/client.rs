@@ -82,3 +82,66 @@ pub async fn connect_over(
         Some(reason) => Err(Error::Closed(reason)),
     }
 }
+
+/// Re-attaches a client session taken out with
+/// [`SessionHandle::detach`](crate::SessionHandle::detach) — in this process
+/// or, through its blob, in a new one (also after a reboot): restores it,
+/// dials `addr` and resumes it (PROTOCOL §13). `offline` is how long the
+/// continuation sat in storage; it counts towards the suspend timeout, as on
+/// the server. Streams keep their ids: take them with
+/// [`SessionHandle::stream`](crate::SessionHandle::stream).
+///
+/// Returns once the server accepted the resume. While the server cannot be
+/// reached it keeps re-dialing with backoff, until the session expires.
+/// Errors: [`Error::Restore`] for a blob that is not a client continuation of
+/// this version; [`Error::Closed`] when the server refused the resume (it
+/// no longer knows the session: expired, or lost with a crash) or the session
+/// expired while re-dialing.
+pub async fn resume(
+    addr: &str,
+    config: ClientConfig,
+    detached: crate::Detached,
+    offline: std::time::Duration,
+) -> Result<SessionHandle, Error> {
+    let session = Session::restore_client(
+        config.proto.clone(),
+        Instant::now().into_std(),
+        &detached.blob,
+        offline,
+    )
+    .map_err(Error::Restore)?;
+    let inner = Inner::new(session);
+    {
+        let mut sh = inner.lock();
+        // It connected once: `connect`'s waiters and the driver treat the
+        // session as established.
+        sh.connected = true;
+        sh.incoming.extend(detached.unaccepted);
+        sh.orphans.extend(detached.orphans);
+    }
+    let mut events = inner.events.subscribe();
+    let handle = SessionHandle::new(inner.clone());
+    let driver = Driver::restored(
+        inner.clone(),
+        Kind::Client(Box::new(Dialer::new(addr.to_string(), config))),
+    );
+    tokio::spawn(driver.run());
+    loop {
+        if let Some(reason) = inner.lock().closed.clone() {
+            return Err(Error::Closed(reason));
+        }
+        match events.recv().await {
+            Ok(crate::SessionEvent::Resumed { .. }) => return Ok(handle),
+            Ok(crate::SessionEvent::Closed { reason }) => return Err(Error::Closed(reason)),
+            Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+            Err(tokio::sync::broadcast::error::RecvError::Closed) => {
+                let reason = inner.lock().closed.clone();
+                return Err(Error::Closed(reason.unwrap_or(
+                    roam_proto::CloseReason::Local {
+                        code: roam_proto::code::INTERNAL,
+                    },
+                )));
+            }
+        }
+    }
+}

@@ -26,6 +26,9 @@ pub enum Error {
     Stream(StreamError),
     /// Local I/O failed.
     Io(io::Error),
+    /// A continuation could not be restored (not a client continuation,
+    /// written by an incompatible roam, corrupted).
+    Restore(roam_proto::RestoreError),
 }
 
 impl Error {
@@ -97,6 +100,7 @@ impl fmt::Display for Error {
             Error::Closed(reason) => f.write_str(&describe_close(reason)),
             Error::Stream(e) => write!(f, "{e}"),
             Error::Io(e) => write!(f, "{e}"),
+            Error::Restore(e) => write!(f, "cannot restore the session: {e}"),
         }
     }
 }
@@ -107,6 +111,7 @@ impl std::error::Error for Error {
             Error::Unreachable { source, .. } | Error::Io(source) => Some(source),
             Error::Protocol(e) => Some(e),
             Error::Stream(e) => Some(e),
+            Error::Restore(e) => Some(e),
             Error::Closed(_) => None,
         }
     }

@@ -154,6 +154,10 @@ pub(crate) struct Shared {
     pub(crate) detach: Option<oneshot::Sender<Result<Detached, ExportError>>>,
     /// Iterations of the driver loop so far ([`SessionStats::driver_wakeups`]).
     pub(crate) driver_wakeups: u64,
+    /// Taken out by [`SessionHandle::detach`]: the continuation owns every
+    /// byte now, so stream reads and writes fail (a read would deliver bytes
+    /// the continuation delivers again; a write would go nowhere).
+    pub(crate) detached: bool,
 }
 
 impl Shared {
@@ -174,6 +178,7 @@ impl Shared {
             resets: HashMap::new(),
             detach: None,
             driver_wakeups: 0,
+            detached: false,
         }
     }
 

@@ -68,7 +68,7 @@ mod stream;
 mod tcpmem;
 mod transport;
 
-pub use client::{connect, connect_over};
+pub use client::{connect, connect_over, resume};
 pub use config::{ClientConfig, MovePolicy, ServerConfig};
 pub use detach::{Detached, Directory, Locating, Location, LookupResult, OnInstalled, Restored};
 pub use error::Error;

@@ -65,6 +65,14 @@ impl RoamStream {
         inner.notify.notify_one();
     }
 
+    /// The error every stream operation gets once its session was detached.
+    fn detached_error() -> io::Error {
+        io::Error::new(
+            io::ErrorKind::ConnectionAborted,
+            "the session was detached: its streams' data now lives in the continuation",
+        )
+    }
+
     fn session_error(&self, sh: &crate::handle::Shared, e: StreamError) -> io::Error {
         if let (StreamError::UnknownStream, Some(code)) = (e, sh.resets.get(&self.id)) {
             return StreamError::Reset(*code).into();
@@ -92,6 +100,9 @@ impl AsyncRead for RoamStream {
         }
         let inner = self.guard.0.clone();
         let mut sh = inner.lock();
+        if sh.detached {
+            return Poll::Ready(Err(Self::detached_error()));
+        }
         let log_before = sh.session.unacked_frames();
         let dst = buf.initialize_unfilled();
         match sh.session.read(self.id, dst) {
@@ -130,6 +141,9 @@ impl AsyncWrite for RoamStream {
         }
         let inner = &self.guard.0;
         let mut sh = inner.lock();
+        if sh.detached {
+            return Poll::Ready(Err(Self::detached_error()));
+        }
         match sh.session.write(self.id, data) {
             Ok(0) => {
                 sh.write_wakers.insert(self.id, cx.waker().clone());
@@ -156,6 +170,9 @@ impl AsyncWrite for RoamStream {
         }
         let inner = self.guard.0.clone();
         let mut sh = inner.lock();
+        if sh.detached {
+            return Poll::Ready(Err(Self::detached_error()));
+        }
         let r = sh.session.finish_stream(self.id);
         let r = r.map_err(|e| self.session_error(&sh, e));
         drop(sh);

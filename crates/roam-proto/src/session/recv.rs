@@ -46,9 +46,15 @@ impl Session {
                 if next > self.recv_seq {
                     return Err(Error::ProtocolViolation("SYNC skips reliable frames"));
                 }
-                t.sync_received = true;
-                self.in_cursor = next;
+                // Checked before anything changes: a stale resume (a client
+                // restored from an old copy of its continuation, which lost
+                // frames the session already acknowledged) is refused on its
+                // own transport and leaves the session as it was.
                 self.on_ack(received, true)?;
+                t.sync_received = true;
+                // The resume proved itself: its transport takes over (§7.3).
+                t.pending_resume = false;
+                self.in_cursor = next;
                 if self.role == Role::Server && t.is_resume {
                     // Retransmit from where the client stands (§7.3).
                     self.send_cursor = received;
@@ -77,6 +83,13 @@ impl Session {
                         peer_key,
                     });
                 }
+            }
+            Frame::Close { .. } if !t.sync_received && self.role == Role::Server && t.is_resume => {
+                // A resuming client that gives up before its SYNC (it found
+                // its own state behind the session's: a stale copy of a
+                // continuation) speaks for that copy only; the session may
+                // be live on another transport. Refuse the transport.
+                return Err(Error::ProtocolViolation("CLOSE before SYNC on a resume"));
             }
             Frame::Close { code, reason } if !t.sync_received => {
                 // A refusal before the session started (e.g. unauthorized client key).

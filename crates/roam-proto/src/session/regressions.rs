@@ -181,3 +181,71 @@ fn ack_of_data_and_close_wakes_no_writer_after_closed() {
         "events after Closed: {events:?}"
     );
 }
+
+/// A client restored from an old copy of its continuation (a stale state
+/// file, a second process with the same name) resumed with a `SYNC` that
+/// acknowledged less than the server had already freed. Its resume
+/// authenticated, so the server treated the violation as the live client's
+/// and closed the session: the stale copy killed the session the live client
+/// was using. Now the stale transport is refused and the session goes on.
+#[test]
+fn a_stale_resume_is_refused_without_harming_the_live_session() {
+    let mut p = Pair::new();
+    let stale = p.client.export(p.now).unwrap();
+    // Both ways, so the server frees frames the stale copy never saw
+    // acknowledged and the live client acknowledges frames the copy lacks.
+    let id = p.client.open_stream(b"").unwrap();
+    assert_eq!(p.client.write(id, b"before").unwrap(), 6);
+    p.pump();
+    let server = p.server.as_mut().unwrap();
+    assert_eq!(server.write(id, b"reply").unwrap(), 5);
+    p.pump();
+    let mut buf = [0u8; 64];
+    assert_eq!(p.client.read(id, &mut buf), Ok(Some(5)));
+    // Past the ACK delay: both sides acknowledge, and free what they sent.
+    p.now += std::time::Duration::from_secs(1);
+    p.pump();
+
+    let mut copy = Session::restore_client(
+        ClientConfig {
+            keypair: Keypair::from_private([0x17; 32]),
+            server_trust: ServerTrust::Pinned(p.server_cfg.keypair.public()),
+            session: Config::default(),
+        },
+        p.now,
+        &stale,
+        std::time::Duration::ZERO,
+    )
+    .unwrap();
+    let ctid = copy.connect(p.now, None).unwrap();
+    let mut out = Vec::new();
+    while copy.poll_transmit(p.now, &mut out).is_some() {}
+    let (hello, used) = parse_hello(&out).unwrap().unwrap();
+    let server = p.server.as_mut().unwrap();
+    let stid = server.accept_resume(p.now, &hello, None).unwrap();
+    server.handle_input(p.now, stid, &out[used..]).unwrap();
+    // The server's reply (its own SYNC) goes to the copy, whose answer
+    // (its SYNC) reaches the server.
+    let mut reply = Vec::new();
+    while let Some(t) = server.poll_transmit(p.now, &mut reply) {
+        if t != stid {
+            reply.clear();
+        }
+    }
+    let _ = copy.handle_input(p.now, ctid, &reply);
+    let mut answer = Vec::new();
+    while copy.poll_transmit(p.now, &mut answer).is_some() {}
+    assert_eq!(copy.state(), State::Closed, "the copy finds itself stale");
+    let refused = server.handle_input(p.now, stid, &answer);
+    assert!(refused.is_err(), "the stale resume must be refused");
+    assert_ne!(server.state(), State::Closed, "the session survives it");
+
+    // The live client carries on, every byte in order.
+    assert_eq!(p.client.write(id, b" after").unwrap(), 6);
+    p.pump();
+    let server = p.server.as_mut().unwrap();
+    let mut got = [0u8; 64];
+    assert_eq!(server.read(id, &mut got), Ok(Some(12)));
+    assert_eq!(&got[..12], b"before after");
+    assert_eq!(server.state(), p.client.state());
+}

@@ -302,7 +302,6 @@ impl Session {
                 }
             };
             *pos = e;
-            t.pending_resume = false;
             let r = for_each_frame(&inbuf[b..b + n], |f| self.on_frame(now, t, f));
             if let Err(err) = r {
                 result = Err(err);

@@ -128,6 +128,7 @@ impl Driver {
         sh.closed = Some(roam_proto::CloseReason::Local {
             code: roam_proto::code::NO_ERROR,
         });
+        sh.detached = true;
         sh.wake_all();
         self.closed_sent = true;
         self.detached = true;
