@@ -123,9 +123,21 @@ closes the session (waiting at most 3 s for the relay) and exits 128+signal.
 While the relay is unreachable the session stays suspended and roam says so
 on stderr; it resumes by itself when the relay can be reached again.
 
-Exit status: 0 done; 1 an error (message on stderr); 2 bad arguments or
-configuration; 3 the session was lost (the relay restarted without it,
-expired it or refused it); 128+N ended by signal N.")]
+Named sessions outlive the process: with --name N, SIGHUP, SIGINT, SIGTERM
+or `roam detach N` detach the session instead of closing it. The relay keeps
+it (and its target connection) suspended; roam writes its client state (keys,
+offsets, unacknowledged bytes, and any bytes taken from stdin but not yet
+sent or received but not yet printed) to the state directory (sessions/,
+mode 0600) and exits 0. `roam pipe --name N HOST TARGET` run again, from any
+address and also after a reboot, re-attaches: what the target sent meanwhile
+is printed, what the old stdin gave is sent, each byte once. Re-attach
+within the relay's suspend timeout. `roam status` lists detached sessions.
+Killed with -9, a named session is not saved (re-attach then reports it
+lost). A named session needs a relay: it never falls back to direct TCP.
+
+Exit status: 0 done (or detached); 1 an error (message on stderr); 2 bad
+arguments or configuration; 3 the session was lost (the relay restarted
+without it, expired it or refused it); 128+N ended by signal N.")]
     Pipe(PipeArgs),
     /// Forward a local port through the relay: each local connection is a stream of one session.
     #[command(after_help = "\
@@ -138,11 +150,24 @@ the relay) and exits 128+signal. If the relay loses the session (it restarted,
 or reclaimed a session left without connections), the next local connection
 opens a new session.")]
     Forward(ForwardArgs),
+    /// Detach a named session from the `roam pipe --name` process attached to it.
+    #[command(after_help = "\
+Examples:
+  roam detach backup      # the attached process saves the session and exits 0
+  roam pipe --name backup relay.example 9000 < rest.tar   # re-attach later
+
+The process saves the session's client state to the state directory and
+exits; the relay keeps the session suspended until a client re-attaches or
+its suspend timeout passes. Waits (up to 10 s) until the record is written.")]
+    Detach(DetachArgs),
     /// List this user's live sessions (from running pipe, forward and serve processes).
     #[command(after_help = "\
 Examples:
   roam status
-  roam status --json | jq '.[].sessions[].state'")]
+  roam status --json | jq '.processes[].sessions[].state'
+  roam status --json | jq '.detached[].name'
+
+Detached named sessions (`roam pipe --name`) are listed after the processes.")]
     Status(StatusArgs),
     /// Operate a cluster of roam-continuation hosts: list, move and drain sessions.
     #[command(after_help = "\
@@ -270,8 +295,20 @@ pub(crate) struct PipeArgs {
     /// no relay: `auto` (only for relays never pinned), `always`, `never`.
     #[arg(long, value_enum, value_name = "WHEN")]
     pub(crate) fallback: Option<Fallback>,
+    /// Name the session, so that it outlives this process: a signal detaches
+    /// it (saved to the state directory) instead of closing it, and the same
+    /// command with the same name re-attaches.
+    #[arg(long, value_name = "NAME")]
+    pub(crate) name: Option<String>,
     #[command(flatten)]
     pub(crate) client: ClientArgs,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct DetachArgs {
+    /// The session's name (as given to `roam pipe --name`).
+    #[arg(value_name = "NAME")]
+    pub(crate) name: String,
 }
 
 /// When `roam pipe` may fall back to a direct TCP connection.
@@ -303,7 +340,7 @@ pub(crate) struct ForwardArgs {
 
 #[derive(Debug, Args)]
 pub(crate) struct StatusArgs {
-    /// Machine-readable output: a JSON array of processes with their sessions.
+    /// Machine-readable output: `{"processes": [...], "detached": [...]}`.
     #[arg(long)]
     pub(crate) json: bool,
 }
@@ -410,6 +447,7 @@ pub(crate) fn run(cli: Cli) -> i32 {
             Command::Pipe(a) => crate::pipe::run(a, &config).await,
             Command::Forward(a) => crate::forward::run(a, &config).await,
             Command::Status(a) => crate::control::status(a, &config).await,
+            Command::Detach(a) => crate::pipe::detach(a, &config).await,
             Command::Cluster(a) => crate::cluster::run(a).await,
             Command::Keygen(a) => crate::keys::keygen(a, &config),
             Command::Demo(a) => crate::demo::run(a).await,

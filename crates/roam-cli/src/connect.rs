@@ -86,6 +86,25 @@ pub(crate) async fn pinned_key(relay: &str, known: &KnownServers) -> Result<Opti
     }
 }
 
+/// The protocol's client settings: the user's client key (`key`, else the
+/// config's, else `<state>/client.key`, created on first use) and the
+/// relay's pinned key, if any (else trust on first use).
+pub(crate) fn client_proto(
+    key: Option<&Path>,
+    config: &FileConfig,
+    pinned: Option<PublicKey>,
+) -> Result<roam_proto::ClientConfig, CliError> {
+    let key_path = key
+        .map(Path::to_path_buf)
+        .or_else(|| config.client.key.clone())
+        .unwrap_or_else(|| crate::paths::state_dir(config).join("client.key"));
+    Ok(roam_proto::ClientConfig {
+        keypair: crate::keys::load_or_create(&key_path)?,
+        server_trust: pinned.map_or(ServerTrust::FirstUse, ServerTrust::Pinned),
+        session: roam_proto::Config::default(),
+    })
+}
+
 /// Connects to the relay at `relay` (`host:port`) with the user's client key,
 /// pinning its key on first use (under its name and the address reached) and
 /// refusing loudly if a pinned key changed.
@@ -95,21 +114,10 @@ pub(crate) async fn connect_relay(
     config: &FileConfig,
 ) -> Result<roam::SessionHandle, ConnectFailure> {
     let state = crate::paths::state_dir(config);
-    let key_path = key
-        .map(Path::to_path_buf)
-        .or_else(|| config.client.key.clone())
-        .unwrap_or_else(|| state.join("client.key"));
-    let keypair = crate::keys::load_or_create(&key_path)?;
-    let public = keypair.public();
     let known = KnownServers::new(&state);
     let pinned = pinned_key(relay, &known).await?;
-    let proto = roam_proto::ClientConfig {
-        keypair,
-        server_trust: pinned
-            .as_ref()
-            .map_or(ServerTrust::FirstUse, |p| ServerTrust::Pinned(p.key)),
-        session: roam_proto::Config::default(),
-    };
+    let proto = client_proto(key, config, pinned.as_ref().map(|p| p.key))?;
+    let public = proto.keypair.public();
     match roam::connect(relay, roam::ClientConfig::new(proto)).await {
         Ok(session) => {
             if let Some(k) = session.peer_key() {

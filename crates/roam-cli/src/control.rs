@@ -393,13 +393,16 @@ pub(crate) async fn status(args: StatusArgs, config: &FileConfig) -> CliResult {
             }
         }
     }
+    let detached = crate::named::list(&crate::named::dir(config));
     if args.json {
+        let all = serde_json::json!({ "processes": procs, "detached": detached });
         println!(
             "{}",
-            serde_json::to_string_pretty(&procs).map_err(|e| CliError(e.to_string()))?
+            serde_json::to_string_pretty(&all).map_err(|e| CliError(e.to_string()))?
         );
         return Ok(0);
     }
+    print_detached(&detached);
     if procs.is_empty() {
         println!(
             "no running roam processes (state dir {})",
@@ -450,6 +453,26 @@ pub(crate) async fn status(args: StatusArgs, config: &FileConfig) -> CliResult {
     Ok(0)
 }
 
+/// The detached named sessions, for `roam status`.
+fn print_detached(detached: &[crate::named::DetachedStatus]) {
+    for d in detached {
+        match &d.error {
+            None => println!(
+                "detached {:<16} {} -> {}  for {}  {} pending  (re-attach: roam pipe --name {} {} {})",
+                d.name,
+                d.relay,
+                d.target,
+                human_secs(d.detached_for_secs as f64),
+                human_bytes(d.pending_bytes),
+                d.name,
+                d.relay,
+                d.target
+            ),
+            Some(e) => println!("detached {:<16} unreadable: {e}", d.name),
+        }
+    }
+}
+
 pub(crate) fn human_bytes(n: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = n as f64;
@@ -465,7 +488,7 @@ pub(crate) fn human_bytes(n: u64) -> String {
     }
 }
 
-fn human_secs(s: f64) -> String {
+pub(crate) fn human_secs(s: f64) -> String {
     match s {
         s if s < 120.0 => format!("{s:.0}s"),
         s if s < 7200.0 => format!("{:.0}m", s / 60.0),

@@ -15,6 +15,7 @@ mod forward;
 mod keys;
 mod limits;
 mod metrics;
+mod named;
 mod notices;
 mod paths;
 mod pipe;
@@ -22,6 +23,7 @@ mod pump;
 mod sdnotify;
 mod serve;
 mod signals;
+mod stdio;
 mod takeover;
 mod target;
 

@@ -231,6 +231,24 @@ where
     }
 }
 
+/// Finishes one direction alone, from the state a stopped pump returned:
+/// writes what it held, then copies until `r` ends (then `w` is shut down)
+/// or fails. A relay uses it when a session closes gracefully with bytes
+/// still on their way to the target (a slow reader): they are delivered
+/// before the connection closes. Returns the bytes written.
+pub(crate) async fn finish_one<R, W>(r: &mut R, w: &mut W, state: HalfState) -> io::Result<u64>
+where
+    R: AsyncRead + Unpin + ?Sized,
+    W: AsyncWrite + Unpin + ?Sized,
+{
+    let mut half = Half::from_state(state);
+    if half.done {
+        return Ok(0);
+    }
+    poll_fn(|cx| half.poll_copy(cx, r, w)).await?;
+    Ok(half.total)
+}
+
 async fn copy_both<A, B>(
     a: &mut A,
     b: &mut B,

@@ -902,6 +902,10 @@ fn fmt_peer(peer: Option<SocketAddr>) -> String {
 /// handed over from another relay (`resumed`) brings its target connection
 /// and the bytes in flight. Returns the stream's state when the relay hands
 /// over (and the stream handle, to be dropped after the session's export).
+/// How long a relay keeps delivering, to a target that reads slowly, the
+/// bytes its session received before it closed.
+const TARGET_DRAIN_LIMIT: Duration = Duration::from_secs(30);
+
 async fn relay_stream(
     relay: Arc<Relay>,
     mut stream: RoamStream,
@@ -1004,16 +1008,39 @@ async fn relay_stream(
             t
         }
     };
-    let end = tokio::select! {
-        e = crate::pump::pump_until(&mut stream, &mut tcp, up, down, async {
-            let _ = handing.wait_for(|h| *h).await;
-        }) => e,
-        // The session expired or was closed: nobody can use this target
-        // connection again, so it closes now rather than when a read fails.
-        reason = session.closed() => {
-            tracing::info!("stream from {peer} to {target} ended with its session: {}", roam::Error::Closed(reason));
+    let mut ended_with = None;
+    let end = crate::pump::pump_until(&mut stream, &mut tcp, up, down, async {
+        tokio::select! {
+            _ = handing.wait_for(|h| *h) => {}
+            reason = session.closed() => ended_with = Some(reason),
+        }
+    })
+    .await;
+    let end = match (ended_with, end) {
+        (Some(reason), PumpEnd::Stopped(up, _)) => {
+            // The session is over: nobody can use this target connection again.
+            // What the client sent before it closed is delivered first (a slow
+            // target may still be reading it; a graceful close must not cut
+            // it short), within a bound; then the connection closes.
+            let drained = tokio::time::timeout(
+                TARGET_DRAIN_LIMIT,
+                crate::pump::finish_one(&mut stream, &mut tcp, up),
+            )
+            .await;
+            tracing::info!(
+                "stream from {peer} to {target} ended with its session ({}); {}",
+                roam::Error::Closed(reason),
+                match drained {
+                    Ok(Ok(n)) => format!("its last {n} bytes delivered"),
+                    Ok(Err(e)) => format!("delivering its last bytes: {e}"),
+                    Err(_) => format!(
+                        "the target did not take its last bytes within {TARGET_DRAIN_LIMIT:?}"
+                    ),
+                }
+            );
             return None;
         }
+        (_, end) => end,
     };
     match end {
         PumpEnd::Finished(Ok((up, down))) => {

@@ -10,14 +10,31 @@ use tokio::signal::unix::{signal, SignalKind};
 /// `ProxyCommand` when it exits), SIGINT or SIGTERM. A signal whose handler
 /// cannot be installed is simply not waited for.
 pub(crate) async fn exit_signal() -> i32 {
-    let kinds = [
+    first_of(&[
         (SignalKind::hangup(), Signal::SIGHUP as i32),
         (SignalKind::interrupt(), Signal::SIGINT as i32),
         (SignalKind::terminate(), Signal::SIGTERM as i32),
-    ];
+    ])
+    .await
+}
+
+/// For a named session (`roam pipe --name`), which detaches instead of
+/// ending: the exit signals and SIGUSR1 (`roam detach NAME` sends it).
+pub(crate) async fn detach_signal() -> i32 {
+    first_of(&[
+        (SignalKind::hangup(), Signal::SIGHUP as i32),
+        (SignalKind::interrupt(), Signal::SIGINT as i32),
+        (SignalKind::terminate(), Signal::SIGTERM as i32),
+        (SignalKind::user_defined1(), Signal::SIGUSR1 as i32),
+    ])
+    .await
+}
+
+/// Completes with the number of the first of `kinds` to arrive.
+async fn first_of(kinds: &[(SignalKind, i32)]) -> i32 {
     let mut streams: Vec<_> = kinds
-        .into_iter()
-        .filter_map(|(k, n)| signal(k).ok().map(|s| (s, n)))
+        .iter()
+        .filter_map(|&(k, n)| signal(k).ok().map(|s| (s, n)))
         .collect();
     if streams.is_empty() {
         return std::future::pending().await;

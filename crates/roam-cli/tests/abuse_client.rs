@@ -127,7 +127,8 @@ impl Relay {
         let out = roam(state).args(["status", "--json"]).output().unwrap();
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         let pid = self.child.0.id();
-        v.as_array()
+        v["processes"]
+            .as_array()
             .unwrap()
             .iter()
             .filter(|p| p["pid"].as_u64() == Some(u64::from(pid)))

@@ -284,7 +284,7 @@ fn status_json(state: &Path) -> serde_json::Value {
 
 /// The status entry of the process with this pid.
 fn process_status(state: &Path, pid: u32) -> Option<serde_json::Value> {
-    status_json(state)
+    status_json(state)["processes"]
         .as_array()?
         .iter()
         .find(|p| p["pid"].as_u64() == Some(u64::from(pid)))

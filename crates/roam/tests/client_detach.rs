@@ -23,7 +23,12 @@ async fn write_range<W: tokio::io::AsyncWrite + Unpin>(w: &mut W, seed: u64, fro
 
 /// Reads and checks pattern bytes from `from` until `to` (or the end of the
 /// stream when `to` is `None`); returns the offset reached.
-async fn read_range<R: tokio::io::AsyncRead + Unpin>(r: &mut R, seed: u64, from: u64, to: Option<u64>) -> u64 {
+async fn read_range<R: tokio::io::AsyncRead + Unpin>(
+    r: &mut R,
+    seed: u64,
+    from: u64,
+    to: Option<u64>,
+) -> u64 {
     let mut buf = vec![0u8; 16 * 1024];
     let mut off = from;
     while to.is_none_or(|t| off < t) {
@@ -33,7 +38,12 @@ async fn read_range<R: tokio::io::AsyncRead + Unpin>(r: &mut R, seed: u64, from:
             break;
         }
         for (k, b) in buf[..n].iter().enumerate() {
-            assert_eq!(*b, pattern_byte(seed, off + k as u64), "byte {}", off + k as u64);
+            assert_eq!(
+                *b,
+                pattern_byte(seed, off + k as u64),
+                "byte {}",
+                off + k as u64
+            );
         }
         off += n as u64;
     }
