@@ -1,5 +1,6 @@
 //! The `roam` command's text parsers (`roam_cli::parsers`): config file,
-//! authorized keys, known servers, allow rules, durations, control replies.
+//! authorized keys, known servers, allow rules, durations, control replies,
+//! and the record a detached named session leaves (`roam pipe --name`).
 //!
 //! The first input byte picks the parser, the rest is its input (as UTF-8,
 //! lossily). Properties: no parser panics, and each one that re-encodes what
@@ -17,7 +18,7 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     let text = String::from_utf8_lossy(rest);
-    match which % 6 {
+    match which % 7 {
         0 => {
             // The re-encoding is a description, not TOML: parsing is deterministic.
             if let Ok(c) = parsers::config_file(&text) {
@@ -46,6 +47,13 @@ fuzz_target!(|data: &[u8]| {
                 if let Ok(again) = parsers::duration(&format!("{ms}ms")) {
                     assert_eq!(again, ms, "{text:?}");
                 }
+            }
+        }
+        6 => {
+            // Bytes, not text. The header's JSON may come in any key order
+            // or spacing; its re-encoding is canonical and stable.
+            if let Ok(again) = parsers::detached_record(rest) {
+                assert_eq!(parsers::detached_record(&again), Ok(again.clone()));
             }
         }
         _ => {

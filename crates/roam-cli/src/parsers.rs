@@ -90,3 +90,9 @@ mod tests {
         assert_eq!(allow_rule("127.0.0.1:22").unwrap(), "127.0.0.1:22");
     }
 }
+
+/// Decodes the record a detached named session leaves (`roam pipe --name`);
+/// `Ok` carries its canonical re-encoding (decoding that gives it again).
+pub fn detached_record(bytes: &[u8]) -> Result<Vec<u8>, String> {
+    crate::named::Record::decode(bytes).map(|r| r.encode())
+}
