@@ -1,6 +1,7 @@
 //! The `roam` command's text parsers (`roam_cli::parsers`): config file,
 //! authorized keys, known servers, allow rules, durations, control replies,
-//! and the record a detached named session leaves (`roam pipe --name`).
+//! the record a detached named session leaves (`roam pipe --name`), and
+//! `roam shell`'s stream frames and request.
 //!
 //! The first input byte picks the parser, the rest is its input (as UTF-8,
 //! lossily). Properties: no parser panics, and each one that re-encodes what
@@ -18,7 +19,7 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     let text = String::from_utf8_lossy(rest);
-    match which % 7 {
+    match which % 8 {
         0 => {
             // The re-encoding is a description, not TOML: parsing is deterministic.
             if let Ok(c) = parsers::config_file(&text) {
@@ -54,6 +55,14 @@ fuzz_target!(|data: &[u8]| {
             // or spacing; its re-encoding is canonical and stable.
             if let Ok(again) = parsers::detached_record(rest) {
                 assert_eq!(parsers::detached_record(&again), Ok(again.clone()));
+            }
+        }
+        7 => {
+            if let Ok(again) = parsers::shell_frames(rest) {
+                assert_eq!(parsers::shell_frames(&again), Ok(again.clone()));
+            }
+            if let Ok(Some(meta)) = parsers::shell_open(rest) {
+                assert_eq!(parsers::shell_open(&meta), Ok(Some(meta.clone())));
             }
         }
         _ => {

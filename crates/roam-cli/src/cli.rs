@@ -101,7 +101,7 @@ whose state format differs is refused with an error naming both versions and
 the running relay keeps serving. What still loses sessions: kill -9 or a crash
 of the relay (its sessions' state lives only in its memory; clients are told
 the session is unknown and their target connections close), and a reboot.")]
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Connect stdin/stdout to TARGET through the relay on HOST (for ssh ProxyCommand).
     #[command(after_help = "\
 Examples:
@@ -150,6 +150,25 @@ the relay) and exits 128+signal. If the relay loses the session (it restarted,
 or reclaimed a session left without connections), the next local connection
 opens a new session.")]
     Forward(ForwardArgs),
+    /// A persistent interactive shell on HOST: it keeps running, with its screen, when you detach or lose the client.
+    #[command(after_help = "\
+Examples:
+  roam shell server.example                # a new shell; its name is shown
+  roam shell alice@server.example --name work
+  roam shell server.example --name work    # later, anywhere: the same shell
+
+The relay must run with --shell, and your client key must be in the
+account's roam authorized keys there (~USER/.config/roam/authorized_keys by
+default). The shell runs on a pty on the relay's host, as that user. Type ~.
+at the start of a line to detach (the shell keeps running; ~~ sends a ~).
+Closing the terminal, SIGHUP or SIGTERM detach too, and so does losing the
+client altogether (kill -9, a crash, a reboot): re-attach by name from a new
+process, anywhere, and get the scrollback and the current screen. Window
+size changes follow. USER defaults to the local user name.
+
+Exit status: the shell's own when it exits; 0 detached; 1 an error (or the
+relay refused the shell, the message says why); 3 the session was lost.")]
+    Shell(ShellArgs),
     /// Detach a named session from the `roam pipe --name` process attached to it.
     #[command(after_help = "\
 Examples:
@@ -258,6 +277,17 @@ pub(crate) struct ServeArgs {
     /// exporter: use a loopback or private address, e.g. 127.0.0.1:9447.
     #[arg(long, value_name = "ADDR", verbatim_doc_comment)]
     pub(crate) metrics: Option<String>,
+    /// Serve `roam shell`: interactive shells on ptys, as the account each
+    /// client names, for keys in that account's --shell-keys file. Shells
+    /// keep running (with screen and scrollback) while clients are away.
+    #[arg(long, verbatim_doc_comment)]
+    pub(crate) shell: bool,
+    /// Where an account's authorized keys for shells are: %h is its home
+    /// directory, %u its name [default: %h/.config/roam/authorized_keys].
+    /// The file must be owned by the account (or root) and writable by
+    /// nobody else.
+    #[arg(long, value_name = "PATTERN", requires = "shell", verbatim_doc_comment)]
+    pub(crate) shell_keys: Option<String>,
     /// Take over from the relay running with the same --takeover-socket: it
     /// hands this process its listening socket, every session and every
     /// target connection, then exits (see "Upgrades" below).
@@ -298,6 +328,18 @@ pub(crate) struct PipeArgs {
     /// Name the session, so that it outlives this process: a signal detaches
     /// it (saved to the state directory) instead of closing it, and the same
     /// command with the same name re-attaches.
+    #[arg(long, value_name = "NAME")]
+    pub(crate) name: Option<String>,
+    #[command(flatten)]
+    pub(crate) client: ClientArgs,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct ShellArgs {
+    /// The relay (`roam serve --shell`), with optional user and port: `host`, `alice@host:7447`.
+    #[arg(value_name = "[USER@]HOST[:PORT]")]
+    pub(crate) host: String,
+    /// The shell's name: attach to it if it runs, else start it under that name.
     #[arg(long, value_name = "NAME")]
     pub(crate) name: Option<String>,
     #[command(flatten)]
@@ -431,7 +473,9 @@ pub(crate) fn run(cli: Cli) -> i32 {
     // against the multi-thread runtime. The relay serves many sessions and
     // keeps a worker per core.
     let mut builder = match cli.command {
-        Command::Pipe(_) | Command::Forward(_) => tokio::runtime::Builder::new_current_thread(),
+        Command::Pipe(_) | Command::Forward(_) | Command::Shell(_) => {
+            tokio::runtime::Builder::new_current_thread()
+        }
         _ => tokio::runtime::Builder::new_multi_thread(),
     };
     let rt = match builder.enable_all().build() {
@@ -443,11 +487,12 @@ pub(crate) fn run(cli: Cli) -> i32 {
     };
     let result = rt.block_on(async move {
         match cli.command {
-            Command::Serve(a) => crate::serve::run(a, &config).await,
+            Command::Serve(a) => crate::serve::run(*a, &config).await,
             Command::Pipe(a) => crate::pipe::run(a, &config).await,
             Command::Forward(a) => crate::forward::run(a, &config).await,
             Command::Status(a) => crate::control::status(a, &config).await,
             Command::Detach(a) => crate::pipe::detach(a, &config).await,
+            Command::Shell(a) => crate::shell::client::run(a, &config).await,
             Command::Cluster(a) => crate::cluster::run(a).await,
             Command::Keygen(a) => crate::keys::keygen(a, &config),
             Command::Demo(a) => crate::demo::run(a).await,

@@ -22,6 +22,7 @@ mod pipe;
 mod pump;
 mod sdnotify;
 mod serve;
+mod shell;
 mod signals;
 mod stdio;
 mod takeover;

@@ -59,6 +59,25 @@ pub fn takeover(bytes: &[u8]) -> Result<Result<String, String>, String> {
     crate::takeover::decode_bytes(bytes)
 }
 
+/// Decodes the record a detached named session leaves (`roam pipe --name`);
+/// `Ok` carries its canonical re-encoding (decoding that gives it again).
+pub fn detached_record(bytes: &[u8]) -> Result<Vec<u8>, String> {
+    crate::named::Record::decode(bytes).map(|r| r.encode())
+}
+
+/// Decodes `roam shell` stream frames; `Ok` carries their re-encoding
+/// (decoding that gives the same frames again).
+pub fn shell_frames(bytes: &[u8]) -> Result<Vec<u8>, String> {
+    crate::shell::wire::reencode(bytes)
+}
+
+/// Parses a shell request from stream metadata; `Ok(None)`: not one.
+pub fn shell_open(meta: &[u8]) -> Result<Option<Vec<u8>>, String> {
+    crate::shell::wire::Open::parse(meta)
+        .transpose()
+        .map(|o| o.map(|o| o.meta()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -89,10 +108,4 @@ mod tests {
         assert_eq!(allow_rule("[::1]:*").unwrap(), "[::1]:*");
         assert_eq!(allow_rule("127.0.0.1:22").unwrap(), "127.0.0.1:22");
     }
-}
-
-/// Decodes the record a detached named session leaves (`roam pipe --name`);
-/// `Ok` carries its canonical re-encoding (decoding that gives it again).
-pub fn detached_record(bytes: &[u8]) -> Result<Vec<u8>, String> {
-    crate::named::Record::decode(bytes).map(|r| r.encode())
 }

@@ -271,6 +271,11 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
         Some(registry),
         server.proto.clone(),
     );
+    if args.shell {
+        let _ = relay
+            .shells
+            .set(crate::shell::host::ShellHost::new(args.shell_keys.clone()));
+    }
     let (gate, gate_rx) = watch::channel(false);
     server.accept_paused = Some(gate_rx);
     let stats = server.stats.clone();
@@ -442,12 +447,22 @@ async fn offer_takeover(
                 continue;
             }
         };
+        let busy = relay
+            .shells
+            .get()
+            .map(|h| h.count())
+            .filter(|&n| n > 0)
+            .map(|n| {
+                format!(
+                    "{n} shell(s) run in this relay and a takeover cannot carry them yet; the old relay keeps serving (let the shells exit first)"
+                )
+            });
         let hello = tokio::task::spawn_blocking(move || {
             let mut sock = sock;
             let _ = sock.set_nonblocking(false);
             let _ = sock.set_read_timeout(Some(TAKEOVER_IO_TIMEOUT));
             let _ = sock.set_write_timeout(Some(TAKEOVER_IO_TIMEOUT));
-            let r = crate::takeover::answer(&mut sock, crate::takeover::STATE_FORMAT);
+            let r = crate::takeover::answer(&mut sock, crate::takeover::STATE_FORMAT, busy);
             (sock, r)
         })
         .await;
@@ -602,6 +617,8 @@ pub(crate) struct Relay {
     parked: Mutex<HashMap<roam::SessionId, (HandedSession, Instant)>>,
     /// How long a parked session waits for its client.
     suspend_timeout: Duration,
+    /// The shells (`--shell`), if this relay serves them.
+    pub(crate) shells: std::sync::OnceLock<Arc<crate::shell::host::ShellHost>>,
 }
 
 impl Relay {
@@ -624,6 +641,7 @@ impl Relay {
             handed: Mutex::new(Vec::new()),
             parked: Mutex::new(HashMap::new()),
             suspend_timeout,
+            shells: std::sync::OnceLock::new(),
         })
     }
 
@@ -846,6 +864,15 @@ async fn run_session(
         tokio::select! {
             r = session.accept_stream(), if !*handing.borrow() => match r {
                 Ok((stream, meta)) => {
+                    if let Some(open) = crate::shell::wire::Open::parse(&meta) {
+                        let open = match relay.shells.get() {
+                            Some(_) => open,
+                            None => Err("this relay does not serve shells (it runs without --shell)".into()),
+                        };
+                        let host = relay.shells.get().cloned().unwrap_or_else(|| crate::shell::host::ShellHost::new(None));
+                        tokio::spawn(host.serve(stream, session.peer_key(), open));
+                        continue;
+                    }
                     let target = String::from_utf8_lossy(&meta).into_owned();
                     relays.spawn(relay_stream(relay.clone(), stream, target, session.clone(), None));
                 }

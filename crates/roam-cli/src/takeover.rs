@@ -438,9 +438,15 @@ pub(crate) fn hello_with_format(sock: &mut UnixStream, format: u32) -> io::Resul
 
 /// Old side: reads a hello and answers it; `Ok(Ok(hello))` when the
 /// handover should follow, `Ok(Err(why))` when it was refused.
-pub(crate) fn answer(sock: &mut UnixStream, format: u32) -> io::Result<Result<Hello, String>> {
+pub(crate) fn answer(
+    sock: &mut UnixStream,
+    format: u32,
+    busy: Option<String>,
+) -> io::Result<Result<Hello, String>> {
     let hello: Hello = read_record(sock)?;
-    let refusal = if hello.magic != MAGIC {
+    let refusal = if let Some(why) = busy {
+        Some(why)
+    } else if hello.magic != MAGIC {
         Some(format!("not a roam takeover (magic {:?})", hello.magic))
     } else if hello.format != format {
         Some(format!(

@@ -1,0 +1,572 @@
+//! The relay's side of `roam shell` (`roam serve --shell`): shells on
+//! pseudo-terminals, kept by name while their clients come and go.
+//!
+//! A shell request names an account; the client's key must be in that
+//! account's authorized keys (`--shell-keys`, by default
+//! `~USER/.config/roam/authorized_keys`, owned by the user or root and
+//! writable by nobody else). A relay running as root starts the shell as
+//! that user (uid, gid, no supplementary groups); any other relay only as
+//! its own user. The shell is the account's login shell, started by
+//! `setsid --ctty` so the pty is its controlling terminal (no `unsafe`
+//! here).
+//!
+//! Each shell is one task: it reads the pty into a terminal emulator
+//! (`vt100`, with scrollback) all the time, attached or not, and forwards
+//! the output to the attached client. A new attach — the same client after
+//! a resume never needs one; a new client process, after the old one was
+//! killed or detached — takes the shell over: the old stream is reset, and
+//! the new client gets the scrollback and the current screen, then live
+//! output. When the shell exits, the attached client gets its status.
+
+use std::collections::HashMap;
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use roam::RoamStream;
+use roam_proto::PublicKey;
+use tokio::io::{AsyncReadExt, AsyncWriteExt, ReadHalf, WriteHalf};
+use tokio::sync::mpsc;
+
+use super::wire::{Attached, Decoder, Frame, Open};
+
+/// Lines of scrollback each shell keeps (sent on re-attach).
+const SCROLLBACK: usize = 5000;
+/// Output held for a client that does not read (suspended, or killed and
+/// not yet replaced). Beyond it the held output is dropped and the client,
+/// once it reads again, gets the current screen instead: the shell never
+/// blocks on a client that is away.
+const OUT_LIMIT: usize = 1 << 20;
+/// The default `--shell-keys` pattern: `%h` is the home directory, `%u`
+/// the user name.
+pub(crate) const DEFAULT_KEYS: &str = "%h/.config/roam/authorized_keys";
+
+/// A request to attach a client stream to a shell.
+struct Attach {
+    stream: RoamStream,
+    rows: u16,
+    cols: u16,
+    new: bool,
+}
+
+/// The shells of one relay, by (user, name).
+pub(crate) struct ShellHost {
+    keys_pattern: String,
+    shells: Mutex<HashMap<(String, String), mpsc::Sender<Attach>>>,
+}
+
+impl ShellHost {
+    /// Shells whose authorized keys are found by `keys_pattern`.
+    pub(crate) fn new(keys_pattern: Option<String>) -> Arc<Self> {
+        Arc::new(Self {
+            keys_pattern: keys_pattern.unwrap_or_else(|| DEFAULT_KEYS.to_string()),
+            shells: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Shells running now.
+    pub(crate) fn count(&self) -> usize {
+        self.lock().len()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), mpsc::Sender<Attach>>> {
+        self.shells.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Serves one shell stream from a client with `key`: attaches it to the
+    /// named shell or starts one. A refusal is sent to the client as an
+    /// `Error` frame and logged.
+    pub(crate) async fn serve(
+        self: Arc<Self>,
+        stream: RoamStream,
+        key: Option<PublicKey>,
+        open: Result<Open, String>,
+    ) {
+        let checked = open.and_then(|open| {
+            let key = key.ok_or("the session has no client key")?;
+            let account = Account::authorize(&open.user, &key, &self.keys_pattern)?;
+            let name = match &open.name {
+                Some(n) => {
+                    crate::named::check_name(n)?;
+                    n.clone()
+                }
+                None => generated_name(),
+            };
+            Ok((open, account, name))
+        });
+        let refused = match checked {
+            Err(why) => Some((why, stream)),
+            Ok((open, account, name)) => self
+                .attach_or_start(stream, account, name, open)
+                .await
+                .err(),
+        };
+        if let Some((why, mut stream)) = refused {
+            tracing::warn!("shell refused: {why}");
+            let mut out = Vec::new();
+            Frame::Error(why).encode(&mut out);
+            let _ = stream.write_all(&out).await;
+            let _ = stream.shutdown().await;
+        }
+    }
+
+    async fn attach_or_start(
+        self: Arc<Self>,
+        stream: RoamStream,
+        account: Account,
+        name: String,
+        open: Open,
+    ) -> Result<(), (String, RoamStream)> {
+        let slot = (account.name.clone(), name.clone());
+        let existing = self.lock().get(&slot).cloned();
+        let mut req = Attach {
+            stream,
+            rows: open.rows,
+            cols: open.cols,
+            new: existing.is_none(),
+        };
+        if let Some(tx) = existing {
+            match tx.send(req).await {
+                Ok(()) => {
+                    tracing::info!("shell {name} of {}: re-attached", account.name);
+                    return Ok(());
+                }
+                // The shell ended meanwhile: a new one starts under the name.
+                Err(mpsc::error::SendError(back)) => {
+                    req = back;
+                    req.new = true;
+                }
+            }
+        }
+        let (master, child) = match spawn_shell(&account, &open.term, req.rows, req.cols) {
+            Ok(x) => x,
+            Err(why) => return Err((why, req.stream)),
+        };
+        tracing::info!(
+            "shell {name} of {} started (pid {})",
+            account.name,
+            child.id().unwrap_or(0)
+        );
+        let (tx, rx) = mpsc::channel(4);
+        self.lock().insert(slot.clone(), tx.clone());
+        let _ = tx.send(req).await;
+        let host = self.clone();
+        tokio::spawn(async move {
+            run_shell(master, child, rx, name).await;
+            let mut shells = host.lock();
+            if shells.get(&slot).is_some_and(|t| t.same_channel(&tx)) {
+                shells.remove(&slot);
+            }
+        });
+        Ok(())
+    }
+}
+
+/// A name for an unnamed shell: `s-` and 8 hex digits.
+fn generated_name() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!(
+        "s-{:08x}",
+        nanos ^ std::process::id().rotate_left(16) ^ n.wrapping_mul(0x9E37_79B9)
+    )
+}
+
+/// The account a shell runs as.
+struct Account {
+    name: String,
+    uid: u32,
+    gid: u32,
+    home: PathBuf,
+    shell: PathBuf,
+}
+
+impl Account {
+    /// Looks `user` up and checks that `key` may have a shell there.
+    fn authorize(user: &str, key: &PublicKey, pattern: &str) -> Result<Self, String> {
+        use std::os::unix::fs::MetadataExt;
+        let u = nix::unistd::User::from_name(user)
+            .map_err(|e| format!("looking up user {user:?}: {e}"))?
+            .ok_or_else(|| format!("no user {user:?} on this host"))?;
+        let me = nix::unistd::geteuid();
+        if !me.is_root() && u.uid != me {
+            return Err(format!(
+                "this relay runs as uid {me} and can start shells only as that user, not as {user:?}"
+            ));
+        }
+        let path = PathBuf::from(
+            pattern
+                .replace("%h", &u.dir.to_string_lossy())
+                .replace("%u", &u.name),
+        );
+        let meta = std::fs::metadata(&path).map_err(|e| {
+            format!(
+                "user {user:?} has no roam authorized keys ({}: {e}); add the client's key there",
+                path.display()
+            )
+        })?;
+        if (meta.uid() != u.uid.as_raw() && meta.uid() != 0) || meta.mode() & 0o022 != 0 {
+            return Err(format!(
+                "{} must be owned by {user:?} (or root) and writable by nobody else",
+                path.display()
+            ));
+        }
+        let text =
+            std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let keys = crate::keys::parse_authorized(&text, &path.display().to_string())?;
+        if !keys.contains(key) {
+            return Err(format!(
+                "the client key {key} is not in {} (user {user:?})",
+                path.display()
+            ));
+        }
+        Ok(Self {
+            name: u.name,
+            uid: u.uid.as_raw(),
+            gid: u.gid.as_raw(),
+            home: u.dir,
+            shell: if u.shell.as_os_str().is_empty() {
+                PathBuf::from("/bin/sh")
+            } else {
+                u.shell
+            },
+        })
+    }
+}
+
+/// Opens a pty of `rows` × `cols` and starts the account's login shell on it.
+fn spawn_shell(
+    account: &Account,
+    term: &str,
+    rows: u16,
+    cols: u16,
+) -> Result<(Pty, tokio::process::Child), String> {
+    let size = nix::pty::Winsize {
+        ws_row: rows,
+        ws_col: cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    let pty = nix::pty::openpty(&size, None).map_err(|e| format!("opening a pty: {e}"))?;
+    let slave = |what| {
+        pty.slave
+            .try_clone()
+            .map_err(|e| format!("pty for the shell's {what}: {e}"))
+    };
+    let mut cmd = tokio::process::Command::new("setsid");
+    // `--ctty`: the pty (stdin) becomes the new session's controlling terminal.
+    cmd.arg("--ctty")
+        .arg(&account.shell)
+        .arg("-l")
+        .stdin(slave("stdin")?)
+        .stdout(slave("stdout")?)
+        .stderr(slave("stderr")?)
+        .current_dir(&account.home)
+        .env_clear()
+        .env("HOME", &account.home)
+        .env("USER", &account.name)
+        .env("LOGNAME", &account.name)
+        .env("SHELL", &account.shell)
+        .env("TERM", term)
+        .env(
+            "PATH",
+            "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin",
+        );
+    if nix::unistd::geteuid().is_root() && account.uid != 0 {
+        // std drops the supplementary groups when it changes the uid.
+        cmd.uid(account.uid).gid(account.gid);
+    }
+    let child = cmd
+        .spawn()
+        .map_err(|e| format!("starting {} (through setsid): {e}", account.shell.display()))?;
+    drop(pty.slave);
+    nix::fcntl::fcntl(
+        pty.master.as_fd(),
+        nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
+    )
+    .map_err(|e| format!("pty: {e}"))?;
+    let dup = |what| {
+        pty.master
+            .try_clone()
+            .map_err(|e| format!("pty ({what}): {e}"))
+    };
+    // A pty master polls like a pipe: tokio's pipe ends drive it without
+    // `unsafe` here (AsyncFd needs an unsafe registration).
+    let rx = tokio::net::unix::pipe::Receiver::from_owned_fd_unchecked(dup("reading")?)
+        .map_err(|e| format!("pty: {e}"))?;
+    let tx = tokio::net::unix::pipe::Sender::from_owned_fd_unchecked(dup("writing")?)
+        .map_err(|e| format!("pty: {e}"))?;
+    Ok((
+        Pty {
+            rx,
+            tx,
+            ctl: pty.master,
+        },
+        child,
+    ))
+}
+
+/// The relay's end of a shell's pty.
+struct Pty {
+    rx: tokio::net::unix::pipe::Receiver,
+    tx: tokio::net::unix::pipe::Sender,
+    /// For the window-size ioctl.
+    ctl: OwnedFd,
+}
+
+/// The attached client's reading side.
+struct Client {
+    rd: ReadHalf<RoamStream>,
+    frames: Decoder,
+}
+
+/// The attached client's writing side.
+struct Sink {
+    wr: WriteHalf<RoamStream>,
+    /// Encoded frames not yet taken by the stream; the first may be partly
+    /// taken (up to `pos`).
+    out: std::collections::VecDeque<Vec<u8>>,
+    pos: usize,
+    /// Bytes in `out` (not counting those taken).
+    held: usize,
+    /// Output was dropped (over [`OUT_LIMIT`]): redraw the screen once
+    /// `out` has been taken.
+    stale: bool,
+}
+
+impl Sink {
+    fn push(&mut self, frame: Frame) {
+        let mut bytes = Vec::new();
+        frame.encode(&mut bytes);
+        self.held += bytes.len();
+        self.out.push_back(bytes);
+    }
+
+    /// Drops every frame not begun (a frame partly taken is finished, so
+    /// the stream stays framed).
+    fn drop_unsent(&mut self) {
+        let keep = usize::from(self.pos > 0);
+        while self.out.len() > keep {
+            if let Some(f) = self.out.pop_back() {
+                self.held -= f.len();
+            }
+        }
+    }
+
+    /// The stream took `n` bytes.
+    fn taken(&mut self, n: usize) {
+        self.pos += n;
+        self.held -= n;
+        if self.out.front().is_some_and(|f| self.pos == f.len()) {
+            self.out.pop_front();
+            self.pos = 0;
+        }
+    }
+}
+
+/// What one turn of a shell's loop produced.
+enum Turn {
+    Attach(Option<Attach>),
+    Pty(std::io::Result<usize>),
+    Wrote(std::io::Result<usize>),
+    Read(std::io::Result<usize>),
+    Exited(std::io::Result<std::process::ExitStatus>),
+}
+
+/// Runs one shell until it exits.
+async fn run_shell(
+    mut pty: Pty,
+    mut child: tokio::process::Child,
+    mut attach: mpsc::Receiver<Attach>,
+    name: String,
+) {
+    let mut term = vt100::Parser::new(nz(24), nz(80), SCROLLBACK);
+    let mut client: Option<Client> = None;
+    let mut sink: Option<Sink> = None;
+    let mut buf = vec![0u8; 16 * 1024];
+    let mut inbuf = vec![0u8; 16 * 1024];
+    let mut pty_open = true;
+    let status = loop {
+        let held = sink.as_ref().map_or(0, |c| c.held);
+        let turn = tokio::select! {
+            a = attach.recv() => Turn::Attach(a),
+            r = pty.rx.read(&mut buf), if pty_open => Turn::Pty(r),
+            r = write_out(sink.as_mut()), if held > 0 => Turn::Wrote(r),
+            r = read_client(client.as_mut(), &mut inbuf) => Turn::Read(r),
+            s = child.wait(), if !pty_open => Turn::Exited(s),
+        };
+        match turn {
+            Turn::Attach(None) => {}
+            Turn::Attach(Some(a)) => {
+                if let Some(mut old) = sink.take() {
+                    // Taken over by a newer client process.
+                    let _ = old.wr.shutdown().await;
+                }
+                resize(&pty.ctl, &mut term, a.rows, a.cols);
+                let (rd, wr) = tokio::io::split(a.stream);
+                let mut s = Sink {
+                    wr,
+                    out: std::collections::VecDeque::new(),
+                    pos: 0,
+                    held: 0,
+                    stale: false,
+                };
+                s.push(Frame::Attached(Attached {
+                    name: name.clone(),
+                    new: a.new,
+                }));
+                if !a.new {
+                    s.push(Frame::Output(redraw(&mut term)));
+                }
+                client = Some(Client {
+                    rd,
+                    frames: Decoder::default(),
+                });
+                sink = Some(s);
+            }
+            Turn::Pty(Ok(0)) | Turn::Pty(Err(_)) => {
+                // EIO (or end): every holder of the pty's other end is gone
+                // (the shell exited).
+                pty_open = false;
+            }
+            Turn::Pty(Ok(n)) => {
+                term.process(&buf[..n]);
+                if let Some(c) = sink.as_mut().filter(|c| !c.stale) {
+                    c.push(Frame::Output(buf[..n].to_vec()));
+                    if c.held > OUT_LIMIT {
+                        tracing::info!(
+                            "shell {name}: the client is too far behind; it gets the screen instead"
+                        );
+                        c.drop_unsent();
+                        c.stale = true;
+                    }
+                }
+            }
+            Turn::Wrote(Ok(n)) => {
+                if let Some(c) = sink.as_mut() {
+                    c.taken(n);
+                    if c.held == 0 && std::mem::take(&mut c.stale) {
+                        let screen = term.screen().contents_formatted();
+                        c.push(Frame::Output(screen.into_bytes()));
+                    }
+                }
+            }
+            Turn::Wrote(Err(_)) | Turn::Read(Err(_)) | Turn::Read(Ok(0)) => {
+                tracing::info!("shell {name}: client detached");
+                client = None;
+                sink = None;
+            }
+            Turn::Read(Ok(n)) => {
+                let c = client.as_mut().expect("a read needs a client");
+                c.frames.push(&inbuf[..n]);
+                loop {
+                    match c.frames.next() {
+                        Ok(Some(Frame::Input(bytes))) => {
+                            if let Err(e) = pty.tx.write_all(&bytes).await {
+                                tracing::debug!("shell {name}: writing the pty: {e}");
+                            }
+                        }
+                        Ok(Some(Frame::Resize { rows, cols })) => {
+                            resize(&pty.ctl, &mut term, rows, cols);
+                        }
+                        Ok(Some(other)) => {
+                            tracing::warn!(
+                                "shell {name}: unexpected frame from the client: {other:?}"
+                            );
+                        }
+                        Ok(None) => break,
+                        Err(e) => {
+                            tracing::warn!("shell {name}: {e}; dropping the client");
+                            client = None;
+                            sink = None;
+                            break;
+                        }
+                    }
+                }
+            }
+            Turn::Exited(s) => break s,
+        }
+    };
+    let code = match &status {
+        Ok(s) => s.code().unwrap_or(-1),
+        Err(_) => -1,
+    };
+    tracing::info!("shell {name} exited ({code})");
+    if let Some(mut c) = sink {
+        c.push(Frame::Exit(code));
+        let flush = async {
+            while c.held > 0 {
+                let n = write_out(Some(&mut c)).await?;
+                c.taken(n);
+            }
+            c.wr.shutdown().await
+        };
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(5), flush).await;
+    }
+}
+
+fn nz(v: u16) -> std::num::NonZeroU16 {
+    std::num::NonZeroU16::new(v.max(1)).expect("at least 1")
+}
+
+/// Sets the pty's and the emulator's window size.
+fn resize(master: &OwnedFd, term: &mut vt100::Parser, rows: u16, cols: u16) {
+    let ws = rustix::termios::Winsize {
+        ws_row: rows.max(1),
+        ws_col: cols.max(1),
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    if let Err(e) = rustix::termios::tcsetwinsize(master, ws) {
+        tracing::debug!("resizing the pty: {e}");
+    }
+    term.set_size(nz(rows), nz(cols));
+}
+
+/// What a client that attaches to a running shell is sent first: the
+/// scrollback, pushed into its terminal's own scrollback, then the screen.
+fn redraw(term: &mut vt100::Parser) -> Vec<u8> {
+    let (rows, cols) = term.screen().size();
+    let (rows, cols) = (rows.get(), cols.get());
+    let screen = term.screen_mut();
+    let mut out = b"\x1b[m\x1b[H\x1b[2J".to_vec();
+    screen.set_scrollback(usize::MAX);
+    let total = screen.scrollback();
+    let mut left = total;
+    while left > 0 {
+        screen.set_scrollback(left);
+        let take = left.min(usize::from(rows));
+        for line in screen.rows(0, cols).take(take) {
+            out.extend_from_slice(line.trim_end().as_bytes());
+            out.extend_from_slice(b"\r\n");
+        }
+        left -= take;
+    }
+    screen.set_scrollback(0);
+    if total > 0 {
+        // Scroll the history off the visible screen before drawing it.
+        out.extend(std::iter::repeat_n(b'\n', usize::from(rows)));
+    }
+    out.extend_from_slice(term.screen().contents_formatted().as_bytes());
+    out
+}
+
+async fn write_out(client: Option<&mut Sink>) -> std::io::Result<usize> {
+    match client {
+        Some(c) => match c.out.front() {
+            Some(f) => c.wr.write(&f[c.pos..]).await,
+            None => std::future::pending().await,
+        },
+        None => std::future::pending().await,
+    }
+}
+
+async fn read_client(client: Option<&mut Client>, buf: &mut [u8]) -> std::io::Result<usize> {
+    match client {
+        Some(c) => c.rd.read(buf).await,
+        None => std::future::pending().await,
+    }
+}

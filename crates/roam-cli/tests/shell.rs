@@ -1,0 +1,271 @@
+//! `roam shell` end to end, with the client on a real terminal (tmux, on a
+//! private server socket this test starts and kills): a command's output;
+//! the client killed with -9 while the shell prints, then a new client
+//! process re-attaching by name and getting every line printed meanwhile;
+//! a window resize; a shell printing megabytes while its client is away
+//! (it must not block); the shell's exit status; a key that is not
+//! authorized.
+//! Skips, saying why, without tmux.
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_roam");
+
+/// Kills the child when dropped.
+struct Guard(Child);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A tmux server of this test's own; killed when dropped.
+struct Tmux {
+    socket: String,
+}
+
+impl Tmux {
+    fn start() -> Option<Self> {
+        let socket = format!("roam-shell-test-{}", std::process::id());
+        let ok = Command::new("tmux")
+            .args(["-L", &socket, "-f", "/dev/null", "start-server"])
+            .status()
+            .is_ok_and(|s| s.success());
+        ok.then_some(Self { socket })
+    }
+
+    fn cmd(&self, args: &[&str]) -> std::process::Output {
+        Command::new("tmux")
+            .arg("-L")
+            .arg(&self.socket)
+            .args(args)
+            .output()
+            .expect("running tmux")
+    }
+
+    /// A window running `command` on a 100 × 30 terminal.
+    fn window(&self, name: &str, command: &str) {
+        let out = self.cmd(&[
+            "new-session",
+            "-d",
+            "-s",
+            name,
+            "-x",
+            "100",
+            "-y",
+            "30",
+            command,
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// Everything on the window's screen and in its history.
+    fn text(&self, name: &str) -> String {
+        let out = self.cmd(&["capture-pane", "-p", "-J", "-S", "-5000", "-t", name]);
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn keys(&self, name: &str, text: &str) {
+        let out = self.cmd(&["send-keys", "-t", name, "-l", text]);
+        assert!(out.status.success());
+        let out = self.cmd(&["send-keys", "-t", name, "Enter"]);
+        assert!(out.status.success());
+    }
+
+    fn wait_for(&self, name: &str, needle: &str) -> String {
+        let end = Instant::now() + Duration::from_secs(20);
+        loop {
+            let text = self.text(name);
+            if text.contains(needle) {
+                return text;
+            }
+            assert!(
+                Instant::now() < end,
+                "{needle:?} never appeared in window {name}:\n{text}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn pane_pid(&self, name: &str) -> i32 {
+        let out = self.cmd(&["list-panes", "-t", name, "-F", "#{pane_pid}"]);
+        String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        let _ = self.cmd(&["kill-server"]);
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A client state directory with a fresh key; returns its public key.
+fn client_state(dir: &Path) -> String {
+    let out = Command::new(BIN)
+        .env("ROAM_STATE_DIR", dir)
+        .arg("keygen")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+fn wait_for_port(port: u16) {
+    let end = Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < end, "the relay never listened");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_shell_survives_its_client_being_killed_and_shows_what_it_missed() {
+    let Some(tmux) = Tmux::start() else {
+        eprintln!("SKIP: tmux is not installed (apt-get install tmux)");
+        return;
+    };
+    let user = nix::unistd::User::from_uid(nix::unistd::geteuid())
+        .unwrap()
+        .unwrap()
+        .name;
+    let dir = tempfile::tempdir().unwrap();
+    let (relay_state, alice, mallory, keys) = (
+        dir.path().join("relay"),
+        dir.path().join("alice"),
+        dir.path().join("mallory"),
+        dir.path().join("keys"),
+    );
+    for d in [&relay_state, &alice, &mallory, &keys] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    let alice_key = client_state(&alice);
+    client_state(&mallory);
+    let key_file = keys.join(format!("{user}.keys"));
+    std::fs::write(&key_file, format!("{alice_key}\n")).unwrap();
+    let port = free_port();
+    let _relay = Guard(
+        Command::new(BIN)
+            .env("ROAM_STATE_DIR", &relay_state)
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--shell"])
+            .arg("--shell-keys")
+            .arg(keys.join("%u.keys"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for_port(port);
+    let shell = |state: &Path, tail: &str| {
+        format!(
+            "ROAM_STATE_DIR={} {BIN} shell {user}@127.0.0.1:{port} --name work{tail}",
+            state.display()
+        )
+    };
+
+    // A new shell; a command's output.
+    tmux.window("first", &format!("exec env {}", shell(&alice, "")));
+    tmux.wait_for("first", "new shell \"work\"");
+    tmux.keys("first", "echo hello-$((6*7))");
+    tmux.wait_for("first", "hello-42");
+
+    // The shell prints 300 lines starting a second from now; the client is
+    // killed before, so every one of them is printed while nobody watches.
+    tmux.keys(
+        "first",
+        "(sleep 1; seq 1 300 | sed s/^/line-/; echo all-done) &",
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(tmux.pane_pid("first")),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+
+    // A new client process re-attaches by name: every line is there,
+    // once and in order, then the screen goes on live.
+    tmux.window(
+        "second",
+        &format!("sh -c '{}; echo EXIT=$?; sleep 30'", shell(&alice, "")),
+    );
+    let text = tmux.wait_for("second", "all-done");
+    assert!(text.contains("re-attached to shell \"work\""), "{text}");
+    let lines: Vec<u32> = text
+        .lines()
+        .filter_map(|l| l.rsplit("line-").next().filter(|_| l.contains("line-")))
+        .filter_map(|n| n.trim().parse().ok())
+        .collect();
+    assert_eq!(lines, (1..=300).collect::<Vec<u32>>(), "{text}");
+
+    // The window size follows the client's terminal.
+    tmux.keys("second", "stty size");
+    tmux.wait_for("second", "30 100");
+    let out = tmux.cmd(&["resize-window", "-t", "second", "-x", "90", "-y", "25"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    tmux.keys("second", "stty size");
+    tmux.wait_for("second", "25 90");
+
+    // A shell that prints far more than anyone holds for a client that is
+    // away (killed: its session waits, suspended, on the relay) never
+    // blocks: it finishes while nobody is attached.
+    let done = dir.path().join("big-done");
+    tmux.keys(
+        "second",
+        &format!("(sleep 1; seq 1 1500000; touch {}) &", done.display()),
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    let pattern = format!("shell {user}@127.0.0.1:{port}");
+    let killed = Command::new("pkill")
+        .args(["-KILL", "-f", &pattern])
+        .status()
+        .unwrap();
+    assert!(killed.success(), "no client to kill");
+    let end = Instant::now() + Duration::from_secs(60);
+    while !done.exists() {
+        assert!(
+            Instant::now() < end,
+            "the shell blocked on a client that is away"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    // The next client gets the current screen; the shell's exit status is
+    // the client's.
+    tmux.window(
+        "third",
+        &format!("sh -c '{}; echo EXIT=$?; sleep 30'", shell(&alice, "")),
+    );
+    tmux.wait_for("third", "1500000");
+    tmux.keys("third", "exit 7");
+    tmux.wait_for("third", "EXIT=7");
+
+    // A key that is not in the account's file gets no shell.
+    tmux.window(
+        "mallory",
+        &format!("sh -c '{}; echo EXIT=$?; sleep 30'", shell(&mallory, "")),
+    );
+    let text = tmux.wait_for("mallory", "EXIT=1");
+    assert!(text.contains("refused the shell"), "{text}");
+    assert!(text.contains("is not in"), "{text}");
+}
