@@ -143,6 +143,10 @@ pub(crate) struct Plan {
     pub(crate) takeover_sessions: Vec<usize>,
     /// Takeovers per session count in scenario 8.
     pub(crate) takeover_rounds: usize,
+    /// Keystrokes per client in scenario 9 (shells).
+    pub(crate) shell_keystrokes: usize,
+    /// Re-attaches per client in scenario 9.
+    pub(crate) shell_rounds: usize,
 }
 
 /// The state sizes of scenario 7 (bytes of attributes).
@@ -179,6 +183,8 @@ impl Plan {
             cluster_tput_rounds: 1,
             takeover_sessions: vec![10, 1000],
             takeover_rounds: 3,
+            shell_keystrokes: 200,
+            shell_rounds: 2,
         }
     }
 
@@ -209,6 +215,8 @@ impl Plan {
             cluster_tput_rounds: 3,
             takeover_sessions: vec![10, 1000, 10_000],
             takeover_rounds: 5,
+            shell_keystrokes: 1000,
+            shell_rounds: 5,
         }
     }
 
@@ -239,6 +247,8 @@ impl Plan {
             cluster_tput_rounds: 1,
             takeover_sessions: vec![10],
             takeover_rounds: 2,
+            shell_keystrokes: 20,
+            shell_rounds: 1,
         }
     }
 
@@ -308,6 +318,7 @@ pub(crate) struct Scenarios {
     pub(crate) many: Outcome<scenarios::many::Many>,
     pub(crate) cluster: Outcome<scenarios::cluster::Cluster>,
     pub(crate) takeover: Outcome<scenarios::takeover::Takeover>,
+    pub(crate) shell: Outcome<scenarios::shell::ShellBench>,
 }
 
 impl Scenarios {
@@ -323,6 +334,7 @@ impl Scenarios {
             ("many", s.many.is_error()),
             ("cluster", s.cluster.is_error()),
             ("takeover", s.takeover.is_error()),
+            ("shell", s.shell.is_error()),
         ] {
             if err {
                 v.push(name);
@@ -420,6 +432,7 @@ fn main() {
         "many",
         "cluster",
         "takeover",
+        "shell",
     ];
     if let Some(bad) = cli.only.iter().find(|o| !known.contains(&o.as_str())) {
         eprintln!(
@@ -565,6 +578,10 @@ async fn run(cli: Cli, plan: Plan, nofile: u64) -> i32 {
         .await,
         takeover: scenario("takeover", &c.env, only, &lab, budget, |l| {
             scenarios::takeover::run(c.clone(), l)
+        })
+        .await,
+        shell: scenario("shell", &c.env, only, &lab, budget, |l| {
+            scenarios::shell::run(c.clone(), l)
         })
         .await,
     };

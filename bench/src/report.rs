@@ -600,7 +600,47 @@ fn markdown(r: &Results, plots: &[io::Result<PathBuf>]) -> String {
     }
     cluster_section(&mut s, &sc.cluster);
     takeover_section(&mut s, &sc.takeover);
+    shell_section(&mut s, &sc.shell);
     s
+}
+
+/// Section 9: interactive shells (`roam shell` against ssh and mosh).
+fn shell_section(s: &mut String, o: &Outcome<crate::scenarios::shell::ShellBench>) {
+    let _ = writeln!(s, "\n## 9. Interactive shells (`roam shell`, ssh, mosh)\n");
+    if let Some(x) = status_line(o) {
+        *s += &x;
+    }
+    let Some(t) = o.ok() else {
+        return;
+    };
+    let _ = writeln!(
+        s,
+        "Each client on a pseudo-terminal this benchmark reads, on loopback. Echo: one keystroke \
+         until the terminal shows it ({} keystrokes). Re-attach ({} rounds): the shell prints {} \
+         lines starting 1 s after its client was killed with -9; a new client process is \
+         started, and timed until the last line is on its terminal; kept: how many of the lines \
+         printed while nobody watched reached the new terminal (worst round).\n",
+        t.keystrokes, t.reattach_rounds, t.lines
+    );
+    let _ = writeln!(
+        s,
+        "| client | echo p50 (µs) | echo p99 (µs) | re-attach p50 (ms) | re-attach max (ms) | lines kept | note |\n|---|---:|---:|---:|---:|---:|---|"
+    );
+    let dash = || "–".to_string();
+    for r in &t.rows {
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} | {} | {} | {} |",
+            r.peer,
+            r.echo_us.as_ref().map_or_else(dash, |e| f(e.median, 0)),
+            r.echo_us.as_ref().map_or_else(dash, |e| f(e.p99, 0)),
+            r.reattach_ms.as_ref().map_or_else(dash, |e| f(e.median, 1)),
+            r.reattach_ms.as_ref().map_or_else(dash, |e| f(e.max, 1)),
+            r.lines_kept
+                .map_or_else(dash, |k| format!("{k} of {}", t.lines)),
+            r.note.as_deref().unwrap_or("")
+        );
+    }
 }
 
 /// Section 8: relay upgrades (`roam serve --takeover`).

@@ -1,4 +1,4 @@
-//! The seven scenarios. Each returns its typed result or an error; `main`
+//! The scenarios. Each returns its typed result or an error; `main`
 //! turns that into the scenario's status in the report.
 
 use serde::Serialize;
@@ -9,6 +9,7 @@ pub(crate) mod many;
 pub(crate) mod memory;
 pub(crate) mod resume;
 pub(crate) mod setup;
+pub(crate) mod shell;
 pub(crate) mod takeover;
 pub(crate) mod throughput;
 
