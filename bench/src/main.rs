@@ -147,6 +147,8 @@ pub(crate) struct Plan {
     pub(crate) shell_keystrokes: usize,
     /// Re-attaches per client in scenario 9.
     pub(crate) shell_rounds: usize,
+    /// Detached shells parked at once in scenario 9.
+    pub(crate) shell_parked: usize,
 }
 
 /// The state sizes of scenario 7 (bytes of attributes).
@@ -185,6 +187,7 @@ impl Plan {
             takeover_rounds: 3,
             shell_keystrokes: 200,
             shell_rounds: 2,
+            shell_parked: 100,
         }
     }
 
@@ -217,6 +220,7 @@ impl Plan {
             takeover_rounds: 5,
             shell_keystrokes: 1000,
             shell_rounds: 5,
+            shell_parked: 1000,
         }
     }
 
@@ -249,6 +253,7 @@ impl Plan {
             takeover_rounds: 2,
             shell_keystrokes: 20,
             shell_rounds: 1,
+            shell_parked: 10,
         }
     }
 

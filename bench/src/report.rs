@@ -641,6 +641,22 @@ fn shell_section(s: &mut String, o: &Outcome<crate::scenarios::shell::ShellBench
             r.note.as_deref().unwrap_or("")
         );
     }
+    if let Some(p) = &t.parked {
+        let _ = writeln!(
+            s,
+            "\nParked shells: {} `roam shell` clients each started a shell and detached (`~.`); \
+             the relay then holds each shell with no client, session or socket. Per parked \
+             shell, in the relay: {:.1} KiB of RSS and {:.1} descriptors; threads added in all: \
+             {}; sockets added: {}. One task per shell. The shell process itself: {:.0} KiB RSS \
+             (median).",
+            p.shells,
+            p.rss_kib_per_shell,
+            p.fds_per_shell,
+            p.threads_added,
+            p.sockets_added,
+            p.shell_rss_kib
+        );
+    }
 }
 
 /// Section 8: relay upgrades (`roam serve --takeover`).

@@ -51,6 +51,25 @@ pub(crate) struct Row {
     pub(crate) note: Option<String>,
 }
 
+/// What detached (parked) shells cost the relay: `roam shell` clients
+/// each start a shell and detach (`~.`), leaving it running with no client
+/// and no session. Per parked shell, from the relay's `/proc` before and
+/// after.
+#[derive(Debug, Serialize)]
+pub(crate) struct Parked {
+    pub(crate) shells: usize,
+    /// Relay RSS per parked shell (KiB).
+    pub(crate) rss_kib_per_shell: f64,
+    /// Relay descriptors per parked shell.
+    pub(crate) fds_per_shell: f64,
+    /// Relay threads added in all (tasks are not threads: one task per shell).
+    pub(crate) threads_added: i64,
+    /// Sockets the relay holds after they all detached, minus before.
+    pub(crate) sockets_added: i64,
+    /// RSS of one shell process (KiB, the median), for scale.
+    pub(crate) shell_rss_kib: f64,
+}
+
 /// The scenario's result.
 #[derive(Debug, Serialize)]
 pub(crate) struct ShellBench {
@@ -58,6 +77,29 @@ pub(crate) struct ShellBench {
     pub(crate) lines: usize,
     pub(crate) reattach_rounds: usize,
     pub(crate) rows: Vec<Row>,
+    pub(crate) parked: Option<Parked>,
+}
+
+/// `(rss KiB, descriptors, sockets, threads)` of a process.
+fn proc_usage(pid: u32) -> io::Result<(f64, i64, i64, i64)> {
+    let rss = crate::procs::rss_bytes(pid)? as f64 / 1024.0;
+    let mut fds = 0;
+    let mut sockets = 0;
+    for e in std::fs::read_dir(format!("/proc/{pid}/fd"))? {
+        fds += 1;
+        if let Ok(t) = std::fs::read_link(e?.path()) {
+            if t.to_string_lossy().starts_with("socket:") {
+                sockets += 1;
+            }
+        }
+    }
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let threads = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Threads:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    Ok((rss, fds, sockets, threads))
 }
 
 /// A client on a pseudo-terminal; everything it writes is collected.
@@ -209,7 +251,13 @@ fn print_later(lines: usize) -> String {
 }
 
 /// `roam shell`: its own relay with `--shell`, a fresh client key.
-async fn roam_row(ctx: Arc<Ctx>, n: usize, lines: usize, rounds: usize) -> io::Result<Row> {
+async fn roam_row(
+    ctx: Arc<Ctx>,
+    n: usize,
+    lines: usize,
+    rounds: usize,
+    parked: usize,
+) -> io::Result<(Row, Option<Parked>)> {
     let dir = ctx.env.dir.join("shell-scenario");
     let (relay_state, client_state, keys) =
         (dir.join("relay"), dir.join("client"), dir.join("keys"));
@@ -240,6 +288,7 @@ async fn roam_row(ctx: Arc<Ctx>, n: usize, lines: usize, rounds: usize) -> io::R
         c.args(["shell", &format!("{user}@{}", lo(port)), "--name", name]);
         c
     };
+    let relay_pid = relay.pid();
     tokio::task::spawn_blocking(move || {
         let mut t = Term::spawn(&mut client("echo"))?;
         t.ready()?;
@@ -260,13 +309,62 @@ async fn roam_row(ctx: Arc<Ctx>, n: usize, lines: usize, rounds: usize) -> io::R
             reattach.push(t.elapsed().as_secs_f64() * 1e3);
             kept = kept.min(second.lines_kept(lines));
         }
-        Ok(Row {
+        let row = Row {
             peer: "roam shell".into(),
             echo_us: Some(summary(&echo)),
             reattach_ms: Some(summary(&reattach)),
             lines_kept: Some(kept),
             note: None,
-        })
+        };
+        if parked == 0 {
+            return Ok((row, None));
+        }
+        // Let the shells and sessions above settle, then park `parked` more.
+        std::thread::sleep(Duration::from_millis(500));
+        let before = proc_usage(relay_pid)?;
+        let mut shell_rss = Vec::new();
+        for i in 0..parked {
+            let mut t = Term::spawn(&mut client(&format!("parked-{i}")))?;
+            t.ready()?;
+            if i % 50 == 0 {
+                // The shell's own size: a child of the relay's `setsid`.
+                t.run("echo RSS=$(ps -o rss= -p $$)=$((1+1))-END", "=2-END")?;
+                let text = t.text();
+                if let Some(v) = text
+                    .rsplit("RSS=")
+                    .next()
+                    .and_then(|r| r.split('=').next())
+                    .and_then(|v| v.trim().parse::<f64>().ok())
+                {
+                    shell_rss.push(v);
+                }
+            }
+            t.send(b"\r~.")?;
+            let end = Instant::now() + WAIT;
+            while t.child.try_wait()?.is_none() {
+                if Instant::now() > end {
+                    return Err(io::Error::other("a shell client did not detach on ~."));
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            if (i + 1) % 100 == 0 {
+                progress(&format!("shell: {} shells parked", i + 1));
+            }
+        }
+        std::thread::sleep(Duration::from_millis(1000));
+        let after = proc_usage(relay_pid)?;
+        let k = parked as f64;
+        Ok((
+            row,
+            Some(Parked {
+                shells: parked,
+                rss_kib_per_shell: (after.0 - before.0) / k,
+                fds_per_shell: (after.1 - before.1) as f64 / k,
+                threads_added: after.3 - before.3,
+                sockets_added: after.2 - before.2,
+                shell_rss_kib: summary(&shell_rss).median,
+            }),
+        ))
     })
     .await
     .map_err(io::Error::other)?
@@ -375,7 +473,7 @@ pub(crate) async fn run(ctx: Arc<Ctx>, lab: Arc<Lab>) -> io::Result<ShellBench> 
     progress(&format!(
         "shell: roam shell, {n} keystrokes, {rounds} re-attaches"
     ));
-    let roam = roam_row(ctx.clone(), n, lines, rounds).await?;
+    let (roam, parked) = roam_row(ctx.clone(), n, lines, rounds, ctx.plan.shell_parked).await?;
     progress("shell: ssh");
     let l = lab.clone();
     let ssh = tokio::task::spawn_blocking(move || ssh_row(&l, n, lines, rounds))
@@ -398,5 +496,6 @@ pub(crate) async fn run(ctx: Arc<Ctx>, lab: Arc<Lab>) -> io::Result<ShellBench> 
         lines,
         reattach_rounds: rounds,
         rows: vec![roam, ssh, mosh],
+        parked,
     })
 }

@@ -19,7 +19,7 @@
 //! output. When the shell exits, the attached client gets its status.
 
 use std::collections::HashMap;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::AsFd;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
@@ -288,39 +288,33 @@ fn spawn_shell(
         nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
     )
     .map_err(|e| format!("pty: {e}"))?;
-    let dup = |what| {
-        pty.master
-            .try_clone()
-            .map_err(|e| format!("pty ({what}): {e}"))
-    };
+    let writing = pty
+        .master
+        .try_clone()
+        .map_err(|e| format!("pty (writing): {e}"))?;
     // A pty master polls like a pipe: tokio's pipe ends drive it without
-    // `unsafe` here (AsyncFd needs an unsafe registration).
-    let rx = tokio::net::unix::pipe::Receiver::from_owned_fd_unchecked(dup("reading")?)
+    // `unsafe` here (AsyncFd needs an unsafe registration). Two
+    // descriptors, as one cannot be registered twice with the reactor.
+    let rx = tokio::net::unix::pipe::Receiver::from_owned_fd_unchecked(pty.master)
         .map_err(|e| format!("pty: {e}"))?;
-    let tx = tokio::net::unix::pipe::Sender::from_owned_fd_unchecked(dup("writing")?)
+    let tx = tokio::net::unix::pipe::Sender::from_owned_fd_unchecked(writing)
         .map_err(|e| format!("pty: {e}"))?;
-    Ok((
-        Pty {
-            rx,
-            tx,
-            ctl: pty.master,
-        },
-        child,
-    ))
+    Ok((Pty { rx, tx }, child))
 }
 
-/// The relay's end of a shell's pty.
+/// The relay's end of a shell's pty (the reading end also serves the
+/// window-size ioctl).
 struct Pty {
     rx: tokio::net::unix::pipe::Receiver,
     tx: tokio::net::unix::pipe::Sender,
-    /// For the window-size ioctl.
-    ctl: OwnedFd,
 }
 
 /// The attached client's reading side.
 struct Client {
     rd: ReadHalf<RoamStream>,
     frames: Decoder,
+    /// Where reads land (gone with the client).
+    buf: Vec<u8>,
 }
 
 /// The attached client's writing side.
@@ -367,10 +361,91 @@ impl Sink {
     }
 }
 
+/// Output a parked shell's packed terminal collects before it is brought
+/// up to date (unpacked, fed, packed again).
+const RAW_LIMIT: usize = 64 * 1024;
+
+thread_local! {
+    /// Where pty reads land (copied on only while a client is attached):
+    /// a parked shell holds no read buffer of its own.
+    static SCRATCH: std::cell::RefCell<Vec<u8>> = std::cell::RefCell::new(vec![0u8; 16 * 1024]);
+}
+
+/// A shell's terminal state: a live emulator while a client is attached;
+/// packed while parked (the bytes that rebuild it, and the output since),
+/// so a parked shell costs the relay a few KB instead of the emulator's
+/// cell grids.
+enum Terminal {
+    Live(Box<vt100::Parser>),
+    Packed {
+        /// [`redraw`] of the emulator when it was packed: fed to a fresh
+        /// emulator of the same size, it rebuilds scrollback and screen.
+        image: Vec<u8>,
+        rows: u16,
+        cols: u16,
+        /// Output since.
+        raw: Vec<u8>,
+    },
+}
+
+impl Terminal {
+    fn new(rows: u16, cols: u16) -> Self {
+        Terminal::Live(Box::new(vt100::Parser::new(nz(rows), nz(cols), SCROLLBACK)))
+    }
+
+    /// The live emulator, rebuilt first if packed.
+    fn live(&mut self) -> &mut vt100::Parser {
+        if let Terminal::Packed {
+            image,
+            rows,
+            cols,
+            raw,
+        } = self
+        {
+            let mut t = vt100::Parser::new(nz(*rows), nz(*cols), SCROLLBACK);
+            t.process(image);
+            t.process(raw);
+            *self = Terminal::Live(Box::new(t));
+        }
+        match self {
+            Terminal::Live(t) => t,
+            Terminal::Packed { .. } => unreachable!("unpacked above"),
+        }
+    }
+
+    /// Packs the emulator (nothing if packed already).
+    fn pack(&mut self) {
+        if let Terminal::Live(t) = self {
+            let (rows, cols) = t.screen().size();
+            let image = redraw(t);
+            *self = Terminal::Packed {
+                image,
+                rows: rows.get(),
+                cols: cols.get(),
+                raw: Vec::new(),
+            };
+        }
+    }
+
+    /// Output from the shell.
+    fn process(&mut self, bytes: &[u8]) {
+        match self {
+            Terminal::Live(t) => t.process(bytes),
+            Terminal::Packed { raw, .. } => {
+                raw.extend_from_slice(bytes);
+                if raw.len() > RAW_LIMIT {
+                    self.live();
+                    self.pack();
+                }
+            }
+        }
+    }
+}
+
 /// What one turn of a shell's loop produced.
 enum Turn {
     Attach(Option<Attach>),
-    Pty(std::io::Result<usize>),
+    Pty(std::io::Result<()>),
     Wrote(std::io::Result<usize>),
     Read(std::io::Result<usize>),
     Exited(std::io::Result<std::process::ExitStatus>),
@@ -383,19 +458,17 @@ async fn run_shell(
     mut attach: mpsc::Receiver<Attach>,
     name: String,
 ) {
-    let mut term = vt100::Parser::new(nz(24), nz(80), SCROLLBACK);
+    let mut term = Terminal::new(24, 80);
     let mut client: Option<Client> = None;
     let mut sink: Option<Sink> = None;
-    let mut buf = vec![0u8; 16 * 1024];
-    let mut inbuf = vec![0u8; 16 * 1024];
     let mut pty_open = true;
     let status = loop {
         let held = sink.as_ref().map_or(0, |c| c.held);
         let turn = tokio::select! {
             a = attach.recv() => Turn::Attach(a),
-            r = pty.rx.read(&mut buf), if pty_open => Turn::Pty(r),
+            r = pty.rx.readable(), if pty_open => Turn::Pty(r),
             r = write_out(sink.as_mut()), if held > 0 => Turn::Wrote(r),
-            r = read_client(client.as_mut(), &mut inbuf) => Turn::Read(r),
+            r = read_client(client.as_mut()) => Turn::Read(r),
             s = child.wait(), if !pty_open => Turn::Exited(s),
         };
         match turn {
@@ -405,7 +478,7 @@ async fn run_shell(
                     // Taken over by a newer client process.
                     let _ = old.wr.shutdown().await;
                 }
-                resize(&pty.ctl, &mut term, a.rows, a.cols);
+                resize(&pty.rx, term.live(), a.rows, a.cols);
                 let (rd, wr) = tokio::io::split(a.stream);
                 let mut s = Sink {
                     wr,
@@ -419,23 +492,34 @@ async fn run_shell(
                     new: a.new,
                 }));
                 if !a.new {
-                    s.push(Frame::Output(redraw(&mut term)));
+                    s.push(Frame::Output(redraw(term.live())));
                 }
                 client = Some(Client {
                     rd,
                     frames: Decoder::default(),
+                    buf: vec![0u8; 16 * 1024],
                 });
                 sink = Some(s);
             }
-            Turn::Pty(Ok(0)) | Turn::Pty(Err(_)) => {
-                // EIO (or end): every holder of the pty's other end is gone
-                // (the shell exited).
-                pty_open = false;
-            }
-            Turn::Pty(Ok(n)) => {
-                term.process(&buf[..n]);
-                if let Some(c) = sink.as_mut().filter(|c| !c.stale) {
-                    c.push(Frame::Output(buf[..n].to_vec()));
+            Turn::Pty(Err(_)) => pty_open = false,
+            Turn::Pty(Ok(())) => {
+                let got = SCRATCH.with_borrow_mut(|buf| match pty.rx.try_read(buf) {
+                    Ok(0) => None,
+                    Ok(n) => {
+                        term.process(&buf[..n]);
+                        Some(sink.is_some().then(|| buf[..n].to_vec()))
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Some(None),
+                    // EIO: every holder of the pty's other end is gone
+                    // (the shell exited).
+                    Err(_) => None,
+                });
+                let Some(copy) = got else {
+                    pty_open = false;
+                    continue;
+                };
+                if let (Some(c), Some(bytes)) = (sink.as_mut().filter(|c| !c.stale), copy) {
+                    c.push(Frame::Output(bytes));
                     if c.held > OUT_LIMIT {
                         tracing::info!(
                             "shell {name}: the client is too far behind; it gets the screen instead"
@@ -449,7 +533,7 @@ async fn run_shell(
                 if let Some(c) = sink.as_mut() {
                     c.taken(n);
                     if c.held == 0 && std::mem::take(&mut c.stale) {
-                        let screen = term.screen().contents_formatted();
+                        let screen = term.live().screen().contents_formatted();
                         c.push(Frame::Output(screen.into_bytes()));
                     }
                 }
@@ -458,10 +542,11 @@ async fn run_shell(
                 tracing::info!("shell {name}: client detached");
                 client = None;
                 sink = None;
+                term.pack();
             }
             Turn::Read(Ok(n)) => {
                 let c = client.as_mut().expect("a read needs a client");
-                c.frames.push(&inbuf[..n]);
+                c.frames.push(&c.buf[..n]);
                 loop {
                     match c.frames.next() {
                         Ok(Some(Frame::Input(bytes))) => {
@@ -470,7 +555,7 @@ async fn run_shell(
                             }
                         }
                         Ok(Some(Frame::Resize { rows, cols })) => {
-                            resize(&pty.ctl, &mut term, rows, cols);
+                            resize(&pty.rx, term.live(), rows, cols);
                         }
                         Ok(Some(other)) => {
                             tracing::warn!(
@@ -482,6 +567,7 @@ async fn run_shell(
                             tracing::warn!("shell {name}: {e}; dropping the client");
                             client = None;
                             sink = None;
+                            term.pack();
                             break;
                         }
                     }
@@ -513,7 +599,7 @@ fn nz(v: u16) -> std::num::NonZeroU16 {
 }
 
 /// Sets the pty's and the emulator's window size.
-fn resize(master: &OwnedFd, term: &mut vt100::Parser, rows: u16, cols: u16) {
+fn resize(master: impl AsFd, term: &mut vt100::Parser, rows: u16, cols: u16) {
     let ws = rustix::termios::Winsize {
         ws_row: rows.max(1),
         ws_col: cols.max(1),
@@ -548,7 +634,10 @@ fn redraw(term: &mut vt100::Parser) -> Vec<u8> {
     screen.set_scrollback(0);
     if total > 0 {
         // Scroll the history off the visible screen before drawing it.
-        out.extend(std::iter::repeat_n(b'\n', usize::from(rows)));
+        out.extend(std::iter::repeat_n(
+            b'\n',
+            usize::from(rows).saturating_sub(1),
+        ));
     }
     out.extend_from_slice(term.screen().contents_formatted().as_bytes());
     out
@@ -564,9 +653,70 @@ async fn write_out(client: Option<&mut Sink>) -> std::io::Result<usize> {
     }
 }
 
-async fn read_client(client: Option<&mut Client>, buf: &mut [u8]) -> std::io::Result<usize> {
+async fn read_client(client: Option<&mut Client>) -> std::io::Result<usize> {
     match client {
-        Some(c) => c.rd.read(buf).await,
+        Some(c) => c.rd.read(&mut c.buf).await,
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every line of the scrollback, oldest first, then the screen's text.
+    fn everything(t: &mut vt100::Parser) -> (Vec<String>, String) {
+        let (rows, cols) = t.screen().size();
+        let screen = t.screen_mut();
+        screen.set_scrollback(usize::MAX);
+        let total = screen.scrollback();
+        let mut lines = Vec::new();
+        let mut left = total;
+        while left > 0 {
+            screen.set_scrollback(left);
+            let take = left.min(usize::from(rows.get()));
+            lines.extend(
+                screen
+                    .rows(0, cols.get())
+                    .take(take)
+                    .map(|l| l.trim_end().to_string()),
+            );
+            left -= take;
+        }
+        screen.set_scrollback(0);
+        (lines, t.screen().contents())
+    }
+
+    /// A parked shell's packed terminal, brought back, shows the same
+    /// scrollback and screen as an emulator that was never packed, also
+    /// with output that arrived while it was packed (over the raw limit,
+    /// so it was re-packed on the way).
+    #[test]
+    fn a_packed_terminal_comes_back_as_it_would_have_been() {
+        let mut plain = vt100::Parser::new(nz(24), nz(80), SCROLLBACK);
+        let mut term = Terminal::new(24, 80);
+        let mut feed = |bytes: &[u8], term: &mut Terminal| {
+            plain.process(bytes);
+            term.process(bytes);
+        };
+        let before: String = (1..=200).map(|i| format!("before-{i}\r\n")).collect();
+        feed(before.as_bytes(), &mut term);
+        feed(b"\x1b[1mbold prompt$ \x1b[m", &mut term);
+        term.pack();
+        let Terminal::Packed { image, .. } = &term else {
+            panic!("not packed")
+        };
+        assert!(image.len() < 8 * 1024, "packed to {} bytes", image.len());
+        let during: String = (1..=3000)
+            .map(|i| format!("while-parked-{i}\r\n"))
+            .collect();
+        feed(during.as_bytes(), &mut term);
+        feed(b"last$ ", &mut term);
+        assert!(matches!(term, Terminal::Packed { .. }));
+        let back = everything(term.live());
+        let want = everything(&mut plain);
+        assert_eq!(back.1, want.1, "screen");
+        assert_eq!(back.0.len(), want.0.len(), "scrollback length");
+        assert_eq!(back.0, want.0, "scrollback lines");
     }
 }
