@@ -96,7 +96,9 @@ The running relay stops accepting, hands the new process its listening socket,
 every session (as a continuation, with the bytes in flight) and every target
 connection over --takeover-socket, and exits. Target connections are never
 closed or reset; clients see their connection drop and resume on the new
-process within a few round trips, every byte delivered once. A new process
+process within a few round trips, every byte delivered once. Shells
+(--shell) move too, with their screens; their clients re-attach by
+themselves (a shell's exit status is lost once it moved). A new process
 whose state format differs is refused with an error naming both versions and
 the running relay keeps serving. What still loses sessions: kill -9 or a crash
 of the relay (its sessions' state lives only in its memory; clients are told

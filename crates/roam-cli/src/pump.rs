@@ -350,7 +350,19 @@ mod tests {
         let (mut ab, mut ba) = (HalfState::default(), HalfState::default());
         let mut stops = 0;
         let totals = loop {
-            let stop = tokio::time::sleep(std::time::Duration::from_micros(300));
+            // Stops after a few polls: a count, not a time, so that the
+            // pump is stopped mid-transfer however fast the machine is (a
+            // 1 KiB pipe moves at most 16 KiB per poll).
+            let mut polls = 0;
+            let stop = poll_fn(move |cx| {
+                polls += 1;
+                if polls > 3 {
+                    Poll::Ready(())
+                } else {
+                    cx.waker().wake_by_ref();
+                    Poll::Pending
+                }
+            });
             match pump_until(&mut a, &mut b, ab, ba, stop).await {
                 PumpEnd::Finished(r) => break r.unwrap(),
                 PumpEnd::Stopped(x, y) => {

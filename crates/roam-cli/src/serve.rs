@@ -302,10 +302,12 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
             ));
         }
         eprintln!(
-            "roam serve: took over {n} sessions and the listener {} from the running relay",
+            "roam serve: took over {n} sessions, {} shells and the listener {} from the running relay",
+            h.shells.len(),
             h.listen
         );
         relay.park(h.sessions);
+        relay.adopt_shells(h.shells);
     }
     let takeover_listener = bind_takeover_socket(&takeover_path, args.takeover);
     let serving = {
@@ -347,6 +349,8 @@ struct Received {
     metrics: Option<OwnedFd>,
     sessions: Vec<HandedSession>,
     sock: std::os::unix::net::UnixStream,
+    /// The shells (`--shell`), with their ptys.
+    shells: Vec<crate::shell::host::HandedShell>,
 }
 
 /// `--takeover`: asks the relay on `path` for everything it holds.
@@ -378,6 +382,7 @@ async fn receive_takeover(path: &std::path::Path, format: u32) -> Result<Receive
             listener: h.listener,
             metrics: h.metrics,
             sessions: h.sessions,
+            shells: h.shells,
             sock,
         })
     })
@@ -447,22 +452,12 @@ async fn offer_takeover(
                 continue;
             }
         };
-        let busy = relay
-            .shells
-            .get()
-            .map(|h| h.count())
-            .filter(|&n| n > 0)
-            .map(|n| {
-                format!(
-                    "{n} shell(s) run in this relay and a takeover cannot carry them yet; the old relay keeps serving (let the shells exit first)"
-                )
-            });
         let hello = tokio::task::spawn_blocking(move || {
             let mut sock = sock;
             let _ = sock.set_nonblocking(false);
             let _ = sock.set_read_timeout(Some(TAKEOVER_IO_TIMEOUT));
             let _ = sock.set_write_timeout(Some(TAKEOVER_IO_TIMEOUT));
-            let r = crate::takeover::answer(&mut sock, crate::takeover::STATE_FORMAT, busy);
+            let r = crate::takeover::answer(&mut sock, crate::takeover::STATE_FORMAT);
             (sock, r)
         })
         .await;
@@ -493,6 +488,13 @@ async fn offer_takeover(
         );
         gate.send_replace(true);
         crate::sdnotify::notify("RELOADING=1\nSTATUS=handing over to a new relay");
+        // Shells first: their clients are told to re-attach (to the next
+        // relay) while their sessions are still here to carry it.
+        relay.streams_paused.send_replace(true);
+        let shells = match relay.shells.get() {
+            Some(host) => host.take_all().await,
+            None => Vec::new(),
+        };
         let sessions = relay.take_all(&stats).await;
         let taken_out = started.elapsed();
         let (listener_dup, metrics_dup) = (
@@ -501,6 +503,8 @@ async fn offer_takeover(
         );
         let (Ok(listener_dup), Ok(metrics_dup)) = (listener_dup, metrics_dup) else {
             tracing::error!("takeover failed: cannot duplicate the listening sockets; serving on");
+            // Shells first, so that a client's re-attach finds its shell.
+            relay.adopt_shells(shells);
             relay.resume_after_failed_handover(sessions);
             gate.send_replace(false);
             continue;
@@ -510,6 +514,7 @@ async fn offer_takeover(
             listener: listener_dup,
             metrics: metrics_dup,
             sessions,
+            shells,
         };
         let sent = tokio::task::spawn_blocking(move || {
             let r = crate::takeover::send_handover(&mut sock, &h);
@@ -519,7 +524,8 @@ async fn offer_takeover(
         match sent {
             Ok((h, Ok(n))) => {
                 eprintln!(
-                    "roam serve: handed {n} sessions to the new relay in {} ms ({} ms taking them out, {} ms sending); exiting",
+                    "roam serve: handed {n} sessions and {} shells to the new relay in {} ms ({} ms taking them out, {} ms sending); exiting",
+                    h.shells.len(),
                     started.elapsed().as_millis(),
                     taken_out.as_millis(),
                     (started.elapsed() - taken_out).as_millis()
@@ -537,6 +543,7 @@ async fn offer_takeover(
                     "MAINPID={}\nREADY=1\nSTATUS=takeover failed; serving on",
                     std::process::id()
                 ));
+                relay.adopt_shells(h.shells);
                 relay.resume_after_failed_handover(h.sessions);
                 gate.send_replace(false);
             }
@@ -608,6 +615,10 @@ pub(crate) struct Relay {
     /// `true` while the relay hands over: session tasks stop accepting
     /// streams, pumps stop, and each session is taken out into `handed`.
     handing: watch::Sender<bool>,
+    /// `true` while shells are taken out, just before `handing`: sessions
+    /// accept no new stream, so a client's re-attach (it was told to)
+    /// waits in its session and moves with it to the next relay.
+    streams_paused: watch::Sender<bool>,
     /// Session tasks running (each hands its session over or ends).
     live: AtomicUsize,
     /// Sessions taken out by the current handover.
@@ -637,6 +648,7 @@ impl Relay {
             registry,
             proto,
             handing: watch::channel(false).0,
+            streams_paused: watch::channel(false).0,
             live: AtomicUsize::new(0),
             handed: Mutex::new(Vec::new()),
             parked: Mutex::new(HashMap::new()),
@@ -652,6 +664,30 @@ impl Relay {
     }
 
     /// Parks sessions until their clients resume (`lookup`).
+    /// Serves shells handed over (or given back by a failed takeover); a
+    /// relay started without `--shell` serves them anyway (they would die
+    /// otherwise) with the default key files.
+    pub(crate) fn adopt_shells(&self, shells: Vec<crate::shell::host::HandedShell>) {
+        if shells.is_empty() {
+            return;
+        }
+        let host = self
+            .shells
+            .get_or_init(|| {
+                tracing::warn!(
+                    "shells were handed over to a relay without --shell: serving them anyway"
+                );
+                crate::shell::host::ShellHost::new(None)
+            })
+            .clone();
+        for sh in shells {
+            let name = sh.name.clone();
+            if let Err(e) = host.adopt(sh) {
+                tracing::error!("shell {name} could not be adopted: {e}");
+            }
+        }
+    }
+
     pub(crate) fn park(&self, sessions: Vec<HandedSession>) {
         let now = Instant::now();
         let mut p = self.parked();
@@ -746,6 +782,7 @@ impl Relay {
     /// After a failed handover: the sessions wait here for their clients
     /// again and the relay goes on.
     pub(crate) fn resume_after_failed_handover(&self, sessions: Vec<HandedSession>) {
+        self.streams_paused.send_replace(false);
         self.park(sessions);
         self.handing.send_replace(false);
     }
@@ -843,6 +880,7 @@ async fn run_session(
     _live: LiveGuard,
 ) {
     let mut handing = relay.handing.subscribe();
+    let mut paused = relay.streams_paused.subscribe();
     let mut relays: JoinSet<Option<(HandedStream, RoamStream)>> = JoinSet::new();
     for st in resumed {
         match session.stream(roam::StreamId(st.id)) {
@@ -862,7 +900,8 @@ async fn run_session(
     let mut handles = Vec::new();
     loop {
         tokio::select! {
-            r = session.accept_stream(), if !*handing.borrow() => match r {
+            _ = paused.changed() => {}
+            r = session.accept_stream(), if !*handing.borrow() && !*paused.borrow() => match r {
                 Ok((stream, meta)) => {
                     if let Some(open) = crate::shell::wire::Open::parse(&meta) {
                         let open = match relay.shells.get() {

@@ -17,7 +17,9 @@
 //! 3. old → new: `Listeners`, then their descriptors.
 //! 4. old → new, per session: `SessionHeader`, the blob and every stream's
 //!    pending bytes, then the target descriptors.
-//! 5. old → new: `End`; new → old: `Taken` once it accepts on the listener
+//! 5. old → new: `Shells` (format 2: the shells of `--shell`, with their
+//!    terminal images), then their pty descriptors.
+//! 6. old → new: `End`; new → old: `Taken` once it accepts on the listener
 //!    and holds every session. The old relay exits; without `Taken` it puts
 //!    the sessions back into its own service and goes on.
 
@@ -36,7 +38,7 @@ use crate::pump::HalfState;
 
 /// The version of this handover's state format. A relay refuses a takeover
 /// by a process that speaks another one (and goes on serving).
-pub(crate) const STATE_FORMAT: u32 = 1;
+pub(crate) const STATE_FORMAT: u32 = 2;
 /// First field of the hello, so a stray connection is told apart.
 const MAGIC: &str = "roam-takeover";
 /// Largest record body accepted (a session header names lengths, never bytes).
@@ -113,6 +115,26 @@ struct SessionHeader {
     streams: Vec<StreamHeader>,
 }
 
+/// One shell of a handover, without its image (raw) and pty (descriptor).
+#[derive(Debug, Serialize, Deserialize)]
+struct ShellHeader {
+    user: String,
+    name: String,
+    pid: u32,
+    rows: u16,
+    cols: u16,
+    image: u64,
+}
+
+/// What precedes the shells' images and ptys.
+#[derive(Debug, Serialize, Deserialize)]
+struct Shells {
+    shells: Vec<ShellHeader>,
+}
+
+/// Shells one handover may carry.
+const MAX_SHELLS: usize = 1 << 16;
+
 /// The last record of a handover, and the new relay's receipt.
 #[derive(Debug, Serialize, Deserialize)]
 enum Tail {
@@ -159,6 +181,8 @@ pub(crate) struct Handover {
     pub(crate) metrics: Option<OwnedFd>,
     /// The sessions.
     pub(crate) sessions: Vec<HandedSession>,
+    /// The shells (`--shell`).
+    pub(crate) shells: Vec<crate::shell::host::HandedShell>,
 }
 
 /// Writes one record.
@@ -314,6 +338,30 @@ pub(crate) fn encode<W: Write>(
     }
     write_record(
         sock,
+        &Shells {
+            shells: h
+                .shells
+                .iter()
+                .map(|sh| ShellHeader {
+                    user: sh.user.clone(),
+                    name: sh.name.clone(),
+                    pid: sh.pid,
+                    rows: sh.rows,
+                    cols: sh.cols,
+                    image: sh.image.len() as u64,
+                })
+                .collect(),
+        },
+    )?;
+    for sh in &h.shells {
+        sock.write_all(&sh.image)?;
+    }
+    let fds: Vec<&OwnedFd> = h.shells.iter().map(|sh| &sh.pty).collect();
+    if !fds.is_empty() {
+        send_fds(sock, &fds)?;
+    }
+    write_record(
+        sock,
         &Tail::End {
             sessions: h.sessions.len(),
         },
@@ -337,6 +385,8 @@ pub(crate) fn decode<R: Read>(
     let listener = fds.next().ok_or_else(|| invalid("no listener".into()))?;
     let metrics = fds.next();
     let mut sessions = Vec::new();
+    let mut shells = Vec::new();
+    let mut got_shells = false;
     loop {
         // A session header or the tail: try the header's shape first.
         let mut len = [0u8; 4];
@@ -352,6 +402,38 @@ pub(crate) fn decode<R: Read>(
                 Tail::End { sessions: n } if n == sessions.len() => break,
                 other => return Err(invalid(format!("unexpected tail {other:?}"))),
             }
+        }
+        if let Ok(list) = serde_json::from_slice::<Shells>(&body) {
+            if got_shells || list.shells.len() > MAX_SHELLS {
+                return Err(invalid(format!(
+                    "a second or oversized shells record ({} shells)",
+                    list.shells.len()
+                )));
+            }
+            got_shells = true;
+            let mut images = Vec::with_capacity(list.shells.len());
+            for sh in &list.shells {
+                crate::named::check_name(&sh.name).map_err(invalid)?;
+                images.push(read_raw(sock, sh.image)?);
+            }
+            let ptys = if list.shells.is_empty() {
+                Vec::new()
+            } else {
+                recv_fds(sock, list.shells.len())?
+            };
+            for ((sh, image), pty) in list.shells.into_iter().zip(images).zip(ptys) {
+                shells.push(crate::shell::host::HandedShell {
+                    user: sh.user,
+                    name: sh.name,
+                    pid: sh.pid,
+                    rows: sh.rows.max(1),
+                    cols: sh.cols.max(1),
+                    image,
+                    pty,
+                    child: None,
+                });
+            }
+            continue;
         }
         let header: SessionHeader = serde_json::from_slice(&body)
             .map_err(|e| invalid(format!("malformed session header: {e}")))?;
@@ -414,6 +496,7 @@ pub(crate) fn decode<R: Read>(
         listener,
         metrics,
         sessions,
+        shells,
     })
 }
 
@@ -438,15 +521,9 @@ pub(crate) fn hello_with_format(sock: &mut UnixStream, format: u32) -> io::Resul
 
 /// Old side: reads a hello and answers it; `Ok(Ok(hello))` when the
 /// handover should follow, `Ok(Err(why))` when it was refused.
-pub(crate) fn answer(
-    sock: &mut UnixStream,
-    format: u32,
-    busy: Option<String>,
-) -> io::Result<Result<Hello, String>> {
+pub(crate) fn answer(sock: &mut UnixStream, format: u32) -> io::Result<Result<Hello, String>> {
     let hello: Hello = read_record(sock)?;
-    let refusal = if let Some(why) = busy {
-        Some(why)
-    } else if hello.magic != MAGIC {
+    let refusal = if hello.magic != MAGIC {
         Some(format!("not a roam takeover (magic {:?})", hello.magic))
     } else if hello.format != format {
         Some(format!(
@@ -493,6 +570,12 @@ pub(crate) fn describe(h: &Handover) -> String {
             );
         }
     }
+    for sh in &h.shells {
+        out += &format!(
+            "shell {:?} of {:?} pid {} {}x{} image {:?}\n",
+            sh.name, sh.user, sh.pid, sh.rows, sh.cols, sh.image
+        );
+    }
     out
 }
 
@@ -537,6 +620,7 @@ mod tests {
 
     fn sample(tcp: Vec<OwnedFd>) -> Handover {
         let mut tcp = tcp.into_iter();
+        let pty = tcp.next().expect("a pty descriptor first");
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         Handover {
             listen: l.local_addr().unwrap().to_string(),
@@ -576,6 +660,16 @@ mod tests {
                     },
                 ],
             }],
+            shells: vec![crate::shell::host::HandedShell {
+                user: "alice".into(),
+                name: "work".into(),
+                pid: 4242,
+                rows: 30,
+                cols: 100,
+                image: b"\x1b[Hprompt$ ".to_vec(),
+                pty,
+                child: None,
+            }],
         }
     }
 
@@ -586,7 +680,8 @@ mod tests {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let client = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (mut server_side, _) = l.accept().unwrap();
-        let h = sample(vec![OwnedFd::from(client)]);
+        let pty = nix::pty::openpty(None, None).unwrap();
+        let h = sample(vec![pty.master, OwnedFd::from(client)]);
         let expected = describe(&h);
         let (mut a, mut b) = UnixStream::pair().unwrap();
         let sender = std::thread::spawn(move || {
@@ -610,15 +705,22 @@ mod tests {
         let mut buf = [0u8; 10];
         server_side.read_exact(&mut buf).unwrap();
         assert_eq!(&buf, b"still here");
+        // The shell's pty arrives as the same terminal: what its master
+        // writes, its slave reads.
+        let mut master = std::fs::File::from(got.shells[0].pty.try_clone().unwrap());
+        master.write_all(b"typed\n").unwrap();
+        let mut slave = std::fs::File::from(pty.slave);
+        let mut line = [0u8; 6];
+        slave.read_exact(&mut line).unwrap();
+        assert_eq!(&line, b"typed\n");
     }
 
     /// The byte-level decoder round-trips an encoding, and refuses
     /// truncations, oversized lengths and garbage with an error.
     #[test]
     fn decoder_round_trips_and_refuses_malformed_input() {
-        let h = sample(vec![OwnedFd::from(
-            std::fs::File::open("/dev/null").unwrap(),
-        )]);
+        let null = || OwnedFd::from(std::fs::File::open("/dev/null").unwrap());
+        let h = sample(vec![null(), null()]);
         let mut bytes = Vec::new();
         encode(&mut bytes, &h, |w, _| w.write_all(b"F")).unwrap();
         assert_eq!(decode_bytes(&bytes), Ok(Ok(describe(&h))));

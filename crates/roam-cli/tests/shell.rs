@@ -2,9 +2,10 @@
 //! private server socket this test starts and kills): a command's output;
 //! the client killed with -9 while the shell prints, then a new client
 //! process re-attaching by name and getting every line printed meanwhile;
-//! a window resize; a shell printing megabytes while its client is away
-//! (it must not block); the shell's exit status; a key that is not
-//! authorized.
+//! a window resize; the shell's exit status; a shell printing megabytes
+//! while its client is away (it must not block); a relay upgrade
+//! (`--takeover`) with the client attached: the same shell goes on and the
+//! client re-attaches by itself; a key that is not authorized.
 //! Skips, saying why, without tmux.
 
 use std::path::Path;
@@ -159,17 +160,35 @@ fn a_shell_survives_its_client_being_killed_and_shows_what_it_missed() {
     let key_file = keys.join(format!("{user}.keys"));
     std::fs::write(&key_file, format!("{alice_key}\n")).unwrap();
     let port = free_port();
-    let _relay = Guard(
-        Command::new(BIN)
-            .env("ROAM_STATE_DIR", &relay_state)
+    let relay_cmd = |takeover: bool| {
+        let mut c = Command::new(BIN);
+        c.env("ROAM_STATE_DIR", &relay_state)
             .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--shell"])
             .arg("--shell-keys")
             .arg(keys.join("%u.keys"))
+            .arg("-v")
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+            .stderr(
+                std::fs::File::create(dir.path().join(format!("relay-{takeover}.log")))
+                    .map_or_else(|_| Stdio::null(), Stdio::from),
+            );
+        if takeover {
+            c.arg("--takeover");
+        }
+        c
+    };
+    // The relays' logs, for a failure's message.
+    let logs = || {
+        ["false", "true"]
+            .iter()
+            .map(|n| {
+                std::fs::read_to_string(dir.path().join(format!("relay-{n}.log")))
+                    .unwrap_or_default()
+            })
+            .collect::<Vec<_>>()
+            .join("\n--- successor ---\n")
+    };
+    let mut relay = Guard(relay_cmd(false).spawn().unwrap());
     wait_for_port(port);
     let shell = |state: &Path, tail: &str| {
         format!(
@@ -257,8 +276,39 @@ fn a_shell_survives_its_client_being_killed_and_shows_what_it_missed() {
         &format!("sh -c '{}; echo EXIT=$?; sleep 30'", shell(&alice, "")),
     );
     tmux.wait_for("third", "1500000");
+    tmux.keys("third", "echo PID=$$=$((1+1))");
+    let text = tmux.wait_for("third", "=2");
+    let pid_of = |text: &str| {
+        text.lines()
+            .filter_map(|l| l.split("PID=").nth(1))
+            .filter_map(|r| r.strip_suffix("=2"))
+            .next_back()
+            .map(str::to_string)
+    };
+    let pid = pid_of(&text).expect("the shell's pid");
+
+    // A relay upgrade while the client is attached: the new relay takes
+    // the shell over (its pty, screen and scrollback) and the client
+    // re-attaches by itself; the same shell process goes on.
+    let _successor = Guard(relay_cmd(true).spawn().unwrap());
+    let end = Instant::now() + Duration::from_secs(30);
+    while relay.0.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < end, "the old relay never handed over");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    tmux.keys("third", "echo after-$((2+3)) PID=$$=$((1+1))");
+    let text = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        tmux.wait_for("third", "after-5")
+    }))
+    .unwrap_or_else(|_| panic!("no output after the upgrade; relay logs:\n{}", logs()));
+    assert_eq!(pid_of(&text).as_deref(), Some(pid.as_str()), "{text}");
+
+    // The new relay is not the shell's parent: the exit is seen, its
+    // status is not (the client says so and exits 0).
     tmux.keys("third", "exit 7");
-    tmux.wait_for("third", "EXIT=7");
+    let text = tmux.wait_for("third", "EXIT=0");
+    assert!(text.contains("exit status was lost"), "{text}");
+    let _ = &mut relay;
 
     // A key that is not in the account's file gets no shell.
     tmux.window(

@@ -664,13 +664,14 @@ fn a_successor_that_dies_mid_handover_leaves_the_old_relay_serving() {
         })
         .collect();
     std::thread::sleep(Duration::from_millis(300));
-    // The fake successor: hello with the right format, then read part of
+    // The fake successor: hello with the right format (the relay's
+    // STATE_FORMAT, 2 since shells move too), then read part of
     // the handover and hang up.
     let mut sock =
         std::os::unix::net::UnixStream::connect(dir.path().join("serve.takeover")).unwrap();
     sock.set_read_timeout(Some(Duration::from_secs(20)))
         .unwrap();
-    let hello = br#"{"magic":"roam-takeover","format":1,"version":"test"}"#;
+    let hello = br#"{"magic":"roam-takeover","format":2,"version":"test"}"#;
     sock.write_all(&(hello.len() as u32).to_le_bytes()).unwrap();
     sock.write_all(hello).unwrap();
     let mut len = [0u8; 4];

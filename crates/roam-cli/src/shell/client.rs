@@ -34,6 +34,7 @@ pub(crate) async fn run(args: ShellArgs, config: &FileConfig) -> CliResult {
         term: std::env::var("TERM").unwrap_or_else(|_| "xterm-256color".into()),
         rows,
         cols,
+        scrollback: true,
     };
     let session = connect_relay(&relay, args.client.key.as_deref(), config)
         .await
@@ -43,11 +44,15 @@ pub(crate) async fn run(args: ShellArgs, config: &FileConfig) -> CliResult {
         .open_stream(&open.meta())
         .map_err(|e| CliError(e.to_string()))?;
     let raw = RawMode::enter().map_err(|e| CliError(format!("terminal: {e}")))?;
-    let outcome = interact(stream, &host).await;
+    let outcome = interact(&session, stream, open, &host).await;
     drop(raw);
     let closed = std::time::Duration::from_secs(3);
     let _ = tokio::time::timeout(closed, session.close(roam_proto::code::NO_ERROR, "")).await;
     match outcome {
+        Outcome::Exited(super::wire::EXIT_UNKNOWN) => {
+            eprintln!("\nroam: the shell ended; its exit status was lost in a relay upgrade");
+            Ok(0)
+        }
         Outcome::Exited(code) => Ok(code.clamp(0, 255)),
         Outcome::Detached(name) => {
             eprintln!(
@@ -121,7 +126,12 @@ impl Escape {
 }
 
 /// Copies the terminal to and from the shell stream until it ends.
-async fn interact(stream: roam::RoamStream, host: &str) -> Outcome {
+async fn interact(
+    session: &roam::SessionHandle,
+    stream: roam::RoamStream,
+    mut open: Open,
+    host: &str,
+) -> Outcome {
     let (mut rd, mut wr) = tokio::io::split(stream);
     let mut stdin = tokio::io::stdin();
     let mut stdout = tokio::io::stdout();
@@ -175,6 +185,22 @@ async fn interact(stream: roam::RoamStream, host: &str) -> Outcome {
                                 return Outcome::Exited(code);
                             }
                             Ok(Some(Frame::Error(why))) => return Outcome::Refused(why),
+                            Ok(Some(Frame::Reattach)) => {
+                                // The relay is being upgraded: the shell goes
+                                // on in the next one; ask for it there (the
+                                // session itself resumes on its own).
+                                open.name = Some(name.clone());
+                                open.scrollback = false;
+                                (open.rows, open.cols) = window_size();
+                                match session.open_stream(&open.meta()) {
+                                    Ok(s) => {
+                                        (rd, wr) = tokio::io::split(s);
+                                        frames = Decoder::default();
+                                        break;
+                                    }
+                                    Err(e) => return Outcome::Lost(format!("re-attaching after a relay upgrade: {e}")),
+                                }
+                            }
                             Ok(Some(other)) => {
                                 return Outcome::Lost(format!("unexpected frame from the relay: {other:?}"))
                             }

@@ -47,12 +47,41 @@ struct Attach {
     rows: u16,
     cols: u16,
     new: bool,
+    /// Send the scrollback with the screen (not after a relay takeover,
+    /// whose client has the scrollback already).
+    scrollback: bool,
+}
+
+/// What a shell's task is asked.
+enum Msg {
+    Attach(Attach),
+    /// Stop and hand the shell over (a relay takeover).
+    Handover(tokio::sync::oneshot::Sender<HandedShell>),
+}
+
+/// A shell taken out of its task for a relay takeover: what the next relay
+/// needs to go on serving it. The shell process itself goes on running.
+#[derive(Debug)]
+pub(crate) struct HandedShell {
+    pub(crate) user: String,
+    pub(crate) name: String,
+    pub(crate) pid: u32,
+    pub(crate) rows: u16,
+    pub(crate) cols: u16,
+    /// The terminal state: fed to a fresh emulator it rebuilds scrollback
+    /// and screen.
+    pub(crate) image: Vec<u8>,
+    /// The pty's master.
+    pub(crate) pty: std::os::fd::OwnedFd,
+    /// The process handle, kept here so a takeover that fails gives the
+    /// shell back with it (not sent: the next relay is not its parent).
+    pub(crate) child: Option<tokio::process::Child>,
 }
 
 /// The shells of one relay, by (user, name).
 pub(crate) struct ShellHost {
     keys_pattern: String,
-    shells: Mutex<HashMap<(String, String), mpsc::Sender<Attach>>>,
+    shells: Mutex<HashMap<(String, String), mpsc::Sender<Msg>>>,
 }
 
 impl ShellHost {
@@ -64,12 +93,7 @@ impl ShellHost {
         })
     }
 
-    /// Shells running now.
-    pub(crate) fn count(&self) -> usize {
-        self.lock().len()
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), mpsc::Sender<Attach>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), mpsc::Sender<Msg>>> {
         self.shells.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -124,21 +148,23 @@ impl ShellHost {
             rows: open.rows,
             cols: open.cols,
             new: existing.is_none(),
+            scrollback: open.scrollback,
         };
         if let Some(tx) = existing {
-            match tx.send(req).await {
+            match tx.send(Msg::Attach(req)).await {
                 Ok(()) => {
                     tracing::info!("shell {name} of {}: re-attached", account.name);
                     return Ok(());
                 }
                 // The shell ended meanwhile: a new one starts under the name.
-                Err(mpsc::error::SendError(back)) => {
+                Err(mpsc::error::SendError(Msg::Attach(back))) => {
                     req = back;
                     req.new = true;
                 }
+                Err(mpsc::error::SendError(Msg::Handover(_))) => unreachable!("sent an attach"),
             }
         }
-        let (master, child) = match spawn_shell(&account, &open.term, req.rows, req.cols) {
+        let (pty, child) = match spawn_shell(&account, &open.term, req.rows, req.cols) {
             Ok(x) => x,
             Err(why) => return Err((why, req.stream)),
         };
@@ -147,19 +173,88 @@ impl ShellHost {
             account.name,
             child.id().unwrap_or(0)
         );
+        let shell = Shell {
+            user: account.name,
+            name,
+            pid: child.id().unwrap_or(0),
+            pty,
+            child: Some(child),
+            term: Terminal::new(req.rows, req.cols),
+        };
+        let tx = self.clone().run(shell);
+        let _ = tx.send(Msg::Attach(req)).await;
+        Ok(())
+    }
+
+    /// Runs `shell` in a task of its own, registered under its name;
+    /// returns the channel to its task.
+    fn run(self: Arc<Self>, shell: Shell) -> mpsc::Sender<Msg> {
+        let slot = (shell.user.clone(), shell.name.clone());
         let (tx, rx) = mpsc::channel(4);
         self.lock().insert(slot.clone(), tx.clone());
-        let _ = tx.send(req).await;
-        let host = self.clone();
+        let mine = tx.clone();
         tokio::spawn(async move {
-            run_shell(master, child, rx, name).await;
-            let mut shells = host.lock();
-            if shells.get(&slot).is_some_and(|t| t.same_channel(&tx)) {
+            run_shell(shell, rx).await;
+            let mut shells = self.lock();
+            if shells.get(&slot).is_some_and(|t| t.same_channel(&mine)) {
                 shells.remove(&slot);
             }
         });
+        tx
+    }
+
+    /// Takes every shell out of its task for a takeover: attached clients
+    /// are told to re-attach (they will, to the next relay) and let go.
+    pub(crate) async fn take_all(&self) -> Vec<HandedShell> {
+        let senders: Vec<mpsc::Sender<Msg>> = self.lock().drain().map(|(_, tx)| tx).collect();
+        let mut out = Vec::new();
+        for tx in senders {
+            let (reply, rx) = tokio::sync::oneshot::channel();
+            if tx.send(Msg::Handover(reply)).await.is_ok() {
+                if let Ok(h) = rx.await {
+                    out.push(h);
+                }
+            }
+        }
+        out
+    }
+
+    /// Serves a shell another relay handed over (or one a failed takeover
+    /// gives back). Its clients re-attach by name.
+    pub(crate) fn adopt(self: &Arc<Self>, h: HandedShell) -> Result<(), String> {
+        let writing = h.pty.try_clone().map_err(|e| format!("pty: {e}"))?;
+        let rx = tokio::net::unix::pipe::Receiver::from_owned_fd_unchecked(h.pty)
+            .map_err(|e| format!("pty: {e}"))?;
+        let tx = tokio::net::unix::pipe::Sender::from_owned_fd_unchecked(writing)
+            .map_err(|e| format!("pty: {e}"))?;
+        tracing::info!("shell {} of {} (pid {}) adopted", h.name, h.user, h.pid);
+        self.clone().run(Shell {
+            user: h.user,
+            name: h.name,
+            pid: h.pid,
+            pty: Pty { rx, tx },
+            child: h.child,
+            term: Terminal::Packed {
+                image: h.image,
+                rows: h.rows,
+                cols: h.cols,
+                raw: Vec::new(),
+            },
+        });
         Ok(())
     }
+}
+
+/// One shell as its task holds it.
+struct Shell {
+    user: String,
+    name: String,
+    pid: u32,
+    pty: Pty,
+    /// `None` for a shell adopted from another relay: not our child, so its
+    /// exit status is not ours to read.
+    child: Option<tokio::process::Child>,
+    term: Terminal,
 }
 
 /// A name for an unnamed shell: `s-` and 8 hex digits.
@@ -444,21 +539,23 @@ impl Terminal {
 
 /// What one turn of a shell's loop produced.
 enum Turn {
-    Attach(Option<Attach>),
+    Attach(Option<Msg>),
     Pty(std::io::Result<()>),
     Wrote(std::io::Result<usize>),
     Read(std::io::Result<usize>),
-    Exited(std::io::Result<std::process::ExitStatus>),
+    Exited(std::io::Result<Option<std::process::ExitStatus>>),
 }
 
-/// Runs one shell until it exits.
-async fn run_shell(
-    mut pty: Pty,
-    mut child: tokio::process::Child,
-    mut attach: mpsc::Receiver<Attach>,
-    name: String,
-) {
-    let mut term = Terminal::new(24, 80);
+/// Runs one shell until it exits or is handed over.
+async fn run_shell(shell: Shell, mut attach: mpsc::Receiver<Msg>) {
+    let Shell {
+        user,
+        name,
+        pid,
+        mut pty,
+        mut child,
+        mut term,
+    } = shell;
     let mut client: Option<Client> = None;
     let mut sink: Option<Sink> = None;
     let mut pty_open = true;
@@ -469,11 +566,57 @@ async fn run_shell(
             r = pty.rx.readable(), if pty_open => Turn::Pty(r),
             r = write_out(sink.as_mut()), if held > 0 => Turn::Wrote(r),
             r = read_client(client.as_mut()) => Turn::Read(r),
-            s = child.wait(), if !pty_open => Turn::Exited(s),
+            s = wait_child(child.as_mut()), if !pty_open => Turn::Exited(s),
         };
         match turn {
             Turn::Attach(None) => {}
-            Turn::Attach(Some(a)) => {
+            Turn::Attach(Some(Msg::Handover(reply))) => {
+                if let Some(mut s) = sink.take() {
+                    // The client re-attaches to the next relay; what it
+                    // has not been sent yet it gets as the screen there.
+                    s.drop_unsent();
+                    s.push(Frame::Reattach);
+                    let flush = async {
+                        while s.held > 0 {
+                            let n = write_out(Some(&mut s)).await?;
+                            s.taken(n);
+                        }
+                        s.wr.shutdown().await
+                    };
+                    let _ =
+                        tokio::time::timeout(std::time::Duration::from_millis(200), flush).await;
+                }
+                drop(client);
+                let (rows, cols) = {
+                    let t = term.live();
+                    let (r, c) = t.screen().size();
+                    (r.get(), c.get())
+                };
+                let image = redraw(term.live());
+                let handed = pty.rx.into_nonblocking_fd().map(|fd| HandedShell {
+                    user,
+                    name: name.clone(),
+                    pid,
+                    rows,
+                    cols,
+                    image,
+                    pty: fd,
+                    child,
+                });
+                match handed {
+                    Ok(h) => {
+                        if let Err(h) = reply.send(h) {
+                            tracing::warn!(
+                                "shell {name}: handover abandoned; the shell loses its pty"
+                            );
+                            drop(h);
+                        }
+                    }
+                    Err(e) => tracing::warn!("shell {name}: cannot hand over its pty: {e}"),
+                }
+                return;
+            }
+            Turn::Attach(Some(Msg::Attach(a))) => {
                 if let Some(mut old) = sink.take() {
                     // Taken over by a newer client process.
                     let _ = old.wr.shutdown().await;
@@ -492,7 +635,13 @@ async fn run_shell(
                     new: a.new,
                 }));
                 if !a.new {
-                    s.push(Frame::Output(redraw(term.live())));
+                    let t = term.live();
+                    let screen = if a.scrollback {
+                        redraw(t)
+                    } else {
+                        t.screen().contents_formatted().into_bytes()
+                    };
+                    s.push(Frame::Output(screen));
                 }
                 client = Some(Client {
                     rd,
@@ -577,9 +726,11 @@ async fn run_shell(
         }
     };
     let code = match &status {
-        Ok(s) => s.code().unwrap_or(-1),
+        Ok(Some(s)) => s.code().unwrap_or(-1),
+        Ok(None) => super::wire::EXIT_UNKNOWN,
         Err(_) => -1,
     };
+    let _ = (&user, pid);
     tracing::info!("shell {name} exited ({code})");
     if let Some(mut c) = sink {
         c.push(Frame::Exit(code));
@@ -657,6 +808,17 @@ async fn read_client(client: Option<&mut Client>) -> std::io::Result<usize> {
     match client {
         Some(c) => c.rd.read(&mut c.buf).await,
         None => std::future::pending().await,
+    }
+}
+
+/// Waits for our child shell; `None` at once for an adopted one (its end
+/// showed as the pty's).
+async fn wait_child(
+    child: Option<&mut tokio::process::Child>,
+) -> std::io::Result<Option<std::process::ExitStatus>> {
+    match child {
+        Some(c) => c.wait().await.map(Some),
+        None => Ok(None),
     }
 }
 

@@ -12,6 +12,7 @@
 //! | 4 `Attached` | server → client | JSON: the shell's name, and whether it is new |
 //! | 5 `Exit` | server → client | the shell's exit status, i32 LE (-1: killed by a signal) |
 //! | 6 `Error` | server → client | why the shell was refused (UTF-8) |
+//! | 7 `Reattach` | server → client | empty: the relay is being upgraded; open a new shell stream with the same name (its screen comes without the scrollback) |
 
 use serde::{Deserialize, Serialize};
 
@@ -19,6 +20,9 @@ use serde::{Deserialize, Serialize};
 pub(crate) const META_PREFIX: &[u8] = b"roam-shell/1 ";
 /// Largest frame payload.
 pub(crate) const MAX_FRAME: usize = 1 << 20;
+/// The `Exit` status of a shell whose status is not known: it was handed
+/// over by another relay, its parent.
+pub(crate) const EXIT_UNKNOWN: i32 = i32::MIN;
 
 /// The client's request, in the stream's metadata.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -32,6 +36,14 @@ pub(crate) struct Open {
     /// The client's window size.
     pub(crate) rows: u16,
     pub(crate) cols: u16,
+    /// Whether a re-attach sends the scrollback before the screen (not when
+    /// the client re-attaches after a relay upgrade: it has it).
+    #[serde(default = "yes")]
+    pub(crate) scrollback: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl Open {
@@ -78,6 +90,7 @@ pub(crate) enum Frame {
     Attached(Attached),
     Exit(i32),
     Error(String),
+    Reattach,
 }
 
 impl Frame {
@@ -99,6 +112,7 @@ impl Frame {
             ),
             Frame::Exit(code) => (5, code.to_le_bytes().to_vec().into()),
             Frame::Error(e) => (6, e.as_bytes().into()),
+            Frame::Reattach => (7, Vec::new().into()),
         };
         out.push(kind);
         out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
@@ -148,6 +162,7 @@ impl Decoder {
                 payload[..4].try_into().expect("4 bytes"),
             )),
             6 => Frame::Error(String::from_utf8_lossy(&payload).into_owned()),
+            7 if len == 0 => Frame::Reattach,
             k => return Err(format!("unknown shell frame kind {k} of {len} bytes")),
         };
         Ok(Some(frame))
@@ -185,6 +200,7 @@ mod tests {
             }),
             Frame::Exit(-1),
             Frame::Error("no".into()),
+            Frame::Reattach,
         ];
         let mut bytes = Vec::new();
         for f in &frames {
@@ -219,6 +235,7 @@ mod tests {
             term: "xterm".into(),
             rows: 0,
             cols: 80,
+            scrollback: true,
         };
         assert!(Open::parse(&zero.meta()).unwrap().is_err());
         let ok = Open { rows: 24, ..zero };
