@@ -49,6 +49,19 @@ pub(crate) struct ProcessStatus {
     /// replies from versions that did not report them).
     #[serde(default)]
     pub(crate) limits: Vec<Limit>,
+    /// A relay's shells (`--shell`), attached or parked.
+    #[serde(default)]
+    pub(crate) shells: Vec<ShellStatus>,
+}
+
+/// One shell of a relay, as `roam status` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct ShellStatus {
+    pub(crate) user: String,
+    pub(crate) name: String,
+    pub(crate) pid: u32,
+    /// A client is attached (else the shell is parked).
+    pub(crate) attached: bool,
 }
 
 /// Longest request line a control socket reads (bytes).
@@ -152,18 +165,36 @@ struct Sessions {
 
 /// Reports a process's caps and their use when asked.
 type LimitsFn = Arc<dyn Fn() -> Vec<Limit> + Send + Sync>;
+/// Reports a relay's shells when asked.
+type ShellsFn = Arc<dyn Fn() -> Vec<ShellStatus> + Send + Sync>;
 
 /// The sessions of this process.
 #[derive(Clone, Default)]
 pub(crate) struct Registry {
     sessions: Arc<Mutex<Sessions>>,
     limits: Arc<Mutex<Option<LimitsFn>>>,
+    shells: Arc<Mutex<Option<ShellsFn>>>,
 }
 
 impl Registry {
     /// Makes status replies include the limits `f` reports.
     pub(crate) fn set_limits(&self, f: impl Fn() -> Vec<Limit> + Send + Sync + 'static) {
         *self.limits.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(f));
+    }
+
+    /// Makes status replies include the shells `f` reports.
+    pub(crate) fn set_shells(&self, f: impl Fn() -> Vec<ShellStatus> + Send + Sync + 'static) {
+        *self.shells.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(f));
+    }
+
+    /// The shells to report, if any.
+    pub(crate) fn shells(&self) -> Vec<ShellStatus> {
+        let f = self
+            .shells
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        f.map_or_else(Vec::new, |f| f())
     }
 
     /// The limits to report, if any.
@@ -344,6 +375,7 @@ async fn answer(
             started,
             sessions: registry.snapshot(),
             limits: registry.limits(),
+            shells: registry.shells(),
         }),
         Err(e) => Err(e),
     };
@@ -424,6 +456,22 @@ pub(crate) async fn status(args: StatusArgs, config: &FileConfig) -> CliResult {
                 })
                 .collect();
             println!("  limits: {}", parts.join(", "));
+        }
+        if !p.shells.is_empty() {
+            let parts: Vec<String> = p
+                .shells
+                .iter()
+                .map(|s| {
+                    format!(
+                        "{} ({}, pid {}, {})",
+                        s.name,
+                        s.user,
+                        s.pid,
+                        if s.attached { "attached" } else { "parked" }
+                    )
+                })
+                .collect();
+            println!("  shells: {}", parts.join(", "));
         }
         if p.sessions.is_empty() {
             println!("  (no sessions)");

@@ -169,6 +169,18 @@ pub(crate) fn render(src: &Sources) -> String {
     }
     reg.register("roam_limit", "Each cap of the relay", caps);
     reg.register("roam_limit_used", "Each cap's use now", used);
+    let shells = Family::<Labels, Gauge>::default();
+    let all = src.sessions.shells();
+    for (state, attached) in [("attached", true), ("parked", false)] {
+        shells
+            .get_or_create(&label("state", state))
+            .set(all.iter().filter(|s| s.attached == attached).count() as i64);
+    }
+    reg.register(
+        "roam_shells",
+        "Shells (roam serve --shell): with a client attached, or parked",
+        shells,
+    );
 
     let mut out = String::new();
     // Writing into a String cannot fail.

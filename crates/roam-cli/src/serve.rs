@@ -268,13 +268,23 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
     let relay = Relay::new(
         Arc::new(rules),
         targets,
-        Some(registry),
+        Some(registry.clone()),
         server.proto.clone(),
     );
     if args.shell {
         let _ = relay
             .shells
             .set(crate::shell::host::ShellHost::new(args.shell_keys.clone()));
+    }
+    {
+        // Shells in `roam status` and the metrics (also those adopted by a
+        // relay started without --shell).
+        let r = Arc::downgrade(&relay);
+        registry.set_shells(move || {
+            r.upgrade()
+                .and_then(|r| r.shells.get().map(|h| h.status()))
+                .unwrap_or_default()
+        });
     }
     let (gate, gate_rx) = watch::channel(false);
     server.accept_paused = Some(gate_rx);

@@ -286,6 +286,25 @@ fn a_shell_survives_its_client_being_killed_and_shows_what_it_missed() {
             .map(str::to_string)
     };
     let pid = pid_of(&text).expect("the shell's pid");
+    let shells = || {
+        let out = Command::new(BIN)
+            .env("ROAM_STATE_DIR", &relay_state)
+            .args(["status", "--json"])
+            .output()
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["processes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|p| p["shells"].as_array().cloned().unwrap_or_default())
+            .collect::<Vec<_>>()
+    };
+    let listed = shells();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0]["name"], "work");
+    assert_eq!(listed[0]["attached"], true);
+    assert_eq!(listed[0]["pid"].to_string(), pid);
 
     // A relay upgrade while the client is attached: the new relay takes
     // the shell over (its pty, screen and scrollback) and the client
@@ -308,6 +327,11 @@ fn a_shell_survives_its_client_being_killed_and_shows_what_it_missed() {
     tmux.keys("third", "exit 7");
     let text = tmux.wait_for("third", "EXIT=0");
     assert!(text.contains("exit status was lost"), "{text}");
+    assert_eq!(
+        shells(),
+        Vec::<serde_json::Value>::new(),
+        "the shell is gone"
+    );
     let _ = &mut relay;
 
     // A key that is not in the account's file gets no shell.

@@ -78,10 +78,19 @@ pub(crate) struct HandedShell {
     pub(crate) child: Option<tokio::process::Child>,
 }
 
+/// A running shell as the host's map holds it.
+#[derive(Clone)]
+struct Entry {
+    tx: mpsc::Sender<Msg>,
+    pid: u32,
+    /// Set by the shell's task while a client is attached.
+    attached: Arc<std::sync::atomic::AtomicBool>,
+}
+
 /// The shells of one relay, by (user, name).
 pub(crate) struct ShellHost {
     keys_pattern: String,
-    shells: Mutex<HashMap<(String, String), mpsc::Sender<Msg>>>,
+    shells: Mutex<HashMap<(String, String), Entry>>,
 }
 
 impl ShellHost {
@@ -93,7 +102,7 @@ impl ShellHost {
         })
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), mpsc::Sender<Msg>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), Entry>> {
         self.shells.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -142,7 +151,7 @@ impl ShellHost {
         open: Open,
     ) -> Result<(), (String, RoamStream)> {
         let slot = (account.name.clone(), name.clone());
-        let existing = self.lock().get(&slot).cloned();
+        let existing = self.lock().get(&slot).map(|e| e.tx.clone());
         let mut req = Attach {
             stream,
             rows: open.rows,
@@ -191,22 +200,46 @@ impl ShellHost {
     fn run(self: Arc<Self>, shell: Shell) -> mpsc::Sender<Msg> {
         let slot = (shell.user.clone(), shell.name.clone());
         let (tx, rx) = mpsc::channel(4);
-        self.lock().insert(slot.clone(), tx.clone());
+        let attached = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        self.lock().insert(
+            slot.clone(),
+            Entry {
+                tx: tx.clone(),
+                pid: shell.pid,
+                attached: attached.clone(),
+            },
+        );
         let mine = tx.clone();
         tokio::spawn(async move {
-            run_shell(shell, rx).await;
+            run_shell(shell, rx, attached).await;
             let mut shells = self.lock();
-            if shells.get(&slot).is_some_and(|t| t.same_channel(&mine)) {
+            if shells.get(&slot).is_some_and(|e| e.tx.same_channel(&mine)) {
                 shells.remove(&slot);
             }
         });
         tx
     }
 
+    /// Every shell, for `roam status` and the metrics.
+    pub(crate) fn status(&self) -> Vec<crate::control::ShellStatus> {
+        let mut v: Vec<_> = self
+            .lock()
+            .iter()
+            .map(|((user, name), e)| crate::control::ShellStatus {
+                user: user.clone(),
+                name: name.clone(),
+                pid: e.pid,
+                attached: e.attached.load(std::sync::atomic::Ordering::Relaxed),
+            })
+            .collect();
+        v.sort_by(|a, b| (&a.user, &a.name).cmp(&(&b.user, &b.name)));
+        v
+    }
+
     /// Takes every shell out of its task for a takeover: attached clients
     /// are told to re-attach (they will, to the next relay) and let go.
     pub(crate) async fn take_all(&self) -> Vec<HandedShell> {
-        let senders: Vec<mpsc::Sender<Msg>> = self.lock().drain().map(|(_, tx)| tx).collect();
+        let senders: Vec<mpsc::Sender<Msg>> = self.lock().drain().map(|(_, e)| e.tx).collect();
         let mut out = Vec::new();
         for tx in senders {
             let (reply, rx) = tokio::sync::oneshot::channel();
@@ -547,7 +580,11 @@ enum Turn {
 }
 
 /// Runs one shell until it exits or is handed over.
-async fn run_shell(shell: Shell, mut attach: mpsc::Receiver<Msg>) {
+async fn run_shell(
+    shell: Shell,
+    mut attach: mpsc::Receiver<Msg>,
+    attached: Arc<std::sync::atomic::AtomicBool>,
+) {
     let Shell {
         user,
         name,
@@ -560,6 +597,7 @@ async fn run_shell(shell: Shell, mut attach: mpsc::Receiver<Msg>) {
     let mut sink: Option<Sink> = None;
     let mut pty_open = true;
     let status = loop {
+        attached.store(sink.is_some(), std::sync::atomic::Ordering::Relaxed);
         let held = sink.as_ref().map_or(0, |c| c.held);
         let turn = tokio::select! {
             a = attach.recv() => Turn::Attach(a),
