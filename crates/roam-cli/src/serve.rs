@@ -723,6 +723,14 @@ impl Relay {
     /// hold: a parked one is restored and its relays start again.
     async fn lookup(self: Arc<Self>, id: roam::SessionId) -> roam::LookupResult {
         let Some((parked, since)) = self.parked().remove(&id) else {
+            if *self.handing.borrow() {
+                // A resume that reached this relay while it hands over (its
+                // handshake began before the accept gate closed): the
+                // session is on its way to the next relay. "Busy, try
+                // again" sends the client there; "unknown" would count
+                // towards giving the session up.
+                return Err(roam_proto::Error::ServerBusy);
+            }
             return Ok(None);
         };
         // Counted from here: a handover now waits for this session to be
