@@ -489,6 +489,10 @@ impl Sink {
     }
 }
 
+/// Typed input held for a shell that does not read it (then the client's
+/// stream is not read until it does: back-pressure to the client).
+const IN_LIMIT: usize = 64 * 1024;
+
 /// Output a parked shell's packed terminal collects before it is brought
 /// up to date (unpacked, fed, packed again).
 const RAW_LIMIT: usize = 64 * 1024;
@@ -577,6 +581,7 @@ enum Turn {
     Wrote(std::io::Result<usize>),
     Read(std::io::Result<usize>),
     Exited(std::io::Result<Option<std::process::ExitStatus>>),
+    Typed(std::io::Result<usize>),
 }
 
 /// Runs one shell until it exits or is handed over.
@@ -595,15 +600,22 @@ async fn run_shell(
     } = shell;
     let mut client: Option<Client> = None;
     let mut sink: Option<Sink> = None;
+    // Typed input the pty has not taken yet.
+    let mut typed: Vec<u8> = Vec::new();
     let mut pty_open = true;
     let status = loop {
         attached.store(sink.is_some(), std::sync::atomic::Ordering::Relaxed);
         let held = sink.as_ref().map_or(0, |c| c.held);
+        let typing = !typed.is_empty();
         let turn = tokio::select! {
             a = attach.recv() => Turn::Attach(a),
             r = pty.rx.readable(), if pty_open => Turn::Pty(r),
             r = write_out(sink.as_mut()), if held > 0 => Turn::Wrote(r),
-            r = read_client(client.as_mut()) => Turn::Read(r),
+            // Input the shell has not taken yet holds further input back,
+            // never its output: a paste into a busy program cannot
+            // deadlock the shell's task.
+            r = read_client(client.as_mut()), if typed.len() < IN_LIMIT => Turn::Read(r),
+            r = pty.tx.write(&typed), if typing && pty_open => Turn::Typed(r),
             s = wait_child(child.as_mut()), if !pty_open => Turn::Exited(s),
         };
         match turn {
@@ -736,11 +748,7 @@ async fn run_shell(
                 c.frames.push(&c.buf[..n]);
                 loop {
                     match c.frames.next() {
-                        Ok(Some(Frame::Input(bytes))) => {
-                            if let Err(e) = pty.tx.write_all(&bytes).await {
-                                tracing::debug!("shell {name}: writing the pty: {e}");
-                            }
-                        }
+                        Ok(Some(Frame::Input(bytes))) => typed.extend_from_slice(&bytes),
                         Ok(Some(Frame::Resize { rows, cols })) => {
                             resize(&pty.rx, term.live(), rows, cols);
                         }
@@ -759,6 +767,16 @@ async fn run_shell(
                         }
                     }
                 }
+            }
+            Turn::Typed(Ok(n)) => {
+                typed.drain(..n);
+                if typed.is_empty() {
+                    typed = Vec::new(); // a parked shell keeps no buffer
+                }
+            }
+            Turn::Typed(Err(e)) => {
+                tracing::debug!("shell {name}: writing the pty: {e}");
+                typed.clear();
             }
             Turn::Exited(s) => break s,
         }
