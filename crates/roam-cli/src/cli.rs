@@ -290,6 +290,10 @@ pub(crate) struct ServeArgs {
     /// nobody else.
     #[arg(long, value_name = "PATTERN", requires = "shell", verbatim_doc_comment)]
     pub(crate) shell_keys: Option<String>,
+    /// Run this program (as a login shell, with -l) for every shell instead
+    /// of each account's login shell, e.g. /bin/sh.
+    #[arg(long, value_name = "PATH", requires = "shell", verbatim_doc_comment)]
+    pub(crate) shell_program: Option<PathBuf>,
     /// Take over from the relay running with the same --takeover-socket: it
     /// hands this process its listening socket, every session and every
     /// target connection, then exits (see "Upgrades" below).

@@ -284,6 +284,11 @@ async fn reattach(
             .collect(),
         h.orphans.iter().map(|&i| roam_proto::StreamId(i)).collect(),
     );
+    eprintln!(
+        "roam: re-attaching session {name:?} (detached {} ago) at {}...",
+        crate::control::human_secs(offline.as_secs_f64()),
+        h.relay
+    );
     let session =
         match roam::resume(&h.relay, roam::ClientConfig::new(proto), detached, offline).await {
             Ok(s) => s,

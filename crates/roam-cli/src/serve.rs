@@ -272,9 +272,10 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
         server.proto.clone(),
     );
     if args.shell {
-        let _ = relay
-            .shells
-            .set(crate::shell::host::ShellHost::new(args.shell_keys.clone()));
+        let _ = relay.shells.set(crate::shell::host::ShellHost::new(
+            args.shell_keys.clone(),
+            args.shell_program.clone(),
+        ));
     }
     {
         // Shells in `roam status` and the metrics (also those adopted by a
@@ -687,7 +688,7 @@ impl Relay {
                 tracing::warn!(
                     "shells were handed over to a relay without --shell: serving them anyway"
                 );
-                crate::shell::host::ShellHost::new(None)
+                crate::shell::host::ShellHost::new(None, None)
             })
             .clone();
         for sh in shells {
@@ -926,7 +927,7 @@ async fn run_session(
                             Some(_) => open,
                             None => Err("this relay does not serve shells (it runs without --shell)".into()),
                         };
-                        let host = relay.shells.get().cloned().unwrap_or_else(|| crate::shell::host::ShellHost::new(None));
+                        let host = relay.shells.get().cloned().unwrap_or_else(|| crate::shell::host::ShellHost::new(None, None));
                         tokio::spawn(host.serve(stream, session.peer_key(), open));
                         continue;
                     }

@@ -343,3 +343,202 @@ fn a_shell_survives_its_client_being_killed_and_shows_what_it_missed() {
     assert!(text.contains("refused the shell"), "{text}");
     assert!(text.contains("is not in"), "{text}");
 }
+
+/// `(rss KiB, descriptors, sockets, threads)` of a process, from `/proc`.
+fn usage(pid: u32) -> (f64, usize, usize, usize) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let field = |name: &str| -> usize {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    let mut fds = 0;
+    let mut sockets = 0;
+    for e in std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap() {
+        fds += 1;
+        if let Ok(t) = std::fs::read_link(e.unwrap().path()) {
+            if t.to_string_lossy().starts_with("socket:") {
+                sockets += 1;
+            }
+        }
+    }
+    (field("VmRSS:") as f64, fds, sockets, field("Threads:"))
+}
+
+/// Starts a shell named `name` with a client on a pty of its own, waits
+/// until it runs, and detaches the client (`~.`).
+fn park_one(state: &Path, target: &str, name: &str) {
+    use std::io::{Read, Write};
+    let pty = nix::pty::openpty(None, None).unwrap();
+    let slave = || Stdio::from(pty.slave.try_clone().unwrap());
+    let mut child = Guard(
+        Command::new(BIN)
+            .env("ROAM_STATE_DIR", state)
+            .args(["shell", target, "--name", name])
+            .stdin(slave())
+            .stdout(slave())
+            .stderr(slave())
+            .spawn()
+            .unwrap(),
+    );
+    drop(pty.slave);
+    let mut master = std::fs::File::from(pty.master);
+    let mut reader = master.try_clone().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = reader.read(&mut buf) {
+            if n == 0 || tx.send(buf[..n].to_vec()).is_err() {
+                break;
+            }
+        }
+    });
+    let mut seen = Vec::new();
+    let end = Instant::now() + Duration::from_secs(30);
+    while !String::from_utf8_lossy(&seen).contains("new shell") {
+        let left = end.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(b) => seen.extend_from_slice(&b),
+            Err(_) => panic!(
+                "shell {name} never started: {}",
+                String::from_utf8_lossy(&seen)
+            ),
+        }
+    }
+    master.write_all(b"~.").unwrap();
+    while child.0.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < end, "client of {name} did not detach");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A thousand detached shells (item 5 of the shell issue): each costs the
+/// relay its pty and child descriptors and a few KiB, and no socket or
+/// thread; `roam status` lists them all as parked.
+#[test]
+fn a_thousand_parked_shells_cost_the_relay_a_few_kib_each() {
+    const SHELLS: usize = 1000;
+    let user = nix::unistd::User::from_uid(nix::unistd::geteuid())
+        .unwrap()
+        .unwrap()
+        .name;
+    let dir = tempfile::tempdir().unwrap();
+    let (relay_state, client, keys) = (
+        dir.path().join("relay"),
+        dir.path().join("client"),
+        dir.path().join("keys"),
+    );
+    for d in [&relay_state, &client, &keys] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    let key = client_state(&client);
+    std::fs::write(keys.join(format!("{user}.keys")), format!("{key}\n")).unwrap();
+    let port = free_port();
+    let relay = Guard(
+        Command::new(BIN)
+            .env("ROAM_STATE_DIR", &relay_state)
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--shell"])
+            .arg("--shell-keys")
+            .arg(keys.join("%u.keys"))
+            // A small shell, so that a thousand of them fit anywhere.
+            .args(["--shell-program", "/bin/sh"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for_port(port);
+    let pid = relay.0.id();
+    let target = format!("{user}@127.0.0.1:{port}");
+    // One shell first, so that what every shell shares (buffers, tables)
+    // is not counted against the thousand.
+    park_one(&client, &target, "warm-up");
+    std::thread::sleep(Duration::from_millis(300));
+    let before = usage(pid);
+    let workers: Vec<_> = (0..8)
+        .map(|w| {
+            let (client, target) = (client.clone(), target.clone());
+            std::thread::spawn(move || {
+                for i in (w..SHELLS).step_by(8) {
+                    park_one(&client, &target, &format!("p-{i}"));
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().expect("a client failed");
+    }
+    std::thread::sleep(Duration::from_millis(1000));
+    let after = usage(pid);
+    let per_shell_kib = (after.0 - before.0) / SHELLS as f64;
+    let fds = (after.1 - before.1) as f64 / SHELLS as f64;
+    eprintln!(
+        "{SHELLS} parked shells: {per_shell_kib:.1} KiB and {fds:.2} descriptors each; sockets {} -> {}, threads {} -> {}",
+        before.2, after.2, before.3, after.3
+    );
+    assert!(
+        per_shell_kib < 32.0,
+        "{per_shell_kib:.1} KiB per parked shell"
+    );
+    assert!(fds <= 3.0, "{fds} descriptors per parked shell");
+    assert!(
+        after.2 <= before.2 + 2,
+        "sockets {} -> {}",
+        before.2,
+        after.2
+    );
+    assert!(
+        after.3 <= before.3 + 2,
+        "threads {} -> {}",
+        before.3,
+        after.3
+    );
+    let out = Command::new(BIN)
+        .env("ROAM_STATE_DIR", &relay_state)
+        .args(["status", "--json"])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let shells: Vec<serde_json::Value> = v["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|p| p["shells"].as_array().cloned().unwrap_or_default())
+        .collect();
+    assert_eq!(shells.len(), SHELLS + 1);
+    assert!(shells.iter().all(|s| s["attached"] == false), "all parked");
+    // Killing the relay closes the ptys: every shell gets SIGHUP and ends
+    // (no shell holds another's pty master: they are close-on-exec).
+    let pids: Vec<i32> = shells
+        .iter()
+        .map(|s| s["pid"].as_i64().unwrap() as i32)
+        .collect();
+    drop(relay);
+    let end = Instant::now() + Duration::from_secs(20);
+    let alive = |p: &i32| {
+        std::fs::read_to_string(format!("/proc/{p}/stat")).is_ok_and(|st| {
+            st.rsplit(')')
+                .next()
+                .is_some_and(|r| !r.trim_start().starts_with('Z'))
+        })
+    };
+    loop {
+        let left = pids.iter().filter(|p| alive(p)).count();
+        if left == 0 {
+            break;
+        }
+        if Instant::now() > end {
+            for p in pids.iter().filter(|p| alive(p)) {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(*p),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+            panic!("{left} shells outlived their relay");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

@@ -90,14 +90,17 @@ struct Entry {
 /// The shells of one relay, by (user, name).
 pub(crate) struct ShellHost {
     keys_pattern: String,
+    /// `--shell-program`: run this instead of each account's login shell.
+    program: Option<PathBuf>,
     shells: Mutex<HashMap<(String, String), Entry>>,
 }
 
 impl ShellHost {
     /// Shells whose authorized keys are found by `keys_pattern`.
-    pub(crate) fn new(keys_pattern: Option<String>) -> Arc<Self> {
+    pub(crate) fn new(keys_pattern: Option<String>, program: Option<PathBuf>) -> Arc<Self> {
         Arc::new(Self {
             keys_pattern: keys_pattern.unwrap_or_else(|| DEFAULT_KEYS.to_string()),
+            program,
             shells: Mutex::new(HashMap::new()),
         })
     }
@@ -173,7 +176,13 @@ impl ShellHost {
                 Err(mpsc::error::SendError(Msg::Handover(_))) => unreachable!("sent an attach"),
             }
         }
-        let (pty, child) = match spawn_shell(&account, &open.term, req.rows, req.cols) {
+        let (pty, child) = match spawn_shell(
+            &account,
+            self.program.as_deref(),
+            &open.term,
+            req.rows,
+            req.cols,
+        ) {
             Ok(x) => x,
             Err(why) => return Err((why, req.stream)),
         };
@@ -368,26 +377,22 @@ impl Account {
 /// Opens a pty of `rows` × `cols` and starts the account's login shell on it.
 fn spawn_shell(
     account: &Account,
+    program: Option<&std::path::Path>,
     term: &str,
     rows: u16,
     cols: u16,
 ) -> Result<(Pty, tokio::process::Child), String> {
-    let size = nix::pty::Winsize {
-        ws_row: rows,
-        ws_col: cols,
-        ws_xpixel: 0,
-        ws_ypixel: 0,
-    };
-    let pty = nix::pty::openpty(&size, None).map_err(|e| format!("opening a pty: {e}"))?;
+    let pty = open_pty(rows, cols).map_err(|e| format!("opening a pty: {e}"))?;
     let slave = |what| {
         pty.slave
             .try_clone()
             .map_err(|e| format!("pty for the shell's {what}: {e}"))
     };
+    let shell = program.unwrap_or(&account.shell);
     let mut cmd = tokio::process::Command::new("setsid");
     // `--ctty`: the pty (stdin) becomes the new session's controlling terminal.
     cmd.arg("--ctty")
-        .arg(&account.shell)
+        .arg(shell)
         .arg("-l")
         .stdin(slave("stdin")?)
         .stdout(slave("stdout")?)
@@ -397,7 +402,7 @@ fn spawn_shell(
         .env("HOME", &account.home)
         .env("USER", &account.name)
         .env("LOGNAME", &account.name)
-        .env("SHELL", &account.shell)
+        .env("SHELL", shell)
         .env("TERM", term)
         .env(
             "PATH",
@@ -409,7 +414,7 @@ fn spawn_shell(
     }
     let child = cmd
         .spawn()
-        .map_err(|e| format!("starting {} (through setsid): {e}", account.shell.display()))?;
+        .map_err(|e| format!("starting {} (through setsid): {e}", shell.display()))?;
     drop(pty.slave);
     nix::fcntl::fcntl(
         pty.master.as_fd(),
@@ -428,6 +433,49 @@ fn spawn_shell(
     let tx = tokio::net::unix::pipe::Sender::from_owned_fd_unchecked(writing)
         .map_err(|e| format!("pty: {e}"))?;
     Ok((Pty { rx, tx }, child))
+}
+
+/// A pty's two ends.
+struct PtyPair {
+    master: std::os::fd::OwnedFd,
+    slave: std::os::fd::OwnedFd,
+}
+
+/// Opens a pty of `rows` × `cols` whose descriptors are close-on-exec from
+/// the start: a shell must inherit only its own terminal, never the master
+/// of another user's shell (`openpty` leaves them inheritable, and a
+/// concurrent spawn could catch them before a later `FD_CLOEXEC`). With
+/// every master closed when the relay ends, each shell gets its SIGHUP.
+fn open_pty(rows: u16, cols: u16) -> std::io::Result<PtyPair> {
+    use nix::fcntl::OFlag;
+    use std::os::unix::fs::OpenOptionsExt;
+    let master = nix::pty::posix_openpt(OFlag::O_RDWR | OFlag::O_NOCTTY | OFlag::O_CLOEXEC)?;
+    nix::pty::grantpt(&master)?;
+    nix::pty::unlockpt(&master)?;
+    let name = nix::pty::ptsname_r(&master)?;
+    // std opens with O_CLOEXEC.
+    let slave = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc_o_noctty())
+        .open(&name)?;
+    let master = std::os::fd::OwnedFd::from(master);
+    let ws = rustix::termios::Winsize {
+        ws_row: rows.max(1),
+        ws_col: cols.max(1),
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    rustix::termios::tcsetwinsize(&master, ws)?;
+    Ok(PtyPair {
+        master,
+        slave: slave.into(),
+    })
+}
+
+/// `O_NOCTTY`: opening the slave must not make it the relay's terminal.
+fn libc_o_noctty() -> i32 {
+    nix::fcntl::OFlag::O_NOCTTY.bits()
 }
 
 /// The relay's end of a shell's pty (the reading end also serves the
