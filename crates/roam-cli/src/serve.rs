@@ -923,12 +923,17 @@ async fn run_session(
             r = session.accept_stream(), if !*handing.borrow() && !*paused.borrow() => match r {
                 Ok((stream, meta)) => {
                     if let Some(open) = crate::shell::wire::Open::parse(&meta) {
-                        let open = match relay.shells.get() {
-                            Some(_) => open,
-                            None => Err("this relay does not serve shells (it runs without --shell)".into()),
-                        };
-                        let host = relay.shells.get().cloned().unwrap_or_else(|| crate::shell::host::ShellHost::new(None, None));
-                        tokio::spawn(host.serve(stream, session.peer_key(), open));
+                        match relay.shells.get() {
+                            Some(host) => {
+                                tokio::spawn(host.clone().serve(stream, session.peer_key(), open));
+                            }
+                            None => {
+                                tokio::spawn(crate::shell::host::refuse(
+                                    stream,
+                                    "this relay does not serve shells (it runs without --shell)".into(),
+                                ));
+                            }
+                        }
                         continue;
                     }
                     let target = String::from_utf8_lossy(&meta).into_owned();

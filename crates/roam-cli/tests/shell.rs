@@ -127,6 +127,22 @@ fn client_state(dir: &Path) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
+/// The shells `roam status --json` lists for the relay with this state dir.
+fn listed_shells(relay_state: &Path) -> Vec<serde_json::Value> {
+    let out = Command::new(BIN)
+        .env("ROAM_STATE_DIR", relay_state)
+        .args(["status", "--json"])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    v["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|p| p["shells"].as_array().cloned().unwrap_or_default())
+        .collect()
+}
+
 fn wait_for_port(port: u16) {
     let end = Instant::now() + Duration::from_secs(20);
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
@@ -286,20 +302,7 @@ fn a_shell_survives_its_client_being_killed_and_shows_what_it_missed() {
             .map(str::to_string)
     };
     let pid = pid_of(&text).expect("the shell's pid");
-    let shells = || {
-        let out = Command::new(BIN)
-            .env("ROAM_STATE_DIR", &relay_state)
-            .args(["status", "--json"])
-            .output()
-            .unwrap();
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        v["processes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .flat_map(|p| p["shells"].as_array().cloned().unwrap_or_default())
-            .collect::<Vec<_>>()
-    };
+    let shells = || listed_shells(&relay_state);
     let listed = shells();
     assert_eq!(listed.len(), 1, "{listed:?}");
     assert_eq!(listed[0]["name"], "work");
@@ -496,18 +499,7 @@ fn a_thousand_parked_shells_cost_the_relay_a_few_kib_each() {
         before.3,
         after.3
     );
-    let out = Command::new(BIN)
-        .env("ROAM_STATE_DIR", &relay_state)
-        .args(["status", "--json"])
-        .output()
-        .unwrap();
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let shells: Vec<serde_json::Value> = v["processes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|p| p["shells"].as_array().cloned().unwrap_or_default())
-        .collect();
+    let shells = listed_shells(&relay_state);
     assert_eq!(shells.len(), SHELLS + 1);
     assert!(shells.iter().all(|s| s["attached"] == false), "all parked");
     // Killing the relay closes the ptys: every shell gets SIGHUP and ends

@@ -137,12 +137,8 @@ impl ShellHost {
                 .await
                 .err(),
         };
-        if let Some((why, mut stream)) = refused {
-            tracing::warn!("shell refused: {why}");
-            let mut out = Vec::new();
-            Frame::Error(why).encode(&mut out);
-            let _ = stream.write_all(&out).await;
-            let _ = stream.shutdown().await;
+        if let Some((why, stream)) = refused {
+            refuse(stream, why).await;
         }
     }
 
@@ -297,6 +293,15 @@ struct Shell {
     /// exit status is not ours to read.
     child: Option<tokio::process::Child>,
     term: Terminal,
+}
+
+/// Refuses a shell stream: one `Error` frame saying why, then its end.
+pub(crate) async fn refuse(mut stream: RoamStream, why: String) {
+    tracing::warn!("shell refused: {why}");
+    let mut out = Vec::new();
+    Frame::Error(why).encode(&mut out);
+    let _ = stream.write_all(&out).await;
+    let _ = stream.shutdown().await;
 }
 
 /// A name for an unnamed shell: `s-` and 8 hex digits.
@@ -526,6 +531,18 @@ impl Sink {
         }
     }
 
+    /// Writes everything held, then ends the stream; at most `limit`.
+    async fn flush_and_end(mut self, limit: std::time::Duration) {
+        let flush = async {
+            while self.held > 0 {
+                let n = write_out(Some(&mut self)).await?;
+                self.taken(n);
+            }
+            self.wr.shutdown().await
+        };
+        let _ = tokio::time::timeout(limit, flush).await;
+    }
+
     /// The stream took `n` bytes.
     fn taken(&mut self, n: usize) {
         self.pos += n;
@@ -674,15 +691,7 @@ async fn run_shell(
                     // has not been sent yet it gets as the screen there.
                     s.drop_unsent();
                     s.push(Frame::Reattach);
-                    let flush = async {
-                        while s.held > 0 {
-                            let n = write_out(Some(&mut s)).await?;
-                            s.taken(n);
-                        }
-                        s.wr.shutdown().await
-                    };
-                    let _ =
-                        tokio::time::timeout(std::time::Duration::from_millis(200), flush).await;
+                    s.flush_and_end(std::time::Duration::from_millis(200)).await;
                 }
                 drop(client);
                 let (rows, cols) = {
@@ -838,14 +847,7 @@ async fn run_shell(
     tracing::info!("shell {name} exited ({code})");
     if let Some(mut c) = sink {
         c.push(Frame::Exit(code));
-        let flush = async {
-            while c.held > 0 {
-                let n = write_out(Some(&mut c)).await?;
-                c.taken(n);
-            }
-            c.wr.shutdown().await
-        };
-        let _ = tokio::time::timeout(std::time::Duration::from_secs(5), flush).await;
+        c.flush_and_end(std::time::Duration::from_secs(5)).await;
     }
 }
 
@@ -870,24 +872,14 @@ fn resize(master: impl AsFd, term: &mut vt100::Parser, rows: u16, cols: u16) {
 /// What a client that attaches to a running shell is sent first: the
 /// scrollback, pushed into its terminal's own scrollback, then the screen.
 fn redraw(term: &mut vt100::Parser) -> Vec<u8> {
-    let (rows, cols) = term.screen().size();
-    let (rows, cols) = (rows.get(), cols.get());
-    let screen = term.screen_mut();
+    let rows = term.screen().size().0.get();
     let mut out = b"\x1b[m\x1b[H\x1b[2J".to_vec();
-    screen.set_scrollback(usize::MAX);
-    let total = screen.scrollback();
-    let mut left = total;
-    while left > 0 {
-        screen.set_scrollback(left);
-        let take = left.min(usize::from(rows));
-        for line in screen.rows(0, cols).take(take) {
-            out.extend_from_slice(line.trim_end().as_bytes());
-            out.extend_from_slice(b"\r\n");
-        }
-        left -= take;
+    let history = scrollback_lines(term);
+    for line in &history {
+        out.extend_from_slice(line.as_bytes());
+        out.extend_from_slice(b"\r\n");
     }
-    screen.set_scrollback(0);
-    if total > 0 {
+    if !history.is_empty() {
         // Scroll the history off the visible screen before drawing it.
         out.extend(std::iter::repeat_n(
             b'\n',
@@ -896,6 +888,28 @@ fn redraw(term: &mut vt100::Parser) -> Vec<u8> {
     }
     out.extend_from_slice(term.screen().contents_formatted().as_bytes());
     out
+}
+
+/// The scrollback's lines as text, oldest first (trailing blanks trimmed).
+fn scrollback_lines(term: &mut vt100::Parser) -> Vec<String> {
+    let (rows, cols) = term.screen().size();
+    let screen = term.screen_mut();
+    screen.set_scrollback(usize::MAX);
+    let mut left = screen.scrollback();
+    let mut lines = Vec::with_capacity(left);
+    while left > 0 {
+        screen.set_scrollback(left);
+        let take = left.min(usize::from(rows.get()));
+        lines.extend(
+            screen
+                .rows(0, cols.get())
+                .take(take)
+                .map(|l| l.trim_end().to_string()),
+        );
+        left -= take;
+    }
+    screen.set_scrollback(0);
+    lines
 }
 
 async fn write_out(client: Option<&mut Sink>) -> std::io::Result<usize> {
@@ -932,25 +946,7 @@ mod tests {
 
     /// Every line of the scrollback, oldest first, then the screen's text.
     fn everything(t: &mut vt100::Parser) -> (Vec<String>, String) {
-        let (rows, cols) = t.screen().size();
-        let screen = t.screen_mut();
-        screen.set_scrollback(usize::MAX);
-        let total = screen.scrollback();
-        let mut lines = Vec::new();
-        let mut left = total;
-        while left > 0 {
-            screen.set_scrollback(left);
-            let take = left.min(usize::from(rows.get()));
-            lines.extend(
-                screen
-                    .rows(0, cols.get())
-                    .take(take)
-                    .map(|l| l.trim_end().to_string()),
-            );
-            left -= take;
-        }
-        screen.set_scrollback(0);
-        (lines, t.screen().contents())
+        (scrollback_lines(t), t.screen().contents())
     }
 
     /// A parked shell's packed terminal, brought back, shows the same
