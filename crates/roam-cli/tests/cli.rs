@@ -3,35 +3,17 @@
 //! fallback, and `demo`. Every child process is killed when its guard drops,
 //! even when a test fails. All traffic stays on 127.0.0.1.
 
+mod common;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use common::{free_port, roam, Guard, BIN};
 use sha2::{Digest, Sha256};
-
-const BIN: &str = env!("CARGO_BIN_EXE_roam");
-
-/// Kills the child when dropped.
-struct Guard(Child);
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn roam(state: &Path) -> Command {
-    let mut c = Command::new(BIN);
-    c.env("ROAM_STATE_DIR", state)
-        .env("HOME", state)
-        .env_remove("RUST_LOG")
-        .env_remove("XDG_CONFIG_HOME");
-    c
-}
 
 /// A target that hashes everything it receives and answers `"<sha256> <len>\n"`.
 fn start_sink() -> u16 {
@@ -78,14 +60,6 @@ fn start_echo() -> u16 {
 
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// A running relay; its stderr lines are collected.

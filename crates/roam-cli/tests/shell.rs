@@ -8,21 +8,13 @@
 //! client re-attaches by itself; a key that is not authorized.
 //! Skips, saying why, without tmux.
 
+mod common;
+
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-const BIN: &str = env!("CARGO_BIN_EXE_roam");
-
-/// Kills the child when dropped.
-struct Guard(Child);
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use common::{free_port, keygen, wait_for_port, Guard, BIN};
 
 /// A tmux server of this test's own; killed when dropped.
 struct Tmux {
@@ -108,25 +100,6 @@ impl Drop for Tmux {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// A client state directory with a fresh key; returns its public key.
-fn client_state(dir: &Path) -> String {
-    let out = Command::new(BIN)
-        .env("ROAM_STATE_DIR", dir)
-        .arg("keygen")
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
-
 /// The shells `roam status --json` lists for the relay with this state dir.
 fn listed_shells(relay_state: &Path) -> Vec<serde_json::Value> {
     let out = Command::new(BIN)
@@ -141,14 +114,6 @@ fn listed_shells(relay_state: &Path) -> Vec<serde_json::Value> {
         .iter()
         .flat_map(|p| p["shells"].as_array().cloned().unwrap_or_default())
         .collect()
-}
-
-fn wait_for_port(port: u16) {
-    let end = Instant::now() + Duration::from_secs(20);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < end, "the relay never listened");
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 #[test]
@@ -171,8 +136,8 @@ fn a_shell_survives_its_client_being_killed_and_shows_what_it_missed() {
     for d in [&relay_state, &alice, &mallory, &keys] {
         std::fs::create_dir_all(d).unwrap();
     }
-    let alice_key = client_state(&alice);
-    client_state(&mallory);
+    let alice_key = keygen(&alice);
+    keygen(&mallory);
     let key_file = keys.join(format!("{user}.keys"));
     std::fs::write(&key_file, format!("{alice_key}\n")).unwrap();
     let port = free_port();
@@ -437,7 +402,7 @@ fn a_thousand_parked_shells_cost_the_relay_a_few_kib_each() {
     for d in [&relay_state, &client, &keys] {
         std::fs::create_dir_all(d).unwrap();
     }
-    let key = client_state(&client);
+    let key = keygen(&client);
     std::fs::write(keys.join(format!("{user}.keys")), format!("{key}\n")).unwrap();
     let port = free_port();
     let relay = Guard(

@@ -7,27 +7,17 @@
 //! keeps serving. Real `roam` processes, real sockets, all on 127.0.0.1;
 //! every child is killed when its guard drops, even when a test fails.
 
+mod common;
+
 use std::io::{BufRead, BufReader};
-use std::net::TcpListener;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::{free_port, roam, Guard, BIN};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-const BIN: &str = env!("CARGO_BIN_EXE_roam");
-
-/// Kills the child when dropped.
-struct Guard(Child);
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 /// A `roam serve` process and its stderr lines.
 struct Serve {
@@ -48,15 +38,11 @@ impl Serve {
         extra: &[&str],
         env: &[(&str, &Path)],
     ) -> Serve {
-        let mut cmd = Command::new(BIN);
+        let mut cmd = roam(state);
         for (k, v) in env {
             cmd.env(k, v);
         }
-        cmd.env("ROAM_STATE_DIR", state)
-            .env("HOME", state)
-            .env_remove("RUST_LOG")
-            .env_remove("XDG_CONFIG_HOME")
-            .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+        cmd.args(["serve", "--listen", &format!("127.0.0.1:{port}")])
             .args(["--allow", &format!("127.0.0.1:{target}")])
             .args(extra);
         if std::env::var_os("TAKEOVER_DEBUG").is_some() {
@@ -110,14 +96,6 @@ impl Serve {
         }
         None
     }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// Byte `i` of a direction's pattern (`salt` tells the directions apart).

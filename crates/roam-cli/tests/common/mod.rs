@@ -1,0 +1,76 @@
+//! Helpers shared by the end-to-end tests of the `roam` binary (`cli`,
+//! `shell`, `takeover`): the binary's path, a child process killed when its
+//! guard drops, a free loopback port, a `roam` command in a private state
+//! directory, a client key. Included with `mod common;` (a directory, so
+//! cargo does not build it as a test of its own; the `faults_*` tests share
+//! `faults_common` the same way).
+
+// Each test binary uses a different subset of this module.
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::path::Path;
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+/// The `roam` binary cargo built for this test run.
+pub(crate) const BIN: &str = env!("CARGO_BIN_EXE_roam");
+
+/// Kills the child (SIGKILL) and reaps it when dropped, so a failing test
+/// leaves no process behind.
+pub(crate) struct Guard(pub(crate) Child);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A loopback port that was free a moment ago (bound to port 0, then
+/// released): for a child process that must be told its port.
+pub(crate) fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Waits (at most 20 s) until something accepts connections on the
+/// loopback `port`; panics if nothing does.
+pub(crate) fn wait_for_port(port: u16) {
+    let end = Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < end, "the relay never listened");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `roam` with its state, and its `HOME`, in `state`, and no `RUST_LOG` or
+/// `XDG_CONFIG_HOME` from the environment: nothing outside the test's
+/// directory is read or written.
+pub(crate) fn roam(state: &Path) -> Command {
+    let mut c = Command::new(BIN);
+    c.env("ROAM_STATE_DIR", state)
+        .env("HOME", state)
+        .env_remove("RUST_LOG")
+        .env_remove("XDG_CONFIG_HOME");
+    c
+}
+
+/// Makes a client key in the state directory `dir` (`roam keygen`);
+/// returns its public key, as a line for an authorized keys file.
+pub(crate) fn keygen(dir: &Path) -> String {
+    let out = Command::new(BIN)
+        .env("ROAM_STATE_DIR", dir)
+        .arg("keygen")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "roam keygen: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
