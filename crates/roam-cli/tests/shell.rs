@@ -5,8 +5,12 @@
 //! a window resize; the shell's exit status; a shell printing megabytes
 //! while its client is away (it must not block); a relay upgrade
 //! (`--takeover`) with the client attached: the same shell goes on and the
-//! client re-attaches by itself; a key that is not authorized.
-//! Skips, saying why, without tmux.
+//! client re-attaches by itself; a key that is not authorized (skips,
+//! saying why, without tmux). A thousand parked shells and what they cost
+//! the relay (clients on ptys of the test's own). A relay running as root
+//! starting the shell as the account named, with that account's keys only
+//! (throwaway system accounts; skips, saying why, unless root with
+//! `useradd`).
 
 mod common;
 
@@ -336,51 +340,124 @@ fn usage(pid: u32) -> (f64, usize, usize, usize) {
     (field("VmRSS:") as f64, fds, sockets, field("Threads:"))
 }
 
+/// A `roam shell` client on a pty of this test's own (no tmux): a thread
+/// collects everything it prints; typed bytes go to the pty. The client is
+/// killed when this is dropped.
+struct PtyClient {
+    child: Guard,
+    master: std::fs::File,
+    output: std::sync::mpsc::Receiver<Vec<u8>>,
+    /// Everything the client printed so far.
+    seen: Vec<u8>,
+}
+
+impl PtyClient {
+    /// `roam shell TARGET EXTRA…` with its state in `state`, on a 30 × 120
+    /// pty.
+    fn start(state: &Path, target: &str, extra: &[&str]) -> Self {
+        use std::io::Read;
+        let size = nix::pty::Winsize {
+            ws_row: 30,
+            ws_col: 120,
+            ws_xpixel: 0,
+            ws_ypixel: 0,
+        };
+        let pty = nix::pty::openpty(Some(&size), None).unwrap();
+        let slave = || Stdio::from(pty.slave.try_clone().unwrap());
+        let child = Guard(
+            Command::new(BIN)
+                .env("ROAM_STATE_DIR", state)
+                .arg("shell")
+                .arg(target)
+                .args(extra)
+                .stdin(slave())
+                .stdout(slave())
+                .stderr(slave())
+                .spawn()
+                .unwrap(),
+        );
+        drop(pty.slave);
+        let master = std::fs::File::from(pty.master);
+        let mut reader = master.try_clone().unwrap();
+        let (tx, output) = std::sync::mpsc::channel();
+        // Ends when the client's end of the pty is closed (EIO) or this
+        // client is dropped.
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = reader.read(&mut buf) {
+                if n == 0 || tx.send(buf[..n].to_vec()).is_err() {
+                    break;
+                }
+            }
+        });
+        Self {
+            child,
+            master,
+            output,
+            seen: Vec::new(),
+        }
+    }
+
+    /// Everything the client printed so far, as text.
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.seen).into_owned()
+    }
+
+    /// Waits (at most `limit`) until `found` finds something in what the
+    /// client printed; panics with the text if it never does.
+    fn wait_until<T>(&mut self, limit: Duration, found: impl Fn(&str) -> Option<T>) -> T {
+        let end = Instant::now() + limit;
+        loop {
+            if let Some(t) = found(&self.text()) {
+                return t;
+            }
+            let left = end.saturating_duration_since(Instant::now());
+            match self.output.recv_timeout(left) {
+                Ok(b) => self.seen.extend_from_slice(&b),
+                Err(_) => panic!("not found in what the client printed:\n{}", self.text()),
+            }
+        }
+    }
+
+    /// Waits (at most 30 s) for `needle` in what the client printed.
+    fn wait_for(&mut self, needle: &str) -> String {
+        self.wait_until(Duration::from_secs(30), |t| {
+            t.contains(needle).then(|| t.to_string())
+        })
+    }
+
+    /// Types `bytes` on the client's terminal.
+    fn send(&mut self, bytes: &[u8]) {
+        use std::io::Write;
+        self.master.write_all(bytes).unwrap();
+    }
+
+    /// Waits (at most `limit`) for the client to exit; its exit code, or
+    /// `None` if it is still running.
+    fn wait_exit(&mut self, limit: Duration) -> Option<i32> {
+        let end = Instant::now() + limit;
+        loop {
+            if let Some(st) = self.child.0.try_wait().unwrap() {
+                return Some(st.code().unwrap_or(-1));
+            }
+            if Instant::now() >= end {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
 /// Starts a shell named `name` with a client on a pty of its own, waits
 /// until it runs, and detaches the client (`~.`).
 fn park_one(state: &Path, target: &str, name: &str) {
-    use std::io::{Read, Write};
-    let pty = nix::pty::openpty(None, None).unwrap();
-    let slave = || Stdio::from(pty.slave.try_clone().unwrap());
-    let mut child = Guard(
-        Command::new(BIN)
-            .env("ROAM_STATE_DIR", state)
-            .args(["shell", target, "--name", name])
-            .stdin(slave())
-            .stdout(slave())
-            .stderr(slave())
-            .spawn()
-            .unwrap(),
+    let mut client = PtyClient::start(state, target, &["--name", name]);
+    client.wait_for("new shell");
+    client.send(b"~.");
+    assert!(
+        client.wait_exit(Duration::from_secs(30)).is_some(),
+        "client of {name} did not detach"
     );
-    drop(pty.slave);
-    let mut master = std::fs::File::from(pty.master);
-    let mut reader = master.try_clone().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut buf = [0u8; 4096];
-        while let Ok(n) = reader.read(&mut buf) {
-            if n == 0 || tx.send(buf[..n].to_vec()).is_err() {
-                break;
-            }
-        }
-    });
-    let mut seen = Vec::new();
-    let end = Instant::now() + Duration::from_secs(30);
-    while !String::from_utf8_lossy(&seen).contains("new shell") {
-        let left = end.saturating_duration_since(Instant::now());
-        match rx.recv_timeout(left) {
-            Ok(b) => seen.extend_from_slice(&b),
-            Err(_) => panic!(
-                "shell {name} never started: {}",
-                String::from_utf8_lossy(&seen)
-            ),
-        }
-    }
-    master.write_all(b"~.").unwrap();
-    while child.0.try_wait().unwrap().is_none() {
-        assert!(Instant::now() < end, "client of {name} did not detach");
-        std::thread::sleep(Duration::from_millis(5));
-    }
 }
 
 /// A thousand detached shells (item 5 of the shell issue): each costs the
@@ -498,4 +575,344 @@ fn a_thousand_parked_shells_cost_the_relay_a_few_kib_each() {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// A system account made for one test (`useradd --system`, a group of its
+/// own, a home under `parent`, `/bin/sh`), removed with its home and group
+/// (`userdel -r`) when dropped, also when the test fails; any process still
+/// running as it is killed first, by pid.
+struct TempUser {
+    name: String,
+    /// Known once the account is looked up; `None` until then (nothing to
+    /// kill).
+    uid: Option<u32>,
+    gid: u32,
+    home: std::path::PathBuf,
+}
+
+impl TempUser {
+    /// Creates the account: `roamt` and a suffix unique to this process and
+    /// call (a name already taken is skipped).
+    fn create(parent: &Path) -> Self {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        for _ in 0..5 {
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .subsec_nanos();
+            let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let name = format!("roamt{:x}{:x}{:04x}", std::process::id(), n, nanos & 0xffff);
+            if nix::unistd::User::from_name(&name).unwrap().is_some() {
+                continue;
+            }
+            let home = parent.join(&name);
+            let out = Command::new("useradd")
+                .args([
+                    "--system",
+                    "--user-group",
+                    "--create-home",
+                    "--shell",
+                    "/bin/sh",
+                ])
+                .arg("--home-dir")
+                .arg(&home)
+                .arg(&name)
+                .output()
+                .expect("running useradd");
+            if !out.status.success() {
+                // Not ours: nothing to remove.
+                eprintln!(
+                    "useradd {name}: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                );
+                continue;
+            }
+            // From here on the account is removed whatever happens.
+            let mut user = TempUser {
+                name,
+                uid: None,
+                gid: 0,
+                home,
+            };
+            let pw = nix::unistd::User::from_name(&user.name)
+                .unwrap()
+                .expect("the account just made");
+            assert_ne!(pw.uid.as_raw(), 0, "useradd made a root account");
+            user.uid = Some(pw.uid.as_raw());
+            user.gid = pw.gid.as_raw();
+            assert_eq!(pw.dir, user.home);
+            return user;
+        }
+        panic!("could not make a test account with useradd");
+    }
+
+    fn uid(&self) -> u32 {
+        self.uid.expect("looked up")
+    }
+
+    /// Writes `keys` as the account's roam authorized keys at the relay's
+    /// default place (`~/.config/roam/authorized_keys`), owned by the
+    /// account, mode 0600, as `Account::authorize` wants it.
+    fn authorize(&self, keys: &str) -> std::path::PathBuf {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = self.home.join(".config/roam");
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("authorized_keys");
+        std::fs::write(&file, keys).unwrap();
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        for p in [self.home.join(".config"), dir, file.clone()] {
+            std::os::unix::fs::chown(&p, self.uid, Some(self.gid)).unwrap();
+        }
+        file
+    }
+
+    /// Pids of the processes whose real or effective uid is `uid`.
+    fn processes(uid: u32) -> Vec<i32> {
+        let Ok(entries) = std::fs::read_dir("/proc") else {
+            return Vec::new();
+        };
+        entries
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+            .filter(|pid| {
+                std::fs::read_to_string(format!("/proc/{pid}/status")).is_ok_and(|st| {
+                    st.lines()
+                        .find_map(|l| l.strip_prefix("Uid:"))
+                        .is_some_and(|ids| {
+                            ids.split_whitespace()
+                                .take(2)
+                                .any(|id| id == uid.to_string())
+                        })
+                })
+            })
+            .collect()
+    }
+}
+
+impl Drop for TempUser {
+    fn drop(&mut self) {
+        if let Some(uid) = self.uid.filter(|&u| u != 0) {
+            // A fresh account's processes are this test's, and userdel
+            // refuses an account that still runs any.
+            let end = Instant::now() + Duration::from_secs(10);
+            loop {
+                let left = Self::processes(uid);
+                if left.is_empty() || Instant::now() > end {
+                    break;
+                }
+                for pid in left {
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(pid),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        match Command::new("userdel").args(["-r", &self.name]).output() {
+            Ok(out) if out.status.success() => {}
+            Ok(out) => eprintln!(
+                "WARNING: userdel -r {} failed: {}",
+                self.name,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+            Err(e) => eprintln!("WARNING: userdel -r {}: {e}", self.name),
+        }
+    }
+}
+
+/// Why this machine cannot run the account tests, if it cannot.
+fn account_skip_reason() -> Option<&'static str> {
+    if !nix::unistd::geteuid().is_root() {
+        return Some("not root (the test makes a system account)");
+    }
+    let found = Command::new("useradd")
+        .arg("--help")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok();
+    (!found).then_some("useradd is not installed (apt-get install passwd)")
+}
+
+/// What the shell says about itself (`printf` of the fields below), parsed
+/// from a client's output; the command's own echo (with its `%s`) is
+/// skipped.
+#[derive(Debug, PartialEq)]
+struct Identity {
+    uid: String,
+    gid: String,
+    groups: String,
+    home: String,
+    user: String,
+    logname: String,
+    shell: String,
+    cwd: String,
+    /// The shell's effective capabilities (`CapEff` in `/proc`), hex.
+    caps: String,
+}
+
+/// The command whose output [`Identity::parse`] reads.
+const WHO_AM_I: &str = "printf 'ID[%s|%s|%s|%s|%s|%s|%s|%s|%s]\\n' \"$(id -u)\" \"$(id -g)\" \"$(id -G)\" \"$HOME\" \"$USER\" \"$LOGNAME\" \"$SHELL\" \"$(pwd)\" \"$(sed -n 's/^CapEff:[[:space:]]*//p' /proc/self/status)\"";
+
+impl Identity {
+    fn parse(text: &str) -> Option<Self> {
+        text.lines()
+            .filter(|l| !l.contains("%s"))
+            .filter_map(|l| l.split_once("ID[")?.1.split_once(']'))
+            .map(|(fields, _)| fields.split('|').map(str::to_string).collect::<Vec<_>>())
+            .find(|f| f.len() == 9)
+            .map(|f| {
+                let mut f = f.into_iter();
+                let mut next = || f.next().unwrap();
+                Identity {
+                    uid: next(),
+                    gid: next(),
+                    groups: next(),
+                    home: next(),
+                    user: next(),
+                    logname: next(),
+                    shell: next(),
+                    cwd: next(),
+                    caps: next(),
+                }
+            })
+    }
+}
+
+/// A relay running as root (here with supplementary groups 0 and 4, when
+/// `setpriv` can give it those) starts a shell as the account the client
+/// names: the account's uid and gid and no other group, no capability, its
+/// home as `HOME` and working directory, its name as `USER` and `LOGNAME`,
+/// its login shell. The authorized keys are at the default place
+/// (`~/.config/roam/authorized_keys`). The same client key gets no shell as
+/// root or as another account whose file does not list it, nor as its own
+/// account once that file is writable by others or owned by someone else.
+/// Skips, saying why, unless root with `useradd`.
+#[test]
+fn a_root_relay_starts_the_shell_as_the_named_account_and_only_for_its_keys() {
+    if let Some(why) = account_skip_reason() {
+        eprintln!("SKIP: {why}");
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    // The accounts' homes: under a directory they may pass through (a
+    // temporary directory is root's alone).
+    let homes = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(homes.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+    let (relay_state, alice, bob) = (
+        dir.path().join("relay"),
+        dir.path().join("alice"),
+        dir.path().join("bob"),
+    );
+    for d in [&relay_state, &alice, &bob] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    let alice_key = keygen(&alice);
+    let bob_key = keygen(&bob);
+    let a = TempUser::create(homes.path());
+    let b = TempUser::create(homes.path());
+    let a_keys = a.authorize(&format!("{alice_key}\n"));
+    b.authorize(&format!("{bob_key}\n"));
+
+    let port = free_port();
+    let log = dir.path().join("relay.log");
+    let setpriv = Command::new("setpriv")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    let mut relay_cmd = if setpriv {
+        let mut c = Command::new("setpriv");
+        c.args(["--groups", "0,4", "--", BIN]);
+        c
+    } else {
+        eprintln!("note: no setpriv; the relay has no supplementary groups to drop");
+        Command::new(BIN)
+    };
+    let relay = Guard(
+        relay_cmd
+            .env("ROAM_STATE_DIR", &relay_state)
+            .env_remove("RUST_LOG")
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--shell"])
+            .arg("-v")
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(std::fs::File::create(&log).unwrap()))
+            .spawn()
+            .unwrap(),
+    );
+    wait_for_port(port);
+    if setpriv {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", relay.0.id())).unwrap();
+        let groups = status.lines().find(|l| l.starts_with("Groups:")).unwrap();
+        assert_eq!(
+            groups.split_whitespace().skip(1).collect::<Vec<_>>(),
+            ["0", "4"],
+            "the relay's groups"
+        );
+    }
+    let logs = || std::fs::read_to_string(&log).unwrap_or_default();
+
+    // Alice's key, in a's file: a shell as a.
+    let mut client = PtyClient::start(&alice, &format!("{}@127.0.0.1:{port}", a.name), &[]);
+    client.wait_for("new shell");
+    client.send(format!("{WHO_AM_I}\r").as_bytes());
+    let who = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        client.wait_until(Duration::from_secs(30), Identity::parse)
+    }))
+    .unwrap_or_else(|_| panic!("no answer from the shell; relay log:\n{}", logs()));
+    eprintln!("the shell, as the relay started it: {who:?}");
+    let home = a.home.display().to_string();
+    assert_eq!(
+        who,
+        Identity {
+            uid: a.uid().to_string(),
+            gid: a.gid.to_string(),
+            groups: a.gid.to_string(),
+            home: home.clone(),
+            user: a.name.clone(),
+            logname: a.name.clone(),
+            shell: "/bin/sh".into(),
+            cwd: home,
+            caps: "0000000000000000".into(),
+        },
+        "{}",
+        client.text()
+    );
+    let listed = listed_shells(&relay_state);
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0]["user"], a.name.as_str(), "{listed:?}");
+    // The shell's exit status is the client's.
+    client.send(b"exit 3\r");
+    assert_eq!(
+        client.wait_exit(Duration::from_secs(30)),
+        Some(3),
+        "{}",
+        client.text()
+    );
+
+    // The same key, for accounts whose files do not list it: refused.
+    let refused = |target: &str, why: &str| {
+        let mut c = PtyClient::start(&alice, &format!("{target}@127.0.0.1:{port}"), &[]);
+        let code = c.wait_exit(Duration::from_secs(30));
+        c.wait_until(Duration::from_secs(5), |t| t.contains(why).then_some(()));
+        let text = c.text();
+        assert_eq!(code, Some(1), "{target}: {text}");
+        assert!(text.contains("refused the shell"), "{target}: {text}");
+    };
+    refused("root", "root");
+    refused(&b.name, "is not in");
+    // Its own account's file, writable by the group; then owned by b.
+    std::fs::set_permissions(&a_keys, std::fs::Permissions::from_mode(0o620)).unwrap();
+    refused(&a.name, "writable by nobody else");
+    std::fs::set_permissions(&a_keys, std::fs::Permissions::from_mode(0o600)).unwrap();
+    std::os::unix::fs::chown(&a_keys, b.uid, Some(b.gid)).unwrap();
+    refused(&a.name, "must be owned by");
+    assert_eq!(
+        listed_shells(&relay_state),
+        Vec::<serde_json::Value>::new(),
+        "no shell runs"
+    );
+    drop(relay);
 }
