@@ -641,6 +641,10 @@ pub(crate) struct Relay {
     suspend_timeout: Duration,
     /// The shells (`--shell`), if this relay serves them.
     pub(crate) shells: std::sync::OnceLock<Arc<crate::shell::host::ShellHost>>,
+    /// Hands sessions that came with their client connection to the server.
+    adopter: roam::Adopter,
+    /// The server's end of `adopter` (its config takes it).
+    adoptions: roam::Adoptions,
 }
 
 impl Relay {
@@ -653,6 +657,7 @@ impl Relay {
         proto: roam_proto::ServerConfig,
     ) -> Arc<Self> {
         let suspend_timeout = proto.session.resume_timeout;
+        let (adopter, adoptions) = roam::adoption_queue();
         Arc::new(Self {
             rules,
             targets,
@@ -665,6 +670,8 @@ impl Relay {
             parked: Mutex::new(HashMap::new()),
             suspend_timeout,
             shells: std::sync::OnceLock::new(),
+            adopter,
+            adoptions,
         })
     }
 
@@ -674,7 +681,6 @@ impl Relay {
         self.parked.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Parks sessions until their clients resume (`lookup`).
     /// Serves shells handed over (or given back by a failed takeover); a
     /// relay started without `--shell` serves them anyway (they would die
     /// otherwise) with the default key files.
@@ -699,10 +705,33 @@ impl Relay {
         }
     }
 
-    pub(crate) fn park(&self, sessions: Vec<HandedSession>) {
+    /// Takes on sessions handed over (or given back by a failed takeover):
+    /// one that came with its client connection runs on it at once (the
+    /// server adopts it); the others wait for their client's resume.
+    pub(crate) fn park(self: &Arc<Self>, sessions: Vec<HandedSession>) {
         let now = Instant::now();
+        let mut waiting = Vec::new();
+        for mut s in sessions {
+            let Some(live) = s.live.take() else {
+                waiting.push(s);
+                continue;
+            };
+            let id = s.id;
+            let Some(restored) = self.restore_handed(s, Duration::ZERO) else {
+                continue;
+            };
+            if self
+                .adopter
+                .adopt(roam::Adoption { restored, live })
+                .is_err()
+            {
+                tracing::error!(
+                    "handed-over session {id}: the server has stopped; its connections close"
+                );
+            }
+        }
         let mut p = self.parked();
-        for s in sessions {
+        for s in waiting {
             p.insert(s.id, (s, now));
         }
     }
@@ -734,26 +763,39 @@ impl Relay {
             }
             return Ok(None);
         };
+        Ok(self.restore_handed(parked, since.elapsed()))
+    }
+
+    /// Restores a handed-over session (`offline`: how long it was parked)
+    /// as the server installs it; once installed, its relays start again.
+    /// `None` when its state is refused (logged; its target connections
+    /// close).
+    fn restore_handed(
+        self: &Arc<Self>,
+        parked: HandedSession,
+        offline: Duration,
+    ) -> Option<roam::Restored> {
+        let id = parked.id;
         // Counted from here: a handover now waits for this session to be
         // installed (or dropped) rather than miss it in between.
-        let live = LiveGuard::new(&self);
+        let live = LiveGuard::new(self);
         let session = match roam_proto::Session::restore_server(
             &self.proto,
             std::time::Instant::now(),
             &parked.detached.blob,
-            since.elapsed(),
+            offline,
         ) {
             Ok(s) => s,
             Err(e) => {
                 tracing::error!("handed-over session {id}: its state was refused ({e}); its target connections close");
-                return Ok(None);
+                return None;
             }
         };
         let HandedSession {
             detached, streams, ..
         } = parked;
         let relay = self.clone();
-        Ok(Some(roam::Restored::new(
+        Some(roam::Restored::new(
             session,
             detached.unaccepted,
             detached.orphans,
@@ -770,7 +812,7 @@ impl Relay {
                 }
                 tokio::spawn(run_session(relay, handle, streams, live));
             }),
-        )))
+        ))
     }
 
     /// Takes every session out of its pumps and driver (a handover). The
@@ -800,7 +842,7 @@ impl Relay {
 
     /// After a failed handover: the sessions wait here for their clients
     /// again and the relay goes on.
-    pub(crate) fn resume_after_failed_handover(&self, sessions: Vec<HandedSession>) {
+    pub(crate) fn resume_after_failed_handover(self: &Arc<Self>, sessions: Vec<HandedSession>) {
         self.streams_paused.send_replace(false);
         self.park(sessions);
         self.handing.send_replace(false);
@@ -845,7 +887,7 @@ pub(crate) async fn run_relay(
 /// when their clients resume.
 pub(crate) async fn serve_relay(
     listener: TcpListener,
-    config: roam::ServerConfig,
+    mut config: roam::ServerConfig,
     relay: Arc<Relay>,
     shutdown: impl Future<Output = ()>,
 ) -> std::io::Result<()> {
@@ -884,6 +926,7 @@ pub(crate) async fn serve_relay(
         let relay = relay.clone();
         move |id| relay.clone().lookup(id)
     };
+    config.adoptions = Some(relay.adoptions.clone());
     let r = roam::serve_with_restore(listener, config, shutdown, on_session, lookup).await;
     sweeper.abort();
     r
@@ -966,8 +1009,8 @@ async fn run_session(
         }
     }
     let Some(id) = session.id() else { return };
-    match session.detach().await {
-        Ok(detached) => {
+    match session.detach_live().await {
+        Ok((detached, live)) => {
             relay
                 .handed
                 .lock()
@@ -976,6 +1019,7 @@ async fn run_session(
                     id,
                     detached,
                     streams,
+                    live,
                 });
         }
         Err(e) => tracing::info!("session {id} not handed over: {e}"),

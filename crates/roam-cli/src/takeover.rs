@@ -3,8 +3,12 @@
 //! `SCM_RIGHTS`), then exits. Nothing is closed on the way: the listening
 //! socket and every target connection move as descriptors, and each session
 //! moves as its continuation (`docs/PROTOCOL.md` §13) with the bytes its
-//! relay pumps had read and not yet written. Only the client transports are
-//! dropped; clients resume on the new process within a round trip or two.
+//! relay pumps had read and not yet written, and with its client connection
+//! when that is at rest (§13.6: the socket, its transport state and the
+//! records not yet written): the new process continues the same connection
+//! and the client sees a pause, no resume. A client connection caught
+//! mid-handshake is dropped instead; that client resumes within a round trip
+//! or two.
 //!
 //! The wire, one Unix stream connection (`docs/ARCHITECTURE.md`, "Relay
 //! takeover"): *records* are a little-endian `u32` length and a JSON body;
@@ -15,8 +19,9 @@
 //! 1. new → old: `Hello { magic, format, version }`.
 //! 2. old → new: `Answer` (refused: the old relay goes on serving).
 //! 3. old → new: `Listeners`, then their descriptors.
-//! 4. old → new, per session: `SessionHeader`, the blob and every stream's
-//!    pending bytes, then the target descriptors.
+//! 4. old → new, per session: `SessionHeader`, the blob, every stream's
+//!    pending bytes and (format 3) the client connection's state and unsent
+//!    bytes, then the target descriptors and the client connection's.
 //! 5. old → new: `Shells` (format 2: the shells of `--shell`, with their
 //!    terminal images), then their pty descriptors.
 //! 6. old → new: `End`; new → old: `Taken` once it accepts on the listener
@@ -38,7 +43,7 @@ use crate::pump::HalfState;
 
 /// The version of this handover's state format. A relay refuses a takeover
 /// by a process that speaks another one (and goes on serving).
-pub(crate) const STATE_FORMAT: u32 = 2;
+pub(crate) const STATE_FORMAT: u32 = 3;
 /// First field of the hello, so a stray connection is told apart.
 const MAGIC: &str = "roam-takeover";
 /// Largest record body accepted (a session header names lengths, never bytes).
@@ -113,6 +118,18 @@ struct SessionHeader {
     unaccepted: Vec<u64>,
     orphans: Vec<u64>,
     streams: Vec<StreamHeader>,
+    /// The client connection, when it moves too.
+    live: Option<LiveHeader>,
+}
+
+/// A session's client connection: its peer, and the lengths of its
+/// transport state and unsent bytes (raw, after the streams' pending
+/// bytes); its descriptor comes last in the session's batch.
+#[derive(Debug, Serialize, Deserialize)]
+struct LiveHeader {
+    peer: String,
+    state: u64,
+    unsent: u64,
 }
 
 /// One shell of a handover, without its image (raw) and pty (descriptor).
@@ -168,6 +185,8 @@ pub(crate) struct HandedSession {
     pub(crate) detached: roam::Detached,
     /// Streams that had a relay.
     pub(crate) streams: Vec<HandedStream>,
+    /// The client connection, when it moves with the session.
+    pub(crate) live: Option<roam::LiveTransport>,
 }
 
 /// Everything a relay hands over.
@@ -324,6 +343,11 @@ pub(crate) fn encode<W: Write>(
                     down: half_header(&st.down),
                 })
                 .collect(),
+            live: s.live.as_ref().map(|l| LiveHeader {
+                peer: l.peer.to_string(),
+                state: l.state.len() as u64,
+                unsent: l.unsent.len() as u64,
+            }),
         };
         write_record(sock, &header)?;
         sock.write_all(&s.detached.blob)?;
@@ -331,7 +355,12 @@ pub(crate) fn encode<W: Write>(
             sock.write_all(&st.up.pending)?;
             sock.write_all(&st.down.pending)?;
         }
-        let fds: Vec<&OwnedFd> = s.streams.iter().filter_map(|st| st.tcp.as_ref()).collect();
+        if let Some(l) = &s.live {
+            sock.write_all(&l.state)?;
+            sock.write_all(&l.unsent)?;
+        }
+        let mut fds: Vec<&OwnedFd> = s.streams.iter().filter_map(|st| st.tcp.as_ref()).collect();
+        fds.extend(s.live.as_ref().map(|l| &l.fd));
         if !fds.is_empty() {
             send_fds(sock, &fds)?;
         }
@@ -470,7 +499,17 @@ pub(crate) fn decode<R: Read>(
                 },
             });
         }
-        let with_fd = header.streams.iter().filter(|s| s.fd).count();
+        let live = match &header.live {
+            Some(l) => {
+                let peer = l
+                    .peer
+                    .parse::<std::net::SocketAddr>()
+                    .map_err(|e| invalid(format!("client address {:?}: {e}", l.peer)))?;
+                Some((peer, read_raw(sock, l.state)?, read_raw(sock, l.unsent)?))
+            }
+            None => None,
+        };
+        let with_fd = header.streams.iter().filter(|s| s.fd).count() + usize::from(live.is_some());
         let mut fds = if with_fd == 0 {
             Vec::new().into_iter()
         } else {
@@ -481,6 +520,15 @@ pub(crate) fn decode<R: Read>(
                 st.tcp = fds.next();
             }
         }
+        let live = match live {
+            Some((peer, state, unsent)) => {
+                let fd = fds
+                    .next()
+                    .ok_or_else(|| invalid("a client connection without its descriptor".into()))?;
+                Some(roam::LiveTransport::new(fd, peer, state, unsent))
+            }
+            None => None,
+        };
         sessions.push(HandedSession {
             id,
             detached: roam::Detached::new(
@@ -489,6 +537,7 @@ pub(crate) fn decode<R: Read>(
                 header.orphans.into_iter().map(roam::StreamId).collect(),
             ),
             streams,
+            live,
         });
     }
     Ok(Handover {
@@ -559,6 +608,12 @@ pub(crate) fn describe(h: &Handover) -> String {
             "session {} blob {:?} unaccepted {:?} orphans {:?}\n",
             s.id, s.detached.blob, s.detached.unaccepted, s.detached.orphans
         );
+        if let Some(l) = &s.live {
+            out += &format!(
+                "  client connection {} state {:?} unsent {:?}\n",
+                l.peer, l.state, l.unsent
+            );
+        }
         for st in &s.streams {
             out += &format!(
                 "  stream {} {:?} fd {} up {:?} down {:?}\n",
@@ -659,6 +714,12 @@ mod tests {
                         down: HalfState::default(),
                     },
                 ],
+                live: Some(roam::LiveTransport::new(
+                    tcp.next().expect("a client connection descriptor last"),
+                    "192.0.2.7:40000".parse().unwrap(),
+                    b"RMLT state".to_vec(),
+                    b"sealed records".to_vec(),
+                )),
             }],
             shells: vec![crate::shell::host::HandedShell {
                 user: "alice".into(),
@@ -681,7 +742,13 @@ mod tests {
         let client = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (mut server_side, _) = l.accept().unwrap();
         let pty = nix::pty::openpty(None, None).unwrap();
-        let h = sample(vec![pty.master, OwnedFd::from(client)]);
+        let client2 = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut client2_peer, _) = l.accept().unwrap();
+        let h = sample(vec![
+            pty.master,
+            OwnedFd::from(client),
+            OwnedFd::from(client2),
+        ]);
         let expected = describe(&h);
         let (mut a, mut b) = UnixStream::pair().unwrap();
         let sender = std::thread::spawn(move || {
@@ -705,6 +772,18 @@ mod tests {
         let mut buf = [0u8; 10];
         server_side.read_exact(&mut buf).unwrap();
         assert_eq!(&buf, b"still here");
+        // So is the client connection.
+        let fd = got.sessions[0]
+            .live
+            .as_ref()
+            .unwrap()
+            .fd
+            .try_clone()
+            .unwrap();
+        let mut moved = std::net::TcpStream::from(fd);
+        moved.write_all(b"same conn!").unwrap();
+        client2_peer.read_exact(&mut buf).unwrap();
+        assert_eq!(&buf, b"same conn!");
         // The shell's pty arrives as the same terminal: what its master
         // writes, its slave reads.
         let mut master = std::fs::File::from(got.shells[0].pty.try_clone().unwrap());
@@ -720,7 +799,7 @@ mod tests {
     #[test]
     fn decoder_round_trips_and_refuses_malformed_input() {
         let null = || OwnedFd::from(std::fs::File::open("/dev/null").unwrap());
-        let h = sample(vec![null(), null()]);
+        let h = sample(vec![null(), null(), null()]);
         let mut bytes = Vec::new();
         encode(&mut bytes, &h, |w, _| w.write_all(b"F")).unwrap();
         assert_eq!(decode_bytes(&bytes), Ok(Ok(describe(&h))));

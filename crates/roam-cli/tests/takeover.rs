@@ -178,6 +178,8 @@ async fn run_target(l: tokio::net::TcpListener, reports: Arc<Mutex<Vec<TargetRep
 struct ClientReport {
     up_sent: u64,
     down_received: u64,
+    /// Transports the client session used: 1 when it never had to resume.
+    transports: u64,
 }
 
 /// One client session: writes the upward pattern until `stop`, then
@@ -234,10 +236,12 @@ async fn run_client(
         got += n as u64;
     }
     let up_sent = writer.await.map_err(|e| e.to_string())??;
+    let transports = session.stats().transports;
     let _ = session.close(0, "done").await;
     Ok(ClientReport {
         up_sent,
         down_received: got,
+        transports,
     })
 }
 
@@ -375,6 +379,8 @@ impl Fixture {
 }
 
 /// Upgrades the relay `rounds` times under load on `sessions` sessions.
+/// The client connections move with the sessions (PROTOCOL §13.6): no client ever
+/// dials again.
 fn upgrade_under_load(sessions: usize, rounds: usize) {
     let (f, mut relay) = Fixture::start();
     let stop = Arc::new(AtomicBool::new(false));
@@ -397,6 +403,17 @@ fn upgrade_under_load(sessions: usize, rounds: usize) {
     stop.store(true, Ordering::SeqCst);
     let results = f.results(clients, Duration::from_secs(60));
     f.check(&results);
+    let redialed: Vec<u64> = results
+        .iter()
+        .filter_map(|r| r.as_ref().ok())
+        .map(|r| r.transports)
+        .filter(|&t| t != 1)
+        .collect();
+    assert!(
+        redialed.is_empty(),
+        "{} of {sessions} clients dialed again (transports used: {redialed:?}): their connections did not move with the relay",
+        redialed.len()
+    );
     f.rt.shutdown_timeout(Duration::from_secs(1));
 }
 
@@ -643,13 +660,13 @@ fn a_successor_that_dies_mid_handover_leaves_the_old_relay_serving() {
         .collect();
     std::thread::sleep(Duration::from_millis(300));
     // The fake successor: hello with the right format (the relay's
-    // STATE_FORMAT, 2 since shells move too), then read part of
-    // the handover and hang up.
+    // STATE_FORMAT, 3 since client connections move too), then read part
+    // of the handover and hang up.
     let mut sock =
         std::os::unix::net::UnixStream::connect(dir.path().join("serve.takeover")).unwrap();
     sock.set_read_timeout(Some(Duration::from_secs(20)))
         .unwrap();
-    let hello = br#"{"magic":"roam-takeover","format":2,"version":"test"}"#;
+    let hello = br#"{"magic":"roam-takeover","format":3,"version":"test"}"#;
     sock.write_all(&(hello.len() as u32).to_le_bytes()).unwrap();
     sock.write_all(hello).unwrap();
     let mut len = [0u8; 4];
@@ -704,5 +721,11 @@ fn a_successor_that_dies_mid_handover_leaves_the_old_relay_serving() {
     }
     assert_eq!(up, up_got);
     assert_eq!(down, down_got);
+    // The old relay took its sessions back on their connections.
+    let transports: Vec<u64> = results
+        .iter()
+        .map(|r| r.as_ref().unwrap().transports)
+        .collect();
+    assert_eq!(transports, [1; 5], "no client dialed again");
     rt.shutdown_timeout(Duration::from_secs(1));
 }

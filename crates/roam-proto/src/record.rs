@@ -22,15 +22,29 @@ pub const RECORD_OVERHEAD: usize = 2 + TAG_LEN;
 #[cfg_attr(fuzzing, derive(Clone))]
 pub(crate) struct RecordCipher {
     aead: Aead,
+    /// The key, kept so a live transport can move to another process
+    /// (`Session::export_transport`); never written anywhere else.
+    key: [u8; 32],
     nonce: u64,
 }
 
 impl RecordCipher {
     pub(crate) fn new(key: &[u8; 32]) -> Self {
+        Self::at(key, 0)
+    }
+
+    /// The cipher of a moved transport: `key`, next nonce `nonce`.
+    pub(crate) fn at(key: &[u8; 32], nonce: u64) -> Self {
         Self {
             aead: Aead::new(key),
-            nonce: 0,
+            key: *key,
+            nonce,
         }
+    }
+
+    /// The key and the next nonce, for moving the transport.
+    pub(crate) fn state(&self) -> (&[u8; 32], u64) {
+        (&self.key, self.nonce)
     }
 
     fn next_nonce(&mut self) -> Result<u64, crate::Error> {

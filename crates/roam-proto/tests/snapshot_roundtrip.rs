@@ -10,6 +10,11 @@
 //!   it), the pair resumes, and at the end every byte written on every
 //!   stream has been read exactly once, in order, followed by end-of-stream.
 //!
+//! At other random points one side's live transport moves instead (§13.6,
+//! relay takeover): the session is exported with its transport state,
+//! restored, and the copy adopts the transport and carries on over the same
+//! link, bytes in flight included, with no resume.
+//!
 //! `ROAM_SNAPSHOT_SEED=n` replays one case; the seed is printed on failure.
 //! `ROAM_SNAPSHOT_SEEDS_DIR=dir` also writes the sections of a few snapshots
 //! (the blob without magic, format byte and digest) there: the seeds of the
@@ -89,6 +94,10 @@ struct World {
     /// Snapshots taken, and how many of them of a live (Active) session.
     snapshots: usize,
     live: usize,
+    /// Live transports moved (`export_transport` / `adopt_transport`), and
+    /// attempts refused because the transport was not at rest.
+    moved: usize,
+    not_moved: usize,
     /// Sessions that closed (a close is a failure unless a test expects it).
     closed: Vec<(Side, CloseReason)>,
 }
@@ -142,6 +151,8 @@ impl World {
             eof: BTreeSet::new(),
             snapshots: 0,
             live: 0,
+            moved: 0,
+            not_moved: 0,
             closed: Vec::new(),
         };
         w.dial();
@@ -379,6 +390,53 @@ impl World {
         }
     }
 
+    /// Moves `side`'s live transport to a restored copy of the session, as
+    /// a relay takeover does: the link (bytes in flight included) is kept,
+    /// the peer sees nothing, and the copy replaces the original.
+    fn move_live(&mut self, side: Side) {
+        let now = self.now;
+        let original = match side {
+            Side::Client => &self.client,
+            Side::Server => match self.server.as_ref() {
+                Some(s) => s,
+                None => return,
+            },
+        };
+        let Some(state) = original.export_transport() else {
+            self.not_moved += 1;
+            return;
+        };
+        let blob = original.export(now).expect("export");
+        let mut copy = restore(side, now, &blob, Duration::ZERO, &self.server_cfg);
+        let tid = copy.adopt_transport(now, &state).expect("adopt");
+        // A second adoption is refused: the session has its transport.
+        assert!(copy.adopt_transport(now, &state).is_err());
+        // A damaged transport state is refused with the session unchanged.
+        let mut other = restore(side, now, &blob, Duration::ZERO, &self.server_cfg);
+        let mut bad = state.clone();
+        let i = self.rng.below(bad.len() as u64) as usize;
+        bad[i] ^= 0x40;
+        assert!(other.adopt_transport(now, &bad).is_err());
+        assert_eq!(other.state(), State::Suspended);
+        assert_eq!(other.active_transport(), None);
+        let l = self.link.as_ref().expect("a live transport has a link");
+        match side {
+            Side::Client => assert_eq!(tid, l.client),
+            Side::Server => assert_eq!(Some(tid), l.server),
+        }
+        assert_eq!(copy.state(), State::Active);
+        assert_eq!(copy.active_transport(), Some(tid));
+        assert!(
+            copy.poll_event().is_none(),
+            "a moved transport emits no event"
+        );
+        self.moved += 1;
+        match side {
+            Side::Client => self.client = copy,
+            Side::Server => self.server = Some(copy),
+        }
+    }
+
     /// One random step.
     fn step(&mut self) {
         // A client re-dials soon after losing its transport, as a driver would.
@@ -410,6 +468,7 @@ impl World {
                 self.snapshot(Side::Client);
                 self.snapshot(Side::Server);
             }
+            97 | 98 => self.move_live(side),
             _ => self.tick(),
         }
     }
@@ -536,8 +595,9 @@ fn same_state(a: &Session, b: &Session, known: &BTreeSet<(Side, u64)>, side: Sid
 }
 
 /// One case: random steps, then the drain and the oracle; returns the
-/// snapshots taken and how many were of a live session.
-fn run(seed: u64) -> (usize, usize) {
+/// snapshots taken, how many were of a live session, and the live
+/// transports moved.
+fn run(seed: u64) -> (usize, usize, usize) {
     let mut w = World::new(seed);
     for _ in 0..STEPS {
         w.step();
@@ -546,7 +606,7 @@ fn run(seed: u64) -> (usize, usize) {
     w.drain();
     w.check();
     assert!(w.closed.is_empty(), "closed: {:?}", w.closed);
-    (w.snapshots, w.live)
+    (w.snapshots, w.live, w.moved)
 }
 
 /// The property, over `CASES` seeds.
@@ -556,13 +616,14 @@ fn snapshots_of_random_sessions_round_trip_and_resume_exactly_once() {
         Ok(s) => vec![s.parse().expect("ROAM_SNAPSHOT_SEED is a number")],
         Err(_) => (0..CASES).collect(),
     };
-    let (mut snapshots, mut live) = (0, 0);
+    let (mut snapshots, mut live, mut moved) = (0, 0, 0);
     for seed in seeds {
         let r = std::panic::catch_unwind(|| run(seed));
         match r {
-            Ok((n, l)) => {
+            Ok((n, l, m)) => {
                 snapshots += n;
                 live += l;
+                moved += m;
             }
             Err(e) => {
                 eprintln!("snapshot round trip failed: ROAM_SNAPSHOT_SEED={seed}");
@@ -570,8 +631,13 @@ fn snapshots_of_random_sessions_round_trip_and_resume_exactly_once() {
             }
         }
     }
-    println!("{snapshots} snapshots round-tripped, {live} of them of live sessions");
+    println!(
+        "{snapshots} snapshots round-tripped, {live} of them of live sessions; {moved} live transports moved"
+    );
     assert!(snapshots > 0 && live > 0);
+    if std::env::var("ROAM_SNAPSHOT_SEED").is_err() {
+        assert!(moved > 100, "only {moved} live transports moved");
+    }
 }
 
 /// A snapshot's sections as (id, version, body).

@@ -104,6 +104,10 @@ pub struct ServerConfig {
     /// first, so no resume lands on a session it is taking out (default:
     /// none, always open).
     pub accept_paused: Option<tokio::sync::watch::Receiver<bool>>,
+    /// Sessions handed to this server with their live connections (a relay
+    /// takeover): the server installs each as it arrives, from its start
+    /// until it stops (default: none). See [`crate::adoption_queue`].
+    pub adoptions: Option<crate::Adoptions>,
 }
 
 impl ServerConfig {
@@ -120,6 +124,7 @@ impl ServerConfig {
             shutdown_grace: Duration::from_secs(2),
             stats: crate::ServerStats::default(),
             accept_paused: None,
+            adoptions: None,
         }
     }
 }

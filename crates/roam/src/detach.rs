@@ -10,9 +10,13 @@
 //! that is the caller's policy.
 
 use std::future::Future;
+use std::net::SocketAddr;
+use std::os::fd::OwnedFd;
 use std::pin::Pin;
+use std::sync::{Arc, Mutex};
 
 use roam_proto::{SessionId, StreamId};
+use tokio::sync::mpsc;
 
 use crate::SessionHandle;
 
@@ -43,6 +47,88 @@ impl Detached {
             orphans,
         }
     }
+}
+
+/// A session's live connection, taken out with it
+/// ([`SessionHandle::detach_live`](crate::SessionHandle::detach_live)) to
+/// go on in another process: a relay takeover hands it over with the
+/// continuation, and the new process continues the same connection (an
+/// [`Adoption`]) instead of waiting for the peer to resume
+/// (`docs/PROTOCOL.md` §13.6).
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct LiveTransport {
+    /// The connected socket (TCP or Unix-domain).
+    pub fd: OwnedFd,
+    /// The peer's address, as the session knew it.
+    pub peer: SocketAddr,
+    /// The transport state (`roam_proto::Session::export_transport`). Holds
+    /// the connection's traffic keys: it travels as the continuation does
+    /// and is never stored.
+    pub state: Vec<u8>,
+    /// Records already sealed and not yet written to the socket: they go
+    /// out first, before anything the new process seals.
+    pub unsent: Vec<u8>,
+}
+
+impl LiveTransport {
+    /// A live transport as [`SessionHandle::detach_live`](crate::SessionHandle::detach_live)
+    /// made it (e.g. after it travelled to another process).
+    pub fn new(fd: OwnedFd, peer: SocketAddr, state: Vec<u8>, unsent: Vec<u8>) -> Self {
+        Self {
+            fd,
+            peer,
+            state,
+            unsent,
+        }
+    }
+}
+
+/// A restored session to install in a running server together with its
+/// live connection (see [`LiveTransport`]).
+#[derive(Debug)]
+pub struct Adoption {
+    /// The session, restored from the continuation taken with `live`.
+    pub restored: Restored,
+    /// Its connection.
+    pub live: LiveTransport,
+}
+
+/// Hands [`Adoption`]s to the server whose [`ServerConfig::adoptions`](crate::ServerConfig::adoptions)
+/// holds the other end ([`adoption_queue`]).
+#[derive(Debug, Clone)]
+pub struct Adopter(mpsc::UnboundedSender<Adoption>);
+
+impl Adopter {
+    /// Queues `a` for installation: the server puts the session in its
+    /// routing map and runs it on its connection at once (or, if the
+    /// connection or its state is refused, drops the connection and
+    /// installs the session suspended, so the peer resumes). Gives `a`
+    /// back when the server has stopped.
+    pub fn adopt(&self, a: Adoption) -> Result<(), Box<Adoption>> {
+        self.0.send(a).map_err(|e| Box::new(e.0))
+    }
+}
+
+/// The server's end of an [`adoption_queue`]; put it in
+/// [`ServerConfig::adoptions`](crate::ServerConfig::adoptions). One server
+/// takes the queue; clones share it.
+#[derive(Debug, Clone)]
+pub struct Adoptions(Arc<Mutex<Option<mpsc::UnboundedReceiver<Adoption>>>>);
+
+impl Adoptions {
+    /// The receiver, for the server that starts with it (once).
+    pub(crate) fn take(&self) -> Option<mpsc::UnboundedReceiver<Adoption>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+}
+
+/// A queue of sessions to adopt with their connections: the [`Adopter`]
+/// sends, the server whose config holds the [`Adoptions`] installs.
+/// Adoptions sent before the server starts wait for it.
+pub fn adoption_queue() -> (Adopter, Adoptions) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    (Adopter(tx), Adoptions(Arc::new(Mutex::new(Some(rx)))))
 }
 
 /// Called with the handle of a restored session once it is in the routing map,

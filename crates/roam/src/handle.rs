@@ -14,7 +14,7 @@ use roam_proto::{
 use roam_proto::{ExportError, StreamError};
 use tokio::sync::{broadcast, oneshot, Notify};
 
-use crate::detach::Detached;
+use crate::detach::{Detached, LiveTransport};
 use crate::stream::RoamStream;
 use crate::Error;
 
@@ -121,6 +121,14 @@ pub struct SessionStats {
     pub driver_wakeups: u64,
 }
 
+/// A [`SessionHandle::detach`] waiting for the driver.
+pub(crate) struct DetachRequest {
+    /// Take the connection out too ([`SessionHandle::detach_live`]).
+    pub(crate) live: bool,
+    /// Where the driver answers.
+    pub(crate) reply: oneshot::Sender<Result<(Detached, Option<LiveTransport>), ExportError>>,
+}
+
 /// State shared by the driver and the application handles, behind one mutex.
 pub(crate) struct Shared {
     pub(crate) session: Session,
@@ -151,7 +159,7 @@ pub(crate) struct Shared {
     /// The application asked for an immediate re-dial.
     pub(crate) redial_requested: bool,
     /// [`SessionHandle::detach`] is waiting for the driver to export and stop.
-    pub(crate) detach: Option<oneshot::Sender<Result<Detached, ExportError>>>,
+    pub(crate) detach: Option<DetachRequest>,
     /// Iterations of the driver loop so far ([`SessionStats::driver_wakeups`]).
     pub(crate) driver_wakeups: u64,
     /// Taken out by [`SessionHandle::detach`]: the continuation owns every
@@ -450,13 +458,33 @@ impl SessionHandle {
     /// resumes. Errors: `NotEstablished` during the first handshake,
     /// `Closed` once the session is over.
     pub async fn detach(&self) -> Result<Detached, ExportError> {
-        let (tx, rx) = oneshot::channel();
+        self.detach_request(false).await.map(|(d, _)| d)
+    }
+
+    /// [`SessionHandle::detach`], keeping the connection: when the active
+    /// transport is at rest (established, nothing of its handshake pending)
+    /// it comes out too, as a [`LiveTransport`] — the socket, its transport
+    /// state and the records not yet written — for another process to
+    /// continue with an [`Adoption`](crate::Adoption), and the peer sees no
+    /// break, only a pause (`docs/PROTOCOL.md` §13.6). Otherwise the
+    /// connection is dropped as by `detach` and the peer resumes. Nothing is
+    /// written on the connection after this returns: whoever holds the
+    /// [`LiveTransport`] must adopt it or drop it.
+    pub async fn detach_live(&self) -> Result<(Detached, Option<LiveTransport>), ExportError> {
+        self.detach_request(true).await
+    }
+
+    async fn detach_request(
+        &self,
+        live: bool,
+    ) -> Result<(Detached, Option<LiveTransport>), ExportError> {
+        let (reply, rx) = oneshot::channel();
         {
             let mut sh = self.inner().lock();
             if sh.closed.is_some() {
                 return Err(ExportError::Closed);
             }
-            sh.detach = Some(tx);
+            sh.detach = Some(DetachRequest { live, reply });
         }
         self.inner().notify.notify_one();
         rx.await.unwrap_or(Err(ExportError::Closed))

@@ -70,7 +70,10 @@ mod transport;
 
 pub use client::{connect, connect_over, resume};
 pub use config::{ClientConfig, MovePolicy, ServerConfig};
-pub use detach::{Detached, Directory, Locating, Location, LookupResult, OnInstalled, Restored};
+pub use detach::{
+    adoption_queue, Adopter, Adoption, Adoptions, Detached, Directory, LiveTransport, Locating,
+    Location, LookupResult, OnInstalled, Restored,
+};
 pub use error::Error;
 pub use handle::{SessionEvent, SessionHandle, SessionStats};
 pub use limits::{LogThrottle, ServerStats, ServerUsage};

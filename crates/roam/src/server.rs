@@ -64,6 +64,8 @@ struct Ctx {
     directory: Arc<dyn Directory>,
     /// Throttles the warnings about refused new sessions.
     refusals: SharedThrottle,
+    /// The connection cap (an adopted connection takes a slot if one is free).
+    limit: Arc<Semaphore>,
 }
 
 /// Runs a roam server on `listener` until `shutdown` completes: a
@@ -167,7 +169,11 @@ async fn serve_inner(
         running: running_tx,
         directory,
         refusals: SharedThrottle::new(LOG_EVERY),
+        limit: limit.clone(),
     });
+    if let Some(rx) = ctx.config.adoptions.as_ref().and_then(|a| a.take()) {
+        tokio::spawn(adopt_all(ctx.clone(), rx));
+    }
     // Accept errors and connections over the cap come in floods: one line per
     // LOG_EVERY each, with a count of the rest.
     let mut accept_errors = LogThrottle::new(LOG_EVERY);
@@ -494,6 +500,86 @@ async fn install(ctx: &Arc<Ctx>, id: SessionId, restored: Restored, h: Box<Hando
     // A fresh channel has room for the first handoff.
     let _ = tx.try_send(h);
     drop(tx);
+    run_restored(ctx, id, restored, rx, None);
+}
+
+/// Installs sessions handed over with their live connections (relay
+/// takeover, [`crate::Adoption`]) as they arrive, until the server stops.
+async fn adopt_all(ctx: Arc<Ctx>, mut rx: mpsc::UnboundedReceiver<crate::Adoption>) {
+    let mut stop = ctx.shutdown.clone();
+    loop {
+        let a = tokio::select! {
+            a = rx.recv() => a,
+            _ = stop.wait_for(|s| *s) => None,
+        };
+        let Some(a) = a else { return };
+        adopt(&ctx, a);
+    }
+}
+
+/// Installs one adopted session on its connection. A connection or state
+/// that is refused is dropped (the client sees its transport end and
+/// resumes) and the session is installed suspended, waiting for that resume.
+fn adopt(ctx: &Arc<Ctx>, a: crate::Adoption) {
+    let crate::Adoption { mut restored, live } = a;
+    let Some(id) = restored.session.id() else {
+        return;
+    };
+    let now = Instant::now().into_std();
+    let conn = match restored.session.adopt_transport(now, &live.state) {
+        Ok(tid) => match Transport::adopt(live.fd) {
+            Ok(sock) => {
+                crate::sockopt::configure(&sock, ctx.config.proto.session.suspend_after * 2);
+                let mut c = Conn::new(
+                    tid,
+                    sock,
+                    live.peer,
+                    ctx.limit.clone().try_acquire_owned().ok(),
+                );
+                let mut unsent = live.unsent;
+                c.queue(&mut unsent);
+                Some(c)
+            }
+            Err(e) => {
+                tracing::warn!("session {id}: its handed-over connection is unusable ({e}); waiting for the client to resume");
+                restored.session.handle_transport_closed(now, tid);
+                None
+            }
+        },
+        Err(e) => {
+            tracing::warn!("session {id}: its handed-over connection state was refused ({e}); waiting for the client to resume");
+            None
+        }
+    };
+    let (tx, rx) = mpsc::channel(HANDOFF_QUEUE);
+    {
+        let mut reg = ctx.registry.lock();
+        if reg.contains_key(&id) {
+            tracing::warn!("session {id} adopted twice; keeping the first");
+            return;
+        }
+        reg.insert(id, tx);
+    }
+    tracing::debug!(
+        "adopted session {id}{}",
+        if conn.is_some() {
+            " on its connection"
+        } else {
+            ""
+        }
+    );
+    run_restored(ctx, id, restored, rx, conn);
+}
+
+/// Runs a restored session (in the routing map already): announces its
+/// handle, then spawns its driver, on `conn` or waiting for a resume.
+fn run_restored(
+    ctx: &Arc<Ctx>,
+    id: SessionId,
+    restored: Restored,
+    handoffs: mpsc::Receiver<Box<Handoff>>,
+    conn: Option<Conn>,
+) {
     let Restored {
         session,
         unaccepted,
@@ -510,7 +596,7 @@ async fn install(ctx: &Arc<Ctx>, id: SessionId, restored: Restored, h: Box<Hando
     on_installed(SessionHandle::new(inner.clone()));
     let side = ServerSide {
         id,
-        handoffs: rx,
+        handoffs,
         registry: ctx.registry.clone(),
         on_session: ctx.on_session.clone(),
         shutdown: ctx.shutdown.clone(),
@@ -520,5 +606,9 @@ async fn install(ctx: &Arc<Ctx>, id: SessionId, restored: Restored, h: Box<Hando
         max_sessions_per_key: usize::MAX,
     };
     tracing::debug!("restored session {id}");
-    tokio::spawn(Driver::restored(inner, Kind::Server(side)).run());
+    let driver = match conn {
+        Some(c) => Driver::new(inner, c, Kind::Server(side)),
+        None => Driver::restored(inner, Kind::Server(side)),
+    };
+    tokio::spawn(driver.run());
 }

@@ -29,6 +29,15 @@ pub enum Transport {
 }
 
 impl Transport {
+    /// Gives the socket back as a plain descriptor (out of the runtime, still
+    /// connected): the other direction of [`Transport::adopt`].
+    pub fn into_fd(self) -> io::Result<OwnedFd> {
+        match self {
+            Transport::Tcp(s) => s.into_std().map(OwnedFd::from),
+            Transport::Unix(s) => s.into_std().map(OwnedFd::from),
+        }
+    }
+
     /// Takes over a connected stream socket someone else opened (a
     /// descriptor received over `SCM_RIGHTS`, inherited from a parent, or
     /// restored): TCP (IPv4 or IPv6) or Unix-domain. Must be called within a

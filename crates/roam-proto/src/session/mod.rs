@@ -21,6 +21,7 @@
 
 pub mod envelope;
 mod export;
+mod live;
 // Hooks for the session fuzz targets; like `suite_fuzzing.rs`, only under cargo-fuzz.
 #[cfg(fuzzing)]
 mod fuzzing;

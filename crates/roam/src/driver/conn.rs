@@ -81,7 +81,7 @@ impl Conn {
     }
 
     /// Queues a record (or several) polled from the session.
-    pub(super) fn queue(&mut self, records: &mut Vec<u8>) {
+    pub(crate) fn queue(&mut self, records: &mut Vec<u8>) {
         if self.out.is_empty() {
             std::mem::swap(&mut self.out, records);
         } else {

@@ -112,7 +112,8 @@ impl Driver {
         &mut self,
         sh: &mut Shared,
         now: std::time::Instant,
-    ) -> Result<crate::Detached, roam_proto::ExportError> {
+        live: bool,
+    ) -> Result<(crate::Detached, Option<crate::LiveTransport>), roam_proto::ExportError> {
         if sh.closed.is_some() {
             return Err(roam_proto::ExportError::Closed);
         }
@@ -120,6 +121,9 @@ impl Driver {
         // (and keeps them for retransmission until acknowledged).
         self.flush_parting_words(sh, now);
         let blob = sh.session.export(now)?;
+        // After the export and the last records polled: the transport state
+        // and the continuation describe the same instant.
+        let live = if live { self.take_live(sh) } else { None };
         let detached = crate::Detached {
             blob,
             unaccepted: sh.incoming.drain(..).collect(),
@@ -136,9 +140,41 @@ impl Driver {
         if let Kind::Server(s) = &self.kind {
             s.unroute();
         }
-        tracing::debug!("session {} detached", id_text(sh));
+        tracing::debug!(
+            "session {} detached{}",
+            id_text(sh),
+            if live.is_some() {
+                " with its connection"
+            } else {
+                ""
+            }
+        );
         self.inner.events.send(SessionEvent::Detached);
-        Ok(detached)
+        Ok((detached, live))
+    }
+
+    /// Takes the active connection out for [`SessionHandle::detach_live`]:
+    /// its socket, its transport state and what it has not written yet.
+    /// `None` (the connection is then dropped with the others) when the
+    /// transport is not at rest or the socket cannot be taken out of the
+    /// runtime.
+    fn take_live(&mut self, sh: &Shared) -> Option<crate::LiveTransport> {
+        let tid = sh.session.active_transport()?;
+        let state = sh.session.export_transport()?;
+        let i = self.conns.iter().position(|c| c.tid == tid)?;
+        let c = self.conns.swap_remove(i);
+        let unsent = c.out[c.pos..].to_vec();
+        let peer = c.peer;
+        match c.sock.into_fd() {
+            Ok(fd) => Some(crate::LiveTransport::new(fd, peer, state, unsent)),
+            Err(e) => {
+                tracing::warn!(
+                    "session {}: its connection could not be taken out ({e}); the client resumes",
+                    id_text(sh)
+                );
+                None
+            }
+        }
     }
 
     /// Before a detach drops the sockets: writes, without waiting, what the
@@ -167,7 +203,11 @@ impl Driver {
             }
         }
         c.queue(&mut out);
-        let _ = c.sock.try_write(&c.out[c.pos..]);
+        // What is written is written: a connection that moves on
+        // (`detach_live`) takes only the rest along.
+        if let Ok(n) = c.sock.try_write(&c.out[c.pos..]) {
+            c.pos += n;
+        }
     }
 
     /// Feeds bytes that arrived with the hello (server) before the loop starts.
@@ -218,10 +258,10 @@ impl Driver {
         for c in &mut self.conns {
             c.fit_memory(reading, advice);
         }
-        if let Some(reply) = sh.detach.take() {
-            let result = self.detach(&mut sh, std_now);
+        if let Some(req) = sh.detach.take() {
+            let result = self.detach(&mut sh, std_now, req.live);
             let done = result.is_ok();
-            let _ = reply.send(result);
+            let _ = req.reply.send(result);
             if done {
                 return (None, true, None);
             }
