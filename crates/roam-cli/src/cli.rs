@@ -286,8 +286,9 @@ pub(crate) struct ServeArgs {
     pub(crate) shell: bool,
     /// Where an account's authorized keys for shells are: %h is its home
     /// directory, %u its name [default: %h/.config/roam/authorized_keys].
-    /// The file must be owned by the account (or root) and writable by
-    /// nobody else.
+    /// The file, and every directory on its way up to /, must be owned by
+    /// the account or root and writable by nobody else (as sshd's
+    /// StrictModes; above the home a sticky directory such as /tmp passes).
     #[arg(long, value_name = "PATTERN", requires = "shell", verbatim_doc_comment)]
     pub(crate) shell_keys: Option<String>,
     /// Run this program (as a login shell, with -l) for every shell instead

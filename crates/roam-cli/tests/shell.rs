@@ -8,8 +8,11 @@
 //! client re-attaches by itself; a key that is not authorized (skips,
 //! saying why, without tmux). A thousand parked shells and what they cost
 //! the relay (clients on ptys of the test's own). A relay running as root
-//! starting the shell as the account named, with that account's keys only
-//! (throwaway system accounts; skips, saying why, unless root with
+//! starting the shell as the account named, with its supplementary groups,
+//! for that account's keys only, and only while the keys file and every
+//! directory on its way are the account's or root's alone; a shell whose
+//! account cannot enter its home starting in `/`, saying why (throwaway
+//! system accounts and groups; skips, saying why, unless root with
 //! `useradd`).
 
 mod common;
@@ -720,6 +723,81 @@ impl Drop for TempUser {
     }
 }
 
+/// A system group made for one test (`groupadd --system`), removed
+/// (`groupdel`) when dropped, also when the test fails.
+struct TempGroup {
+    name: String,
+    gid: u32,
+}
+
+impl TempGroup {
+    /// Creates the group: `roamg` and a suffix unique to this process and
+    /// call.
+    fn create() -> Self {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        for _ in 0..5 {
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .subsec_nanos();
+            let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let name = format!("roamg{:x}{:x}{:04x}", std::process::id(), n, nanos & 0xffff);
+            if nix::unistd::Group::from_name(&name).unwrap().is_some() {
+                continue;
+            }
+            let out = Command::new("groupadd")
+                .args(["--system", &name])
+                .output()
+                .expect("running groupadd");
+            if !out.status.success() {
+                eprintln!(
+                    "groupadd {name}: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                );
+                continue;
+            }
+            // From here on the group is removed whatever happens.
+            let mut group = TempGroup { name, gid: 0 };
+            group.gid = nix::unistd::Group::from_name(&group.name)
+                .unwrap()
+                .expect("the group just made")
+                .gid
+                .as_raw();
+            assert_ne!(group.gid, 0, "groupadd made group 0");
+            return group;
+        }
+        panic!("could not make a test group with groupadd");
+    }
+
+    /// Makes `user` a member (a supplementary group of theirs).
+    fn add(&self, user: &str) {
+        let out = Command::new("usermod")
+            .args(["--append", "--groups", &self.name, user])
+            .output()
+            .expect("running usermod");
+        assert!(
+            out.status.success(),
+            "usermod --append --groups {} {user}: {}",
+            self.name,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+}
+
+impl Drop for TempGroup {
+    fn drop(&mut self) {
+        match Command::new("groupdel").arg(&self.name).output() {
+            Ok(out) if out.status.success() => {}
+            Ok(out) => eprintln!(
+                "WARNING: groupdel {} failed: {}",
+                self.name,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+            Err(e) => eprintln!("WARNING: groupdel {}: {e}", self.name),
+        }
+    }
+}
+
 /// Why this machine cannot run the account tests, if it cannot.
 fn account_skip_reason() -> Option<&'static str> {
     if !nix::unistd::geteuid().is_root() {
@@ -781,13 +859,17 @@ impl Identity {
 
 /// A relay running as root (here with supplementary groups 0 and 4, when
 /// `setpriv` can give it those) starts a shell as the account the client
-/// names: the account's uid and gid and no other group, no capability, its
-/// home as `HOME` and working directory, its name as `USER` and `LOGNAME`,
-/// its login shell. The authorized keys are at the default place
-/// (`~/.config/roam/authorized_keys`). The same client key gets no shell as
-/// root or as another account whose file does not list it, nor as its own
-/// account once that file is writable by others or owned by someone else.
-/// Skips, saying why, unless root with `useradd`.
+/// names: the account's uid and gid and its supplementary groups from
+/// `/etc/group` (a throwaway group it is a member of) and none of the
+/// relay's, no capability, its home as `HOME` and working directory, its
+/// name as `USER` and `LOGNAME`, its login shell. The authorized keys are
+/// at the default place (`~/.config/roam/authorized_keys`). The same client
+/// key gets no shell as root or as another account whose file does not
+/// list it, nor as its own account once that file, or a directory on its
+/// way (`~/.config`, `~/.config/roam`, the home), is writable by others or
+/// owned by someone else — the refusal names the directory and says why —
+/// and gets one again once they are put right. Skips, saying why, unless
+/// root with `useradd`.
 #[test]
 fn a_root_relay_starts_the_shell_as_the_named_account_and_only_for_its_keys() {
     if let Some(why) = account_skip_reason() {
@@ -814,6 +896,9 @@ fn a_root_relay_starts_the_shell_as_the_named_account_and_only_for_its_keys() {
     let b = TempUser::create(homes.path());
     let a_keys = a.authorize(&format!("{alice_key}\n"));
     b.authorize(&format!("{bob_key}\n"));
+    // A supplementary group of a's, as an ssh login would get it.
+    let extra = TempGroup::create();
+    extra.add(&a.name);
 
     let port = free_port();
     let log = dir.path().join("relay.log");
@@ -863,13 +948,27 @@ fn a_root_relay_starts_the_shell_as_the_named_account_and_only_for_its_keys() {
     }))
     .unwrap_or_else(|_| panic!("no answer from the shell; relay log:\n{}", logs()));
     eprintln!("the shell, as the relay started it: {who:?}");
+    let groups: std::collections::BTreeSet<u32> = who
+        .groups
+        .split_whitespace()
+        .map(|g| g.parse().unwrap())
+        .collect();
+    assert!(
+        !groups.contains(&0) && !groups.contains(&4),
+        "the relay's groups 0 and 4 leaked into the shell's: {who:?}"
+    );
+    assert_eq!(
+        groups,
+        [a.gid, extra.gid].into(),
+        "the account's own group and its supplementary one, no other"
+    );
     let home = a.home.display().to_string();
     assert_eq!(
         who,
         Identity {
             uid: a.uid().to_string(),
             gid: a.gid.to_string(),
-            groups: a.gid.to_string(),
+            groups: who.groups.clone(),
             home: home.clone(),
             user: a.name.clone(),
             logname: a.name.clone(),
@@ -909,10 +1008,169 @@ fn a_root_relay_starts_the_shell_as_the_named_account_and_only_for_its_keys() {
     std::fs::set_permissions(&a_keys, std::fs::Permissions::from_mode(0o600)).unwrap();
     std::os::unix::fs::chown(&a_keys, b.uid, Some(b.gid)).unwrap();
     refused(&a.name, "must be owned by");
+    std::os::unix::fs::chown(&a_keys, a.uid, Some(a.gid)).unwrap();
+    // A directory on the way to it (sshd's StrictModes): `~/.config`
+    // writable by its group, `~/.config/roam` by others, the home owned by
+    // b; each refusal names the directory and what is wrong with it.
+    let chmod = |p: &Path, mode: u32| {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
+    };
+    let config = a.home.join(".config");
+    let roam_dir = config.join("roam");
+    let on_the_way = |dir: &Path, what: &str| {
+        format!(
+            "the directory {} on the way to {} is {what}; each directory up to / must be owned by {:?} or root and writable by nobody else",
+            dir.display(),
+            a_keys.display(),
+            a.name
+        )
+    };
+    chmod(&config, 0o775);
+    refused(
+        &a.name,
+        &on_the_way(&config, "writable by its group (mode 0775)"),
+    );
+    chmod(&config, 0o755);
+    chmod(&roam_dir, 0o757);
+    refused(
+        &a.name,
+        &on_the_way(&roam_dir, "writable by others (mode 0757)"),
+    );
+    chmod(&roam_dir, 0o755);
+    std::os::unix::fs::chown(&a.home, b.uid, None).unwrap();
+    refused(
+        &a.name,
+        &on_the_way(&a.home, &format!("owned by uid {} ({})", b.uid(), b.name)),
+    );
+    std::os::unix::fs::chown(&a.home, a.uid, None).unwrap();
     assert_eq!(
         listed_shells(&relay_state),
         Vec::<serde_json::Value>::new(),
         "no shell runs"
     );
+    // Put right, the same key gets a shell again.
+    let mut client = PtyClient::start(&alice, &format!("{}@127.0.0.1:{port}", a.name), &[]);
+    client.wait_for("new shell");
+    client.send(b"exit 4\r");
+    assert_eq!(
+        client.wait_exit(Duration::from_secs(30)),
+        Some(4),
+        "{}",
+        client.text()
+    );
     drop(relay);
+}
+
+/// A shell whose account cannot enter its home starts anyway, in `/`, and
+/// its terminal says why first, as sshd's "Could not chdir to home
+/// directory": a home the account may not search (root's, mode 0700) and
+/// a home that is gone, from a relay running as root (which checks as the
+/// account, with `setpriv`), and a home that is gone from a relay running
+/// as the account itself. `HOME` is still the home. The keys are outside
+/// the home (`--shell-keys`), so the client is authorized all along.
+/// Skips, saying why, unless root with `useradd`.
+#[test]
+fn a_shell_whose_home_cannot_be_entered_starts_in_root_saying_why() {
+    if let Some(why) = account_skip_reason() {
+        eprintln!("SKIP: {why}");
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    // Homes, keys and the unprivileged relay's state: under a directory
+    // the account may pass through.
+    let homes = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(homes.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+    let (relay_state, alice) = (dir.path().join("relay"), dir.path().join("alice"));
+    for d in [&relay_state, &alice] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    let alice_key = keygen(&alice);
+    let c = TempUser::create(homes.path());
+    let keys = homes.path().join("keys");
+    std::fs::create_dir(&keys).unwrap();
+    std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let key_file = keys.join(format!("{}.keys", c.name));
+    std::fs::write(&key_file, format!("{alice_key}\n")).unwrap();
+    std::fs::set_permissions(&key_file, std::fs::Permissions::from_mode(0o644)).unwrap();
+
+    // A relay: as root, or (`as_account`) as c, with setpriv.
+    let relay = |port: u16, state: &Path, as_account: bool| {
+        let mut cmd = if as_account {
+            let mut c_cmd = Command::new("setpriv");
+            c_cmd
+                .arg(format!("--reuid={}", c.uid()))
+                .arg(format!("--regid={}", c.gid))
+                .args(["--clear-groups", "--", BIN]);
+            c_cmd
+        } else {
+            Command::new(BIN)
+        };
+        let log = dir.path().join(format!("relay-{as_account}.log"));
+        Guard(
+            cmd.env("ROAM_STATE_DIR", state)
+                .env("HOME", state)
+                .env_remove("RUST_LOG")
+                .env_remove("XDG_CONFIG_HOME")
+                .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--shell"])
+                .arg("--shell-keys")
+                .arg(keys.join("%u.keys"))
+                .stdout(Stdio::null())
+                .stderr(Stdio::from(std::fs::File::create(log).unwrap()))
+                .spawn()
+                .unwrap(),
+        )
+    };
+    // A shell as c through the relay on `port`: the notice its client
+    // printed first, and where the shell is.
+    let shell = |port: u16| {
+        let mut client = PtyClient::start(&alice, &format!("{}@127.0.0.1:{port}", c.name), &[]);
+        client.wait_for("new shell");
+        client.send(format!("{WHO_AM_I}\r").as_bytes());
+        let who = client.wait_until(Duration::from_secs(30), Identity::parse);
+        let text = client.text();
+        client.send(b"exit 5\r");
+        assert_eq!(client.wait_exit(Duration::from_secs(30)), Some(5), "{text}");
+        (text, who)
+    };
+    let home = c.home.display().to_string();
+    let check = |port: u16, why: &str| {
+        let (text, who) = shell(port);
+        let notice = format!("Could not chdir to home directory {home}: {why}; starting in /");
+        assert!(text.contains(&notice), "no {notice:?} in:\n{text}");
+        assert_eq!(who.cwd, "/", "{text}");
+        assert_eq!(who.home, home, "{text}");
+        assert_eq!(who.uid, c.uid().to_string(), "{text}");
+    };
+
+    let port = free_port();
+    let root_relay = relay(port, &relay_state, false);
+    wait_for_port(port);
+    // The home as it is: the shell starts there, with nothing to say.
+    let (text, who) = shell(port);
+    assert_eq!(who.cwd, home, "{text}");
+    assert!(!text.contains("Could not chdir"), "{text}");
+
+    // Root's, mode 0700: c may not enter it.
+    std::fs::set_permissions(&c.home, std::fs::Permissions::from_mode(0o700)).unwrap();
+    std::os::unix::fs::chown(&c.home, Some(0), Some(0)).unwrap();
+    check(port, "Permission denied");
+    std::os::unix::fs::chown(&c.home, c.uid, Some(c.gid)).unwrap();
+
+    // Gone (moved away; back before the account is removed).
+    let away = homes.path().join(format!("{}.away", c.name));
+    std::fs::rename(&c.home, &away).unwrap();
+    check(port, "No such file or directory");
+    drop(root_relay);
+
+    // A relay running as c, its home still gone: it checks by itself.
+    let c_state = homes.path().join("c-relay");
+    std::fs::create_dir(&c_state).unwrap();
+    std::os::unix::fs::chown(&c_state, c.uid, Some(c.gid)).unwrap();
+    let port = free_port();
+    let c_relay = relay(port, &c_state, true);
+    wait_for_port(port);
+    check(port, "No such file or directory");
+    drop(c_relay);
+    std::fs::rename(&away, &c.home).unwrap();
 }

@@ -1,14 +1,10 @@
 //! The relay's side of `roam shell` (`roam serve --shell`): shells on
 //! pseudo-terminals, kept by name while their clients come and go.
 //!
-//! A shell request names an account; the client's key must be in that
-//! account's authorized keys (`--shell-keys`, by default
-//! `~USER/.config/roam/authorized_keys`, owned by the user or root and
-//! writable by nobody else). A relay running as root starts the shell as
-//! that user (uid, gid, no supplementary groups); any other relay only as
-//! its own user. The shell is the account's login shell, started by
-//! `setsid --ctty` so the pty is its controlling terminal (no `unsafe`
-//! here).
+//! A shell request names an account; `account` checks that the client's
+//! key may have a shell there and makes the command that starts it as
+//! that account (uid, gid and the account's supplementary groups, in its
+//! home), with no `unsafe` here.
 //!
 //! Each shell is one task: it reads the pty into a terminal emulator
 //! (`vt100`, with scrollback) all the time, attached or not, and forwards
@@ -28,6 +24,7 @@ use roam_proto::PublicKey;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio::sync::mpsc;
 
+use super::account::{Account, Login};
 use super::wire::{Attached, Decoder, Frame, Open};
 
 /// Lines of scrollback each shell keeps (sent on re-attach).
@@ -150,35 +147,43 @@ impl ShellHost {
         open: Open,
     ) -> Result<(), (String, RoamStream)> {
         let slot = (account.name.clone(), name.clone());
-        let existing = self.lock().get(&slot).map(|e| e.tx.clone());
+        let running = |host: &Self| host.lock().get(&slot).map(|e| e.tx.clone());
+        let seen = running(&self);
         let mut req = Attach {
             stream,
             rows: open.rows,
             cols: open.cols,
-            new: existing.is_none(),
+            new: true,
             scrollback: open.scrollback,
         };
-        if let Some(tx) = existing {
-            match tx.send(Msg::Attach(req)).await {
+        if let Some(tx) = &seen {
+            match attach_to(tx, req).await {
                 Ok(()) => {
                     tracing::info!("shell {name} of {}: re-attached", account.name);
                     return Ok(());
                 }
                 // The shell ended meanwhile: a new one starts under the name.
-                Err(mpsc::error::SendError(Msg::Attach(back))) => {
-                    req = back;
-                    req.new = true;
-                }
-                Err(mpsc::error::SendError(Msg::Handover(_))) => unreachable!("sent an attach"),
+                Err(back) => req = back,
             }
         }
-        let (pty, child) = match spawn_shell(
-            &account,
-            self.program.as_deref(),
-            &open.term,
-            req.rows,
-            req.cols,
-        ) {
+        let login = match account.login(self.program.as_deref(), &open.term).await {
+            Ok(l) => l,
+            Err(why) => return Err((why, req.stream)),
+        };
+        // Another client may have started the shell while the account's
+        // home was checked: this one joins it.
+        let started =
+            running(&self).filter(|tx| !seen.as_ref().is_some_and(|s| s.same_channel(tx)));
+        if let Some(tx) = started {
+            match attach_to(&tx, req).await {
+                Ok(()) => {
+                    tracing::info!("shell {name} of {}: attached", account.name);
+                    return Ok(());
+                }
+                Err(back) => req = back,
+            }
+        }
+        let (pty, child) = match spawn_shell(login, req.rows, req.cols) {
             Ok(x) => x,
             Err(why) => return Err((why, req.stream)),
         };
@@ -195,14 +200,14 @@ impl ShellHost {
             child: Some(child),
             term: Terminal::new(req.rows, req.cols),
         };
-        let tx = self.clone().run(shell);
-        let _ = tx.send(Msg::Attach(req)).await;
+        self.clone().run(shell, Some(req));
         Ok(())
     }
 
-    /// Runs `shell` in a task of its own, registered under its name;
-    /// returns the channel to its task.
-    fn run(self: Arc<Self>, shell: Shell) -> mpsc::Sender<Msg> {
+    /// Runs `shell` in a task of its own, registered under its name, with
+    /// `first` attached before anything is read from its pty (so a new
+    /// shell's client gets all of its output, from the first byte).
+    fn run(self: Arc<Self>, shell: Shell, first: Option<Attach>) {
         let slot = (shell.user.clone(), shell.name.clone());
         let (tx, rx) = mpsc::channel(4);
         let attached = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -216,13 +221,12 @@ impl ShellHost {
         );
         let mine = tx.clone();
         tokio::spawn(async move {
-            run_shell(shell, rx, attached).await;
+            run_shell(shell, first, rx, attached).await;
             let mut shells = self.lock();
             if shells.get(&slot).is_some_and(|e| e.tx.same_channel(&mine)) {
                 shells.remove(&slot);
             }
         });
-        tx
     }
 
     /// Every shell, for `roam status` and the metrics.
@@ -266,19 +270,22 @@ impl ShellHost {
         let tx = tokio::net::unix::pipe::Sender::from_owned_fd_unchecked(writing)
             .map_err(|e| format!("pty: {e}"))?;
         tracing::info!("shell {} of {} (pid {}) adopted", h.name, h.user, h.pid);
-        self.clone().run(Shell {
-            user: h.user,
-            name: h.name,
-            pid: h.pid,
-            pty: Pty { rx, tx },
-            child: h.child,
-            term: Terminal::Packed {
-                image: h.image,
-                rows: h.rows,
-                cols: h.cols,
-                raw: Vec::new(),
+        self.clone().run(
+            Shell {
+                user: h.user,
+                name: h.name,
+                pid: h.pid,
+                pty: Pty { rx, tx },
+                child: h.child,
+                term: Terminal::Packed {
+                    image: h.image,
+                    rows: h.rows,
+                    cols: h.cols,
+                    raw: Vec::new(),
+                },
             },
-        });
+            None,
+        );
         Ok(())
     }
 }
@@ -293,6 +300,20 @@ struct Shell {
     /// exit status is not ours to read.
     child: Option<tokio::process::Child>,
     term: Terminal,
+}
+
+/// Attaches `req` to the running shell behind `tx`; gives it back (as a
+/// new shell's) if that shell has ended.
+async fn attach_to(tx: &mpsc::Sender<Msg>, mut req: Attach) -> Result<(), Attach> {
+    req.new = false;
+    match tx.send(Msg::Attach(req)).await {
+        Ok(()) => Ok(()),
+        Err(mpsc::error::SendError(Msg::Attach(mut back))) => {
+            back.new = true;
+            Err(back)
+        }
+        Err(mpsc::error::SendError(Msg::Handover(_))) => unreachable!("sent an attach"),
+    }
 }
 
 /// Refuses a shell stream: one `Error` frame saying why, then its end.
@@ -317,109 +338,35 @@ fn generated_name() -> String {
     )
 }
 
-/// The account a shell runs as.
-struct Account {
-    name: String,
-    uid: u32,
-    gid: u32,
-    home: PathBuf,
-    shell: PathBuf,
-}
-
-impl Account {
-    /// Looks `user` up and checks that `key` may have a shell there.
-    fn authorize(user: &str, key: &PublicKey, pattern: &str) -> Result<Self, String> {
-        use std::os::unix::fs::MetadataExt;
-        let u = nix::unistd::User::from_name(user)
-            .map_err(|e| format!("looking up user {user:?}: {e}"))?
-            .ok_or_else(|| format!("no user {user:?} on this host"))?;
-        let me = nix::unistd::geteuid();
-        if !me.is_root() && u.uid != me {
-            return Err(format!(
-                "this relay runs as uid {me} and can start shells only as that user, not as {user:?}"
-            ));
-        }
-        let path = PathBuf::from(
-            pattern
-                .replace("%h", &u.dir.to_string_lossy())
-                .replace("%u", &u.name),
-        );
-        let meta = std::fs::metadata(&path).map_err(|e| {
-            format!(
-                "user {user:?} has no roam authorized keys ({}: {e}); add the client's key there",
-                path.display()
-            )
-        })?;
-        if (meta.uid() != u.uid.as_raw() && meta.uid() != 0) || meta.mode() & 0o022 != 0 {
-            return Err(format!(
-                "{} must be owned by {user:?} (or root) and writable by nobody else",
-                path.display()
-            ));
-        }
-        let text =
-            std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let keys = crate::keys::parse_authorized(&text, &path.display().to_string())?;
-        if !keys.contains(key) {
-            return Err(format!(
-                "the client key {key} is not in {} (user {user:?})",
-                path.display()
-            ));
-        }
-        Ok(Self {
-            name: u.name,
-            uid: u.uid.as_raw(),
-            gid: u.gid.as_raw(),
-            home: u.dir,
-            shell: if u.shell.as_os_str().is_empty() {
-                PathBuf::from("/bin/sh")
-            } else {
-                u.shell
-            },
-        })
-    }
-}
-
-/// Opens a pty of `rows` × `cols` and starts the account's login shell on it.
-fn spawn_shell(
-    account: &Account,
-    program: Option<&std::path::Path>,
-    term: &str,
-    rows: u16,
-    cols: u16,
-) -> Result<(Pty, tokio::process::Child), String> {
+/// Opens a pty of `rows` × `cols` and starts `login` on it, its notice
+/// (if any) first on the terminal.
+fn spawn_shell(login: Login, rows: u16, cols: u16) -> Result<(Pty, tokio::process::Child), String> {
+    let Login {
+        mut cmd,
+        notice,
+        shell,
+    } = login;
     let pty = open_pty(rows, cols).map_err(|e| format!("opening a pty: {e}"))?;
     let slave = |what| {
         pty.slave
             .try_clone()
             .map_err(|e| format!("pty for the shell's {what}: {e}"))
     };
-    let shell = program.unwrap_or(&account.shell);
-    let mut cmd = tokio::process::Command::new("setsid");
-    // `--ctty`: the pty (stdin) becomes the new session's controlling terminal.
-    cmd.arg("--ctty")
-        .arg(shell)
-        .arg("-l")
-        .stdin(slave("stdin")?)
-        .stdout(slave("stdout")?)
-        .stderr(slave("stderr")?)
-        .current_dir(&account.home)
-        .env_clear()
-        .env("HOME", &account.home)
-        .env("USER", &account.name)
-        .env("LOGNAME", &account.name)
-        .env("SHELL", shell)
-        .env("TERM", term)
-        .env(
-            "PATH",
-            "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin",
-        );
-    if nix::unistd::geteuid().is_root() && account.uid != 0 {
-        // std drops the supplementary groups when it changes the uid.
-        cmd.uid(account.uid).gid(account.gid);
+    if let Some(notice) = notice {
+        // Read from the master with the shell's first output: a few bytes
+        // fit in the pty's buffer.
+        use std::io::Write;
+        let mut term = std::fs::File::from(slave("notice")?);
+        term.write_all(notice.as_bytes())
+            .map_err(|e| format!("pty (notice): {e}"))?;
     }
-    let child = cmd
-        .spawn()
-        .map_err(|e| format!("starting {} (through setsid): {e}", shell.display()))?;
+    cmd.stdin(slave("stdin")?)
+        .stdout(slave("stdout")?)
+        .stderr(slave("stderr")?);
+    let child = cmd.spawn().map_err(|e| {
+        let via = cmd.as_std().get_program().to_string_lossy().into_owned();
+        format!("starting {} (through {via}): {e}", shell.display())
+    })?;
     drop(pty.slave);
     nix::fcntl::fcntl(
         pty.master.as_fd(),
@@ -652,6 +599,7 @@ enum Turn {
 /// Runs one shell until it exits or is handed over.
 async fn run_shell(
     shell: Shell,
+    first: Option<Attach>,
     mut attach: mpsc::Receiver<Msg>,
     attached: Arc<std::sync::atomic::AtomicBool>,
 ) {
@@ -668,11 +616,15 @@ async fn run_shell(
     // Typed input the pty has not taken yet.
     let mut typed: Vec<u8> = Vec::new();
     let mut pty_open = true;
+    let mut first = first.map(Msg::Attach);
     let status = loop {
         attached.store(sink.is_some(), std::sync::atomic::Ordering::Relaxed);
         let held = sink.as_ref().map_or(0, |c| c.held);
         let typing = !typed.is_empty();
-        let turn = tokio::select! {
+        let turn = if let Some(msg) = first.take() {
+            Turn::Attach(Some(msg))
+        } else {
+            tokio::select! {
             a = attach.recv() => Turn::Attach(a),
             r = pty.rx.readable(), if pty_open => Turn::Pty(r),
             r = write_out(sink.as_mut()), if held > 0 => Turn::Wrote(r),
@@ -682,6 +634,7 @@ async fn run_shell(
             r = read_client(client.as_mut()), if typed.len() < IN_LIMIT => Turn::Read(r),
             r = pty.tx.write(&typed), if typing && pty_open => Turn::Typed(r),
             s = wait_child(child.as_mut()), if !pty_open => Turn::Exited(s),
+            }
         };
         match turn {
             Turn::Attach(None) => {}

@@ -4,6 +4,7 @@
 //! its screen and scrollback, while clients come and go. `wire` is the
 //! stream's format between them.
 
+mod account;
 pub(crate) mod client;
 pub(crate) mod host;
 pub(crate) mod wire;
