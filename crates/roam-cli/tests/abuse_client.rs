@@ -6,6 +6,8 @@
 //! session is reported with exit code 3. Real `roam` processes on 127.0.0.1;
 //! every child is killed and every mount removed even when a test fails.
 
+mod common;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -14,57 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-const BIN: &str = env!("CARGO_BIN_EXE_roam");
-
-/// Kills the child when dropped.
-struct Guard(Child);
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-impl Guard {
-    /// Waits for the child to exit, at most `limit`; its exit code.
-    fn wait_exit(&mut self, limit: Duration) -> Option<i32> {
-        let end = Instant::now() + limit;
-        while Instant::now() < end {
-            if let Some(st) = self.0.try_wait().unwrap() {
-                return Some(st.code().unwrap_or(-1));
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        None
-    }
-
-    fn signal(&self, sig: &str) {
-        let ok = Command::new("kill")
-            .args([&format!("-{sig}"), &self.0.id().to_string()])
-            .status()
-            .unwrap()
-            .success();
-        assert!(ok, "kill -{sig} failed");
-    }
-}
-
-fn roam(state: &Path) -> Command {
-    let mut c = Command::new(BIN);
-    c.env("ROAM_STATE_DIR", state)
-        .env("HOME", state)
-        .env_remove("RUST_LOG")
-        .env_remove("XDG_CONFIG_HOME");
-    c
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+use common::{free_port, roam, Guard};
 
 /// Collects a child's stderr lines.
 fn lines_of(child: &mut Child) -> mpsc::Receiver<String> {

@@ -5,6 +5,8 @@
 //! the early expiry of empty suspended sessions. Every child is killed when
 //! its guard drops, even when a test fails; every wait is bounded.
 
+mod common;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::Path;
@@ -13,9 +15,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::{free_port, roam, BIN};
 use sha2::{Digest, Sha256};
-
-const BIN: &str = env!("CARGO_BIN_EXE_roam");
 
 /// A child process whose stderr is collected; killed when dropped.
 struct Proc {
@@ -106,15 +107,6 @@ fn wait_until(limit: Duration, mut ready: impl FnMut() -> bool) -> bool {
     }
 }
 
-fn roam(state: &Path) -> Command {
-    let mut c = Command::new(BIN);
-    c.env("ROAM_STATE_DIR", state)
-        .env("HOME", state)
-        .env_remove("RUST_LOG")
-        .env_remove("XDG_CONFIG_HOME");
-    c
-}
-
 /// A fresh state directory with a client key already made, so that
 /// concurrent clients do not race to create it.
 fn state_dir() -> tempfile::TempDir {
@@ -129,14 +121,6 @@ fn state_dir() -> tempfile::TempDir {
         String::from_utf8_lossy(&out.stderr)
     );
     dir
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// An echo target counting its connections: open now, and ever accepted.

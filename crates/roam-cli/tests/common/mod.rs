@@ -1,5 +1,5 @@
 //! Helpers shared by the end-to-end tests of the `roam` binary (`cli`,
-//! `shell`, `takeover`): the binary's path, a child process killed when its
+//! `shell`, `takeover`, `abuse_client`, `abuse_relay`): the binary's path, a child process killed when its
 //! guard drops, a free loopback port, a `roam` command in a private state
 //! directory, a client key. Included with `mod common;` (a directory, so
 //! cargo does not build it as a test of its own; the `faults_*` tests share
@@ -24,6 +24,30 @@ impl Drop for Guard {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
+    }
+}
+
+impl Guard {
+    /// Waits for the child to exit, at most `limit`; its exit code.
+    pub(crate) fn wait_exit(&mut self, limit: Duration) -> Option<i32> {
+        let end = Instant::now() + limit;
+        while Instant::now() < end {
+            if let Some(st) = self.0.try_wait().unwrap() {
+                return Some(st.code().unwrap_or(-1));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
+    /// Sends the child signal `sig` (`kill -SIG`).
+    pub(crate) fn signal(&self, sig: &str) {
+        let ok = Command::new("kill")
+            .args([&format!("-{sig}"), &self.0.id().to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill -{sig} failed");
     }
 }
 
