@@ -4,14 +4,24 @@
 //! takeover socket) holds `n` library sessions, each with one stream to the
 //! echo target proven by a 1 KiB echo. Then, `rounds` times, a new
 //! `roam serve --takeover` process is started; the old relay hands over its
-//! listener, sessions and target connections and exits. Measured per round:
+//! listener, sessions, target connections and client connections (each
+//! client's connection moves with its session, `docs/PROTOCOL.md` §13.6)
+//! and exits. Measured per round:
 //!
-//! - each session's interruption as its client sees it, from its `Suspended`
-//!   event (the old relay dropped its transport) to its `Resumed` event on
-//!   the new relay (p50, p99, max over all sessions and rounds);
+//! - the *stall* each client sees: when the old relay announces the
+//!   handover (its log line "handing over", read every millisecond), every
+//!   client writes one byte on its stream; the time until the echo is back
+//!   is how long a byte written as the handover began waited for service —
+//!   the old relay stopping the session, the handover, and the new relay
+//!   continuing it (p50, p99, max over all sessions and rounds). Written
+//!   before the old relay takes the session out, the byte crosses the
+//!   handover on its way back (the echo target answers into a socket that
+//!   moves), so it measures the stall either way;
+//! - sessions whose client had to resume (a `Suspended` event: its
+//!   connection did not move) — expected 0;
 //! - the old relay's own handover time (it logs "handed N sessions ... in X
 //!   ms": from accepting the takeover to the new relay's receipt);
-//! - the time from starting the new process until every session resumed;
+//! - the time from the announcement until every client's byte was back;
 //! - after each round, a 1-byte echo on every stream (failures counted: a
 //!   target connection reset or a byte lost would fail it).
 //!
@@ -50,8 +60,8 @@ const CAPS: &[&str] = &[
     "--max-targets",
     "16384",
 ];
-/// Longest wait for every session to resume after a takeover.
-const RESUME_TIMEOUT: Duration = Duration::from_secs(60);
+/// Longest wait for the handover to begin, and for every echo after it.
+const ROUND_TIMEOUT: Duration = Duration::from_secs(60);
 /// Sessions opened at once while setting up.
 const OPEN_PARALLEL: usize = 64;
 
@@ -60,20 +70,22 @@ const OPEN_PARALLEL: usize = 64;
 pub(crate) struct Row {
     pub(crate) sessions: usize,
     pub(crate) rounds: usize,
-    /// Per session and round: `Suspended` to `Resumed` (ms).
-    pub(crate) interruption_ms: Summary,
+    /// Per session and round: a byte written when the handover was
+    /// announced, until its echo was back (ms).
+    pub(crate) stall_ms: Summary,
+    /// Sessions (over all rounds) whose client saw `Suspended`: its
+    /// connection did not move and it resumed.
+    pub(crate) resumed: usize,
     /// The old relay's handover time per round (ms), from its log.
     pub(crate) handover_ms: Vec<f64>,
     /// Its parts: stopping relays and detaching sessions (ms) ...
     pub(crate) taking_out_ms: Vec<f64>,
     /// ... and sending them until the new relay's receipt (ms).
     pub(crate) sending_ms: Vec<f64>,
-    /// Per round: new process started until every session resumed (ms).
-    pub(crate) all_resumed_ms: Vec<f64>,
-    /// Streams whose echo failed after a round (should be 0).
+    /// Per round: the announcement until every client's byte was back (ms).
+    pub(crate) all_served_ms: Vec<f64>,
+    /// Streams whose echo failed during or after a round (should be 0).
     pub(crate) echo_failures: usize,
-    /// Sessions that had not resumed within the timeout (should be 0).
-    pub(crate) not_resumed: usize,
 }
 
 /// The scenario's result.
@@ -81,8 +93,8 @@ pub(crate) struct Row {
 pub(crate) struct Takeover {
     pub(crate) rows: Vec<Row>,
     pub(crate) target_ms: f64,
-    /// p99 interruption at 1,000 sessions within the target (None if that
-    /// count was not run).
+    /// p99 stall at 1,000 sessions within the target (None if that count
+    /// was not run).
     pub(crate) target_met_at_1000: Option<bool>,
 }
 
@@ -159,11 +171,27 @@ async fn wait_exit(proc: &Proc, limit: Duration) -> bool {
     false
 }
 
-/// Per session: when its transport was last lost and when it resumed.
-#[derive(Default, Clone, Copy)]
-struct Marks {
-    suspended: Option<Instant>,
-    resumed: Option<Instant>,
+/// Whether the relay's log announces a handover yet.
+fn handing_over(log: &Path) -> bool {
+    std::fs::read_to_string(log).is_ok_and(|t| t.contains("handing over to a new relay"))
+}
+
+/// One 1-byte echo on `stream`: its round trip (ms), or why it failed.
+async fn probe(stream: &mut roam::RoamStream, b: u8) -> Result<f64, String> {
+    let t = Instant::now();
+    let r = tokio::time::timeout(ROUND_TIMEOUT, async {
+        stream.write_all(&[b]).await?;
+        let mut got = [0u8; 1];
+        stream.read_exact(&mut got).await?;
+        io::Result::Ok(got[0])
+    })
+    .await;
+    match r {
+        Ok(Ok(got)) if got == b => Ok(t.elapsed().as_secs_f64() * 1e3),
+        Ok(Ok(got)) => Err(format!("echo {got}, not {b}")),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!("no echo in {ROUND_TIMEOUT:?}")),
+    }
 }
 
 async fn one_count(ctx: &Ctx, lab: &Lab, n: usize, rounds: usize) -> io::Result<Row> {
@@ -195,21 +223,17 @@ async fn one_count(ctx: &Ctx, lab: &Lab, n: usize, rounds: usize) -> io::Result<
             None => break,
         }
     }
-    let marks: Arc<Mutex<Vec<Marks>>> = Arc::new(Mutex::new(vec![Marks::default(); n]));
+    let sessions: Vec<roam::SessionHandle> = opened.iter().map(|(s, _)| s.clone()).collect();
+    let suspended = Arc::new(Mutex::new(vec![false; n]));
     let mut watchers = Vec::with_capacity(n);
     for (i, (session, _)) in opened.iter().enumerate() {
         let mut rx = session.events();
-        let marks = marks.clone();
+        let suspended = suspended.clone();
         watchers.push(tokio::spawn(async move {
             loop {
                 match rx.recv().await {
                     Ok(SessionEvent::Suspended { .. }) => {
-                        marks.lock().unwrap_or_else(|e| e.into_inner())[i].suspended =
-                            Some(Instant::now());
-                    }
-                    Ok(SessionEvent::Resumed { .. }) => {
-                        marks.lock().unwrap_or_else(|e| e.into_inner())[i].resumed =
-                            Some(Instant::now());
+                        suspended.lock().unwrap_or_else(|e| e.into_inner())[i] = true;
                     }
                     Ok(SessionEvent::Closed { .. })
                     | Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
@@ -218,38 +242,54 @@ async fn one_count(ctx: &Ctx, lab: &Lab, n: usize, rounds: usize) -> io::Result<
             }
         }));
     }
-    let mut interruptions = Vec::new();
+    let mut stalls = Vec::new();
     let mut handovers = Vec::new();
     let mut taking_out = Vec::new();
     let mut sending = Vec::new();
-    let mut all_resumed = Vec::new();
+    let mut all_served = Vec::new();
     let mut echo_failures = 0;
-    let mut not_resumed = 0;
+    let mut resumed = 0;
     let result: io::Result<()> = async {
         for round in 1..=rounds {
-            for m in marks.lock().unwrap_or_else(|e| e.into_inner()).iter_mut() {
-                *m = Marks::default();
-            }
-            let started = Instant::now();
             let successor = start_relay(ctx, &state, port, &target, round, true)?;
-            let end = started + RESUME_TIMEOUT;
-            loop {
-                let done = marks
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .iter()
-                    .filter(|m| m.resumed.is_some())
-                    .count();
-                if done == n {
-                    all_resumed.push(started.elapsed().as_secs_f64() * 1e3);
-                    break;
-                }
+            let end = Instant::now() + ROUND_TIMEOUT;
+            while !handing_over(&relay.log) {
                 if Instant::now() >= end {
-                    not_resumed += n - done;
-                    break;
+                    return Err(io::Error::other(format!(
+                        "round {round}: the old relay did not begin the handover in {ROUND_TIMEOUT:?}"
+                    )));
                 }
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
+            let announced = Instant::now();
+            let mut probes = tokio::task::JoinSet::new();
+            for (i, (_, mut stream)) in std::mem::take(&mut opened).into_iter().enumerate() {
+                probes.spawn(async move {
+                    let r = probe(&mut stream, round as u8).await;
+                    (i, stream, r)
+                });
+            }
+            let mut back = Vec::with_capacity(n);
+            while let Some(j) = probes.join_next().await {
+                let (i, stream, r) = j.map_err(io::Error::other)?;
+                match r {
+                    Ok(ms) => stalls.push(ms),
+                    Err(e) => {
+                        echo_failures += 1;
+                        if echo_failures <= 3 {
+                            progress(&format!("takeover: round {round}: session {i}: {e}"));
+                        }
+                    }
+                }
+                back.push((i, stream));
+            }
+            all_served.push(announced.elapsed().as_secs_f64() * 1e3);
+            back.sort_by_key(|(i, _)| *i);
+            opened = sessions
+                .iter()
+                .zip(back)
+                .map(|(s, (_, st))| (s.clone(), st))
+                .collect();
             if !wait_exit(&relay.proc, Duration::from_secs(20)).await {
                 return Err(io::Error::other(format!("round {round}: the old relay did not exit after the takeover")));
             }
@@ -258,30 +298,22 @@ async fn one_count(ctx: &Ctx, lab: &Lab, n: usize, rounds: usize) -> io::Result<
                 taking_out.push(out);
                 sending.push(send);
             }
-            for m in marks.lock().unwrap_or_else(|e| e.into_inner()).iter() {
-                if let (Some(s), Some(r)) = (m.suspended, m.resumed) {
-                    interruptions.push(r.saturating_duration_since(s).as_secs_f64() * 1e3);
-                }
-            }
             relay = successor;
             for (_, stream) in opened.iter_mut() {
-                let ok = tokio::time::timeout(Duration::from_secs(10), async {
-                    stream.write_all(&[round as u8]).await?;
-                    let mut b = [0u8; 1];
-                    stream.read_exact(&mut b).await?;
-                    io::Result::Ok(b[0] == round as u8)
-                })
-                .await;
-                if !matches!(ok, Ok(Ok(true))) {
+                if probe(stream, round as u8 ^ 0xff).await.is_err() {
                     echo_failures += 1;
                 }
             }
+            for s in suspended.lock().unwrap_or_else(|e| e.into_inner()).iter_mut() {
+                resumed += usize::from(std::mem::take(s));
+            }
             progress(&format!(
-                "takeover: {n} sessions, round {round}: handover {} ms ({} taking out, {} sending), every session resumed after {} ms",
+                "takeover: {n} sessions, round {round}: handover {} ms ({} taking out, {} sending), every client's byte back {} ms after the announcement, stall p99 so far {:.1} ms, {resumed} resumed",
                 handovers.last().map_or("?".into(), |v| format!("{v:.0}")),
                 taking_out.last().map_or("?".into(), |v| format!("{v:.0}")),
                 sending.last().map_or("?".into(), |v| format!("{v:.0}")),
-                all_resumed.last().map_or("?".into(), |v| format!("{v:.1}"))
+                all_served.last().map_or("?".into(), |v| format!("{v:.1}")),
+                summary(&stalls).p99
             ));
         }
         Ok(())
@@ -299,13 +331,13 @@ async fn one_count(ctx: &Ctx, lab: &Lab, n: usize, rounds: usize) -> io::Result<
     Ok(Row {
         sessions: n,
         rounds,
-        interruption_ms: summary(&interruptions),
+        stall_ms: summary(&stalls),
+        resumed,
         handover_ms: handovers,
         taking_out_ms: taking_out,
         sending_ms: sending,
-        all_resumed_ms: all_resumed,
+        all_served_ms: all_served,
         echo_failures,
-        not_resumed,
     })
 }
 
@@ -315,7 +347,7 @@ pub(crate) async fn run(ctx: Arc<Ctx>, lab: Arc<Lab>) -> io::Result<Takeover> {
     for &n in &ctx.plan.takeover_sessions {
         lab.check_alive()?;
         let row = one_count(&ctx, &lab, n, ctx.plan.takeover_rounds).await?;
-        by_n.insert(n, row.interruption_ms.p99);
+        by_n.insert(n, row.stall_ms.p99);
         rows.push(row);
     }
     Ok(Takeover {
