@@ -800,7 +800,7 @@ impl Relay {
             detached.unaccepted,
             detached.orphans,
             Box::new(move |handle: roam::SessionHandle| {
-                tracing::info!(
+                tracing::debug!(
                     "handed-over session {id} resumed; {} streams relayed again",
                     streams.len()
                 );

@@ -239,8 +239,42 @@ fn read_raw<R: Read>(sock: &mut R, len: u64) -> io::Result<Vec<u8>> {
     Ok(v)
 }
 
-/// Sends `fds` in batches of [`FDS_PER_BATCH`], one `F` byte each.
-fn send_fds(sock: &mut UnixStream, fds: &[&OwnedFd]) -> io::Result<()> {
+/// Bytes a [`Sending`] gathers before it writes them without a batch.
+const SEND_BUFFER: usize = 256 * 1024;
+/// Bytes a [`Receiving`] reads at a time.
+const RECV_BUFFER: usize = 256 * 1024;
+
+/// The old relay's end of a handover: bytes are gathered and go out with
+/// the next descriptor batch, in one `sendmsg` (or alone once
+/// [`SEND_BUFFER`] is full), instead of a system call per field. The bytes
+/// on the socket are the same.
+struct Sending<'a> {
+    sock: &'a UnixStream,
+    buf: Vec<u8>,
+}
+
+impl Write for Sending<'_> {
+    fn write(&mut self, b: &[u8]) -> io::Result<usize> {
+        self.buf.extend_from_slice(b);
+        if self.buf.len() >= SEND_BUFFER {
+            self.flush()?;
+        }
+        Ok(b.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        let mut sock = self.sock;
+        sock.write_all(&self.buf)?;
+        self.buf.clear();
+        Ok(())
+    }
+}
+
+/// Sends `fds` in batches of [`FDS_PER_BATCH`], each an `F` byte carrying
+/// them, after the bytes gathered so far (in the same `sendmsg`: the kernel
+/// attaches the descriptors to its first segment, so they arrive no later
+/// than the `F` byte).
+fn send_fds(s: &mut Sending<'_>, fds: &[&OwnedFd]) -> io::Result<()> {
     for batch in fds.chunks(FDS_PER_BATCH) {
         let borrowed: Vec<_> = batch.iter().map(|f| f.as_fd()).collect();
         let mut space = vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(FDS_PER_BATCH))];
@@ -248,43 +282,103 @@ fn send_fds(sock: &mut UnixStream, fds: &[&OwnedFd]) -> io::Result<()> {
         if !cmsg.push(SendAncillaryMessage::ScmRights(&borrowed)) {
             return Err(io::Error::other("descriptor batch does not fit its buffer"));
         }
-        let n = sendmsg(&*sock, &[IoSlice::new(b"F")], &mut cmsg, SendFlags::empty())?;
-        if n != 1 {
+        s.buf.push(b'F');
+        let n = sendmsg(
+            s.sock,
+            &[IoSlice::new(&s.buf)],
+            &mut cmsg,
+            SendFlags::empty(),
+        )?;
+        if n == 0 {
             return Err(io::ErrorKind::WriteZero.into());
         }
+        let mut sock = s.sock;
+        sock.write_all(&s.buf[n..])?;
+        s.buf.clear();
     }
     Ok(())
 }
 
-/// Receives `count` descriptors sent by [`send_fds`].
-fn recv_fds(sock: &mut UnixStream, count: usize) -> io::Result<Vec<OwnedFd>> {
-    let mut out = Vec::with_capacity(count);
-    while out.len() < count {
-        let want = (count - out.len()).min(FDS_PER_BATCH);
-        let mut space = vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(FDS_PER_BATCH))];
+/// The new relay's end: reads the socket in large `recvmsg`s and keeps the
+/// descriptors that arrive, in order, until their batch's `F` byte is read
+/// ([`recv_fds`]). A plain `read` would close descriptors it met.
+struct Receiving<'a> {
+    sock: &'a UnixStream,
+    buf: Vec<u8>,
+    pos: usize,
+    end: usize,
+    fds: std::collections::VecDeque<OwnedFd>,
+}
+
+impl Receiving<'_> {
+    fn new(sock: &UnixStream) -> Receiving<'_> {
+        Receiving {
+            sock,
+            buf: vec![0u8; RECV_BUFFER],
+            pos: 0,
+            end: 0,
+            fds: std::collections::VecDeque::new(),
+        }
+    }
+
+    /// One `recvmsg`: bytes into the buffer, descriptors into the queue.
+    fn fill(&mut self) -> io::Result<()> {
+        // A stream read stops after a segment that carries descriptors, so
+        // one read brings at most one batch (≤ 253, the kernel's limit).
+        let mut space = vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(253))];
         let mut cmsg = RecvAncillaryBuffer::new(&mut space);
-        let mut byte = [0u8; 1];
         let r = recvmsg(
-            &*sock,
-            &mut [IoSliceMut::new(&mut byte)],
+            self.sock,
+            &mut [IoSliceMut::new(&mut self.buf)],
             &mut cmsg,
             RecvFlags::CMSG_CLOEXEC,
         )?;
-        if r.bytes != 1 || byte[0] != b'F' {
-            return Err(invalid("expected a descriptor batch".to_string()));
+        if r.flags.contains(rustix::net::ReturnFlags::CTRUNC) {
+            return Err(invalid(
+                "descriptors were lost on the way (is the open-file limit too low?)".into(),
+            ));
         }
-        let before = out.len();
         for msg in cmsg.drain() {
             if let RecvAncillaryMessage::ScmRights(fds) = msg {
-                out.extend(fds);
+                self.fds.extend(fds);
             }
         }
-        if out.len() - before != want {
+        self.pos = 0;
+        self.end = r.bytes;
+        Ok(())
+    }
+}
+
+impl Read for Receiving<'_> {
+    fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+        if self.pos == self.end {
+            self.fill()?;
+        }
+        let n = out.len().min(self.end - self.pos);
+        out[..n].copy_from_slice(&self.buf[self.pos..self.pos + n]);
+        self.pos += n;
+        Ok(n)
+    }
+}
+
+/// Takes `count` descriptors sent by [`send_fds`]: per batch, its `F` byte
+/// and the descriptors that came with (or before) it.
+fn recv_fds(r: &mut Receiving<'_>, count: usize) -> io::Result<Vec<OwnedFd>> {
+    let mut out = Vec::with_capacity(count);
+    while out.len() < count {
+        let want = (count - out.len()).min(FDS_PER_BATCH);
+        let mut byte = [0u8; 1];
+        r.read_exact(&mut byte)?;
+        if byte[0] != b'F' {
+            return Err(invalid("expected a descriptor batch".to_string()));
+        }
+        if r.fds.len() < want {
             return Err(invalid(format!(
                 "descriptor batch of {} (expected {want}); is the open-file limit too low?",
-                out.len() - before
+                r.fds.len()
             )));
         }
+        out.extend(r.fds.drain(..want));
     }
     Ok(out)
 }
@@ -302,7 +396,12 @@ fn half_header(h: &HalfState) -> HalfHeader {
 /// receipt. On `Ok` the new relay serves everything; on `Err` the caller
 /// still owns `h` (every descriptor is still open here) and serves on.
 pub(crate) fn send_handover(sock: &mut UnixStream, h: &Handover) -> io::Result<usize> {
-    encode(sock, h, send_fds)?;
+    let mut w = Sending {
+        sock,
+        buf: Vec::with_capacity(SEND_BUFFER),
+    };
+    encode(&mut w, h, send_fds)?;
+    w.flush()?;
     match read_record::<Tail, _>(sock)? {
         Tail::Taken { sessions } if sessions == h.sessions.len() => Ok(sessions),
         other => Err(invalid(format!("unexpected receipt {other:?}"))),
@@ -399,7 +498,16 @@ pub(crate) fn encode<W: Write>(
 
 /// New side, after its [`Hello`] was accepted: receives the handover.
 pub(crate) fn recv_handover(sock: &mut UnixStream) -> io::Result<Handover> {
-    decode(sock, recv_fds)
+    let mut r = Receiving::new(sock);
+    let h = decode(&mut r, recv_fds)?;
+    if r.pos != r.end || !r.fds.is_empty() {
+        return Err(invalid(format!(
+            "{} bytes and {} descriptors after the end of the handover",
+            r.end - r.pos,
+            r.fds.len()
+        )));
+    }
+    Ok(h)
 }
 
 /// Reads a handover from `r`, its descriptors through `recv_fds` (which
