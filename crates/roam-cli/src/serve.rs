@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use roam::RoamStream;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch};
 use tokio::task::JoinSet;
 
 use crate::cli::{CliError, CliResult, ServeArgs};
@@ -287,40 +287,13 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
                 .unwrap_or_default()
         });
     }
-    let (gate, gate_rx) = watch::channel(false);
+    // Closed while sessions are still arriving: a resume for one not here
+    // yet waits in the backlog instead of being refused as unknown.
+    let (gate, gate_rx) = watch::channel(handover.is_some());
     server.accept_paused = Some(gate_rx);
     let stats = server.stats.clone();
     let handed_over = Arc::new(tokio::sync::Notify::new());
-    if let Some(h) = handover {
-        // The receipt is the commit point: once the old relay has it, it
-        // exits and this process serves; if it cannot be delivered, the
-        // old relay serves on and this one gives up.
-        let n = h.sessions.len();
-        let mut sock = h.sock;
-        let old_pid = rustix::net::sockopt::socket_peercred(&sock)
-            .ok()
-            .map(|c| c.pid.as_raw_nonzero().get());
-        // systemd learns the new main process before the old one can exit.
-        crate::sdnotify::notify(&format!("MAINPID={}", std::process::id()));
-        let sent =
-            tokio::task::spawn_blocking(move || crate::takeover::send_taken(&mut sock, n)).await;
-        if !matches!(sent, Ok(Ok(()))) {
-            if let Some(pid) = old_pid {
-                crate::sdnotify::notify(&format!("MAINPID={pid}"));
-            }
-            return Err(CliError(
-                "could not confirm the takeover to the running relay; it keeps serving".to_string(),
-            ));
-        }
-        eprintln!(
-            "roam serve: took over {n} sessions, {} shells and the listener {} from the running relay",
-            h.shells.len(),
-            h.listen
-        );
-        relay.park(h.sessions);
-        relay.adopt_shells(h.shells);
-    }
-    let takeover_listener = bind_takeover_socket(&takeover_path, args.takeover);
+    // Serving from here: handed-over sessions run as their wave arrives.
     let serving = {
         let handed_over = handed_over.clone();
         tokio::spawn(serve_relay(listener, server, relay.clone(), async move {
@@ -330,9 +303,86 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
             }
         }))
     };
+    let mut taken = 0;
+    if let Some(h) = handover {
+        // Each wave is ours once its receipt is written (the old relay
+        // then lets go of it); the final receipt commits the shells and the
+        // end, after which the old relay exits.
+        let listen = h.listen;
+        let (waves_tx, mut waves) = tokio::sync::mpsc::unbounded_channel::<Vec<HandedSession>>();
+        let adopting = {
+            let relay = relay.clone();
+            tokio::spawn(async move {
+                let mut n = 0;
+                while let Some(wave) = waves.recv().await {
+                    n += wave.len();
+                    relay.park(wave);
+                }
+                n
+            })
+        };
+        let mut rest = h.rest;
+        let old_pid = rustix::net::sockopt::socket_peercred(rest.sock())
+            .ok()
+            .map(|c| c.pid.as_raw_nonzero().get());
+        let received = tokio::task::spawn_blocking(move || {
+            let r = crate::takeover::recv_waves(&mut rest, |wave| {
+                let _ = waves_tx.send(wave);
+            });
+            (rest, r)
+        })
+        .await
+        .map_err(|e| CliError(format!("takeover: {e}")))?;
+        let adopted = adopting.await.unwrap_or(0);
+        let (rest, shells) = match received {
+            (rest, Ok((shells, n))) => {
+                // systemd learns the new main process before the old one can exit.
+                crate::sdnotify::notify(&format!("MAINPID={}", std::process::id()));
+                let sent = tokio::task::spawn_blocking(move || {
+                    let r = crate::takeover::send_taken(&rest, n);
+                    (rest, r)
+                })
+                .await;
+                match sent {
+                    Ok((rest, Ok(()))) => (rest, Ok(shells)),
+                    Ok((rest, Err(e))) => (rest, Err(e.to_string())),
+                    Err(e) => return Err(CliError(format!("takeover: {e}"))),
+                }
+            }
+            (rest, Err(e)) => (rest, Err(e.to_string())),
+        };
+        drop(rest);
+        match shells {
+            Ok(shells) => {
+                eprintln!(
+                    "roam serve: took over {adopted} sessions, {} shells and the listener {listen} from the running relay",
+                    shells.len(),
+                );
+                relay.adopt_shells(shells);
+                taken = adopted;
+            }
+            Err(e) if adopted == 0 => {
+                if let Some(pid) = old_pid {
+                    crate::sdnotify::notify(&format!("MAINPID={pid}"));
+                }
+                return Err(CliError(format!(
+                    "takeover failed part-way ({e}); the running relay keeps serving"
+                )));
+            }
+            Err(e) => {
+                // Those sessions are ours (their receipts went out) and the
+                // old relay serves the rest: both serve until this one is
+                // told otherwise.
+                tracing::error!("takeover failed part-way ({e}) after {adopted} sessions moved here; serving them while the old relay keeps the rest");
+                eprintln!("roam serve: takeover failed part-way ({e}); serving the {adopted} sessions that moved here, the old relay keeps the rest");
+                taken = adopted;
+            }
+        }
+        gate.send_replace(false);
+    }
+    let takeover_listener = bind_takeover_socket(&takeover_path, args.takeover);
     crate::sdnotify::notify(&format!(
-        "READY=1\nSTATUS=listening on {local}; {} sessions taken over",
-        relay.parked().len()
+        "READY=1\nSTATUS=listening on {local}; {taken} sessions taken over"
     ));
     if let Some(l) = takeover_listener {
         tokio::spawn(offer_takeover(
@@ -353,15 +403,13 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
     Ok(0)
 }
 
-/// What `--takeover` received, and the socket its receipt goes back on.
+/// What `--takeover` received first (the listening sockets), and the
+/// reader the sessions' waves follow on.
 struct Received {
     listen: String,
     listener: OwnedFd,
     metrics: Option<OwnedFd>,
-    sessions: Vec<HandedSession>,
-    sock: std::os::unix::net::UnixStream,
-    /// The shells (`--shell`), with their ptys.
-    shells: Vec<crate::shell::host::HandedShell>,
+    rest: crate::takeover::Receiving,
 }
 
 /// `--takeover`: asks the relay on `path` for everything it holds.
@@ -386,15 +434,13 @@ async fn receive_takeover(path: &std::path::Path, format: u32) -> Result<Receive
                 answer.error.unwrap_or_default()
             )));
         }
-        let h = crate::takeover::recv_handover(&mut sock)
+        let (l, rest) = crate::takeover::recv_listeners(sock)
             .map_err(|e| CliError(format!("takeover from {shown} failed part-way: {e}; the old relay keeps serving")))?;
         Ok(Received {
-            listen: h.listen,
-            listener: h.listener,
-            metrics: h.metrics,
-            sessions: h.sessions,
-            shells: h.shells,
-            sock,
+            listen: l.listen,
+            listener: l.listener,
+            metrics: l.metrics,
+            rest,
         })
     })
     .await
@@ -472,7 +518,7 @@ async fn offer_takeover(
             (sock, r)
         })
         .await;
-        let (mut sock, hello) = match hello {
+        let (sock, hello) = match hello {
             Ok((sock, Ok(Ok(_)))) if !same_user(&sock) => {
                 tracing::warn!("takeover refused: the new process runs as another user");
                 continue;
@@ -506,8 +552,6 @@ async fn offer_takeover(
             Some(host) => host.take_all().await,
             None => Vec::new(),
         };
-        let sessions = relay.take_all(&stats).await;
-        let taken_out = started.elapsed();
         let (listener_dup, metrics_dup) = (
             listener_fd.try_clone(),
             metrics_fd.as_ref().map(|f| f.try_clone()).transpose(),
@@ -516,55 +560,128 @@ async fn offer_takeover(
             tracing::error!("takeover failed: cannot duplicate the listening sockets; serving on");
             // Shells first, so that a client's re-attach finds its shell.
             relay.adopt_shells(shells);
-            relay.resume_after_failed_handover(sessions);
+            relay.resume_after_failed_handover(Vec::new());
             gate.send_replace(false);
             continue;
         };
-        let h = crate::takeover::Handover {
-            listen: local.clone(),
-            listener: listener_dup,
-            metrics: metrics_dup,
-            sessions,
-            shells,
+        let fail = |e: String, moved: usize, shells: Vec<crate::shell::host::HandedShell>| {
+            if moved == 0 {
+                tracing::error!("takeover failed part-way ({e}); the sessions stay here");
+                eprintln!("roam serve: takeover failed part-way ({e}); serving on");
+            } else {
+                tracing::error!("takeover failed part-way ({e}) after {moved} sessions moved to the new relay; serving the rest here");
+                eprintln!("roam serve: takeover failed part-way ({e}) after {moved} sessions moved to the new relay; serving the rest");
+            }
+            crate::sdnotify::notify(&format!(
+                "MAINPID={}\nREADY=1\nSTATUS=takeover failed; serving on",
+                std::process::id()
+            ));
+            relay.adopt_shells(shells);
+            relay.resume_after_failed_handover(Vec::new());
+            gate.send_replace(false);
         };
+        let local2 = local.clone();
         let sent = tokio::task::spawn_blocking(move || {
-            let r = crate::takeover::send_handover(&mut sock, &h);
-            (h, r)
+            let r = crate::takeover::send_listeners(
+                &sock,
+                &local2,
+                &listener_dup,
+                metrics_dup.as_ref(),
+            );
+            (sock, r)
         })
         .await;
+        let sock = match sent {
+            Ok((sock, Ok(()))) => Arc::new(sock),
+            Ok((_, Err(e))) => {
+                fail(e.to_string(), 0, shells);
+                continue;
+            }
+            Err(e) => {
+                fail(e.to_string(), 0, shells);
+                continue;
+            }
+        };
+        // Wave after wave: each is taken out, sent and committed by the new
+        // relay's receipt while the later ones keep running here.
+        let deadline = Instant::now() + HANDOVER_WAIT;
+        let (mut moved, mut waves) = (0usize, 0usize);
+        let (mut taking_out, mut sending) = (Duration::ZERO, Duration::ZERO);
+        let mut failed = None;
+        loop {
+            let t = Instant::now();
+            let wave = relay
+                .take_wave(crate::takeover::WAVE, &stats, deadline)
+                .await;
+            taking_out += t.elapsed();
+            if wave.is_empty() {
+                break;
+            }
+            let t = Instant::now();
+            let s = sock.clone();
+            let sent = tokio::task::spawn_blocking(move || {
+                let r = crate::takeover::send_wave(&s, &wave).or_else(|e| {
+                    if crate::takeover::receipt_after_failure(&s, wave.len()) {
+                        Ok(())
+                    } else {
+                        Err(e)
+                    }
+                });
+                (wave, r)
+            })
+            .await;
+            sending += t.elapsed();
+            match sent {
+                Ok((wave, Ok(()))) => {
+                    moved += wave.len();
+                    waves += 1;
+                    // Our copies of its sockets close; the new relay's
+                    // keep them open.
+                    drop(wave);
+                }
+                Ok((wave, Err(e))) => {
+                    relay.park(wave);
+                    failed = Some(e.to_string());
+                    break;
+                }
+                Err(e) => {
+                    failed = Some(format!("{e}; a wave of sessions was lost"));
+                    break;
+                }
+            }
+        }
+        if let Some(e) = failed {
+            fail(e, moved, shells);
+            continue;
+        }
+        let t = Instant::now();
+        let sent = tokio::task::spawn_blocking(move || {
+            let r = crate::takeover::send_end(&sock, &shells, moved).or_else(|e| {
+                if crate::takeover::taken_after_failure(&sock, moved) {
+                    Ok(())
+                } else {
+                    Err(e)
+                }
+            });
+            (shells, r)
+        })
+        .await;
+        sending += t.elapsed();
         match sent {
-            Ok((h, Ok(n))) => {
+            Ok((shells, Ok(()))) => {
                 eprintln!(
-                    "roam serve: handed {n} sessions and {} shells to the new relay in {} ms ({} ms taking them out, {} ms sending); exiting",
-                    h.shells.len(),
+                    "roam serve: handed {moved} sessions and {} shells to the new relay in {} ms ({} ms taking them out, {} ms sending, {waves} waves); exiting",
+                    shells.len(),
                     started.elapsed().as_millis(),
-                    taken_out.as_millis(),
-                    (started.elapsed() - taken_out).as_millis()
+                    taking_out.as_millis(),
+                    sending.as_millis(),
                 );
-                // Our copies of the target connections close; the new
-                // relay's keep them open.
-                drop(h);
+                drop(shells);
                 handed_over.notify_one();
                 return;
             }
-            Ok((h, Err(e))) => {
-                tracing::error!("takeover failed part-way ({e}); the sessions stay here");
-                eprintln!("roam serve: takeover failed part-way ({e}); serving on");
-                crate::sdnotify::notify(&format!(
-                    "MAINPID={}\nREADY=1\nSTATUS=takeover failed; serving on",
-                    std::process::id()
-                ));
-                relay.adopt_shells(h.shells);
-                relay.resume_after_failed_handover(h.sessions);
-                gate.send_replace(false);
-            }
-            Err(e) => {
-                tracing::error!(
-                    "takeover task failed: {e}; serving on without the sessions it held"
-                );
-                relay.resume_after_failed_handover(Vec::new());
-                gate.send_replace(false);
-            }
+            Ok((shells, Err(e))) => fail(e.to_string(), moved, shells),
+            Err(e) => fail(format!("{e}; the shells were lost"), moved, Vec::new()),
         }
     }
 }
@@ -632,8 +749,11 @@ pub(crate) struct Relay {
     streams_paused: watch::Sender<bool>,
     /// Session tasks running (each hands its session over or ends).
     live: AtomicUsize,
-    /// Sessions taken out by the current handover.
-    handed: Mutex<Vec<HandedSession>>,
+    /// Running session tasks, by a key of their own: what a handover wave
+    /// sends to one of them to have it hand its session over.
+    tasks: Mutex<HashMap<u64, oneshot::Sender<HandOver>>>,
+    /// The next key in `tasks`.
+    next_task: std::sync::atomic::AtomicU64,
     /// Sessions received in a handover (or put back after a failed one),
     /// waiting for their client's resume, and since when.
     parked: Mutex<HashMap<roam::SessionId, (HandedSession, Instant)>>,
@@ -666,7 +786,8 @@ impl Relay {
             handing: watch::channel(false).0,
             streams_paused: watch::channel(false).0,
             live: AtomicUsize::new(0),
-            handed: Mutex::new(Vec::new()),
+            tasks: Mutex::new(HashMap::new()),
+            next_task: std::sync::atomic::AtomicU64::new(0),
             parked: Mutex::new(HashMap::new()),
             suspend_timeout,
             shells: std::sync::OnceLock::new(),
@@ -815,29 +936,79 @@ impl Relay {
         ))
     }
 
-    /// Takes every session out of its pumps and driver (a handover). The
-    /// caller has stopped the server accepting. Returns them with the parked
-    /// ones; sessions that ended meanwhile are not in it.
-    pub(crate) async fn take_all(&self, stats: &roam::ServerStats) -> Vec<HandedSession> {
+    /// Takes the next wave of sessions (at most `max`) out of their pumps
+    /// and drivers for a handover: parked ones first, then running ones.
+    /// The caller has stopped the server accepting. Empty when none is left
+    /// (or `deadline` passed with sessions still starting: they are not
+    /// handed over).
+    pub(crate) async fn take_wave(
+        &self,
+        max: usize,
+        stats: &roam::ServerStats,
+        deadline: Instant,
+    ) -> Vec<HandedSession> {
+        // Resumes of parked sessions are answered "busy" from here on, and
+        // sessions still in their handshake get a task when it completes,
+        // which a later wave takes.
         self.handing.send_replace(true);
-        // Session tasks see `handing` and hand over; sessions still in their
-        // handshake get a task when it completes, which hands over at once.
-        let deadline = Instant::now() + HANDOVER_WAIT;
+        let mut out: Vec<HandedSession> = {
+            let mut p = self.parked();
+            let ids: Vec<roam::SessionId> = p.keys().take(max).copied().collect();
+            ids.iter()
+                .filter_map(|id| p.remove(id))
+                .map(|(s, _)| s)
+                .collect()
+        };
+        if !out.is_empty() {
+            return out;
+        }
         loop {
+            let triggers: Vec<oneshot::Sender<HandOver>> = {
+                let mut t = self.tasks.lock().unwrap_or_else(|e| e.into_inner());
+                let keys: Vec<u64> = t.keys().take(max).copied().collect();
+                keys.iter().filter_map(|k| t.remove(k)).collect()
+            };
+            if !triggers.is_empty() {
+                let replies: Vec<_> = triggers
+                    .into_iter()
+                    .filter_map(|t| {
+                        let (tx, rx) = oneshot::channel();
+                        t.send(tx).ok().map(|()| rx)
+                    })
+                    .collect();
+                for rx in replies {
+                    if let Ok(Some(h)) = rx.await {
+                        out.push(h);
+                    }
+                }
+                if out.is_empty() {
+                    // They all ended meanwhile.
+                    continue;
+                }
+                return out;
+            }
             let live = self.live.load(Ordering::SeqCst);
             let held = stats.usage().sessions;
             if live == 0 && held == 0 {
-                break;
+                return out;
             }
             if Instant::now() >= deadline {
-                tracing::warn!("handover: {live} session tasks and {held} sessions still running after {HANDOVER_WAIT:?}; they are not handed over");
-                break;
+                tracing::warn!("handover: {live} session tasks and {held} sessions still starting or ending after {HANDOVER_WAIT:?}; they are not handed over");
+                return out;
             }
-            tokio::time::sleep(Duration::from_millis(2)).await;
+            tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        let mut all = std::mem::take(&mut *self.handed.lock().unwrap_or_else(|e| e.into_inner()));
-        all.extend(self.parked().drain().map(|(_, (s, _))| s));
-        all
+    }
+
+    /// Registers a running session task: `trigger` asks it to hand its
+    /// session over. Unregistered when the returned guard drops.
+    fn register(self: &Arc<Self>, trigger: oneshot::Sender<HandOver>) -> TaskGuard {
+        let key = self.next_task.fetch_add(1, Ordering::SeqCst);
+        self.tasks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key, trigger);
+        TaskGuard(self.clone(), key)
     }
 
     /// After a failed handover: the sessions wait here for their clients
@@ -846,6 +1017,23 @@ impl Relay {
         self.streams_paused.send_replace(false);
         self.park(sessions);
         self.handing.send_replace(false);
+    }
+}
+
+/// Where a session task sends its session when a handover wave takes it
+/// (`None`: it could not be handed over, e.g. it had just ended).
+type HandOver = oneshot::Sender<Option<HandedSession>>;
+
+/// Keeps a session task in [`Relay::tasks`] while it runs.
+struct TaskGuard(Arc<Relay>, u64);
+
+impl Drop for TaskGuard {
+    fn drop(&mut self) {
+        self.0
+            .tasks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.1);
     }
 }
 
@@ -934,15 +1122,21 @@ pub(crate) async fn serve_relay(
 
 /// One session's task: relays each stream the client opens (and, after a
 /// handover, those it brought along) until the session ends or the relay
-/// hands over, when it takes the session out into [`Relay::handed`].
+/// hands over, when a wave ([`Relay::take_wave`]) takes the session out.
 async fn run_session(
     relay: Arc<Relay>,
     session: roam::SessionHandle,
     resumed: Vec<HandedStream>,
     _live: LiveGuard,
 ) {
-    let mut handing = relay.handing.subscribe();
+    let handing = relay.handing.subscribe();
     let mut paused = relay.streams_paused.subscribe();
+    let (trigger_tx, mut trigger) = oneshot::channel::<HandOver>();
+    let _registered = relay.register(trigger_tx);
+    // Stops this session's relays when a wave takes it.
+    let (stop_tx, stop) = watch::channel(false);
+    let reply: HandOver;
+    let mut triggered = false;
     let mut relays: JoinSet<Option<(HandedStream, RoamStream)>> = JoinSet::new();
     for st in resumed {
         match session.stream(roam::StreamId(st.id)) {
@@ -953,6 +1147,7 @@ async fn run_session(
                     st.target.clone(),
                     session.clone(),
                     Some(st),
+                    stop.clone(),
                 ));
             }
             Err(e) => tracing::warn!("handed-over stream {} to {} is gone: {e}", st.id, st.target),
@@ -980,7 +1175,7 @@ async fn run_session(
                         continue;
                     }
                     let target = String::from_utf8_lossy(&meta).into_owned();
-                    relays.spawn(relay_stream(relay.clone(), stream, target, session.clone(), None));
+                    relays.spawn(relay_stream(relay.clone(), stream, target, session.clone(), None, stop.clone()));
                 }
                 Err(_) => {
                     // Over: the relays end with the session.
@@ -996,9 +1191,17 @@ async fn run_session(
                     handles.push(handle);
                 }
             }
-            _ = handing.wait_for(|h| *h) => break,
+            r = &mut trigger, if !triggered => {
+                triggered = true;
+                // Dropped without a wave (the relay is going away): serve on.
+                if let Ok(to) = r {
+                    reply = to;
+                    break;
+                }
+            }
         }
     }
+    let _ = stop_tx.send(true);
     // Handing over: every relay stops where it is, then the session leaves
     // its driver. The streams stay open until the export is taken, so none
     // is reset as dropped.
@@ -1008,21 +1211,23 @@ async fn run_session(
             handles.push(handle);
         }
     }
-    let Some(id) = session.id() else { return };
+    let Some(id) = session.id() else {
+        let _ = reply.send(None);
+        return;
+    };
     match session.detach_live().await {
         Ok((detached, live)) => {
-            relay
-                .handed
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(HandedSession {
-                    id,
-                    detached,
-                    streams,
-                    live,
-                });
+            let _ = reply.send(Some(HandedSession {
+                id,
+                detached,
+                streams,
+                live,
+            }));
         }
-        Err(e) => tracing::info!("session {id} not handed over: {e}"),
+        Err(e) => {
+            tracing::info!("session {id} not handed over: {e}");
+            let _ = reply.send(None);
+        }
     }
     drop(handles);
 }
@@ -1046,10 +1251,10 @@ async fn relay_stream(
     target: String,
     session: roam::SessionHandle,
     resumed: Option<HandedStream>,
+    mut handing: watch::Receiver<bool>,
 ) -> Option<(HandedStream, RoamStream)> {
     let peer = fmt_peer(session.stats().peer_addr);
     let targets = &relay.targets;
-    let mut handing = relay.handing.subscribe();
     let parsed = match split_host_port(&target) {
         Ok((host, Some(port))) if !host.is_empty() => Some((host, port)),
         _ => None,

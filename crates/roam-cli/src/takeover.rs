@@ -155,9 +155,13 @@ const MAX_SHELLS: usize = 1 << 16;
 /// The last record of a handover, and the new relay's receipt.
 #[derive(Debug, Serialize, Deserialize)]
 enum Tail {
-    /// All sessions sent.
+    /// A wave of sessions sent (their count).
+    Wave { sessions: usize },
+    /// The new relay's receipt for a wave: they are its sessions now.
+    WaveTaken { sessions: usize },
+    /// All sent (the sum of the waves).
     End { sessions: usize },
-    /// The new relay serves them now.
+    /// The new relay serves everything now.
     Taken { sessions: usize },
 }
 
@@ -253,6 +257,15 @@ struct Sending<'a> {
     buf: Vec<u8>,
 }
 
+impl Sending<'_> {
+    fn new(sock: &UnixStream) -> Sending<'_> {
+        Sending {
+            sock,
+            buf: Vec::with_capacity(SEND_BUFFER),
+        }
+    }
+}
+
 impl Write for Sending<'_> {
     fn write(&mut self, b: &[u8]) -> io::Result<usize> {
         self.buf.extend_from_slice(b);
@@ -302,16 +315,16 @@ fn send_fds(s: &mut Sending<'_>, fds: &[&OwnedFd]) -> io::Result<()> {
 /// The new relay's end: reads the socket in large `recvmsg`s and keeps the
 /// descriptors that arrive, in order, until their batch's `F` byte is read
 /// ([`recv_fds`]). A plain `read` would close descriptors it met.
-struct Receiving<'a> {
-    sock: &'a UnixStream,
+pub(crate) struct Receiving {
+    sock: UnixStream,
     buf: Vec<u8>,
     pos: usize,
     end: usize,
     fds: std::collections::VecDeque<OwnedFd>,
 }
 
-impl Receiving<'_> {
-    fn new(sock: &UnixStream) -> Receiving<'_> {
+impl Receiving {
+    fn new(sock: UnixStream) -> Receiving {
         Receiving {
             sock,
             buf: vec![0u8; RECV_BUFFER],
@@ -328,7 +341,7 @@ impl Receiving<'_> {
         let mut space = vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(253))];
         let mut cmsg = RecvAncillaryBuffer::new(&mut space);
         let r = recvmsg(
-            self.sock,
+            &self.sock,
             &mut [IoSliceMut::new(&mut self.buf)],
             &mut cmsg,
             RecvFlags::CMSG_CLOEXEC,
@@ -349,7 +362,7 @@ impl Receiving<'_> {
     }
 }
 
-impl Read for Receiving<'_> {
+impl Read for Receiving {
     fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
         if self.pos == self.end {
             self.fill()?;
@@ -363,7 +376,7 @@ impl Read for Receiving<'_> {
 
 /// Takes `count` descriptors sent by [`send_fds`]: per batch, its `F` byte
 /// and the descriptors that came with (or before) it.
-fn recv_fds(r: &mut Receiving<'_>, count: usize) -> io::Result<Vec<OwnedFd>> {
+fn recv_fds(r: &mut Receiving, count: usize) -> io::Result<Vec<OwnedFd>> {
     let mut out = Vec::with_capacity(count);
     while out.len() < count {
         let want = (count - out.len()).min(FDS_PER_BATCH);
@@ -392,83 +405,205 @@ fn half_header(h: &HalfState) -> HalfHeader {
     }
 }
 
-/// Old side, after a [`Hello`] was accepted: sends `h`, waits for the
-/// receipt. On `Ok` the new relay serves everything; on `Err` the caller
-/// still owns `h` (every descriptor is still open here) and serves on.
-pub(crate) fn send_handover(sock: &mut UnixStream, h: &Handover) -> io::Result<usize> {
-    let mut w = Sending {
-        sock,
-        buf: Vec::with_capacity(SEND_BUFFER),
-    };
-    encode(&mut w, h, send_fds)?;
+/// Sessions per wave: taken out of their relays together, sent, and
+/// committed by the new relay's receipt before the next wave is taken out.
+/// The sessions of later waves keep running here meanwhile, so a session's
+/// stall is one wave's handover, whatever the relay's size.
+pub(crate) const WAVE: usize = 32;
+/// Most sessions a wave may hold (a receiver's bound).
+const MAX_WAVE: usize = 1 << 16;
+
+/// Old side, first: the listening sockets.
+pub(crate) fn send_listeners(
+    sock: &UnixStream,
+    listen: &str,
+    listener: &OwnedFd,
+    metrics: Option<&OwnedFd>,
+) -> io::Result<()> {
+    let mut w = Sending::new(sock);
+    write_listeners(&mut w, listen, listener, metrics, send_fds)?;
+    w.flush()
+}
+
+/// Old side, per wave: sends `sessions` and waits for the new relay's
+/// receipt. `Ok`: they are the new relay's now (drop them here). `Err`: they
+/// are still this relay's to serve, unless [`receipt_after_failure`] finds
+/// the receipt after all.
+pub(crate) fn send_wave(sock: &UnixStream, sessions: &[HandedSession]) -> io::Result<()> {
+    let mut w = Sending::new(sock);
+    for s in sessions {
+        write_session(&mut w, s, send_fds)?;
+    }
+    write_record(
+        &mut w,
+        &Tail::Wave {
+            sessions: sessions.len(),
+        },
+    )?;
     w.flush()?;
-    match read_record::<Tail, _>(sock)? {
-        Tail::Taken { sessions } if sessions == h.sessions.len() => Ok(sessions),
+    let mut r = sock;
+    match read_record::<Tail, _>(&mut r)? {
+        Tail::WaveTaken { sessions: n } if n == sessions.len() => Ok(()),
         other => Err(invalid(format!("unexpected receipt {other:?}"))),
     }
 }
 
-/// Writes `h` to `w`, its descriptors through `send_fds` (which sends one
+/// Old side, after a failed [`send_wave`]: shuts the socket (so the new
+/// relay can no longer commit the wave: its receipt write fails and it
+/// drops the sessions), then looks for a receipt it wrote before that.
+/// `true`: the wave is the new relay's after all.
+pub(crate) fn receipt_after_failure(sock: &UnixStream, sessions: usize) -> bool {
+    found_after_shutdown(
+        sock,
+        |t| matches!(t, Tail::WaveTaken { sessions: n } if *n == sessions),
+    )
+}
+
+/// [`receipt_after_failure`] for the final receipt ([`send_end`]).
+pub(crate) fn taken_after_failure(sock: &UnixStream, sessions: usize) -> bool {
+    found_after_shutdown(
+        sock,
+        |t| matches!(t, Tail::Taken { sessions: n } if *n == sessions),
+    )
+}
+
+/// Shuts `sock` both ways, then reads what had arrived before: whether a
+/// record `wanted` is among it.
+fn found_after_shutdown(sock: &UnixStream, wanted: impl Fn(&Tail) -> bool) -> bool {
+    let _ = sock.shutdown(std::net::Shutdown::Both);
+    let _ = sock.set_nonblocking(true);
+    let mut r = sock;
+    loop {
+        match read_record::<Tail, _>(&mut r) {
+            Ok(t) if wanted(&t) => return true,
+            Ok(_) => continue,
+            Err(_) => return false,
+        }
+    }
+}
+
+/// Old side, last: the shells and the end, then the new relay's receipt for
+/// all `sessions` (the sum of the waves).
+pub(crate) fn send_end(
+    sock: &UnixStream,
+    shells: &[crate::shell::host::HandedShell],
+    sessions: usize,
+) -> io::Result<()> {
+    let mut w = Sending::new(sock);
+    write_end(&mut w, shells, sessions, send_fds)?;
+    w.flush()?;
+    let mut r = sock;
+    match read_record::<Tail, _>(&mut r)? {
+        Tail::Taken { sessions: n } if n == sessions => Ok(()),
+        other => Err(invalid(format!("unexpected receipt {other:?}"))),
+    }
+}
+
+/// Writes `h` to `w` in waves of `wave` sessions (no receipts: for tests
+/// and the fuzz target), its descriptors through `send_fds` (which sends one
 /// batch after the bytes written so far).
 pub(crate) fn encode<W: Write>(
     sock: &mut W,
     h: &Handover,
+    wave: usize,
+    mut send_fds: impl FnMut(&mut W, &[&OwnedFd]) -> io::Result<()>,
+) -> io::Result<()> {
+    write_listeners(
+        sock,
+        &h.listen,
+        &h.listener,
+        h.metrics.as_ref(),
+        &mut send_fds,
+    )?;
+    for chunk in h.sessions.chunks(wave.max(1)) {
+        for s in chunk {
+            write_session(sock, s, &mut send_fds)?;
+        }
+        write_record(
+            sock,
+            &Tail::Wave {
+                sessions: chunk.len(),
+            },
+        )?;
+    }
+    write_end(sock, &h.shells, h.sessions.len(), send_fds)
+}
+
+fn write_listeners<W: Write>(
+    sock: &mut W,
+    listen: &str,
+    listener: &OwnedFd,
+    metrics: Option<&OwnedFd>,
     mut send_fds: impl FnMut(&mut W, &[&OwnedFd]) -> io::Result<()>,
 ) -> io::Result<()> {
     write_record(
         sock,
         &Listeners {
-            listen: h.listen.clone(),
-            metrics: h.metrics.is_some(),
+            listen: listen.to_string(),
+            metrics: metrics.is_some(),
         },
     )?;
-    let mut fds = vec![&h.listener];
-    fds.extend(h.metrics.as_ref());
-    send_fds(sock, &fds)?;
-    for s in &h.sessions {
-        let header = SessionHeader {
-            id: s.id.to_string(),
-            blob: s.detached.blob.len() as u64,
-            unaccepted: s.detached.unaccepted.iter().map(|i| i.0).collect(),
-            orphans: s.detached.orphans.iter().map(|i| i.0).collect(),
-            streams: s
-                .streams
-                .iter()
-                .map(|st| StreamHeader {
-                    id: st.id,
-                    target: st.target.clone(),
-                    fd: st.tcp.is_some(),
-                    up: half_header(&st.up),
-                    down: half_header(&st.down),
-                })
-                .collect(),
-            live: s.live.as_ref().map(|l| LiveHeader {
-                peer: l.peer.to_string(),
-                state: l.state.len() as u64,
-                unsent: l.unsent.len() as u64,
-            }),
-        };
-        write_record(sock, &header)?;
-        sock.write_all(&s.detached.blob)?;
-        for st in &s.streams {
-            sock.write_all(&st.up.pending)?;
-            sock.write_all(&st.down.pending)?;
-        }
-        if let Some(l) = &s.live {
-            sock.write_all(&l.state)?;
-            sock.write_all(&l.unsent)?;
-        }
-        let mut fds: Vec<&OwnedFd> = s.streams.iter().filter_map(|st| st.tcp.as_ref()).collect();
-        fds.extend(s.live.as_ref().map(|l| &l.fd));
-        if !fds.is_empty() {
-            send_fds(sock, &fds)?;
-        }
+    let mut fds = vec![listener];
+    fds.extend(metrics);
+    send_fds(sock, &fds)
+}
+
+fn write_session<W: Write>(
+    sock: &mut W,
+    s: &HandedSession,
+    mut send_fds: impl FnMut(&mut W, &[&OwnedFd]) -> io::Result<()>,
+) -> io::Result<()> {
+    let header = SessionHeader {
+        id: s.id.to_string(),
+        blob: s.detached.blob.len() as u64,
+        unaccepted: s.detached.unaccepted.iter().map(|i| i.0).collect(),
+        orphans: s.detached.orphans.iter().map(|i| i.0).collect(),
+        streams: s
+            .streams
+            .iter()
+            .map(|st| StreamHeader {
+                id: st.id,
+                target: st.target.clone(),
+                fd: st.tcp.is_some(),
+                up: half_header(&st.up),
+                down: half_header(&st.down),
+            })
+            .collect(),
+        live: s.live.as_ref().map(|l| LiveHeader {
+            peer: l.peer.to_string(),
+            state: l.state.len() as u64,
+            unsent: l.unsent.len() as u64,
+        }),
+    };
+    write_record(sock, &header)?;
+    sock.write_all(&s.detached.blob)?;
+    for st in &s.streams {
+        sock.write_all(&st.up.pending)?;
+        sock.write_all(&st.down.pending)?;
     }
+    if let Some(l) = &s.live {
+        sock.write_all(&l.state)?;
+        sock.write_all(&l.unsent)?;
+    }
+    let mut fds: Vec<&OwnedFd> = s.streams.iter().filter_map(|st| st.tcp.as_ref()).collect();
+    fds.extend(s.live.as_ref().map(|l| &l.fd));
+    if fds.is_empty() {
+        Ok(())
+    } else {
+        send_fds(sock, &fds)
+    }
+}
+
+fn write_end<W: Write>(
+    sock: &mut W,
+    shells: &[crate::shell::host::HandedShell],
+    sessions: usize,
+    mut send_fds: impl FnMut(&mut W, &[&OwnedFd]) -> io::Result<()>,
+) -> io::Result<()> {
     write_record(
         sock,
         &Shells {
-            shells: h
-                .shells
+            shells: shells
                 .iter()
                 .map(|sh| ShellHeader {
                     user: sh.user.clone(),
@@ -481,25 +616,75 @@ pub(crate) fn encode<W: Write>(
                 .collect(),
         },
     )?;
-    for sh in &h.shells {
+    for sh in shells {
         sock.write_all(&sh.image)?;
     }
-    let fds: Vec<&OwnedFd> = h.shells.iter().map(|sh| &sh.pty).collect();
+    let fds: Vec<&OwnedFd> = shells.iter().map(|sh| &sh.pty).collect();
     if !fds.is_empty() {
         send_fds(sock, &fds)?;
     }
-    write_record(
-        sock,
-        &Tail::End {
-            sessions: h.sessions.len(),
-        },
-    )
+    write_record(sock, &Tail::End { sessions })
 }
 
-/// New side, after its [`Hello`] was accepted: receives the handover.
-pub(crate) fn recv_handover(sock: &mut UnixStream) -> io::Result<Handover> {
+/// Reads a whole handover (listeners, waves, shells, end) from `r`,
+/// answering nothing: for tests and the fuzz target.
+pub(crate) fn decode<R: Read>(
+    sock: &mut R,
+    mut recv_fds: impl FnMut(&mut R, usize) -> io::Result<Vec<OwnedFd>>,
+) -> io::Result<Handover> {
+    let l = decode_listeners(sock, &mut recv_fds)?;
+    let mut sessions = Vec::new();
+    let (shells, _) = decode_waves(sock, &mut recv_fds, |_, wave| {
+        sessions.extend(wave);
+        Ok(())
+    })?;
+    Ok(Handover {
+        listen: l.listen,
+        listener: l.listener,
+        metrics: l.metrics,
+        sessions,
+        shells,
+    })
+}
+
+/// The listening sockets a handover begins with.
+#[derive(Debug)]
+pub(crate) struct Listening {
+    /// The address the listener is bound to.
+    pub(crate) listen: String,
+    /// The relay's listening socket.
+    pub(crate) listener: OwnedFd,
+    /// The metrics listener, if the relay serves metrics.
+    pub(crate) metrics: Option<OwnedFd>,
+}
+
+/// New side, after its [`Hello`] was accepted: the listening sockets, and
+/// the reader the waves follow on.
+pub(crate) fn recv_listeners(sock: UnixStream) -> io::Result<(Listening, Receiving)> {
     let mut r = Receiving::new(sock);
-    let h = decode(&mut r, recv_fds)?;
+    let l = decode_listeners(&mut r, recv_fds)?;
+    Ok((l, r))
+}
+
+/// New side: receives the waves, answering each with its receipt before
+/// `on_wave` gets its sessions (so a wave whose receipt could not be
+/// written is never served here: the old relay keeps it), then the shells
+/// and the end. Returns the shells and how many sessions came.
+pub(crate) fn recv_waves(
+    r: &mut Receiving,
+    mut on_wave: impl FnMut(Vec<HandedSession>),
+) -> io::Result<(Vec<crate::shell::host::HandedShell>, usize)> {
+    let (shells, n) = decode_waves(r, recv_fds, |r: &mut Receiving, wave| {
+        let mut w = &r.sock;
+        write_record(
+            &mut w,
+            &Tail::WaveTaken {
+                sessions: wave.len(),
+            },
+        )?;
+        on_wave(wave);
+        Ok(())
+    })?;
     if r.pos != r.end || !r.fds.is_empty() {
         return Err(invalid(format!(
             "{} bytes and {} descriptors after the end of the handover",
@@ -507,25 +692,40 @@ pub(crate) fn recv_handover(sock: &mut UnixStream) -> io::Result<Handover> {
             r.fds.len()
         )));
     }
-    Ok(h)
+    Ok((shells, n))
 }
 
-/// Reads a handover from `r`, its descriptors through `recv_fds` (which
-/// receives a batch of the given size). Every length and count is checked
-/// before it is used; malformed input is an `InvalidData` error.
-pub(crate) fn decode<R: Read>(
+/// Reads the listening sockets from `r`, their descriptors through
+/// `recv_fds` (which receives a batch of the given size).
+pub(crate) fn decode_listeners<R: Read>(
     sock: &mut R,
     mut recv_fds: impl FnMut(&mut R, usize) -> io::Result<Vec<OwnedFd>>,
-) -> io::Result<Handover> {
+) -> io::Result<Listening> {
     let l: Listeners = read_record(sock)?;
     let mut fds = recv_fds(sock, 1 + usize::from(l.metrics))?.into_iter();
     let listener = fds.next().ok_or_else(|| invalid("no listener".into()))?;
-    let metrics = fds.next();
-    let mut sessions = Vec::new();
+    Ok(Listening {
+        listen: l.listen,
+        listener,
+        metrics: fds.next(),
+    })
+}
+
+/// Reads the waves, shells and end from `r` (after
+/// [`decode_listeners`]); each complete wave goes to `on_wave`. Every
+/// length and count is checked before it is used; malformed input is an
+/// `InvalidData` error. Returns the shells and the sessions' count.
+pub(crate) fn decode_waves<R: Read>(
+    sock: &mut R,
+    mut recv_fds: impl FnMut(&mut R, usize) -> io::Result<Vec<OwnedFd>>,
+    mut on_wave: impl FnMut(&mut R, Vec<HandedSession>) -> io::Result<()>,
+) -> io::Result<(Vec<crate::shell::host::HandedShell>, usize)> {
+    let mut wave = Vec::new();
+    let mut total = 0usize;
     let mut shells = Vec::new();
     let mut got_shells = false;
     loop {
-        // A session header or the tail: try the header's shape first.
+        // A session header, the shells, a wave's end or the end.
         let mut len = [0u8; 4];
         sock.read_exact(&mut len)?;
         let len = u32::from_le_bytes(len) as usize;
@@ -536,14 +736,21 @@ pub(crate) fn decode<R: Read>(
         sock.read_exact(&mut body)?;
         if let Ok(tail) = serde_json::from_slice::<Tail>(&body) {
             match tail {
-                Tail::End { sessions: n } if n == sessions.len() => break,
-                other => return Err(invalid(format!("unexpected tail {other:?}"))),
+                Tail::Wave { sessions: n } if n == wave.len() && n > 0 && !got_shells => {
+                    total += n;
+                    on_wave(sock, std::mem::take(&mut wave))?;
+                    continue;
+                }
+                Tail::End { sessions: n } if n == total && wave.is_empty() && got_shells => {
+                    return Ok((shells, total));
+                }
+                other => return Err(invalid(format!("unexpected record {other:?}"))),
             }
         }
         if let Ok(list) = serde_json::from_slice::<Shells>(&body) {
-            if got_shells || list.shells.len() > MAX_SHELLS {
+            if got_shells || !wave.is_empty() || list.shells.len() > MAX_SHELLS {
                 return Err(invalid(format!(
-                    "a second or oversized shells record ({} shells)",
+                    "a second, early or oversized shells record ({} shells)",
                     list.shells.len()
                 )));
             }
@@ -571,6 +778,11 @@ pub(crate) fn decode<R: Read>(
                 });
             }
             continue;
+        }
+        if got_shells || wave.len() >= MAX_WAVE {
+            return Err(invalid(format!(
+                "a session after the shells, or a wave of more than {MAX_WAVE}"
+            )));
         }
         let header: SessionHeader = serde_json::from_slice(&body)
             .map_err(|e| invalid(format!("malformed session header: {e}")))?;
@@ -637,7 +849,7 @@ pub(crate) fn decode<R: Read>(
             }
             None => None,
         };
-        sessions.push(HandedSession {
+        wave.push(HandedSession {
             id,
             detached: roam::Detached::new(
                 blob,
@@ -648,18 +860,19 @@ pub(crate) fn decode<R: Read>(
             live,
         });
     }
-    Ok(Handover {
-        listen: l.listen,
-        listener,
-        metrics,
-        sessions,
-        shells,
-    })
 }
 
 /// New side: the receipt that ends the handover.
-pub(crate) fn send_taken(sock: &mut UnixStream, sessions: usize) -> io::Result<()> {
-    write_record(sock, &Tail::Taken { sessions })
+pub(crate) fn send_taken(r: &Receiving, sessions: usize) -> io::Result<()> {
+    let mut w = &r.sock;
+    write_record(&mut w, &Tail::Taken { sessions })
+}
+
+impl Receiving {
+    /// The socket (for its peer's credentials).
+    pub(crate) fn sock(&self) -> &UnixStream {
+        &self.sock
+    }
 }
 
 /// New side: introduces itself as reading state `format` (normally
@@ -765,7 +978,7 @@ pub(crate) fn decode_bytes(bytes: &[u8]) -> Result<Result<String, String>, Strin
     };
     let first = describe(&h);
     let mut again = Vec::new();
-    encode(&mut again, &h, |w, _| w.write_all(b"F")).map_err(|e| format!("re-encoding: {e}"))?;
+    encode(&mut again, &h, 3, |w, _| w.write_all(b"F")).map_err(|e| format!("re-encoding: {e}"))?;
     let h2 = decode(&mut io::Cursor::new(&again[..]), fds_from)
         .map_err(|e| format!("decoding the re-encoding: {e}"))?;
     let second = describe(&h2);
@@ -858,15 +1071,26 @@ mod tests {
             OwnedFd::from(client2),
         ]);
         let expected = describe(&h);
-        let (mut a, mut b) = UnixStream::pair().unwrap();
+        let (a, b) = UnixStream::pair().unwrap();
         let sender = std::thread::spawn(move || {
-            let r = send_handover(&mut a, &h);
+            let r = send_listeners(&a, &h.listen, &h.listener, h.metrics.as_ref())
+                .and_then(|()| send_wave(&a, &h.sessions))
+                .and_then(|()| send_end(&a, &h.shells, h.sessions.len()));
             (h, r)
         });
-        let got = recv_handover(&mut b).unwrap();
-        send_taken(&mut b, got.sessions.len()).unwrap();
+        let (l, mut r) = recv_listeners(b).unwrap();
+        let mut sessions = Vec::new();
+        let (shells, n) = recv_waves(&mut r, |w| sessions.extend(w)).unwrap();
+        send_taken(&r, n).unwrap();
         let (_h, sent) = sender.join().unwrap();
-        assert_eq!(sent.unwrap(), 1);
+        sent.unwrap();
+        let got = Handover {
+            listen: l.listen,
+            listener: l.listener,
+            metrics: l.metrics,
+            sessions,
+            shells,
+        };
         assert_eq!(describe(&got), expected);
         // The received descriptor is the same connection.
         let fd = got.sessions[0].streams[0]
@@ -909,7 +1133,7 @@ mod tests {
         let null = || OwnedFd::from(std::fs::File::open("/dev/null").unwrap());
         let h = sample(vec![null(), null(), null()]);
         let mut bytes = Vec::new();
-        encode(&mut bytes, &h, |w, _| w.write_all(b"F")).unwrap();
+        encode(&mut bytes, &h, 1, |w, _| w.write_all(b"F")).unwrap();
         assert_eq!(decode_bytes(&bytes), Ok(Ok(describe(&h))));
         for cut in [0, 3, 10, bytes.len() / 2, bytes.len() - 1] {
             assert!(
