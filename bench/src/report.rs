@@ -674,11 +674,14 @@ fn takeover_section(s: &mut String, o: &Outcome<crate::scenarios::takeover::Take
     let _ = writeln!(
         s,
         "Each session has one stream to the echo target; client connections move with their \
-         sessions. Stall: when the old relay announces the handover, every client writes one \
-         byte; the time until its echo is back, over every session and round. Resumed: sessions \
+         sessions, in waves while the others keep running. Stall: when the old relay announces the \
+         handover, every client writes one byte; the time until its echo is back, over every \
+         session and round. Stopped: the new relay's report per round (p50 / p99 / max) of how \
+         long each session was stopped, from the old relay stopping it to the new one running it \
+         (both on the host's monotonic clock). Resumed: sessions \
          whose client saw `Suspended` (its connection did not move). Handover: the old relay's \
          own time from the takeover's start to the new relay's receipt. Target: a stall of at \
-         most {} ms at 1,000 sessions{}.\n",
+         most {} ms at 1,000 sessions (the p99 stall and every round's p99 stop){}.\n",
         t.target_ms,
         match t.target_met_at_1000 {
             Some(true) => " (met: p99 within it)",
@@ -688,7 +691,7 @@ fn takeover_section(s: &mut String, o: &Outcome<crate::scenarios::takeover::Take
     );
     let _ = writeln!(
         s,
-        "| sessions | rounds | stall p50 (ms) | p99 | max | resumed | handover (old relay) | of which taking out / sending | every byte back after | echo failures |\n|---:|---:|---:|---:|---:|---:|---|---|---|---:|"
+        "| sessions | rounds | stall p50 (ms) | p99 | max | stopped p50 / p99 / max per round (ms) | resumed | handover (old relay) | of which taking out / sending | every byte back after | echo failures |\n|---:|---:|---:|---:|---:|---|---:|---|---|---|---:|"
     );
     for r in &t.rows {
         let list = |v: &[f64]| {
@@ -699,12 +702,19 @@ fn takeover_section(s: &mut String, o: &Outcome<crate::scenarios::takeover::Take
         };
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} | {} | {} | {} ms | {} / {} ms | {} ms | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} ms | {} / {} ms | {} ms | {} |",
             r.sessions,
             r.rounds,
             f(r.stall_ms.median, 2),
             f(r.stall_ms.p99, 2),
             f(r.stall_ms.max, 2),
+            r.stopped_p50_ms
+                .iter()
+                .zip(&r.stopped_p99_ms)
+                .zip(&r.stopped_max_ms)
+                .map(|((a, b), c)| format!("{a:.1} / {b:.1} / {c:.1}"))
+                .collect::<Vec<_>>()
+                .join("; "),
             r.resumed,
             list(&r.handover_ms),
             list(&r.taking_out_ms),

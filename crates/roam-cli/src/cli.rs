@@ -92,11 +92,12 @@ never exhaust it. Over a connection or session cap a client is answered
 Upgrades and restarts without dropping sessions: start the new binary with
 `roam serve --takeover` (same options), or send the running relay SIGUSR2 (it
 starts `roam serve --takeover` from its own executable path, as nginx does).
-The running relay stops accepting, hands the new process its listening socket,
-every session (as a continuation, with the bytes in flight) and every target
-connection over --takeover-socket, and exits. Target connections are never
-closed or reset; clients see their connection drop and resume on the new
-process within a few round trips, every byte delivered once. Shells
+The running relay stops accepting and hands the new process, over
+--takeover-socket, its listening socket and then its sessions, 32 at a time
+while the others keep running: each with its state, the bytes in flight, its
+target connections and its client's connection. Then it exits. Clients see
+a pause of a few milliseconds, no reconnect; target connections are never
+closed or reset; every byte is delivered once. Shells
 (--shell) move too, with their screens; their clients re-attach by
 themselves (a shell's exit status is lost once it moved). A new process
 whose state format differs is refused with an error naming both versions and

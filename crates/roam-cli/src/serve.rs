@@ -309,6 +309,9 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
         // then lets go of it); the final receipt commits the shells and the
         // end, after which the old relay exits.
         let listen = h.listen;
+        // Streams opened meanwhile (a shell's client re-attaching) wait
+        // until the shells are here too.
+        relay.streams_paused.send_replace(true);
         let (waves_tx, mut waves) = tokio::sync::mpsc::unbounded_channel::<Vec<HandedSession>>();
         let adopting = {
             let relay = relay.clone();
@@ -360,6 +363,7 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
                 );
                 relay.adopt_shells(shells);
                 taken = adopted;
+                tokio::spawn(report_stops(relay.clone(), adopted));
             }
             Err(e) if adopted == 0 => {
                 if let Some(pid) = old_pid {
@@ -378,6 +382,7 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
                 taken = adopted;
             }
         }
+        relay.streams_paused.send_replace(false);
         gate.send_replace(false);
     }
     let takeover_listener = bind_takeover_socket(&takeover_path, args.takeover);
@@ -610,6 +615,7 @@ async fn offer_takeover(
         let mut failed = None;
         loop {
             let t = Instant::now();
+            let stopped_ns = crate::takeover::monotonic_ns();
             let wave = relay
                 .take_wave(crate::takeover::WAVE, &stats, deadline)
                 .await;
@@ -620,7 +626,7 @@ async fn offer_takeover(
             let t = Instant::now();
             let s = sock.clone();
             let sent = tokio::task::spawn_blocking(move || {
-                let r = crate::takeover::send_wave(&s, &wave).or_else(|e| {
+                let r = crate::takeover::send_wave(&s, &wave, stopped_ns).or_else(|e| {
                     if crate::takeover::receipt_after_failure(&s, wave.len()) {
                         Ok(())
                     } else {
@@ -752,6 +758,9 @@ pub(crate) struct Relay {
     /// Running session tasks, by a key of their own: what a handover wave
     /// sends to one of them to have it hand its session over.
     tasks: Mutex<HashMap<u64, oneshot::Sender<HandOver>>>,
+    /// Per handed-over session installed here: how long it was stopped,
+    /// from the old relay stopping it to this one running it (µs).
+    stops: Mutex<Vec<u64>>,
     /// The next key in `tasks`.
     next_task: std::sync::atomic::AtomicU64,
     /// Sessions received in a handover (or put back after a failed one),
@@ -787,6 +796,7 @@ impl Relay {
             streams_paused: watch::channel(false).0,
             live: AtomicUsize::new(0),
             tasks: Mutex::new(HashMap::new()),
+            stops: Mutex::new(Vec::new()),
             next_task: std::sync::atomic::AtomicU64::new(0),
             parked: Mutex::new(HashMap::new()),
             suspend_timeout,
@@ -897,6 +907,7 @@ impl Relay {
         offline: Duration,
     ) -> Option<roam::Restored> {
         let id = parked.id;
+        let stopped_ns = parked.stopped_ns;
         // Counted from here: a handover now waits for this session to be
         // installed (or dropped) rather than miss it in between.
         let live = LiveGuard::new(self);
@@ -921,6 +932,14 @@ impl Relay {
             detached.unaccepted,
             detached.orphans,
             Box::new(move |handle: roam::SessionHandle| {
+                if let Some(ns) = stopped_ns {
+                    let us = crate::takeover::monotonic_ns().saturating_sub(ns) / 1000;
+                    relay
+                        .stops
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push(us);
+                }
                 tracing::debug!(
                     "handed-over session {id} resumed; {} streams relayed again",
                     streams.len()
@@ -1018,6 +1037,37 @@ impl Relay {
         self.park(sessions);
         self.handing.send_replace(false);
     }
+}
+
+/// Once the sessions of a takeover run here (or after 5 s), says how long
+/// they were stopped: from the old relay stopping each to this one running
+/// it (sessions whose client connection did not move count once their
+/// client resumed).
+async fn report_stops(relay: Arc<Relay>, sessions: usize) {
+    let end = Instant::now() + Duration::from_secs(5);
+    let mut v = loop {
+        let v = relay
+            .stops
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        if v.len() >= sessions || Instant::now() >= end {
+            break v;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    if v.is_empty() {
+        return;
+    }
+    v.sort_unstable();
+    let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize] as f64 / 1000.0;
+    eprintln!(
+        "roam serve: {} of {sessions} handed-over sessions running here; each was stopped for p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms (from the old relay stopping it to this one running it)",
+        v.len(),
+        at(0.5),
+        at(0.99),
+        at(1.0)
+    );
 }
 
 /// Where a session task sends its session when a handover wave takes it
@@ -1222,6 +1272,7 @@ async fn run_session(
                 detached,
                 streams,
                 live,
+                stopped_ns: None,
             }));
         }
         Err(e) => {

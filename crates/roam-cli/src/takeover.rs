@@ -155,8 +155,9 @@ const MAX_SHELLS: usize = 1 << 16;
 /// The last record of a handover, and the new relay's receipt.
 #[derive(Debug, Serialize, Deserialize)]
 enum Tail {
-    /// A wave of sessions sent (their count).
-    Wave { sessions: usize },
+    /// A wave of sessions sent: their count, and when the old relay began
+    /// stopping them ([`monotonic_ns`]; both relays run on one host).
+    Wave { sessions: usize, stopped_ns: u64 },
     /// The new relay's receipt for a wave: they are its sessions now.
     WaveTaken { sessions: usize },
     /// All sent (the sum of the waves).
@@ -191,6 +192,18 @@ pub(crate) struct HandedSession {
     pub(crate) streams: Vec<HandedStream>,
     /// The client connection, when it moves with the session.
     pub(crate) live: Option<roam::LiveTransport>,
+    /// When the old relay began stopping it ([`monotonic_ns`]), once its
+    /// wave arrived.
+    pub(crate) stopped_ns: Option<u64>,
+}
+
+/// This host's monotonic clock in nanoseconds (`CLOCK_MONOTONIC`): the same
+/// in every process, so the relays of a takeover can time a session's stop
+/// across both.
+pub(crate) fn monotonic_ns() -> u64 {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).map_or(0, |t| {
+        t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64
+    })
 }
 
 /// Everything a relay hands over.
@@ -429,7 +442,11 @@ pub(crate) fn send_listeners(
 /// receipt. `Ok`: they are the new relay's now (drop them here). `Err`: they
 /// are still this relay's to serve, unless [`receipt_after_failure`] finds
 /// the receipt after all.
-pub(crate) fn send_wave(sock: &UnixStream, sessions: &[HandedSession]) -> io::Result<()> {
+pub(crate) fn send_wave(
+    sock: &UnixStream,
+    sessions: &[HandedSession],
+    stopped_ns: u64,
+) -> io::Result<()> {
     let mut w = Sending::new(sock);
     for s in sessions {
         write_session(&mut w, s, send_fds)?;
@@ -438,6 +455,7 @@ pub(crate) fn send_wave(sock: &UnixStream, sessions: &[HandedSession]) -> io::Re
         &mut w,
         &Tail::Wave {
             sessions: sessions.len(),
+            stopped_ns,
         },
     )?;
     w.flush()?;
@@ -523,6 +541,7 @@ pub(crate) fn encode<W: Write>(
             sock,
             &Tail::Wave {
                 sessions: chunk.len(),
+                stopped_ns: chunk.first().and_then(|s| s.stopped_ns).unwrap_or(0),
             },
         )?;
     }
@@ -720,7 +739,7 @@ pub(crate) fn decode_waves<R: Read>(
     mut recv_fds: impl FnMut(&mut R, usize) -> io::Result<Vec<OwnedFd>>,
     mut on_wave: impl FnMut(&mut R, Vec<HandedSession>) -> io::Result<()>,
 ) -> io::Result<(Vec<crate::shell::host::HandedShell>, usize)> {
-    let mut wave = Vec::new();
+    let mut wave: Vec<HandedSession> = Vec::new();
     let mut total = 0usize;
     let mut shells = Vec::new();
     let mut got_shells = false;
@@ -736,8 +755,14 @@ pub(crate) fn decode_waves<R: Read>(
         sock.read_exact(&mut body)?;
         if let Ok(tail) = serde_json::from_slice::<Tail>(&body) {
             match tail {
-                Tail::Wave { sessions: n } if n == wave.len() && n > 0 && !got_shells => {
+                Tail::Wave {
+                    sessions: n,
+                    stopped_ns,
+                } if n == wave.len() && n > 0 && !got_shells => {
                     total += n;
+                    for s in &mut wave {
+                        s.stopped_ns = Some(stopped_ns);
+                    }
                     on_wave(sock, std::mem::take(&mut wave))?;
                     continue;
                 }
@@ -858,6 +883,7 @@ pub(crate) fn decode_waves<R: Read>(
             ),
             streams,
             live,
+            stopped_ns: None,
         });
     }
 }
@@ -1041,6 +1067,7 @@ mod tests {
                     b"RMLT state".to_vec(),
                     b"sealed records".to_vec(),
                 )),
+                stopped_ns: None,
             }],
             shells: vec![crate::shell::host::HandedShell {
                 user: "alice".into(),
@@ -1074,7 +1101,7 @@ mod tests {
         let (a, b) = UnixStream::pair().unwrap();
         let sender = std::thread::spawn(move || {
             let r = send_listeners(&a, &h.listen, &h.listener, h.metrics.as_ref())
-                .and_then(|()| send_wave(&a, &h.sessions))
+                .and_then(|()| send_wave(&a, &h.sessions, monotonic_ns()))
                 .and_then(|()| send_end(&a, &h.shells, h.sessions.len()));
             (h, r)
         });
@@ -1124,6 +1151,34 @@ mod tests {
         let mut line = [0u8; 6];
         slave.read_exact(&mut line).unwrap();
         assert_eq!(&line, b"typed\n");
+    }
+
+    /// The fuzz target's seeds (`fuzz/seeds/takeover`): a handover with
+    /// nothing in it, one with a session, one with a session and a shell,
+    /// each of which decodes and round-trips. Written to
+    /// `ROAM_TAKEOVER_SEEDS_DIR` when it is set.
+    #[test]
+    fn seed_handovers_decode_and_round_trip() {
+        let null = || OwnedFd::from(std::fs::File::open("/dev/null").unwrap());
+        let mut with_shell = sample(vec![null(), null(), null()]);
+        with_shell.sessions[0].stopped_ns = Some(123_456_789);
+        let mut one_session = sample(vec![null(), null(), null()]);
+        one_session.shells.clear();
+        let mut empty = sample(vec![null(), null(), null()]);
+        empty.shells.clear();
+        empty.sessions.clear();
+        for (name, h) in [
+            ("empty", empty),
+            ("one_session", one_session),
+            ("with_shell", with_shell),
+        ] {
+            let mut bytes = Vec::new();
+            encode(&mut bytes, &h, 1, |w, _| w.write_all(b"F")).unwrap();
+            assert_eq!(decode_bytes(&bytes), Ok(Ok(describe(&h))), "{name}");
+            if let Some(dir) = std::env::var_os("ROAM_TAKEOVER_SEEDS_DIR") {
+                std::fs::write(std::path::Path::new(&dir).join(name), &bytes).unwrap();
+            }
+        }
     }
 
     /// The byte-level decoder round-trips an encoding, and refuses
