@@ -1,7 +1,8 @@
 //! The relay-takeover stream (`roam serve --takeover`, `crates/roam-cli/src/
-//! takeover.rs`): listener record, session headers with their raw blobs and
-//! pending bytes, descriptor batches (one `F` byte each here, with stand-in
-//! descriptors), and the tail. Properties: decoding never panics or
+//! takeover.rs`): listener record, waves of session headers with their raw
+//! blobs, pending bytes and client connection states, each wave closed by
+//! its record, descriptor batches (one `F` byte each here, with stand-in
+//! descriptors), the shells and the end. Properties: decoding never panics or
 //! allocates beyond the checked limits, and whatever decodes re-encodes to a
 //! stream that decodes to the same handover.
 

@@ -407,6 +407,19 @@ impl World {
             return;
         };
         let blob = original.export(now).expect("export");
+        if let Ok(dir) = std::env::var("ROAM_LIVE_SEEDS_DIR") {
+            // Server moves of small sessions from the first cases: the
+            // continuation's sections (u16 length first), then the
+            // transport state's (the `live_transport` fuzz target).
+            let (c, l) = (&blob[5..blob.len() - 32], &state[5..state.len() - 32]);
+            if side == Side::Server && c.len() <= 16_384 && self.seed < 64 {
+                let mut seed = (c.len() as u16).to_le_bytes().to_vec();
+                seed.extend_from_slice(c);
+                seed.extend_from_slice(l);
+                let path = format!("{dir}/move-{}-{}", self.seed, self.moved);
+                std::fs::write(path, seed).expect("write seed");
+            }
+        }
         let mut copy = restore(side, now, &blob, Duration::ZERO, &self.server_cfg);
         let tid = copy.adopt_transport(now, &state).expect("adopt");
         // A second adoption is refused: the session has its transport.
