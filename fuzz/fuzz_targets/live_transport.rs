@@ -59,8 +59,15 @@ fuzz_target!(|data: &[u8]| {
     let tid = match s.adopt_transport(now, &live) {
         Ok(t) => t,
         Err(_) => {
-            assert!(s.active_transport().is_none(), "a refused state left a transport");
-            assert_ne!(s.state(), State::Active, "a refused state made the session active");
+            assert!(
+                s.active_transport().is_none(),
+                "a refused state left a transport"
+            );
+            assert_ne!(
+                s.state(),
+                State::Active,
+                "a refused state made the session active"
+            );
             return;
         }
     };
