@@ -702,8 +702,11 @@ fn takeover_section(s: &mut String, o: &Outcome<crate::scenarios::takeover::Take
         };
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} | {} | {} | {} | {} ms | {} / {} ms | {} ms | {} |",
+            "| {}{} | {} | {} | {} | {} | {} | {} | {} ms | {} / {} ms | {} ms | {} |",
             r.sessions,
+            r.requested.map_or(String::new(), |n| format!(
+                " (of {n} asked: the open-file limit)"
+            )),
             r.rounds,
             f(r.stall_ms.median, 2),
             f(r.stall_ms.p99, 2),

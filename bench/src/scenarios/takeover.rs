@@ -74,7 +74,11 @@ const OPEN_PARALLEL: usize = 64;
 /// One session count's figures.
 #[derive(Debug, Serialize)]
 pub(crate) struct Row {
+    /// Sessions measured.
     pub(crate) sessions: usize,
+    /// Sessions the plan asked for, when this machine's open-file limit
+    /// allowed fewer (each session costs the relay two descriptors).
+    pub(crate) requested: Option<usize>,
     pub(crate) rounds: usize,
     /// Per session and round: a byte written when the handover was
     /// announced, until its echo was back (ms).
@@ -369,6 +373,7 @@ async fn one_count(ctx: &Ctx, lab: &Lab, n: usize, rounds: usize) -> io::Result<
     result?;
     Ok(Row {
         sessions: n,
+        requested: None,
         rounds,
         stall_ms: summary(&stalls),
         stopped_p50_ms: stopped_p50,
@@ -388,7 +393,25 @@ pub(crate) async fn run(ctx: Arc<Ctx>, lab: Arc<Lab>) -> io::Result<Takeover> {
     let mut by_n = BTreeMap::new();
     for &n in &ctx.plan.takeover_sessions {
         lab.check_alive()?;
-        let row = one_count(&ctx, &lab, n, ctx.plan.takeover_rounds).await?;
+        // A session costs the relay its client and target connections; its
+        // process keeps 400 descriptors for everything else.
+        let fits = (ctx.nofile.saturating_sub(400) / 2) as usize;
+        let run_n = if n <= fits {
+            n
+        } else {
+            (fits / 1000 * 1000).max(1)
+        };
+        if run_n < n {
+            progress(&format!(
+                "takeover: {n} sessions need {} descriptors in the relay, over this machine's open-file limit of {}; measuring {run_n}",
+                2 * n + 400,
+                ctx.nofile
+            ));
+        }
+        let mut row = one_count(&ctx, &lab, run_n, ctx.plan.takeover_rounds).await?;
+        if run_n < n {
+            row.requested = Some(n);
+        }
         let worst_stop = row.stopped_p99_ms.iter().copied().fold(f64::NAN, f64::max);
         // A round without the new relay's report cannot count as met.
         let stop = if row.stopped_p99_ms.len() == row.rounds {
