@@ -691,7 +691,7 @@ fn takeover_section(s: &mut String, o: &Outcome<crate::scenarios::takeover::Take
     );
     let _ = writeln!(
         s,
-        "| sessions | rounds | stall p50 (ms) | p99 | max | stopped p50 / p99 / max per round (ms) | resumed | handover (old relay) | of which taking out / sending | every byte back after | echo failures |\n|---:|---:|---:|---:|---:|---|---:|---|---|---|---:|"
+        "| sessions | rounds | stall p50 (ms) | p99 | max | same burst without takeover p50 / p99 | stopped p50 / p99 / max per round (ms) | resumed | handover (old relay) | of which taking out / sending | every byte back after | echo failures |\n|---:|---:|---:|---:|---:|---|---|---:|---|---|---|---:|"
     );
     for r in &t.rows {
         let list = |v: &[f64]| {
@@ -702,7 +702,7 @@ fn takeover_section(s: &mut String, o: &Outcome<crate::scenarios::takeover::Take
         };
         let _ = writeln!(
             s,
-            "| {}{} | {} | {} | {} | {} | {} | {} | {} ms | {} / {} ms | {} ms | {} |",
+            "| {}{} | {} | {} | {} | {} | {} / {} | {} | {} | {} ms | {} / {} ms | {} ms | {} |",
             r.sessions,
             r.requested.map_or(String::new(), |n| format!(
                 " (of {n} asked: the open-file limit)"
@@ -711,6 +711,8 @@ fn takeover_section(s: &mut String, o: &Outcome<crate::scenarios::takeover::Take
             f(r.stall_ms.median, 2),
             f(r.stall_ms.p99, 2),
             f(r.stall_ms.max, 2),
+            f(r.burst_ms.median, 2),
+            f(r.burst_ms.p99, 2),
             r.stopped_p50_ms
                 .iter()
                 .zip(&r.stopped_p99_ms)

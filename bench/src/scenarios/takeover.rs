@@ -27,6 +27,8 @@
 //!   connection did not move) — expected 0;
 //! - the old relay's own handover time (it logs "handed N sessions ... in X
 //!   ms": from accepting the takeover to the new relay's receipt);
+//! - the same burst of 1-byte echoes before any takeover (what the burst
+//!   alone costs: at thousands of sessions it loads the machine);
 //! - the time from the announcement until every client's byte was back;
 //! - after each round, a 1-byte echo on every stream (failures counted: a
 //!   target connection reset or a byte lost would fail it).
@@ -83,6 +85,9 @@ pub(crate) struct Row {
     /// Per session and round: a byte written when the handover was
     /// announced, until its echo was back (ms).
     pub(crate) stall_ms: Summary,
+    /// The same burst (every client writes one byte at once) before any
+    /// takeover: what the burst alone costs on this machine (ms).
+    pub(crate) burst_ms: Summary,
     /// Per round, the new relay's report of how long its sessions were
     /// stopped (ms): p50, p99 and max.
     pub(crate) stopped_p50_ms: Vec<f64>,
@@ -277,6 +282,31 @@ async fn one_count(ctx: &Ctx, lab: &Lab, n: usize, rounds: usize) -> io::Result<
             }
         }));
     }
+    // The probe burst alone, without a takeover: every client at once.
+    let mut burst = Vec::new();
+    {
+        let mut probes = tokio::task::JoinSet::new();
+        for (i, (_, mut stream)) in std::mem::take(&mut opened).into_iter().enumerate() {
+            probes.spawn(async move {
+                let r = probe(&mut stream, 0xaa).await;
+                (i, stream, r)
+            });
+        }
+        let mut back = Vec::with_capacity(n);
+        while let Some(j) = probes.join_next().await {
+            let (i, stream, r) = j.map_err(io::Error::other)?;
+            if let Ok(ms) = r {
+                burst.push(ms);
+            }
+            back.push((i, stream));
+        }
+        back.sort_by_key(|(i, _)| *i);
+        opened = sessions
+            .iter()
+            .zip(back)
+            .map(|(s, (_, st))| (s.clone(), st))
+            .collect();
+    }
     let mut stalls = Vec::new();
     let mut handovers = Vec::new();
     let mut taking_out = Vec::new();
@@ -376,6 +406,7 @@ async fn one_count(ctx: &Ctx, lab: &Lab, n: usize, rounds: usize) -> io::Result<
         requested: None,
         rounds,
         stall_ms: summary(&stalls),
+        burst_ms: summary(&burst),
         stopped_p50_ms: stopped_p50,
         stopped_p99_ms: stopped_p99,
         stopped_max_ms: stopped_max,
