@@ -326,9 +326,7 @@ pub(crate) fn start(
             return None;
         }
     };
-    let started = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
+    let started = crate::named::unix_now();
     let command = Arc::new(command);
     tokio::spawn(async move {
         loop {

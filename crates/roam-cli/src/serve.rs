@@ -152,11 +152,7 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
     let listener = match handover.as_mut() {
         Some(h) => {
             let fd = h.listener.try_clone().map_err(|e| CliError(format!("handed-over listener: {e}")))?;
-            let std_l = std::net::TcpListener::from(fd);
-            std_l
-                .set_nonblocking(true)
-                .and_then(|()| TcpListener::from_std(std_l))
-                .map_err(|e| CliError(format!("handed-over listener unusable: {e}")))?
+            adopt_listener(fd, "listener")?
         }
         None => crate::limits::listen(&listen).await.map_err(|e| {
             CliError(format!("cannot listen on {listen}: {e}; is another relay running? choose another address with --listen (or take it over with --takeover)"))
@@ -236,13 +232,7 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
     let handed_metrics = handover.as_mut().and_then(|h| h.metrics.take());
     if let Some(addr) = args.metrics.or_else(|| config.serve.metrics.clone()) {
         let l = match handed_metrics {
-            Some(fd) => {
-                let std_l = std::net::TcpListener::from(fd);
-                std_l
-                    .set_nonblocking(true)
-                    .and_then(|()| TcpListener::from_std(std_l))
-                    .map_err(|e| CliError(format!("handed-over metrics listener unusable: {e}")))?
-            }
+            Some(fd) => adopt_listener(fd, "metrics listener")?,
             None => TcpListener::bind(&addr).await.map_err(|e| {
                 CliError(format!(
                     "cannot serve metrics on {addr}: {e}; choose another address with --metrics"
@@ -406,6 +396,16 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
         .map_err(|e| CliError(format!("relay failed: {e}")))?
         .map_err(|e| CliError(format!("relay failed: {e}")))?;
     Ok(0)
+}
+
+/// A listening socket handed over by the running relay, ready for tokio;
+/// `what` names it in the error.
+fn adopt_listener(fd: OwnedFd, what: &str) -> Result<TcpListener, CliError> {
+    let std_l = std::net::TcpListener::from(fd);
+    std_l
+        .set_nonblocking(true)
+        .and_then(|()| TcpListener::from_std(std_l))
+        .map_err(|e| CliError(format!("handed-over {what} unusable: {e}")))
 }
 
 /// What `--takeover` received first (the listening sockets), and the
