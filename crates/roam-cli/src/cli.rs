@@ -276,8 +276,11 @@ pub(crate) struct ServeArgs {
     /// Serve Prometheus metrics at http://ADDR/metrics (OpenMetrics text):
     /// sessions by state, opened and closed (by how), bytes, resumes, bytes
     /// replayed, streams, target connections, refused streams, connections
-    /// and sessions by reason, and each cap with its use. Plain HTTP without authentication, as with any
-    /// exporter: use a loopback or private address, e.g. 127.0.0.1:9447.
+    /// and sessions by reason, each cap with its use, shells attached and
+    /// parked, and sessions moved by takeovers (out, in with their client
+    /// connection or by resume) with how long each was stopped. Plain HTTP
+    /// without authentication, as with any exporter: use a loopback or
+    /// private address, e.g. 127.0.0.1:9447.
     #[arg(long, value_name = "ADDR", verbatim_doc_comment)]
     pub(crate) metrics: Option<String>,
     /// Serve `roam shell`: interactive shells on ptys, as the account each

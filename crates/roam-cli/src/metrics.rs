@@ -19,17 +19,25 @@
 //!   `connections` (answered busy), `connections_dropped`, `sessions`,
 //!   `per_ip`, `per_key`, `unauthorized`.
 //! - `roam_limit{limit}`, `roam_limit_used{limit}`: each cap and its use.
+//! - `roam_shells{state}`: shells attached or parked (`--shell`).
+//! - `roam_handoffs_total{direction,connection}`: sessions moved by relay
+//!   takeovers — `out` (handed to a new relay), `in` with `connection`
+//!   `moved` (the client's connection came along) or `resume` (the client
+//!   resumes); `roam_handoff_stop_seconds`: how long each session taken
+//!   over was stopped, from the old relay stopping it to this one running it.
 //!
 //! The endpoint is plain HTTP without authentication, like every Prometheus
 //! exporter: bind it to loopback or a private address.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry as PromRegistry;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -49,6 +57,35 @@ fn label(name: &str, value: &str) -> Labels {
     vec![(name.to_string(), value.to_string())]
 }
 
+/// Upper bounds of `roam_handoff_stop_seconds`'s buckets.
+const STOP_BUCKETS: [f64; 10] = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0];
+
+/// Sessions moved by relay takeovers, as this relay saw them.
+#[derive(Debug, Default)]
+pub(crate) struct Handoffs {
+    /// Handed to a new relay.
+    pub(crate) out: AtomicU64,
+    /// Taken over with the client's connection.
+    pub(crate) moved_in: AtomicU64,
+    /// Taken over without it (the client resumes).
+    pub(crate) resume_in: AtomicU64,
+    /// Per session taken over and running here: how long it was stopped (µs).
+    pub(crate) stops_us: Mutex<Vec<u64>>,
+}
+
+impl Handoffs {
+    /// The stops so far (µs), sorted.
+    pub(crate) fn stops(&self) -> Vec<u64> {
+        let mut v = self
+            .stops_us
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        v.sort_unstable();
+        v
+    }
+}
+
 /// Where the figures come from.
 #[derive(Clone)]
 pub(crate) struct Sources {
@@ -56,6 +93,8 @@ pub(crate) struct Sources {
     pub(crate) targets: Arc<TargetCaps>,
     /// The relay's admission counts (refused connections and sessions).
     pub(crate) server: roam::ServerStats,
+    /// Relay takeovers.
+    pub(crate) handoffs: Arc<Handoffs>,
 }
 
 /// The OpenMetrics text of the relay's figures now.
@@ -181,6 +220,43 @@ pub(crate) fn render(src: &Sources) -> String {
         "Shells (roam serve --shell): with a client attached, or parked",
         shells,
     );
+    let handoffs = Family::<Labels, Counter>::default();
+    let h = &src.handoffs;
+    for (labels, n) in [
+        (label("direction", "out"), &h.out),
+        (
+            vec![
+                ("direction".to_string(), "in".to_string()),
+                ("connection".to_string(), "moved".to_string()),
+            ],
+            &h.moved_in,
+        ),
+        (
+            vec![
+                ("direction".to_string(), "in".to_string()),
+                ("connection".to_string(), "resume".to_string()),
+            ],
+            &h.resume_in,
+        ),
+    ] {
+        handoffs
+            .get_or_create(&labels)
+            .inc_by(n.load(Ordering::Relaxed));
+    }
+    reg.register(
+        "roam_handoffs",
+        "Sessions moved by relay takeovers: out (to a new relay), in with the client's connection moved or waiting for its resume",
+        handoffs,
+    );
+    let stops = Histogram::new(STOP_BUCKETS);
+    for us in h.stops() {
+        stops.observe(us as f64 / 1e6);
+    }
+    reg.register(
+        "roam_handoff_stop_seconds",
+        "Sessions taken over: how long each was stopped, from the old relay stopping it to this one running it",
+        stops,
+    );
 
     let mut out = String::new();
     // Writing into a String cannot fail.
@@ -293,6 +369,7 @@ mod tests {
             sessions: Registry::default(),
             targets: TargetCaps::new(10, 5),
             server: roam::ServerStats::default(),
+            handoffs: Arc::default(),
         }
     }
 

@@ -228,6 +228,7 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
             l
         });
     }
+    let handoffs: Arc<crate::metrics::Handoffs> = Arc::default();
     let mut metrics_fd = None;
     let handed_metrics = handover.as_mut().and_then(|h| h.metrics.take());
     if let Some(addr) = args.metrics.or_else(|| config.serve.metrics.clone()) {
@@ -251,6 +252,7 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
                 sessions: registry.clone(),
                 targets: targets.clone(),
                 server: server.stats.clone(),
+                handoffs: handoffs.clone(),
             },
         ));
     }
@@ -260,6 +262,7 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
         targets,
         Some(registry.clone()),
         server.proto.clone(),
+        handoffs,
     );
     if args.shell {
         let _ = relay.shells.set(crate::shell::host::ShellHost::new(
@@ -683,6 +686,10 @@ async fn offer_takeover(
                     sending.as_millis(),
                 );
                 drop(shells);
+                relay
+                    .handoffs
+                    .out
+                    .fetch_add(moved as u64, Ordering::Relaxed);
                 handed_over.notify_one();
                 return;
             }
@@ -758,9 +765,9 @@ pub(crate) struct Relay {
     /// Running session tasks, by a key of their own: what a handover wave
     /// sends to one of them to have it hand its session over.
     tasks: Mutex<HashMap<u64, oneshot::Sender<HandOver>>>,
-    /// Per handed-over session installed here: how long it was stopped,
-    /// from the old relay stopping it to this one running it (µs).
-    stops: Mutex<Vec<u64>>,
+    /// Sessions moved by takeovers, and how long those taken over here
+    /// were stopped (the metrics read them).
+    pub(crate) handoffs: Arc<crate::metrics::Handoffs>,
     /// The next key in `tasks`.
     next_task: std::sync::atomic::AtomicU64,
     /// Sessions received in a handover (or put back after a failed one),
@@ -778,12 +785,13 @@ pub(crate) struct Relay {
 
 impl Relay {
     /// A relay with `rules` and `targets` whose parked sessions are restored
-    /// under `proto`.
+    /// under `proto`; it counts takeovers in `handoffs`.
     pub(crate) fn new(
         rules: Arc<Vec<AllowRule>>,
         targets: Arc<TargetCaps>,
         registry: Option<Registry>,
         proto: roam_proto::ServerConfig,
+        handoffs: Arc<crate::metrics::Handoffs>,
     ) -> Arc<Self> {
         let suspend_timeout = proto.session.resume_timeout;
         let (adopter, adoptions) = roam::adoption_queue();
@@ -796,7 +804,7 @@ impl Relay {
             streams_paused: watch::channel(false).0,
             live: AtomicUsize::new(0),
             tasks: Mutex::new(HashMap::new()),
-            stops: Mutex::new(Vec::new()),
+            handoffs,
             next_task: std::sync::atomic::AtomicU64::new(0),
             parked: Mutex::new(HashMap::new()),
             suspend_timeout,
@@ -843,10 +851,17 @@ impl Relay {
         let now = Instant::now();
         let mut waiting = Vec::new();
         for mut s in sessions {
+            let from_takeover = s.stopped_ns.is_some();
             let Some(live) = s.live.take() else {
+                if from_takeover {
+                    self.handoffs.resume_in.fetch_add(1, Ordering::Relaxed);
+                }
                 waiting.push(s);
                 continue;
             };
+            if from_takeover {
+                self.handoffs.moved_in.fetch_add(1, Ordering::Relaxed);
+            }
             let id = s.id;
             let Some(restored) = self.restore_handed(s, Duration::ZERO) else {
                 continue;
@@ -935,7 +950,8 @@ impl Relay {
                 if let Some(ns) = stopped_ns {
                     let us = crate::takeover::monotonic_ns().saturating_sub(ns) / 1000;
                     relay
-                        .stops
+                        .handoffs
+                        .stops_us
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
                         .push(us);
@@ -1045,12 +1061,8 @@ impl Relay {
 /// client resumed).
 async fn report_stops(relay: Arc<Relay>, sessions: usize) {
     let end = Instant::now() + Duration::from_secs(5);
-    let mut v = loop {
-        let v = relay
-            .stops
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+    let v = loop {
+        let v = relay.handoffs.stops();
         if v.len() >= sessions || Instant::now() >= end {
             break v;
         }
@@ -1059,7 +1071,6 @@ async fn report_stops(relay: Arc<Relay>, sessions: usize) {
     if v.is_empty() {
         return;
     }
-    v.sort_unstable();
     let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize] as f64 / 1000.0;
     eprintln!(
         "roam serve: {} of {sessions} handed-over sessions running here; each was stopped for p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms (from the old relay stopping it to this one running it)",
@@ -1117,7 +1128,13 @@ pub(crate) async fn run_relay(
     registry: Option<Registry>,
     shutdown: impl Future<Output = ()>,
 ) -> std::io::Result<()> {
-    let relay = Relay::new(rules, targets, registry, config.proto.clone());
+    let relay = Relay::new(
+        rules,
+        targets,
+        registry,
+        config.proto.clone(),
+        Arc::default(),
+    );
     serve_relay(listener, config, relay, shutdown).await
 }
 

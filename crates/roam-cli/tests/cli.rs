@@ -12,7 +12,7 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::{free_port, roam, Guard, BIN};
+use common::{free_port, http_get, roam, sample, Guard, BIN};
 use sha2::{Digest, Sha256};
 
 /// A target that hashes everything it receives and answers `"<sha256> <len>\n"`.
@@ -201,26 +201,6 @@ fn serve_and_pipe_move_data_with_checksum() {
             .permissions(),
     );
     assert_eq!(mode & 0o777, 0o600);
-}
-
-/// `GET path` on `addr`: the status line and the body.
-fn http_get(addr: &str, path: &str) -> (String, String) {
-    let mut c = std::net::TcpStream::connect(addr).unwrap();
-    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(c, "GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n").unwrap();
-    let mut all = String::new();
-    c.read_to_string(&mut all).unwrap();
-    let (head, body) = all.split_once("\r\n\r\n").unwrap_or((&all, ""));
-    (
-        head.lines().next().unwrap_or("").to_string(),
-        body.to_string(),
-    )
-}
-
-/// The value of the sample `name` (labels included, exactly) in `text`.
-fn sample(text: &str, name: &str) -> Option<u64> {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
 }
 
 /// `roam serve --metrics`: the figures a scraper reads follow real traffic

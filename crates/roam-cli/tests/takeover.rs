@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{free_port, roam, Guard, BIN};
+use common::{free_port, http_get, roam, sample, Guard, BIN};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// A `roam serve` process and its stderr lines.
@@ -421,6 +421,78 @@ fn upgrade_under_load(sessions: usize, rounds: usize) {
 #[test]
 fn relay_upgrades_twenty_times_under_load_without_losing_a_byte() {
     upgrade_under_load(100, 20);
+}
+
+/// The new relay's metrics (the metrics listener moves with the relay)
+/// count the sessions it took over with their client connections, and how
+/// long each was stopped.
+#[test]
+fn the_new_relay_counts_the_handoffs_in_its_metrics() {
+    let (f, mut relay) = Fixture::start();
+    // A relay of its own, with metrics: the fixture's has none.
+    drop(relay);
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let state = f.dir.path().join("m");
+    std::fs::create_dir_all(&state).unwrap();
+    let port = free_port();
+    relay = Serve::start(&state, port, f.target, &["--metrics", &metrics]);
+    let key = server_key(
+        &relay
+            .wait_for("listening on", Duration::from_secs(20))
+            .expect("relay starts"),
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let clients: Vec<_> = (0..10)
+        .map(|_| {
+            f.rt.spawn(run_client(
+                format!("127.0.0.1:{port}"),
+                key,
+                f.target,
+                stop.clone(),
+            ))
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let next = Serve::start(
+        &state,
+        port,
+        f.target,
+        &["--takeover", "--metrics", &metrics],
+    );
+    assert!(next.wait_for("took over", Duration::from_secs(30)).is_ok());
+    assert!(relay
+        .wait_exit(Duration::from_secs(20))
+        .is_some_and(|s| s.success()));
+    let report = next.wait_for("each was stopped for", Duration::from_secs(10));
+    assert!(report.is_ok(), "{report:?}");
+    let (status, text) = http_get(&metrics, "/metrics");
+    assert!(status.contains("200"), "{status}");
+    assert_eq!(
+        sample(
+            &text,
+            r#"roam_handoffs_total{direction="in",connection="moved"}"#
+        ),
+        Some(10),
+        "{text}"
+    );
+    assert_eq!(
+        sample(
+            &text,
+            r#"roam_handoffs_total{direction="in",connection="resume"}"#
+        ),
+        Some(0)
+    );
+    assert_eq!(
+        sample(&text, "roam_handoff_stop_seconds_count"),
+        Some(10),
+        "{text}"
+    );
+    stop.store(true, Ordering::SeqCst);
+    let results = f.results(clients, Duration::from_secs(60));
+    f.check(&results);
+    assert!(results.iter().all(|r| r.as_ref().unwrap().transports == 1));
+    drop(next);
+    f.rt.shutdown_timeout(Duration::from_secs(1));
 }
 
 /// A new process that reads another state format is refused with an error

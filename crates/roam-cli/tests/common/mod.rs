@@ -1,13 +1,14 @@
 //! Helpers shared by the end-to-end tests of the `roam` binary (`cli`,
 //! `shell`, `takeover`, `abuse_client`, `abuse_relay`): the binary's path, a child process killed when its
 //! guard drops, a free loopback port, a `roam` command in a private state
-//! directory, a client key. Included with `mod common;` (a directory, so
+//! directory, a client key, a metrics scrape. Included with `mod common;` (a directory, so
 //! cargo does not build it as a test of its own; the `faults_*` tests share
 //! `faults_common` the same way).
 
 // Each test binary uses a different subset of this module.
 #![allow(dead_code)]
 
+use std::io::{Read, Write};
 use std::net::TcpListener;
 use std::path::Path;
 use std::process::{Child, Command};
@@ -97,4 +98,24 @@ pub(crate) fn keygen(dir: &Path) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+/// `GET path` on `addr`: the status line and the body.
+pub(crate) fn http_get(addr: &str, path: &str) -> (String, String) {
+    let mut c = std::net::TcpStream::connect(addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(c, "GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut all = String::new();
+    c.read_to_string(&mut all).unwrap();
+    let (head, body) = all.split_once("\r\n\r\n").unwrap_or((&all, ""));
+    (
+        head.lines().next().unwrap_or("").to_string(),
+        body.to_string(),
+    )
+}
+
+/// The value of the sample `name` (labels included, exactly) in `text`.
+pub(crate) fn sample(text: &str, name: &str) -> Option<u64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
 }
