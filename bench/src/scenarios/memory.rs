@@ -7,6 +7,10 @@
 //! - `active`: connected, the stream carried a 1 KiB echo and stays open;
 //! - `suspended`: the fault proxy between client and relay black-holed,
 //!   both sides report every session suspended, nothing unacknowledged;
+//!   `roam serve` then parks each (its default `--park-after`, 10 s: the
+//!   session becomes its continuation with its target connection, and its
+//!   tasks and buffers are freed), and is measured once all are parked and
+//!   3 s have passed for its allocator to give the pages back;
 //! - `suspended_1mb_unacked`: as `suspended`, but each client stream wrote
 //!   1,000,000 bytes after the black hole began (held for replay).
 //!
@@ -110,6 +114,22 @@ pub(crate) const SERVE: &str = "roam serve";
 pub(crate) const ECHO: &str = "roam-bench agent relay --echo";
 
 impl Relay {
+    /// Sessions `roam serve` holds parked (its control socket's `parked`
+    /// flag); the library relay parks none.
+    async fn parked(&mut self) -> io::Result<usize> {
+        match self {
+            Relay::Echo(_) => Ok(0),
+            Relay::Serve { control, .. } => {
+                let v = control_status(control, Duration::from_secs(20)).await?;
+                Ok(v.get("sessions").and_then(|s| s.as_array()).map_or(0, |a| {
+                    a.iter()
+                        .filter(|s| s.get("parked").and_then(|p| p.as_bool()) == Some(true))
+                        .count()
+                }))
+            }
+        }
+    }
+
     fn pid(&self) -> u32 {
         match self {
             Relay::Serve { proc, .. } => proc.pid(),
@@ -187,6 +207,29 @@ async fn wait_relay_suspended(relay: &mut Relay, n: usize) -> io::Result<()> {
         if Instant::now() >= deadline {
             return Err(io::Error::other(format!(
                 "relay: only {s} of {n} sessions suspended after {SUSPEND_TIMEOUT:?}"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// Longest wait for `roam serve` to park every suspended session (its
+/// default --park-after is 10 s).
+const PARK_TIMEOUT: Duration = Duration::from_secs(60);
+/// After parking, time for the relay's allocator (jemalloc, dirty pages
+/// decay over 1 s) to give freed pages back.
+const PURGE_WAIT: Duration = Duration::from_secs(3);
+
+async fn wait_relay_parked(relay: &mut Relay, n: usize) -> io::Result<()> {
+    let deadline = Instant::now() + PARK_TIMEOUT;
+    loop {
+        let p = relay.parked().await.unwrap_or(0);
+        if p >= n {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(io::Error::other(format!(
+                "relay: only {p} of {n} sessions parked after {PARK_TIMEOUT:?}"
             )));
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -271,6 +314,13 @@ async fn measure(
         }
         wait_suspended(&mut client, n, "client").await?;
         wait_relay_suspended(&mut relay, n).await?;
+        if serve {
+            // `roam serve` parks a session suspended for --park-after (its
+            // default, 10 s): measured once every session is parked and
+            // the allocator had time to give the pages back.
+            wait_relay_parked(&mut relay, n).await?;
+            tokio::time::sleep(PURGE_WAIT).await;
+        }
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
     let relay_rss = rss_bytes(relay.pid())?;

@@ -28,6 +28,7 @@ use crate::config::FileConfig;
 ///   authorized_keys = "/etc/roam/authorized_keys"
 ///   suspend_timeout = "3d"
 ///   idle_suspend_timeout = "60s"
+///   park_after = "10s"
 ///   max_connections = 1024
 ///   max_sessions = 4096
 ///   max_sessions_per_ip = 128
@@ -251,6 +252,13 @@ pub(crate) struct ServeArgs {
     /// session table for the whole --suspend-timeout.
     #[arg(long, value_name = "DURATION", verbatim_doc_comment)]
     pub(crate) idle_suspend_timeout: Option<String>,
+    /// Park a session once it has been suspended this long [default: 10s]:
+    /// it becomes its continuation (a few hundred bytes plus its unacknowledged
+    /// and unread bytes) with its target connections, and its tasks and
+    /// buffers are freed. The client's resume restores it (a fraction of a
+    /// millisecond more). 0s parks at once.
+    #[arg(long, value_name = "DURATION", verbatim_doc_comment)]
+    pub(crate) park_after: Option<String>,
     /// Client connections handled at once [default: 1024, less if the open-file
     /// limit is low]. Further ones are answered "busy" at once.
     #[arg(long, value_name = "N", verbatim_doc_comment)]

@@ -27,6 +27,8 @@ pub(crate) struct ServeConfig {
     pub(crate) authorized_keys: Option<PathBuf>,
     pub(crate) suspend_timeout: Option<String>,
     pub(crate) idle_suspend_timeout: Option<String>,
+    /// `--park-after`.
+    pub(crate) park_after: Option<String>,
     pub(crate) max_connections: Option<usize>,
     pub(crate) max_sessions: Option<usize>,
     pub(crate) max_sessions_per_ip: Option<usize>,

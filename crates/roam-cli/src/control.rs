@@ -36,6 +36,10 @@ pub(crate) struct SessionStatus {
     /// Unix time (seconds) the session lost its transport, if suspended.
     pub(crate) suspended_since: Option<u64>,
     pub(crate) suspended_for_secs: Option<f64>,
+    /// Parked (a relay's suspended session kept as its continuation, with
+    /// no task or buffer; its byte counts are not read until it resumes).
+    #[serde(default)]
+    pub(crate) parked: bool,
 }
 
 /// One process as `roam status --json` shows it.
@@ -167,6 +171,8 @@ struct Sessions {
 type LimitsFn = Arc<dyn Fn() -> Vec<Limit> + Send + Sync>;
 /// Reports a relay's shells when asked.
 type ShellsFn = Arc<dyn Fn() -> Vec<ShellStatus> + Send + Sync>;
+/// What lists a relay's parked sessions.
+type ParkedFn = Arc<dyn Fn() -> Vec<SessionStatus> + Send + Sync>;
 
 /// The sessions of this process.
 #[derive(Clone, Default)]
@@ -174,6 +180,7 @@ pub(crate) struct Registry {
     sessions: Arc<Mutex<Sessions>>,
     limits: Arc<Mutex<Option<LimitsFn>>>,
     shells: Arc<Mutex<Option<ShellsFn>>>,
+    parked: Arc<Mutex<Option<ParkedFn>>>,
 }
 
 impl Registry {
@@ -210,13 +217,23 @@ impl Registry {
     /// Lists `handle` under `label` until the session closes; then adds
     /// what it moved, and how it ended, to the totals.
     pub(crate) fn add(&self, label: String, handle: roam::SessionHandle) {
+        self.add_entry(label, handle, true);
+    }
+
+    /// [`Registry::add`] for a session restored from its continuation
+    /// (parked or handed over): not a new session.
+    pub(crate) fn add_restored(&self, label: String, handle: roam::SessionHandle) {
+        self.add_entry(label, handle, false);
+    }
+
+    fn add_entry(&self, label: String, handle: roam::SessionHandle, new: bool) {
         let sessions = self.sessions.clone();
         let watch = handle.clone();
         let serial = {
             let mut s = self.lock_sessions();
             let serial = s.next_serial;
             s.next_serial += 1;
-            s.totals.opened += 1;
+            s.totals.opened += u64::from(new);
             s.entries.push(Entry {
                 serial,
                 label,
@@ -229,6 +246,11 @@ impl Registry {
             let st = watch.stats();
             let mut s = sessions.lock().unwrap_or_else(|e| e.into_inner());
             s.entries.retain(|x| x.serial != serial);
+            if watch.is_detached() {
+                // Not over: it goes on as its continuation (parked here, or
+                // in the next relay) and is counted when it ends.
+                return;
+            }
             let t = &mut s.totals;
             t.bytes_sent += st.bytes_sent;
             t.bytes_received += st.bytes_received;
@@ -277,9 +299,31 @@ impl Registry {
                         .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
                         .map(|d| d.as_secs()),
                     suspended_for_secs: s.suspended_for.map(|d| d.as_secs_f64()),
+                    parked: false,
                 }
             })
+            .chain(self.parked())
             .collect()
+    }
+
+    /// Makes status replies include the parked sessions `f` reports.
+    pub(crate) fn set_parked(&self, f: impl Fn() -> Vec<SessionStatus> + Send + Sync + 'static) {
+        *self.parked.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(f));
+    }
+
+    /// How many sessions are parked.
+    pub(crate) fn parked_count(&self) -> usize {
+        self.parked().len()
+    }
+
+    /// The parked sessions to report, if any.
+    fn parked(&self) -> Vec<SessionStatus> {
+        let f = self
+            .parked
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        f.map_or_else(Vec::new, |f| f())
     }
 }
 
@@ -481,7 +525,11 @@ pub(crate) async fn status(args: StatusArgs, config: &FileConfig) -> CliResult {
                 .map_or("-", |i| &i[..i.len().min(12)]);
             let rtt = s.rtt_ms.map_or("-".to_string(), |r| format!("{r:.1} ms"));
             let suspended = s.suspended_for_secs.map_or(String::new(), |d| {
-                format!("  suspended for {}", human_secs(d))
+                format!(
+                    "  {} for {}",
+                    if s.parked { "parked" } else { "suspended" },
+                    human_secs(d)
+                )
             });
             println!(
                 "  {id}  {:<10} {:<6} peer {:<22} rtt {:<9} sent {:<10} recv {:<10} replayed {}{suspended}  {}",

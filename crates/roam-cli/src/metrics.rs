@@ -118,7 +118,14 @@ pub(crate) fn render(src: &Sources) -> String {
             .get_or_create(&label("state", &format!("{:?}", s.state).to_lowercase()))
             .inc();
     }
-    reg.register("roam_sessions", "Sessions held now, by state", by_state);
+    by_state
+        .get_or_create(&label("state", "parked"))
+        .set(src.sessions.parked_count() as i64);
+    reg.register(
+        "roam_sessions",
+        "Sessions held now, by state (parked: suspended and kept as a continuation)",
+        by_state,
+    );
     counter(
         &mut reg,
         "roam_sessions_opened",

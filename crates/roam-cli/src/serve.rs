@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -103,6 +103,17 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
             .or(config.serve.idle_suspend_timeout.as_deref())
             .unwrap_or("60s"),
     )?;
+    let park_after = match args
+        .park_after
+        .as_deref()
+        .or(config.serve.park_after.as_deref())
+        .unwrap_or("10s")
+        .trim()
+    {
+        // At once, as the help says.
+        "0" | "0s" => Duration::ZERO,
+        t => parse_duration(t)?,
+    };
     let nofile = crate::limits::raise_fd_limit();
     let budget = FdBudget::for_limit(nofile);
     let pick = |flag: Option<usize>, file: Option<usize>, default: usize, name: &str| {
@@ -264,6 +275,11 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
         server.proto.clone(),
         handoffs,
     );
+    relay.set_park_after(park_after);
+    {
+        let r = Arc::downgrade(&relay);
+        registry.set_parked(move || r.upgrade().map(|r| r.parked_status()).unwrap_or_default());
+    }
     if args.shell {
         let _ = relay.shells.set(crate::shell::host::ShellHost::new(
             args.shell_keys.clone(),
@@ -772,9 +788,14 @@ pub(crate) struct Relay {
     next_task: std::sync::atomic::AtomicU64,
     /// Sessions received in a handover (or put back after a failed one),
     /// waiting for their client's resume, and since when.
-    parked: Mutex<HashMap<roam::SessionId, (HandedSession, Instant)>>,
+    parked: Mutex<HashMap<roam::SessionId, Box<Parked>>>,
     /// How long a parked session waits for its client.
     suspend_timeout: Duration,
+    /// Park a session suspended this long (`--park-after`; milliseconds,
+    /// `u64::MAX`: never).
+    park_after_ms: AtomicU64,
+    /// Sessions being parked right now (a resume for one is told to retry).
+    parking: Mutex<std::collections::HashSet<roam::SessionId>>,
     /// The shells (`--shell`), if this relay serves them.
     pub(crate) shells: std::sync::OnceLock<Arc<crate::shell::host::ShellHost>>,
     /// Hands sessions that came with their client connection to the server.
@@ -808,15 +829,63 @@ impl Relay {
             next_task: std::sync::atomic::AtomicU64::new(0),
             parked: Mutex::new(HashMap::new()),
             suspend_timeout,
+            park_after_ms: AtomicU64::new(u64::MAX),
+            parking: Mutex::new(std::collections::HashSet::new()),
             shells: std::sync::OnceLock::new(),
             adopter,
             adoptions,
         })
     }
 
-    fn parked(
-        &self,
-    ) -> std::sync::MutexGuard<'_, HashMap<roam::SessionId, (HandedSession, Instant)>> {
+    /// Parks sessions suspended for `d` from now on.
+    pub(crate) fn set_park_after(&self, d: Duration) {
+        self.park_after_ms.store(
+            u64::try_from(d.as_millis()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+    }
+
+    /// How long a session stays suspended before it is parked, if ever.
+    fn park_after(&self) -> Option<Duration> {
+        match self.park_after_ms.load(Ordering::Relaxed) {
+            u64::MAX => None,
+            ms => Some(Duration::from_millis(ms)),
+        }
+    }
+
+    /// The parked sessions, for `roam status`.
+    pub(crate) fn parked_status(&self) -> Vec<crate::control::SessionStatus> {
+        let now = std::time::SystemTime::now();
+        self.parked()
+            .values()
+            .map(|p| (&p.session, p.suspended_for()))
+            .map(|(s, suspended)| crate::control::SessionStatus {
+                label: "relay session (parked)".into(),
+                session_id: Some(s.id.to_string()),
+                role: "server".into(),
+                state: "suspended".into(),
+                peer_addr: None,
+                rtt_ms: None,
+                bytes_sent: 0,
+                bytes_received: 0,
+                bytes_replayed: 0,
+                resumes: 0,
+                streams: s.streams.len(),
+                suspended_since: now
+                    .checked_sub(suspended)
+                    .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                    .map(|d| d.as_secs()),
+                suspended_for_secs: Some(suspended.as_secs_f64()),
+                parked: true,
+            })
+            .collect()
+    }
+
+    fn parking(&self) -> std::sync::MutexGuard<'_, std::collections::HashSet<roam::SessionId>> {
+        self.parking.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn parked(&self) -> std::sync::MutexGuard<'_, HashMap<roam::SessionId, Box<Parked>>> {
         self.parked.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -878,7 +947,7 @@ impl Relay {
         }
         let mut p = self.parked();
         for s in waiting {
-            p.insert(s.id, (s, now));
+            p.insert(s.id, Parked::new(s, now, Duration::ZERO));
         }
     }
 
@@ -886,10 +955,12 @@ impl Relay {
     /// suspend timeout (their target connections close).
     fn expire_parked(&self) {
         let timeout = self.suspend_timeout;
-        self.parked().retain(|id, (_, since)| {
-            let keep = since.elapsed() < timeout;
+        self.parked().retain(|id, p| {
+            let keep = p.suspended_for() < timeout;
             if !keep {
-                tracing::info!("handed-over session {id} expired: its client did not resume within {timeout:?}");
+                tracing::info!(
+                    "parked session {id} expired: its client did not resume within {timeout:?}"
+                );
             }
             keep
         });
@@ -898,18 +969,20 @@ impl Relay {
     /// Asked by the server for a resume that names a session it does not
     /// hold: a parked one is restored and its relays start again.
     async fn lookup(self: Arc<Self>, id: roam::SessionId) -> roam::LookupResult {
-        let Some((parked, since)) = self.parked().remove(&id) else {
-            if *self.handing.borrow() {
+        let Some(p) = self.parked().remove(&id) else {
+            if *self.handing.borrow() || self.parking().contains(&id) {
                 // A resume that reached this relay while it hands over (its
-                // handshake began before the accept gate closed): the
-                // session is on its way to the next relay. "Busy, try
-                // again" sends the client there; "unknown" would count
-                // towards giving the session up.
+                // handshake began before the accept gate closed: the
+                // session is on its way to the next relay) or while the
+                // session is being parked (it is in the map a moment
+                // later). "Busy, try again" brings the client back;
+                // "unknown" would count towards giving the session up.
                 return Err(roam_proto::Error::ServerBusy);
             }
             return Ok(None);
         };
-        Ok(self.restore_handed(parked, since.elapsed()))
+        let offline = p.at.elapsed();
+        Ok(self.restore_handed(p.session, offline))
     }
 
     /// Restores a handed-over session (`offline`: how long it was parked)
@@ -961,7 +1034,7 @@ impl Relay {
                     streams.len()
                 );
                 if let Some(r) = &relay.registry {
-                    r.add(
+                    r.add_restored(
                         format!("relay session from {}", fmt_peer(handle.stats().peer_addr)),
                         handle.clone(),
                     );
@@ -991,7 +1064,7 @@ impl Relay {
             let ids: Vec<roam::SessionId> = p.keys().take(max).copied().collect();
             ids.iter()
                 .filter_map(|id| p.remove(id))
-                .map(|(s, _)| s)
+                .map(|p| p.session)
                 .collect()
         };
         if !out.is_empty() {
@@ -1200,10 +1273,17 @@ async fn run_session(
     let mut paused = relay.streams_paused.subscribe();
     let (trigger_tx, mut trigger) = oneshot::channel::<HandOver>();
     let _registered = relay.register(trigger_tx);
-    // Stops this session's relays when a wave takes it.
+    // Stops this session's relays when a wave takes it or it is parked.
     let (stop_tx, stop) = watch::channel(false);
-    let reply: HandOver;
+    let leave: Leave;
     let mut triggered = false;
+    // Parking: once suspended for --park-after (never a session that
+    // carries a shell: the shell host parks shells its own way). Checked by
+    // a timer, not by subscribing to the session's events: a subscription
+    // costs each session its event buffer (~26 KiB).
+    let park_after = relay.park_after();
+    let mut park_check = park_after.map(|d| tokio::time::Instant::now() + d.max(PARK_CHECK_MIN));
+    let mut has_shell = false;
     let mut relays: JoinSet<Option<(HandedStream, RoamStream)>> = JoinSet::new();
     for st in resumed {
         match session.stream(roam::StreamId(st.id)) {
@@ -1224,10 +1304,32 @@ async fn run_session(
     let mut handles = Vec::new();
     loop {
         tokio::select! {
+            _ = sleep_until_some(park_check) => {
+                let Some(d) = park_after else { continue };
+                let st = session.stats();
+                let now = tokio::time::Instant::now();
+                match st.suspended_for {
+                    // A session with no open stream is left to its own, much
+                    // shorter, idle expiry (--idle-suspend-timeout).
+                    Some(f) if st.state == roam::State::Suspended
+                        && f >= d
+                        && !has_shell
+                        && st.streams > 0 =>
+                    {
+                        leave = Leave::Park(f);
+                        break;
+                    }
+                    Some(f) if st.state == roam::State::Suspended => {
+                        park_check = Some(now + d.saturating_sub(f).max(PARK_CHECK_MIN));
+                    }
+                    _ => park_check = Some(now + d.max(PARK_CHECK_MIN)),
+                }
+            }
             _ = paused.changed() => {}
             r = session.accept_stream(), if !*handing.borrow() && !*paused.borrow() => match r {
                 Ok((stream, meta)) => {
                     if let Some(open) = crate::shell::wire::Open::parse(&meta) {
+                        has_shell = true;
                         match relay.shells.get() {
                             Some(host) => {
                                 tokio::spawn(host.clone().serve(stream, session.peer_key(), open));
@@ -1262,7 +1364,7 @@ async fn run_session(
                 triggered = true;
                 // Dropped without a wave (the relay is going away): serve on.
                 if let Ok(to) = r {
-                    reply = to;
+                    leave = Leave::Wave(to);
                     break;
                 }
             }
@@ -1278,6 +1380,14 @@ async fn run_session(
             handles.push(handle);
         }
     }
+    let reply = match leave {
+        Leave::Wave(reply) => reply,
+        Leave::Park(suspended_for) => {
+            park(&relay, &session, streams, suspended_for).await;
+            drop(handles);
+            return;
+        }
+    };
     let Some(id) = session.id() else {
         let _ = reply.send(None);
         return;
@@ -1298,6 +1408,96 @@ async fn run_session(
         }
     }
     drop(handles);
+}
+
+/// A session kept as its continuation, waiting for its client's resume.
+struct Parked {
+    session: HandedSession,
+    /// Parked (or received in a handover) at: its continuation has been
+    /// offline since.
+    at: Instant,
+    /// How long it had been suspended by then (its suspend timeout counts
+    /// from the suspension).
+    before: Duration,
+}
+
+impl Parked {
+    /// Boxed: the map's table then holds a pointer per slot, not the whole
+    /// session.
+    fn new(session: HandedSession, at: Instant, before: Duration) -> Box<Self> {
+        Box::new(Self {
+            session,
+            at,
+            before,
+        })
+    }
+
+    /// How long it has been suspended.
+    fn suspended_for(&self) -> Duration {
+        self.before + self.at.elapsed()
+    }
+}
+
+/// The shortest interval between a session's checks for parking.
+const PARK_CHECK_MIN: Duration = Duration::from_secs(1);
+
+/// Why a session task lets go of its session.
+enum Leave {
+    /// A handover wave takes it: the session goes to this reply.
+    Wave(HandOver),
+    /// It has been suspended this long (at least `--park-after`): it
+    /// becomes a parked continuation here.
+    Park(Duration),
+}
+
+/// Completes at `t`, never without one.
+async fn sleep_until_some(t: Option<tokio::time::Instant>) {
+    match t {
+        Some(t) => tokio::time::sleep_until(t).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Parks a suspended session: its continuation and its streams' target
+/// connections (the relays are stopped already) wait in the parked map,
+/// with no task or buffer, until its client resumes (`Relay::lookup`) or
+/// the suspend timeout passes. A resume that arrives meanwhile is answered
+/// "busy, try again" rather than "unknown".
+async fn park(
+    relay: &Arc<Relay>,
+    session: &roam::SessionHandle,
+    streams: Vec<HandedStream>,
+    suspended_for: Duration,
+) {
+    let Some(id) = session.id() else { return };
+    relay.parking().insert(id);
+    match session.detach().await {
+        Ok(detached) => {
+            tracing::debug!(
+                "session {id} parked after {:?} suspended",
+                relay.park_after().unwrap_or_default()
+            );
+            let mut session = HandedSession {
+                id,
+                detached,
+                streams,
+                live: None,
+                stopped_ns: None,
+            };
+            // Kept for days, perhaps: no spare capacity.
+            session.detached.blob.shrink_to_fit();
+            session.streams.shrink_to_fit();
+            for st in &mut session.streams {
+                st.up.pending.shrink_to_fit();
+                st.down.pending.shrink_to_fit();
+            }
+            relay
+                .parked()
+                .insert(id, Parked::new(session, Instant::now(), suspended_for));
+        }
+        Err(e) => tracing::debug!("session {id} not parked: {e}"),
+    }
+    relay.parking().remove(&id);
 }
 
 fn fmt_peer(peer: Option<SocketAddr>) -> String {

@@ -285,3 +285,85 @@ fn silent_path_loss_resumes_on_first_redial() {
         "resumed only after {session:?}"
     );
 }
+
+/// The relay's sessions as `roam status --json` reports them.
+fn relay_sessions(dir: &std::path::Path) -> Vec<serde_json::Value> {
+    let out = roam_command(None, &dir.join("relay-state"))
+        .args(["status", "--json"])
+        .output()
+        .expect("roam status runs");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    v["processes"]
+        .as_array()
+        .map(|ps| {
+            ps.iter()
+                .filter_map(|p| p["sessions"].as_array())
+                .flatten()
+                .cloned()
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A session suspended past the relay's `--park-after` is parked: it
+/// becomes its continuation with its target connection, with no task or
+/// buffer left (`roam status` says "parked"). When its client comes back,
+/// the resume restores it: every byte written either way, before and
+/// during the outage, arrives once, over the same target connection.
+#[test]
+fn a_parked_session_resumes_with_every_byte() {
+    let wd = Watchdog::new(
+        "a_parked_session_resumes_with_every_byte",
+        Duration::from_secs(120),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let len = 8 << 20;
+    // Paced, so bytes are in flight both ways when the path goes dark.
+    let rate = 2 << 20;
+    let target_listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let target_addr = target_listener.local_addr().unwrap();
+    let target = Target::start(target_listener, UP_SEED, DOWN_SEED, len, Some(rate), false);
+    let (relay, relay_addr) = start_relay(
+        None,
+        dir.path(),
+        "127.0.0.1:0",
+        &target_addr.to_string(),
+        &["--park-after", "0s"],
+    );
+    wd.watch(&relay);
+    let proxy = FaultProxy::spawn(relay_addr).unwrap();
+    let mut pipe = start_pipe(
+        None,
+        dir.path(),
+        &proxy.addr().to_string(),
+        &target_addr.to_string(),
+    );
+    wd.watch(&pipe);
+    let client = ClientTransfer::start(&mut pipe, len, Some(rate));
+    assert!(client.received.wait_for(1 << 20, Duration::from_secs(30)));
+    let active = relay_sessions(dir.path());
+    assert_eq!(active.len(), 1, "{active:?}");
+    assert_eq!(active[0]["parked"], false);
+    // Dark until the relay has noticed (5 s of silence) and parked it.
+    proxy.blackhole(true);
+    let mut seen = Vec::new();
+    let parked = wait_until(Duration::from_secs(30), || {
+        seen = relay_sessions(dir.path());
+        seen.len() == 1 && seen[0]["parked"] == true && seen[0]["state"] == "suspended"
+    });
+    assert!(parked, "never parked: {seen:?}\nrelay:\n{}", relay.log());
+    let before = (client.sent.get(), client.received.get());
+    proxy.blackhole(false);
+    let status = pipe.wait_timeout(Duration::from_secs(90));
+    let after_park = client.received.get();
+    check_bulk(client, target, len);
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "roam pipe: {status:?}; stderr:\n{}",
+        pipe.log()
+    );
+    assert!(
+        after_park > before.1 && before.1 < len,
+        "bytes must have flowed after the parked session resumed ({before:?} -> {after_park})"
+    );
+}

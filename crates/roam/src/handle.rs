@@ -445,6 +445,13 @@ impl SessionHandle {
         self.inner().lock().closed.is_some()
     }
 
+    /// Whether the session was taken out of this handle's driver
+    /// ([`SessionHandle::detach`]): it is not over, it goes on as its
+    /// continuation (so it is also [`closed`](SessionHandle::is_closed) here).
+    pub fn is_detached(&self) -> bool {
+        self.inner().lock().detached
+    }
+
     /// Takes the session out of its driver as a continuation (PROTOCOL.md
     /// §13): the driver exports the session, drops its connections (the peer
     /// sees its transport end and starts resuming), leaves the server's
