@@ -216,6 +216,28 @@ fn handing_over(log: &Path) -> bool {
     std::fs::read_to_string(log).is_ok_and(|t| t.contains("handing over to a new relay"))
 }
 
+/// Every stream writes byte `b` at once and waits for its echo; the
+/// streams come back in their order, each with its round trip (ms) or why
+/// it failed.
+async fn burst(
+    streams: Vec<roam::RoamStream>,
+    b: u8,
+) -> io::Result<Vec<(roam::RoamStream, Result<f64, String>)>> {
+    let mut probes = tokio::task::JoinSet::new();
+    for (i, mut stream) in streams.into_iter().enumerate() {
+        probes.spawn(async move {
+            let r = probe(&mut stream, b).await;
+            (i, stream, r)
+        });
+    }
+    let mut back = Vec::new();
+    while let Some(j) = probes.join_next().await {
+        back.push(j.map_err(io::Error::other)?);
+    }
+    back.sort_by_key(|(i, _, _)| *i);
+    Ok(back.into_iter().map(|(_, s, r)| (s, r)).collect())
+}
+
 /// One 1-byte echo on `stream`: its round trip (ms), or why it failed.
 async fn probe(stream: &mut roam::RoamStream, b: u8) -> Result<f64, String> {
     let t = Instant::now();
@@ -263,7 +285,6 @@ async fn one_count(ctx: &Ctx, lab: &Lab, n: usize, rounds: usize) -> io::Result<
             None => break,
         }
     }
-    let sessions: Vec<roam::SessionHandle> = opened.iter().map(|(s, _)| s.clone()).collect();
     let suspended = Arc::new(Mutex::new(vec![false; n]));
     let mut watchers = Vec::with_capacity(n);
     for (i, (session, _)) in opened.iter().enumerate() {
@@ -283,28 +304,14 @@ async fn one_count(ctx: &Ctx, lab: &Lab, n: usize, rounds: usize) -> io::Result<
         }));
     }
     // The probe burst alone, without a takeover: every client at once.
-    let mut burst = Vec::new();
+    let mut burst_ms = Vec::new();
     {
-        let mut probes = tokio::task::JoinSet::new();
-        for (i, (_, mut stream)) in std::mem::take(&mut opened).into_iter().enumerate() {
-            probes.spawn(async move {
-                let r = probe(&mut stream, 0xaa).await;
-                (i, stream, r)
-            });
-        }
-        let mut back = Vec::with_capacity(n);
-        while let Some(j) = probes.join_next().await {
-            let (i, stream, r) = j.map_err(io::Error::other)?;
-            if let Ok(ms) = r {
-                burst.push(ms);
-            }
-            back.push((i, stream));
-        }
-        back.sort_by_key(|(i, _)| *i);
-        opened = sessions
-            .iter()
-            .zip(back)
-            .map(|(s, (_, st))| (s.clone(), st))
+        let (handles, streams): (Vec<_>, Vec<_>) = std::mem::take(&mut opened).into_iter().unzip();
+        let back = burst(streams, 0xaa).await?;
+        burst_ms.extend(back.iter().filter_map(|(_, r)| r.as_ref().ok().copied()));
+        opened = handles
+            .into_iter()
+            .zip(back.into_iter().map(|(s, _)| s))
             .collect();
     }
     let mut stalls = Vec::new();
@@ -328,18 +335,13 @@ async fn one_count(ctx: &Ctx, lab: &Lab, n: usize, rounds: usize) -> io::Result<
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
             let announced = Instant::now();
-            let mut probes = tokio::task::JoinSet::new();
-            for (i, (_, mut stream)) in std::mem::take(&mut opened).into_iter().enumerate() {
-                probes.spawn(async move {
-                    let r = probe(&mut stream, round as u8).await;
-                    (i, stream, r)
-                });
-            }
-            let mut back = Vec::with_capacity(n);
-            while let Some(j) = probes.join_next().await {
-                let (i, stream, r) = j.map_err(io::Error::other)?;
+            let (handles, streams): (Vec<_>, Vec<_>) =
+                std::mem::take(&mut opened).into_iter().unzip();
+            let back = burst(streams, round as u8).await?;
+            all_served.push(announced.elapsed().as_secs_f64() * 1e3);
+            for (i, (_, r)) in back.iter().enumerate() {
                 match r {
-                    Ok(ms) => stalls.push(ms),
+                    Ok(ms) => stalls.push(*ms),
                     Err(e) => {
                         echo_failures += 1;
                         if echo_failures <= 3 {
@@ -347,15 +349,8 @@ async fn one_count(ctx: &Ctx, lab: &Lab, n: usize, rounds: usize) -> io::Result<
                         }
                     }
                 }
-                back.push((i, stream));
             }
-            all_served.push(announced.elapsed().as_secs_f64() * 1e3);
-            back.sort_by_key(|(i, _)| *i);
-            opened = sessions
-                .iter()
-                .zip(back)
-                .map(|(s, (_, st))| (s.clone(), st))
-                .collect();
+            opened = handles.into_iter().zip(back.into_iter().map(|(s, _)| s)).collect();
             if !wait_exit(&relay.proc, Duration::from_secs(20)).await {
                 return Err(io::Error::other(format!("round {round}: the old relay did not exit after the takeover")));
             }
@@ -406,7 +401,7 @@ async fn one_count(ctx: &Ctx, lab: &Lab, n: usize, rounds: usize) -> io::Result<
         requested: None,
         rounds,
         stall_ms: summary(&stalls),
-        burst_ms: summary(&burst),
+        burst_ms: summary(&burst_ms),
         stopped_p50_ms: stopped_p50,
         stopped_p99_ms: stopped_p99,
         stopped_max_ms: stopped_max,
