@@ -241,26 +241,13 @@ fn silent_path_loss_resumes_on_first_redial() {
     let len = 64 << 20;
     // Fast enough to fill the kernel buffers behind the dead path.
     let rate = 8 << 20;
-    let target_listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let target_addr = target_listener.local_addr().unwrap();
-    let target = Target::start(target_listener, UP_SEED, DOWN_SEED, len, Some(rate), false);
-    let (relay, relay_addr) = start_relay(
-        None,
-        dir.path(),
-        "127.0.0.1:0",
-        &target_addr.to_string(),
-        &[],
-    );
-    wd.watch(&relay);
-    let proxy = FaultProxy::spawn(relay_addr).unwrap();
-    let mut pipe = start_pipe(
-        None,
-        dir.path(),
-        &proxy.addr().to_string(),
-        &target_addr.to_string(),
-    );
-    wd.watch(&pipe);
-    let client = ClientTransfer::start(&mut pipe, len, Some(rate));
+    let Setup {
+        target,
+        relay: _relay,
+        proxy,
+        mut pipe,
+        client,
+    } = through_proxy(&wd, dir.path(), len, rate, &[]);
     assert!(client.received.wait_for(4 << 20, Duration::from_secs(30)));
     let r = Resumption::start(&pipe, &client.received, Some(&target.up));
     proxy.blackhole_current();
@@ -284,6 +271,49 @@ fn silent_path_loss_resumes_on_first_redial() {
         session < Duration::from_secs(8),
         "resumed only after {session:?}"
     );
+}
+
+/// A checking target, a relay behind a fault proxy, and a `roam pipe`
+/// through the proxy moving `len` bytes each way at `rate`.
+struct Setup {
+    target: Target,
+    relay: Proc,
+    proxy: FaultProxy,
+    pipe: Proc,
+    client: ClientTransfer,
+}
+
+/// Starts a [`Setup`]; `extra` are the relay's further arguments. Every
+/// process is watched by `wd`.
+fn through_proxy(
+    wd: &Watchdog,
+    dir: &std::path::Path,
+    len: u64,
+    rate: u64,
+    extra: &[&str],
+) -> Setup {
+    let target_listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let target_addr = target_listener.local_addr().unwrap();
+    let target = Target::start(target_listener, UP_SEED, DOWN_SEED, len, Some(rate), false);
+    let (relay, relay_addr) =
+        start_relay(None, dir, "127.0.0.1:0", &target_addr.to_string(), extra);
+    wd.watch(&relay);
+    let proxy = FaultProxy::spawn(relay_addr).unwrap();
+    let mut pipe = start_pipe(
+        None,
+        dir,
+        &proxy.addr().to_string(),
+        &target_addr.to_string(),
+    );
+    wd.watch(&pipe);
+    let client = ClientTransfer::start(&mut pipe, len, Some(rate));
+    Setup {
+        target,
+        relay,
+        proxy,
+        pipe,
+        client,
+    }
 }
 
 /// The relay's sessions as `roam status --json` reports them.
@@ -320,26 +350,13 @@ fn a_parked_session_resumes_with_every_byte() {
     let len = 8 << 20;
     // Paced, so bytes are in flight both ways when the path goes dark.
     let rate = 2 << 20;
-    let target_listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let target_addr = target_listener.local_addr().unwrap();
-    let target = Target::start(target_listener, UP_SEED, DOWN_SEED, len, Some(rate), false);
-    let (relay, relay_addr) = start_relay(
-        None,
-        dir.path(),
-        "127.0.0.1:0",
-        &target_addr.to_string(),
-        &["--park-after", "0s"],
-    );
-    wd.watch(&relay);
-    let proxy = FaultProxy::spawn(relay_addr).unwrap();
-    let mut pipe = start_pipe(
-        None,
-        dir.path(),
-        &proxy.addr().to_string(),
-        &target_addr.to_string(),
-    );
-    wd.watch(&pipe);
-    let client = ClientTransfer::start(&mut pipe, len, Some(rate));
+    let Setup {
+        target,
+        relay,
+        proxy,
+        mut pipe,
+        client,
+    } = through_proxy(&wd, dir.path(), len, rate, &["--park-after", "0s"]);
     assert!(client.received.wait_for(1 << 20, Duration::from_secs(30)));
     let active = relay_sessions(dir.path());
     assert_eq!(active.len(), 1, "{active:?}");
