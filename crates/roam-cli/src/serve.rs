@@ -645,13 +645,7 @@ async fn offer_takeover(
             let t = Instant::now();
             let s = sock.clone();
             let sent = tokio::task::spawn_blocking(move || {
-                let r = crate::takeover::send_wave(&s, &wave, stopped_ns).or_else(|e| {
-                    if crate::takeover::receipt_after_failure(&s, wave.len()) {
-                        Ok(())
-                    } else {
-                        Err(e)
-                    }
-                });
+                let r = crate::takeover::send_wave(&s, &wave, stopped_ns);
                 (wave, r)
             })
             .await;
@@ -681,13 +675,7 @@ async fn offer_takeover(
         }
         let t = Instant::now();
         let sent = tokio::task::spawn_blocking(move || {
-            let r = crate::takeover::send_end(&sock, &shells, moved).or_else(|e| {
-                if crate::takeover::taken_after_failure(&sock, moved) {
-                    Ok(())
-                } else {
-                    Err(e)
-                }
-            });
+            let r = crate::takeover::send_end(&sock, &shells, moved);
             (shells, r)
         })
         .await;

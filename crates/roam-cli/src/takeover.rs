@@ -439,81 +439,79 @@ pub(crate) fn send_listeners(
 }
 
 /// Old side, per wave: sends `sessions` and waits for the new relay's
-/// receipt. `Ok`: they are the new relay's now (drop them here). `Err`: they
-/// are still this relay's to serve, unless [`receipt_after_failure`] finds
-/// the receipt after all.
+/// receipt. `Ok`: they are the new relay's now (drop them here), also when
+/// the exchange failed but the receipt had arrived ([`committed`]). `Err`:
+/// they are still this relay's to serve.
 pub(crate) fn send_wave(
     sock: &UnixStream,
     sessions: &[HandedSession],
     stopped_ns: u64,
 ) -> io::Result<()> {
-    let mut w = Sending::new(sock);
-    for s in sessions {
-        write_session(&mut w, s, send_fds)?;
-    }
-    write_record(
-        &mut w,
-        &Tail::Wave {
-            sessions: sessions.len(),
-            stopped_ns,
+    let n = sessions.len();
+    committed(
+        sock,
+        |w| {
+            for s in sessions {
+                write_session(w, s, send_fds)?;
+            }
+            write_record(
+                w,
+                &Tail::Wave {
+                    sessions: n,
+                    stopped_ns,
+                },
+            )
         },
-    )?;
-    w.flush()?;
-    let mut r = sock;
-    match read_record::<Tail, _>(&mut r)? {
-        Tail::WaveTaken { sessions: n } if n == sessions.len() => Ok(()),
-        other => Err(invalid(format!("unexpected receipt {other:?}"))),
-    }
-}
-
-/// Old side, after a failed [`send_wave`]: shuts the socket (so the new
-/// relay can no longer commit the wave: its receipt write fails and it
-/// drops the sessions), then looks for a receipt it wrote before that.
-/// `true`: the wave is the new relay's after all.
-pub(crate) fn receipt_after_failure(sock: &UnixStream, sessions: usize) -> bool {
-    found_after_shutdown(
-        sock,
-        |t| matches!(t, Tail::WaveTaken { sessions: n } if *n == sessions),
+        |t| matches!(t, Tail::WaveTaken { sessions } if *sessions == n),
     )
-}
-
-/// [`receipt_after_failure`] for the final receipt ([`send_end`]).
-pub(crate) fn taken_after_failure(sock: &UnixStream, sessions: usize) -> bool {
-    found_after_shutdown(
-        sock,
-        |t| matches!(t, Tail::Taken { sessions: n } if *n == sessions),
-    )
-}
-
-/// Shuts `sock` both ways, then reads what had arrived before: whether a
-/// record `wanted` is among it.
-fn found_after_shutdown(sock: &UnixStream, wanted: impl Fn(&Tail) -> bool) -> bool {
-    let _ = sock.shutdown(std::net::Shutdown::Both);
-    let _ = sock.set_nonblocking(true);
-    let mut r = sock;
-    loop {
-        match read_record::<Tail, _>(&mut r) {
-            Ok(t) if wanted(&t) => return true,
-            Ok(_) => continue,
-            Err(_) => return false,
-        }
-    }
 }
 
 /// Old side, last: the shells and the end, then the new relay's receipt for
-/// all `sessions` (the sum of the waves).
+/// all `sessions` (the sum of the waves), as [`send_wave`].
 pub(crate) fn send_end(
     sock: &UnixStream,
     shells: &[crate::shell::host::HandedShell],
     sessions: usize,
 ) -> io::Result<()> {
-    let mut w = Sending::new(sock);
-    write_end(&mut w, shells, sessions, send_fds)?;
-    w.flush()?;
+    committed(
+        sock,
+        |w| write_end(w, shells, sessions, send_fds),
+        |t| matches!(t, Tail::Taken { sessions: n } if *n == sessions),
+    )
+}
+
+/// Writes what `write` gathers and reads the new relay's receipt, which
+/// must be `receipt`. When either fails, shuts the socket (so the new relay
+/// can no longer commit: its receipt write fails and it drops what it got),
+/// then looks for a receipt written before that among what had arrived: if
+/// there is one, the exchange committed after all.
+fn committed(
+    sock: &UnixStream,
+    write: impl FnOnce(&mut Sending<'_>) -> io::Result<()>,
+    receipt: impl Fn(&Tail) -> bool,
+) -> io::Result<()> {
+    let exchange = || {
+        let mut w = Sending::new(sock);
+        write(&mut w)?;
+        w.flush()?;
+        let mut r = sock;
+        match read_record::<Tail, _>(&mut r)? {
+            t if receipt(&t) => Ok(()),
+            other => Err(invalid(format!("unexpected receipt {other:?}"))),
+        }
+    };
+    let Err(e) = exchange() else {
+        return Ok(());
+    };
+    let _ = sock.shutdown(std::net::Shutdown::Both);
+    let _ = sock.set_nonblocking(true);
     let mut r = sock;
-    match read_record::<Tail, _>(&mut r)? {
-        Tail::Taken { sessions: n } if n == sessions => Ok(()),
-        other => Err(invalid(format!("unexpected receipt {other:?}"))),
+    loop {
+        match read_record::<Tail, _>(&mut r) {
+            Ok(t) if receipt(&t) => return Ok(()),
+            Ok(_) => continue,
+            Err(_) => return Err(e),
+        }
     }
 }
 
