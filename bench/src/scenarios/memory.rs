@@ -114,22 +114,6 @@ pub(crate) const SERVE: &str = "roam serve";
 pub(crate) const ECHO: &str = "roam-bench agent relay --echo";
 
 impl Relay {
-    /// Sessions `roam serve` holds parked (its control socket's `parked`
-    /// flag); the library relay parks none.
-    async fn parked(&mut self) -> io::Result<usize> {
-        match self {
-            Relay::Echo(_) => Ok(0),
-            Relay::Serve { control, .. } => {
-                let v = control_status(control, Duration::from_secs(20)).await?;
-                Ok(v.get("sessions").and_then(|s| s.as_array()).map_or(0, |a| {
-                    a.iter()
-                        .filter(|s| s.get("parked").and_then(|p| p.as_bool()) == Some(true))
-                        .count()
-                }))
-            }
-        }
-    }
-
     fn pid(&self) -> u32 {
         match self {
             Relay::Serve { proc, .. } => proc.pid(),
@@ -137,23 +121,27 @@ impl Relay {
         }
     }
 
-    /// Sessions the relay holds suspended.
-    async fn suspended(&mut self) -> io::Result<usize> {
-        match self {
-            Relay::Echo(a) => Ok(a.states().await?.1),
-            Relay::Serve { control, .. } => {
-                let v = control_status(control, Duration::from_secs(20)).await?;
-                Ok(v.get("sessions").and_then(|s| s.as_array()).map_or(0, |a| {
-                    a.iter()
-                        .filter(|s| {
-                            s.get("state")
-                                .and_then(|x| x.as_str())
-                                .is_some_and(|st| st.eq_ignore_ascii_case("suspended"))
-                        })
-                        .count()
-                }))
-            }
-        }
+    /// Sessions the relay holds `what`: "suspended" (its state), or
+    /// "parked" (`roam serve`'s `parked` flag; the library relay parks none).
+    /// `roam serve` is asked through its control socket, as `roam status`.
+    async fn count(&mut self, what: &str) -> io::Result<usize> {
+        let control = match self {
+            Relay::Echo(a) if what == "suspended" => return Ok(a.states().await?.1),
+            Relay::Echo(_) => return Ok(0),
+            Relay::Serve { control, .. } => control,
+        };
+        let v = control_status(control, Duration::from_secs(20)).await?;
+        Ok(v.get("sessions").and_then(|s| s.as_array()).map_or(0, |a| {
+            a.iter()
+                .filter(|s| match what {
+                    "parked" => s.get("parked").and_then(|p| p.as_bool()) == Some(true),
+                    _ => s
+                        .get("state")
+                        .and_then(|x| x.as_str())
+                        .is_some_and(|st| st.eq_ignore_ascii_case(what)),
+                })
+                .count()
+        }))
     }
 }
 
@@ -197,22 +185,6 @@ async fn start_serve(
     Ok((Relay::Serve { proc, control }, lo(port)))
 }
 
-async fn wait_relay_suspended(relay: &mut Relay, n: usize) -> io::Result<()> {
-    let deadline = Instant::now() + SUSPEND_TIMEOUT;
-    loop {
-        let s = relay.suspended().await.unwrap_or(0);
-        if s >= n {
-            return Ok(());
-        }
-        if Instant::now() >= deadline {
-            return Err(io::Error::other(format!(
-                "relay: only {s} of {n} sessions suspended after {SUSPEND_TIMEOUT:?}"
-            )));
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-}
-
 /// Longest wait for `roam serve` to park every suspended session (its
 /// default --park-after is 10 s).
 const PARK_TIMEOUT: Duration = Duration::from_secs(60);
@@ -220,16 +192,18 @@ const PARK_TIMEOUT: Duration = Duration::from_secs(60);
 /// decay over 1 s) to give freed pages back.
 const PURGE_WAIT: Duration = Duration::from_secs(3);
 
-async fn wait_relay_parked(relay: &mut Relay, n: usize) -> io::Result<()> {
-    let deadline = Instant::now() + PARK_TIMEOUT;
+/// Waits (at most `limit`) until the relay reports `n` sessions `what`
+/// ("suspended" or "parked").
+async fn wait_relay(relay: &mut Relay, n: usize, what: &str, limit: Duration) -> io::Result<()> {
+    let deadline = Instant::now() + limit;
     loop {
-        let p = relay.parked().await.unwrap_or(0);
-        if p >= n {
+        let got = relay.count(what).await.unwrap_or(0);
+        if got >= n {
             return Ok(());
         }
         if Instant::now() >= deadline {
             return Err(io::Error::other(format!(
-                "relay: only {p} of {n} sessions parked after {PARK_TIMEOUT:?}"
+                "relay: only {got} of {n} sessions {what} after {limit:?}"
             )));
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -313,12 +287,12 @@ async fn measure(
                 .await?;
         }
         wait_suspended(&mut client, n, "client").await?;
-        wait_relay_suspended(&mut relay, n).await?;
+        wait_relay(&mut relay, n, "suspended", SUSPEND_TIMEOUT).await?;
         if serve {
             // `roam serve` parks a session suspended for --park-after (its
             // default, 10 s): measured once every session is parked and
             // the allocator had time to give the pages back.
-            wait_relay_parked(&mut relay, n).await?;
+            wait_relay(&mut relay, n, "parked", PARK_TIMEOUT).await?;
             tokio::time::sleep(PURGE_WAIT).await;
         }
     }
