@@ -53,6 +53,14 @@ use serde::Serialize;
 use crate::peers::{Env, Lab};
 use crate::scenarios::progress;
 
+/// The allocator and configuration the `roam` binary ships with
+/// (`.cargo/config.toml`): the agents' library clients and relays then hold
+/// memory as `roam pipe`, `roam forward` and `roam serve` would, and the
+/// memory scenario measures what a session holds, not what glibc's arenas
+/// keep from the active phase.
+#[global_allocator]
+static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 /// Benchmark suite of roam: throughput, latency, set-up, resume, memory and
 /// many-session fairness against direct TCP, socat and ssh -L, and moves
 /// between cluster hosts, on loopback.
