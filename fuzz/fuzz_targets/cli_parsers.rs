@@ -1,7 +1,8 @@
 //! The `roam` command's text parsers (`roam_cli::parsers`): config file,
 //! authorized keys, known servers, allow rules, durations, control replies,
-//! the record a detached named session leaves (`roam pipe --name`), and
-//! `roam shell`'s stream frames and request.
+//! the record a detached named session leaves (`roam pipe --name`),
+//! `roam shell`'s stream frames and request, and the control frames between
+//! the relay and a shell's worker process.
 //!
 //! The first input byte picks the parser, the rest is its input (as UTF-8,
 //! lossily). Properties: no parser panics, and each one that re-encodes what
@@ -60,6 +61,9 @@ fuzz_target!(|data: &[u8]| {
         7 => {
             if let Ok(again) = parsers::shell_frames(rest) {
                 assert_eq!(parsers::shell_frames(&again), Ok(again.clone()));
+            }
+            if let Ok(again) = parsers::shell_control(rest) {
+                assert_eq!(parsers::shell_control(&again), Ok(again.clone()));
             }
             if let Ok(Some(meta)) = parsers::shell_open(rest) {
                 assert_eq!(parsers::shell_open(&meta), Ok(Some(meta.clone())));

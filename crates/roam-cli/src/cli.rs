@@ -173,6 +173,9 @@ size changes follow. USER defaults to the local user name.
 Exit status: the shell's own when it exits; 0 detached; 1 an error (or the
 relay refused the shell, the message says why); 3 the session was lost.")]
     Shell(ShellArgs),
+    /// Internal: an attached shell's per-session process, started by `roam serve --shell`.
+    #[command(hide = true)]
+    ShellWorker(ShellWorkerArgs),
     /// Detach a named session from the `roam pipe --name` process attached to it.
     #[command(after_help = "\
 Examples:
@@ -444,6 +447,15 @@ pub(crate) enum ClusterAction {
     },
 }
 
+/// `roam shell-worker` (internal): the relay passes the pty and the
+/// terminal on the control socket that is its stdin.
+#[derive(Debug, Args)]
+pub(crate) struct ShellWorkerArgs {
+    /// `user/name` of the shell, for the log.
+    #[arg(long)]
+    pub(crate) shell: String,
+}
+
 #[derive(Debug, Args)]
 pub(crate) struct KeygenArgs {
     /// Where to write the private key [default: <state dir>/client.key].
@@ -492,7 +504,7 @@ pub(crate) fn run(cli: Cli) -> i32 {
     // against the multi-thread runtime. The relay serves many sessions and
     // keeps a worker per core.
     let mut builder = match cli.command {
-        Command::Pipe(_) | Command::Forward(_) | Command::Shell(_) => {
+        Command::Pipe(_) | Command::Forward(_) | Command::Shell(_) | Command::ShellWorker(_) => {
             tokio::runtime::Builder::new_current_thread()
         }
         _ => tokio::runtime::Builder::new_multi_thread(),
@@ -512,6 +524,7 @@ pub(crate) fn run(cli: Cli) -> i32 {
             Command::Status(a) => crate::control::status(a, &config).await,
             Command::Detach(a) => crate::pipe::detach(a, &config).await,
             Command::Shell(a) => crate::shell::client::run(a, &config).await,
+            Command::ShellWorker(a) => crate::shell::worker::run(a).await,
             Command::Cluster(a) => crate::cluster::run(a).await,
             Command::Keygen(a) => crate::keys::keygen(a, &config),
             Command::Demo(a) => crate::demo::run(a).await,

@@ -66,6 +66,10 @@ pub(crate) struct ShellStatus {
     pub(crate) pid: u32,
     /// A client is attached (else the shell is parked).
     pub(crate) attached: bool,
+    /// The process id of the shell's worker (`roam shell-worker`) while a
+    /// client is attached.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) worker: Option<u32>,
 }
 
 /// Longest request line a control socket reads (bytes).
@@ -504,13 +508,12 @@ pub(crate) async fn status(args: StatusArgs, config: &FileConfig) -> CliResult {
                 .shells
                 .iter()
                 .map(|s| {
-                    format!(
-                        "{} ({}, pid {}, {})",
-                        s.name,
-                        s.user,
-                        s.pid,
-                        if s.attached { "attached" } else { "parked" }
-                    )
+                    let state = match (s.attached, s.worker) {
+                        (true, Some(w)) => format!("attached, worker pid {w}"),
+                        (true, None) => "attached".to_string(),
+                        (false, _) => "parked".to_string(),
+                    };
+                    format!("{} ({}, pid {}, {state})", s.name, s.user, s.pid)
                 })
                 .collect();
             println!("  shells: {}", parts.join(", "));

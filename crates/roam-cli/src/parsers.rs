@@ -71,6 +71,12 @@ pub fn shell_frames(bytes: &[u8]) -> Result<Vec<u8>, String> {
     crate::shell::wire::reencode(bytes)
 }
 
+/// Decodes the control frames between the relay and a shell's worker
+/// process (`roam shell-worker`); `Ok` carries their re-encoding.
+pub fn shell_control(bytes: &[u8]) -> Result<Vec<u8>, String> {
+    crate::shell::worker::reencode(bytes)
+}
+
 /// Parses a shell request from stream metadata; `Ok(None)`: not one.
 pub fn shell_open(meta: &[u8]) -> Result<Option<Vec<u8>>, String> {
     crate::shell::wire::Open::parse(meta)

@@ -1320,7 +1320,7 @@ async fn run_session(
                         has_shell = true;
                         match relay.shells.get() {
                             Some(host) => {
-                                tokio::spawn(host.clone().serve(stream, session.peer_key(), open));
+                                tokio::spawn(host.clone().serve(stream, Some(session.clone()), open));
                             }
                             None => {
                                 tokio::spawn(crate::shell::host::refuse(

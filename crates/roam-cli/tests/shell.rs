@@ -451,6 +451,195 @@ impl PtyClient {
     }
 }
 
+/// A relay serving `/bin/sh` shells (small: a thousand fit anywhere) to
+/// one client key, on a free port; its log in `dir/relay.log` if `log`.
+struct ShRelay {
+    relay: Guard,
+    relay_state: std::path::PathBuf,
+    /// The client's state directory (its key is the authorized one).
+    client: std::path::PathBuf,
+    /// `user@127.0.0.1:port`.
+    target: String,
+}
+
+impl ShRelay {
+    fn start(dir: &Path, log: bool) -> Self {
+        let user = nix::unistd::User::from_uid(nix::unistd::geteuid())
+            .unwrap()
+            .unwrap()
+            .name;
+        let (relay_state, client, keys) = (dir.join("relay"), dir.join("client"), dir.join("keys"));
+        for d in [&relay_state, &client, &keys] {
+            std::fs::create_dir_all(d).unwrap();
+        }
+        let key = keygen(&client);
+        std::fs::write(keys.join(format!("{user}.keys")), format!("{key}\n")).unwrap();
+        let port = free_port();
+        let stderr = if log {
+            Stdio::from(std::fs::File::create(dir.join("relay.log")).unwrap())
+        } else {
+            Stdio::null()
+        };
+        let relay = Guard(
+            Command::new(BIN)
+                .env("ROAM_STATE_DIR", &relay_state)
+                .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--shell"])
+                .arg("--shell-keys")
+                .arg(keys.join("%u.keys"))
+                .args(["--shell-program", "/bin/sh", "-v"])
+                .stdout(Stdio::null())
+                .stderr(stderr)
+                .spawn()
+                .unwrap(),
+        );
+        wait_for_port(port);
+        ShRelay {
+            relay,
+            relay_state,
+            client,
+            target: format!("{user}@127.0.0.1:{port}"),
+        }
+    }
+}
+
+/// The `roam shell-worker` processes whose parent is `relay`.
+fn workers_of(relay: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        // After the command's name (in parentheses): state, then ppid.
+        let mut rest = stat.rsplit(')').next().unwrap_or("").split_whitespace();
+        let (state, ppid) = (rest.next(), rest.next().and_then(|p| p.parse::<u32>().ok()));
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if ppid == Some(relay)
+            && state != Some("Z")
+            && String::from_utf8_lossy(&cmdline).contains("shell-worker")
+        {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+/// The worker pid `roam status` lists for the only shell, once there is
+/// one other than `not` (at most 10 s).
+fn listed_worker(relay_state: &Path, not: Option<u64>) -> u64 {
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let shells = listed_shells(relay_state);
+        let w = shells.first().and_then(|s| s["worker"].as_u64());
+        if let Some(w) = w.filter(|w| Some(*w) != not) {
+            return w;
+        }
+        assert!(Instant::now() < end, "no new worker listed: {shells:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The numbers `N` of every `wk-N` in `text` (not `wk-N-end`), in order.
+fn wk_lines(text: &str) -> Vec<u32> {
+    text.match_indices("wk-")
+        .filter_map(|(i, _)| {
+            let rest = &text[i + 3..];
+            let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+            let after = rest[digits.len()..].chars().next();
+            (!digits.is_empty() && after != Some('-'))
+                .then(|| digits.parse().ok())
+                .flatten()
+        })
+        .collect()
+}
+
+/// The shell issue's "kill -9 of the per-session shell process, then
+/// re-attach": while a client is attached its shell has a worker process
+/// (`roam shell-worker`, a child of the relay, listed by `roam status`).
+/// Killed with -9 in the middle of the shell's output, it is replaced at
+/// once and the same client sees the output go on; after a detach there is
+/// no worker left; a new client re-attaching gets every line printed, once
+/// and in order, from the relay's journal of what the killed worker read.
+/// A client killed with -9 leaves no worker either (its session is
+/// suspended), and the next client takes the shell over.
+#[test]
+fn a_shell_worker_killed_mid_output_loses_no_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let sh = ShRelay::start(dir.path(), true);
+    let relay_pid = sh.relay.0.id();
+    let log = || std::fs::read_to_string(dir.path().join("relay.log")).unwrap_or_default();
+    let mut client = PtyClient::start(&sh.client, &sh.target, &["--name", "wk"]);
+    client.wait_for("new shell");
+    let first = listed_worker(&sh.relay_state, None);
+    assert_eq!(
+        workers_of(relay_pid),
+        vec![first as u32],
+        "the listed worker is the relay's child"
+    );
+
+    client
+        .send(b"for i in $(seq 1 400); do echo wk-$i; sleep 0.005; done; echo wk-$((400+1))-end\r");
+    client.wait_until(Duration::from_secs(30), |t| {
+        (wk_lines(t).len() >= 50).then_some(())
+    });
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(first as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    client.wait_for("wk-401-end");
+    let second = listed_worker(&sh.relay_state, Some(first));
+    assert!(log().contains("ended while attached"), "{}", log());
+    assert_eq!(
+        workers_of(relay_pid),
+        vec![second as u32],
+        "one worker at a time"
+    );
+
+    // Detached: the shell is parked, with no worker.
+    client.send(b"\r~.");
+    assert_eq!(
+        client.wait_exit(Duration::from_secs(30)),
+        Some(0),
+        "{}",
+        client.text()
+    );
+    let end = Instant::now() + Duration::from_secs(10);
+    while !workers_of(relay_pid).is_empty() {
+        assert!(Instant::now() < end, "a worker outlived its client");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let shells = listed_shells(&sh.relay_state);
+    assert_eq!(shells[0]["attached"], false, "{shells:?}");
+    assert!(shells[0]["worker"].is_null(), "{shells:?}");
+
+    // A new client: the scrollback and screen hold every line once.
+    let mut again = PtyClient::start(&sh.client, &sh.target, &["--name", "wk"]);
+    let text = again.wait_for("wk-401-end");
+    assert!(text.contains("re-attached"), "{text}");
+    assert_eq!(wk_lines(&text), (1..=400).collect::<Vec<u32>>(), "{text}");
+
+    // A client killed with -9: its session is suspended on the relay, and
+    // its shell's worker goes until the session resumes.
+    listed_worker(&sh.relay_state, None);
+    drop(again);
+    let end = Instant::now() + Duration::from_secs(20);
+    while !workers_of(relay_pid).is_empty() {
+        assert!(
+            Instant::now() < end,
+            "a worker outlived its client's connection\n{}",
+            log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(log().contains("session is suspended"), "{}", log());
+    // Another client takes the shell over and it goes on.
+    let mut third = PtyClient::start(&sh.client, &sh.target, &["--name", "wk"]);
+    third.wait_for("wk-401-end");
+    third.send(b"echo fin-$((2*21))\r");
+    third.wait_for("fin-42");
+}
+
 /// Starts a shell named `name` with a client on a pty of its own, waits
 /// until it runs, and detaches the client (`~.`).
 fn park_one(state: &Path, target: &str, name: &str) {
@@ -469,38 +658,14 @@ fn park_one(state: &Path, target: &str, name: &str) {
 #[test]
 fn a_thousand_parked_shells_cost_the_relay_a_few_kib_each() {
     const SHELLS: usize = 1000;
-    let user = nix::unistd::User::from_uid(nix::unistd::geteuid())
-        .unwrap()
-        .unwrap()
-        .name;
     let dir = tempfile::tempdir().unwrap();
-    let (relay_state, client, keys) = (
-        dir.path().join("relay"),
-        dir.path().join("client"),
-        dir.path().join("keys"),
-    );
-    for d in [&relay_state, &client, &keys] {
-        std::fs::create_dir_all(d).unwrap();
-    }
-    let key = keygen(&client);
-    std::fs::write(keys.join(format!("{user}.keys")), format!("{key}\n")).unwrap();
-    let port = free_port();
-    let relay = Guard(
-        Command::new(BIN)
-            .env("ROAM_STATE_DIR", &relay_state)
-            .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--shell"])
-            .arg("--shell-keys")
-            .arg(keys.join("%u.keys"))
-            // A small shell, so that a thousand of them fit anywhere.
-            .args(["--shell-program", "/bin/sh"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    wait_for_port(port);
+    let ShRelay {
+        relay,
+        relay_state,
+        client,
+        target,
+    } = ShRelay::start(dir.path(), false);
     let pid = relay.0.id();
-    let target = format!("{user}@127.0.0.1:{port}");
     // One shell first, so that what every shell shares (buffers, tables)
     // is not counted against the thousand.
     park_one(&client, &target, "warm-up");
@@ -547,6 +712,8 @@ fn a_thousand_parked_shells_cost_the_relay_a_few_kib_each() {
     let shells = listed_shells(&relay_state);
     assert_eq!(shells.len(), SHELLS + 1);
     assert!(shells.iter().all(|s| s["attached"] == false), "all parked");
+    // No roam process of their own: each client's worker ended with it.
+    assert_eq!(workers_of(pid), Vec::<u32>::new(), "workers left running");
     // Killing the relay closes the ptys: every shell gets SIGHUP and ends
     // (no shell holds another's pty master: they are close-on-exec).
     let pids: Vec<i32> = shells

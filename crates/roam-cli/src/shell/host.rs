@@ -6,26 +6,36 @@
 //! that account (uid, gid and the account's supplementary groups, in its
 //! home), with no `unsafe` here.
 //!
-//! Each shell is one task: it reads the pty into a terminal emulator
-//! (`vt100`, with scrollback) all the time, attached or not, and forwards
-//! the output to the attached client. A new attach — the same client after
-//! a resume never needs one; a new client process, after the old one was
-//! killed or detached — takes the shell over: the old stream is reset, and
-//! the new client gets the scrollback and the current screen, then live
-//! output. When the shell exits, the attached client gets its status.
+//! Each shell is one task here, and, while a client is attached, one
+//! per-session process (`worker`, Migrate's complete continuation): the
+//! worker runs the terminal emulator (`vt100`, with scrollback), reads the
+//! pty and writes what is typed; this task copies whole client frames
+//! between the client's stream and the worker, and keeps the worker's
+//! journal of output. While no client is attached there is no worker: the
+//! task holds the parked resources (the pty master, the shell process, the
+//! packed terminal) and reads the pty into the packed terminal itself. A
+//! new attach — the same client after a resume never needs one; a new
+//! client process, after the old one was killed or detached — takes the
+//! shell over: the old stream is reset, and the new client gets the
+//! scrollback and the current screen, then live output. A worker that dies
+//! while its client is attached (kill -9, a crash) is replaced at once from
+//! the journal, and the client gets the current screen. When the shell
+//! exits, the attached client gets its status.
 
 use std::collections::HashMap;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use roam::RoamStream;
-use roam_proto::PublicKey;
-use tokio::io::{AsyncReadExt, AsyncWriteExt, ReadHalf, WriteHalf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, WriteHalf};
 use tokio::sync::mpsc;
 
 use super::account::{Account, Login};
 use super::wire::{Attached, Decoder, Frame, Open};
+use super::worker::{self, Ctl, CtlDecoder, StartHeader};
 
 /// Lines of scrollback each shell keeps (sent on re-attach).
 const SCROLLBACK: usize = 5000;
@@ -33,7 +43,7 @@ const SCROLLBACK: usize = 5000;
 /// not yet replaced). Beyond it the held output is dropped and the client,
 /// once it reads again, gets the current screen instead: the shell never
 /// blocks on a client that is away.
-const OUT_LIMIT: usize = 1 << 20;
+pub(super) const OUT_LIMIT: usize = 1 << 20;
 /// The default `--shell-keys` pattern: `%h` is the home directory, `%u`
 /// the user name.
 pub(crate) const DEFAULT_KEYS: &str = "%h/.config/roam/authorized_keys";
@@ -47,6 +57,62 @@ struct Attach {
     /// Send the scrollback with the screen (not after a relay takeover,
     /// whose client has the scrollback already).
     scrollback: bool,
+    /// The client's session, watched while attached: a suspended client
+    /// gets no worker ([`Dormant`]).
+    session: Option<SessionWatch>,
+    /// Send only the screen, without an `Attached` frame (the same client
+    /// back after its session resumed).
+    quiet: bool,
+}
+
+/// A client's session and its events.
+struct SessionWatch {
+    session: roam::SessionHandle,
+    events: tokio::sync::broadcast::Receiver<roam::SessionEvent>,
+}
+
+impl SessionWatch {
+    fn new(session: roam::SessionHandle) -> Self {
+        let events = session.events();
+        SessionWatch { session, events }
+    }
+
+    /// The next change that matters: `true` the session was suspended,
+    /// `false` it resumed; never if it is over (its stream says so).
+    async fn change(&mut self) -> bool {
+        loop {
+            match self.events.recv().await {
+                Ok(roam::SessionEvent::Suspended { .. }) => return true,
+                Ok(roam::SessionEvent::Resumed { .. }) => return false,
+                Ok(_) => {}
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
+                    match self.session.stats().state {
+                        roam::State::Suspended => return true,
+                        roam::State::Active => return false,
+                        _ => {}
+                    }
+                }
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => {
+                    std::future::pending::<()>().await
+                }
+            }
+        }
+    }
+}
+
+async fn session_change(watch: Option<&mut SessionWatch>) -> bool {
+    match watch {
+        Some(w) => w.change().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// An attached client whose session is suspended: its stream waits here,
+/// with no worker, until the session resumes (the client then gets the
+/// screen from a new worker) or another client attaches.
+struct Dormant {
+    stream: RoamStream,
+    watch: SessionWatch,
 }
 
 /// What a shell's task is asked.
@@ -80,8 +146,17 @@ pub(crate) struct HandedShell {
 struct Entry {
     tx: mpsc::Sender<Msg>,
     pid: u32,
-    /// Set by the shell's task while a client is attached.
-    attached: Arc<std::sync::atomic::AtomicBool>,
+    /// Kept up to date by the shell's task.
+    now: Arc<Now>,
+}
+
+/// What a shell is doing, for `roam status`.
+#[derive(Default)]
+struct Now {
+    /// A client is attached.
+    attached: AtomicBool,
+    /// The process id of its worker, 0 while there is none.
+    worker: AtomicU32,
 }
 
 /// The shells of one relay, by (user, name).
@@ -112,9 +187,10 @@ impl ShellHost {
     pub(crate) async fn serve(
         self: Arc<Self>,
         stream: RoamStream,
-        key: Option<PublicKey>,
+        session: Option<roam::SessionHandle>,
         open: Result<Open, String>,
     ) {
+        let key = session.as_ref().and_then(|s| s.peer_key());
         let checked = open.and_then(|open| {
             let key = key.ok_or("the session has no client key")?;
             let account = Account::authorize(&open.user, &key, &self.keys_pattern)?;
@@ -130,7 +206,7 @@ impl ShellHost {
         let refused = match checked {
             Err(why) => Some((why, stream)),
             Ok((open, account, name)) => self
-                .attach_or_start(stream, account, name, open)
+                .attach_or_start(stream, session, account, name, open)
                 .await
                 .err(),
         };
@@ -142,6 +218,7 @@ impl ShellHost {
     async fn attach_or_start(
         self: Arc<Self>,
         stream: RoamStream,
+        session: Option<roam::SessionHandle>,
         account: Account,
         name: String,
         open: Open,
@@ -155,6 +232,8 @@ impl ShellHost {
             cols: open.cols,
             new: true,
             scrollback: open.scrollback,
+            session: session.map(SessionWatch::new),
+            quiet: false,
         };
         if let Some(tx) = &seen {
             match attach_to(tx, req).await {
@@ -192,6 +271,7 @@ impl ShellHost {
             account.name,
             child.id().unwrap_or(0)
         );
+        let spec = WorkerSpec::record(&account.name, &name);
         let shell = Shell {
             user: account.name,
             name,
@@ -199,6 +279,7 @@ impl ShellHost {
             pty,
             child: Some(child),
             term: Terminal::new(req.rows, req.cols),
+            spec,
         };
         self.clone().run(shell, Some(req));
         Ok(())
@@ -210,18 +291,18 @@ impl ShellHost {
     fn run(self: Arc<Self>, shell: Shell, first: Option<Attach>) {
         let slot = (shell.user.clone(), shell.name.clone());
         let (tx, rx) = mpsc::channel(4);
-        let attached = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let now = Arc::new(Now::default());
         self.lock().insert(
             slot.clone(),
             Entry {
                 tx: tx.clone(),
                 pid: shell.pid,
-                attached: attached.clone(),
+                now: now.clone(),
             },
         );
         let mine = tx.clone();
         tokio::spawn(async move {
-            run_shell(shell, first, rx, attached).await;
+            run_shell(shell, first, rx, now).await;
             let mut shells = self.lock();
             if shells.get(&slot).is_some_and(|e| e.tx.same_channel(&mine)) {
                 shells.remove(&slot);
@@ -238,7 +319,8 @@ impl ShellHost {
                 user: user.clone(),
                 name: name.clone(),
                 pid: e.pid,
-                attached: e.attached.load(std::sync::atomic::Ordering::Relaxed),
+                attached: e.now.attached.load(Ordering::Relaxed),
+                worker: Some(e.now.worker.load(Ordering::Relaxed)).filter(|&p| p != 0),
             })
             .collect();
         v.sort_by(|a, b| (&a.user, &a.name).cmp(&(&b.user, &b.name)));
@@ -264,18 +346,15 @@ impl ShellHost {
     /// Serves a shell another relay handed over (or one a failed takeover
     /// gives back). Its clients re-attach by name.
     pub(crate) fn adopt(self: &Arc<Self>, h: HandedShell) -> Result<(), String> {
-        let writing = h.pty.try_clone().map_err(|e| format!("pty: {e}"))?;
-        let rx = tokio::net::unix::pipe::Receiver::from_owned_fd_unchecked(h.pty)
-            .map_err(|e| format!("pty: {e}"))?;
-        let tx = tokio::net::unix::pipe::Sender::from_owned_fd_unchecked(writing)
-            .map_err(|e| format!("pty: {e}"))?;
+        let pty = Pty::from_master(h.pty).map_err(|e| format!("pty: {e}"))?;
         tracing::info!("shell {} of {} (pid {}) adopted", h.name, h.user, h.pid);
         self.clone().run(
             Shell {
+                spec: WorkerSpec::record(&h.user, &h.name),
                 user: h.user,
                 name: h.name,
                 pid: h.pid,
-                pty: Pty { rx, tx },
+                pty,
                 child: h.child,
                 term: Terminal::Packed {
                     image: h.image,
@@ -295,6 +374,8 @@ struct Shell {
     user: String,
     name: String,
     pid: u32,
+    /// How its workers are started.
+    spec: WorkerSpec,
     pty: Pty,
     /// `None` for a shell adopted from another relay: not our child, so its
     /// exit status is not ours to read.
@@ -373,18 +454,8 @@ fn spawn_shell(login: Login, rows: u16, cols: u16) -> Result<(Pty, tokio::proces
         nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
     )
     .map_err(|e| format!("pty: {e}"))?;
-    let writing = pty
-        .master
-        .try_clone()
-        .map_err(|e| format!("pty (writing): {e}"))?;
-    // A pty master polls like a pipe: tokio's pipe ends drive it without
-    // `unsafe` here (AsyncFd needs an unsafe registration). Two
-    // descriptors, as one cannot be registered twice with the reactor.
-    let rx = tokio::net::unix::pipe::Receiver::from_owned_fd_unchecked(pty.master)
-        .map_err(|e| format!("pty: {e}"))?;
-    let tx = tokio::net::unix::pipe::Sender::from_owned_fd_unchecked(writing)
-        .map_err(|e| format!("pty: {e}"))?;
-    Ok((Pty { rx, tx }, child))
+    let pty = Pty::from_master(pty.master).map_err(|e| format!("pty: {e}"))?;
+    Ok((pty, child))
 }
 
 /// A pty's two ends.
@@ -430,37 +501,73 @@ fn libc_o_noctty() -> i32 {
     nix::fcntl::OFlag::O_NOCTTY.bits()
 }
 
-/// The relay's end of a shell's pty (the reading end also serves the
-/// window-size ioctl).
-struct Pty {
-    rx: tokio::net::unix::pipe::Receiver,
-    tx: tokio::net::unix::pipe::Sender,
+/// A pty master as the relay or a worker drives it (the reading end also
+/// serves the window-size ioctl).
+pub(super) struct Pty {
+    pub(super) rx: tokio::net::unix::pipe::Receiver,
+    pub(super) tx: tokio::net::unix::pipe::Sender,
 }
 
-/// The attached client's reading side.
-struct Client {
-    rd: ReadHalf<RoamStream>,
-    frames: Decoder,
+impl Pty {
+    /// Drives `master` (non-blocking already: the flag belongs to the
+    /// open pty, shared by every copy). A pty master polls like a pipe:
+    /// tokio's pipe ends drive it without `unsafe` here (AsyncFd needs an
+    /// unsafe registration). Two descriptors, as one cannot be registered
+    /// twice with the reactor.
+    pub(super) fn from_master(master: OwnedFd) -> std::io::Result<Pty> {
+        let writing = master.try_clone()?;
+        Ok(Pty {
+            rx: tokio::net::unix::pipe::Receiver::from_owned_fd_unchecked(master)?,
+            tx: tokio::net::unix::pipe::Sender::from_owned_fd_unchecked(writing)?,
+        })
+    }
+}
+
+/// A client's reading side (the relay's: the client's stream; a worker's:
+/// the relay's copy of it).
+pub(super) struct Client<R> {
+    rd: R,
+    pub(super) frames: Decoder,
     /// Where reads land (gone with the client).
-    buf: Vec<u8>,
+    pub(super) buf: Vec<u8>,
 }
 
-/// The attached client's writing side.
-struct Sink {
-    wr: WriteHalf<RoamStream>,
+impl<R> Client<R> {
+    pub(super) fn new(rd: R) -> Self {
+        Client {
+            rd,
+            frames: Decoder::default(),
+            buf: vec![0u8; 16 * 1024],
+        }
+    }
+}
+
+/// A client's writing side.
+pub(super) struct Sink<W> {
+    wr: W,
     /// Encoded frames not yet taken by the stream; the first may be partly
     /// taken (up to `pos`).
     out: std::collections::VecDeque<Vec<u8>>,
     pos: usize,
     /// Bytes in `out` (not counting those taken).
-    held: usize,
+    pub(super) held: usize,
     /// Output was dropped (over [`OUT_LIMIT`]): redraw the screen once
     /// `out` has been taken.
-    stale: bool,
+    pub(super) stale: bool,
 }
 
-impl Sink {
-    fn push(&mut self, frame: Frame) {
+impl<W: AsyncWrite + Unpin> Sink<W> {
+    pub(super) fn new(wr: W) -> Self {
+        Sink {
+            wr,
+            out: std::collections::VecDeque::new(),
+            pos: 0,
+            held: 0,
+            stale: false,
+        }
+    }
+
+    pub(super) fn push(&mut self, frame: Frame) {
         let mut bytes = Vec::new();
         frame.encode(&mut bytes);
         self.held += bytes.len();
@@ -469,7 +576,7 @@ impl Sink {
 
     /// Drops every frame not begun (a frame partly taken is finished, so
     /// the stream stays framed).
-    fn drop_unsent(&mut self) {
+    pub(super) fn drop_unsent(&mut self) {
         let keep = usize::from(self.pos > 0);
         while self.out.len() > keep {
             if let Some(f) = self.out.pop_back() {
@@ -479,7 +586,7 @@ impl Sink {
     }
 
     /// Writes everything held, then ends the stream; at most `limit`.
-    async fn flush_and_end(mut self, limit: std::time::Duration) {
+    pub(super) async fn flush_and_end(mut self, limit: std::time::Duration) {
         let flush = async {
             while self.held > 0 {
                 let n = write_out(Some(&mut self)).await?;
@@ -491,7 +598,7 @@ impl Sink {
     }
 
     /// The stream took `n` bytes.
-    fn taken(&mut self, n: usize) {
+    pub(super) fn taken(&mut self, n: usize) {
         self.pos += n;
         self.held -= n;
         if self.out.front().is_some_and(|f| self.pos == f.len()) {
@@ -503,7 +610,7 @@ impl Sink {
 
 /// Typed input held for a shell that does not read it (then the client's
 /// stream is not read until it does: back-pressure to the client).
-const IN_LIMIT: usize = 64 * 1024;
+pub(super) const IN_LIMIT: usize = 64 * 1024;
 
 /// Output a parked shell's packed terminal collects before it is brought
 /// up to date (unpacked, fed, packed again).
@@ -519,7 +626,7 @@ thread_local! {
 /// packed while parked (the bytes that rebuild it, and the output since),
 /// so a parked shell costs the relay a few KB instead of the emulator's
 /// cell grids.
-enum Terminal {
+pub(super) enum Terminal {
     Live(Box<vt100::Parser>),
     Packed {
         /// [`redraw`] of the emulator when it was packed: fed to a fresh
@@ -538,7 +645,7 @@ impl Terminal {
     }
 
     /// The live emulator, rebuilt first if packed.
-    fn live(&mut self) -> &mut vt100::Parser {
+    pub(super) fn live(&mut self) -> &mut vt100::Parser {
         if let Terminal::Packed {
             image,
             rows,
@@ -558,7 +665,7 @@ impl Terminal {
     }
 
     /// Packs the emulator (nothing if packed already).
-    fn pack(&mut self) {
+    pub(super) fn pack(&mut self) {
         if let Terminal::Live(t) = self {
             let (rows, cols) = t.screen().size();
             let image = redraw(t);
@@ -572,7 +679,7 @@ impl Terminal {
     }
 
     /// Output from the shell.
-    fn process(&mut self, bytes: &[u8]) {
+    pub(super) fn process(&mut self, bytes: &[u8]) {
         match self {
             Terminal::Live(t) => t.process(bytes),
             Terminal::Packed { raw, .. } => {
@@ -586,209 +693,630 @@ impl Terminal {
     }
 }
 
-/// What one turn of a shell's loop produced.
-enum Turn {
-    Attach(Option<Msg>),
-    Pty(std::io::Result<()>),
-    Wrote(std::io::Result<usize>),
-    Read(std::io::Result<usize>),
-    Exited(std::io::Result<Option<std::process::ExitStatus>>),
-    Typed(std::io::Result<usize>),
+/// The recorded start of a shell's per-session process (`roam
+/// shell-worker`): every worker the shell gets starts with the same argv,
+/// environment and working directory.
+#[derive(Debug, Clone)]
+pub(crate) struct WorkerSpec {
+    program: PathBuf,
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+    cwd: PathBuf,
 }
 
-/// Runs one shell until it exits or is handed over.
-async fn run_shell(
-    shell: Shell,
-    first: Option<Attach>,
-    mut attach: mpsc::Receiver<Msg>,
-    attached: Arc<std::sync::atomic::AtomicBool>,
-) {
+impl WorkerSpec {
+    /// This relay's binary, run as `shell-worker` in `/`, with only `PATH`,
+    /// `LANG` and `RUST_LOG` (if set) from the relay's environment.
+    fn record(user: &str, name: &str) -> Self {
+        let program = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("roam"));
+        let env = ["PATH", "LANG", "RUST_LOG"]
+            .iter()
+            .filter_map(|k| std::env::var(k).ok().map(|v| (k.to_string(), v)))
+            .collect();
+        WorkerSpec {
+            program,
+            args: vec![
+                "shell-worker".into(),
+                "--shell".into(),
+                format!("{user}/{name}"),
+            ],
+            env,
+            cwd: PathBuf::from("/"),
+        }
+    }
+}
+
+/// A shell's worker process as its relay task holds it.
+struct Worker {
+    proc: tokio::process::Child,
+    pid: u32,
+    ctl_rd: tokio::net::unix::OwnedReadHalf,
+    ctl_wr: tokio::net::unix::OwnedWriteHalf,
+    ctl: CtlDecoder,
+    ctl_eof: bool,
+    /// The client's frames, both ways; `a_wr` is dropped to detach.
+    a_rd: tokio::net::unix::OwnedReadHalf,
+    a_wr: Option<tokio::net::unix::OwnedWriteHalf>,
+    frames: Decoder,
+    a_eof: bool,
+    /// The worker said the pty ended.
+    closed: bool,
+    /// A checkpoint was asked for and its image has not come yet.
+    checkpointing: bool,
+}
+
+/// Journal a worker may send before the relay asks it for a checkpoint
+/// (its terminal image, which replaces the image and journal held here).
+const CHECKPOINT_AT: usize = 256 * 1024;
+/// Worker deaths tolerated within [`RESTART_WINDOW`] while one client is
+/// attached; past them the client is told and let go.
+const MAX_RESTARTS: u32 = 3;
+const RESTART_WINDOW: Duration = Duration::from_secs(10);
+/// Client output the relay holds for a client that does not read before
+/// it stops reading the worker (which then holds, up to [`OUT_LIMIT`]).
+const HOLD: usize = 256 * 1024;
+
+/// Starts a worker for `pty` from `term` (packed first): sends it the pty
+/// and the start frame.
+async fn start_worker(
+    spec: &WorkerSpec,
+    pty: &Pty,
+    term: &mut Terminal,
+    mut header: StartHeader,
+) -> Result<Worker, String> {
+    use std::os::unix::net::UnixStream;
+    use std::process::Stdio;
+    let io = |what: &str, e: std::io::Error| format!("starting the shell's worker: {what}: {e}");
+    let (ctl_mine, ctl_theirs) = UnixStream::pair().map_err(|e| io("socket", e))?;
+    let (a_mine, a_theirs) = UnixStream::pair().map_err(|e| io("socket", e))?;
+    worker::send_pty(&ctl_mine, pty.rx.as_fd()).map_err(|e| io("passing the pty", e))?;
+    let mut cmd = tokio::process::Command::new(&spec.program);
+    cmd.args(&spec.args)
+        .env_clear()
+        .envs(spec.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .current_dir(&spec.cwd)
+        .stdin(Stdio::from(OwnedFd::from(ctl_theirs)))
+        .stdout(Stdio::from(OwnedFd::from(a_theirs)))
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true);
+    let proc = cmd
+        .spawn()
+        .map_err(|e| io(&spec.program.display().to_string(), e))?;
+    let pid = proc.id().unwrap_or(0);
+    let tokio_unix = |s: UnixStream| {
+        s.set_nonblocking(true)?;
+        tokio::net::UnixStream::from_std(s)
+    };
+    let (ctl_rd, mut ctl_wr) = tokio_unix(ctl_mine)
+        .map_err(|e| io("socket", e))?
+        .into_split();
+    let (a_rd, a_wr) = tokio_unix(a_mine)
+        .map_err(|e| io("socket", e))?
+        .into_split();
+    term.pack();
+    let Terminal::Packed {
+        image,
+        rows,
+        cols,
+        raw,
+    } = &*term
+    else {
+        unreachable!("packed above")
+    };
+    header.term_rows = *rows;
+    header.term_cols = *cols;
+    let mut start = Vec::with_capacity(image.len() + raw.len() + 256);
+    Ctl::Start {
+        header,
+        image: image.clone(),
+        raw: raw.clone(),
+    }
+    .encode(&mut start);
+    ctl_wr
+        .write_all(&start)
+        .await
+        .map_err(|e| io("sending its start", e))?;
+    Ok(Worker {
+        proc,
+        pid,
+        ctl_rd,
+        ctl_wr,
+        ctl: CtlDecoder::default(),
+        ctl_eof: false,
+        a_rd,
+        a_wr: Some(a_wr),
+        frames: Decoder::default(),
+        a_eof: false,
+        closed: false,
+        checkpointing: false,
+    })
+}
+
+impl Worker {
+    /// Takes the control frames read so far into `term`; `false` if the
+    /// worker sent something it must not (it is then killed).
+    fn take_ctl(&mut self, term: &mut Terminal, name: &str) -> bool {
+        loop {
+            match self.ctl.next() {
+                Ok(None) => return true,
+                Ok(Some(Ctl::Journal(bytes))) => {
+                    if let Terminal::Packed { raw, .. } = term {
+                        raw.extend_from_slice(&bytes);
+                    } else {
+                        term.process(&bytes);
+                    }
+                }
+                Ok(Some(Ctl::Resized { rows, cols })) => {
+                    term.live().set_size(nz(rows), nz(cols));
+                    term.pack();
+                }
+                Ok(Some(Ctl::Image { rows, cols, image })) => {
+                    self.checkpointing = false;
+                    *term = Terminal::Packed {
+                        image,
+                        rows,
+                        cols,
+                        raw: Vec::new(),
+                    };
+                }
+                Ok(Some(Ctl::Closed)) => self.closed = true,
+                Ok(Some(other)) => {
+                    tracing::warn!("shell {name}: its worker sent {other:?}; stopping it");
+                    let _ = self.proc.start_kill();
+                    return false;
+                }
+                Err(e) => {
+                    tracing::warn!("shell {name}: its worker: {e}; stopping it");
+                    let _ = self.proc.start_kill();
+                    return false;
+                }
+            }
+        }
+    }
+
+    /// Reads the control socket to its end (the worker has exited or is
+    /// ending), taking everything into `term`; at most `limit`.
+    async fn drain_ctl(&mut self, term: &mut Terminal, name: &str, limit: Duration) {
+        let mut buf = vec![0u8; 64 * 1024];
+        let drain = async {
+            while !self.ctl_eof {
+                match self.ctl_rd.read(&mut buf).await {
+                    Ok(0) | Err(_) => self.ctl_eof = true,
+                    Ok(n) => {
+                        self.ctl.push(&buf[..n]);
+                        if !self.take_ctl(term, name) {
+                            self.ctl_eof = true;
+                        }
+                    }
+                }
+            }
+        };
+        if tokio::time::timeout(limit, drain).await.is_err() {
+            tracing::warn!("shell {name}: its worker did not finish in {limit:?}; stopping it");
+        }
+    }
+
+    /// Detaches the worker: its client input ends, it sends its terminal
+    /// image (taken into `term`) and exits; killed if it takes over 2 s.
+    async fn stop(mut self, term: &mut Terminal, name: &str) {
+        self.a_wr = None;
+        self.drain_ctl(term, name, Duration::from_secs(2)).await;
+        if tokio::time::timeout(Duration::from_secs(1), self.proc.wait())
+            .await
+            .is_err()
+        {
+            let _ = self.proc.start_kill();
+            let _ = self.proc.wait().await;
+        }
+    }
+}
+
+/// How an attached client's time ended.
+enum Left {
+    /// The client went: the shell is parked again.
+    Detached,
+    /// A relay takeover: the client was told to re-attach.
+    Handover(tokio::sync::oneshot::Sender<HandedShell>),
+    /// The pty ended; the client waits for the shell's exit status.
+    Ended(Sink<WriteHalf<RoamStream>>),
+    /// The client's session was suspended: its worker is gone, its stream
+    /// waits.
+    Dormant(Dormant),
+}
+
+/// One turn of an attached shell's loop in the relay.
+enum Turn {
+    Msg(Option<Msg>),
+    Client(std::io::Result<usize>),
+    ToWorker(std::io::Result<usize>),
+    FromWorker(std::io::Result<usize>),
+    Wrote(std::io::Result<usize>),
+    Ctl(std::io::Result<usize>),
+    Exited(std::io::Result<std::process::ExitStatus>),
+    Session(bool),
+}
+
+async fn write_worker(
+    wr: Option<&mut tokio::net::unix::OwnedWriteHalf>,
+    bytes: &[u8],
+) -> std::io::Result<usize> {
+    match wr {
+        Some(w) => w.write(bytes).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// A shell's parked resources while a client is attached: the relay's
+/// task runs workers for the client (another if one dies) until the client
+/// goes, another client takes over, a takeover asks, or the pty ends.
+struct Attending<'a> {
+    name: &'a str,
+    pty: &'a Pty,
+    term: &'a mut Terminal,
+    spec: &'a WorkerSpec,
+    now: &'a Now,
+    msgs: &'a mut mpsc::Receiver<Msg>,
+}
+
+impl Attending<'_> {
+    async fn run(self, first: Attach) -> Left {
+        let name = self.name;
+        let mut req = first;
+        'client: loop {
+            let (rd, wr) = tokio::io::split(req.stream);
+            let mut watch = req.session;
+            let mut client = Client::new(rd);
+            let mut sink = Sink::new(wr);
+            let mut header = StartHeader {
+                name: name.to_string(),
+                new: req.new,
+                scrollback: req.scrollback,
+                quiet: req.quiet,
+                rows: req.rows,
+                cols: req.cols,
+                term_rows: 0,
+                term_cols: 0,
+            };
+            let mut restarts = 0u32;
+            let mut window = tokio::time::Instant::now();
+            loop {
+                let mut w = match start_worker(self.spec, self.pty, self.term, header.clone()).await
+                {
+                    Ok(w) => w,
+                    Err(why) => {
+                        tracing::warn!("shell {name}: {why}");
+                        sink.push(Frame::Error(why));
+                        sink.flush_and_end(Duration::from_secs(1)).await;
+                        return Left::Detached;
+                    }
+                };
+                self.now.worker.store(w.pid, Ordering::Relaxed);
+                tracing::debug!("shell {name}: worker {} started", w.pid);
+                let mut to_worker: Vec<u8> = Vec::new();
+                let mut a_buf = vec![0u8; 16 * 1024];
+                let mut c_buf = vec![0u8; 16 * 1024];
+                let status = loop {
+                    let held = sink.held;
+                    let turn = tokio::select! {
+                        m = self.msgs.recv() => Turn::Msg(m),
+                        r = read_client(Some(&mut client)), if to_worker.len() < IN_LIMIT => Turn::Client(r),
+                        r = write_worker(w.a_wr.as_mut(), &to_worker), if !to_worker.is_empty() => Turn::ToWorker(r),
+                        r = w.a_rd.read(&mut a_buf), if held < HOLD && !w.a_eof => Turn::FromWorker(r),
+                        r = write_out(Some(&mut sink)), if held > 0 => Turn::Wrote(r),
+                        r = w.ctl_rd.read(&mut c_buf), if !w.ctl_eof => Turn::Ctl(r),
+                        s = w.proc.wait() => Turn::Exited(s),
+                        c = session_change(watch.as_mut()) => Turn::Session(c),
+                    };
+                    match turn {
+                        Turn::Msg(None) => {}
+                        Turn::Msg(Some(Msg::Attach(a))) => {
+                            // Taken over by a newer client process.
+                            w.stop(self.term, name).await;
+                            let _ = sink.wr.shutdown().await;
+                            req = a;
+                            continue 'client;
+                        }
+                        Turn::Msg(Some(Msg::Handover(reply))) => {
+                            w.stop(self.term, name).await;
+                            // The client re-attaches to the next relay; what
+                            // it has not been sent yet it gets as the screen
+                            // there.
+                            sink.drop_unsent();
+                            sink.push(Frame::Reattach);
+                            sink.flush_and_end(Duration::from_millis(200)).await;
+                            return Left::Handover(reply);
+                        }
+                        Turn::Client(Ok(0)) | Turn::Client(Err(_)) | Turn::Wrote(Err(_)) => {
+                            w.stop(self.term, name).await;
+                            return Left::Detached;
+                        }
+                        Turn::Client(Ok(n)) => {
+                            client.frames.push(&client.buf[..n]);
+                            loop {
+                                match client.frames.next() {
+                                    Ok(Some(f @ (Frame::Input(_) | Frame::Resize { .. }))) => {
+                                        f.encode(&mut to_worker)
+                                    }
+                                    Ok(Some(other)) => tracing::warn!(
+                                        "shell {name}: unexpected frame from the client: {other:?}"
+                                    ),
+                                    Ok(None) => break,
+                                    Err(e) => {
+                                        tracing::warn!("shell {name}: {e}; dropping the client");
+                                        w.stop(self.term, name).await;
+                                        return Left::Detached;
+                                    }
+                                }
+                            }
+                        }
+                        Turn::ToWorker(Ok(n)) => {
+                            to_worker.drain(..n);
+                        }
+                        // The worker is going: its exit is the next turn.
+                        Turn::ToWorker(Err(_)) => {
+                            to_worker.clear();
+                            w.a_wr = None;
+                        }
+                        Turn::FromWorker(Ok(0)) | Turn::FromWorker(Err(_)) => w.a_eof = true,
+                        Turn::FromWorker(Ok(n)) => {
+                            w.frames.push(&a_buf[..n]);
+                            loop {
+                                match w.frames.next() {
+                                    Ok(Some(f)) => sink.push(f),
+                                    Ok(None) => break,
+                                    Err(e) => {
+                                        tracing::warn!(
+                                            "shell {name}: its worker: {e}; stopping it"
+                                        );
+                                        let _ = w.proc.start_kill();
+                                        w.a_eof = true;
+                                        break;
+                                    }
+                                }
+                            }
+                        }
+                        Turn::Wrote(Ok(n)) => sink.taken(n),
+                        Turn::Ctl(Ok(0)) | Turn::Ctl(Err(_)) => w.ctl_eof = true,
+                        Turn::Ctl(Ok(n)) => {
+                            w.ctl.push(&c_buf[..n]);
+                            if !w.take_ctl(self.term, name) {
+                                w.ctl_eof = true;
+                            }
+                            let journal = match &*self.term {
+                                Terminal::Packed { raw, .. } => raw.len(),
+                                Terminal::Live(_) => 0,
+                            };
+                            if journal > CHECKPOINT_AT && !w.checkpointing && !w.closed {
+                                let mut ask = Vec::new();
+                                Ctl::Checkpoint.encode(&mut ask);
+                                w.checkpointing = w.ctl_wr.write_all(&ask).await.is_ok();
+                            }
+                        }
+                        Turn::Exited(s) => break s,
+                        Turn::Session(false) => {}
+                        Turn::Session(true) => {
+                            // Nobody to show the shell to for now: the
+                            // worker goes, the stream waits for the
+                            // session to resume.
+                            w.stop(self.term, name).await;
+                            let Some(watch) = watch else {
+                                unreachable!("a session change needs a session")
+                            };
+                            return Left::Dormant(Dormant {
+                                stream: client.rd.unsplit(sink.wr),
+                                watch,
+                            });
+                        }
+                    }
+                };
+                // The worker has exited: what it sent before is still in
+                // the sockets.
+                w.drain_ctl(self.term, name, Duration::from_secs(1)).await;
+                let mut rest = Vec::new();
+                let _ = tokio::time::timeout(Duration::from_secs(1), w.a_rd.read_to_end(&mut rest))
+                    .await;
+                w.frames.push(&rest);
+                while let Ok(Some(f)) = w.frames.next() {
+                    sink.push(f);
+                }
+                self.now.worker.store(0, Ordering::Relaxed);
+                if w.closed {
+                    return Left::Ended(sink);
+                }
+                let status = status.map_or_else(|e| e.to_string(), |s| s.to_string());
+                if window.elapsed() > RESTART_WINDOW {
+                    restarts = 0;
+                    window = tokio::time::Instant::now();
+                }
+                restarts += 1;
+                if restarts > MAX_RESTARTS {
+                    let why = format!(
+                        "the shell's worker process keeps failing (last: {status}); the shell goes on: re-attach to try again"
+                    );
+                    tracing::warn!("shell {name}: {why}");
+                    sink.push(Frame::Error(why));
+                    sink.flush_and_end(Duration::from_secs(1)).await;
+                    return Left::Detached;
+                }
+                tracing::warn!(
+                    "shell {name}: its worker (pid {}) ended while attached ({status}); starting another",
+                    w.pid
+                );
+                // The new worker redraws the client's screen from the
+                // journal; the client is not told anything else.
+                header.new = false;
+                header.scrollback = false;
+                header.quiet = true;
+                header.rows = 0;
+                header.cols = 0;
+            }
+        }
+    }
+}
+
+/// Reads the pty of a parked shell into its packed terminal; `false` once
+/// the pty has ended.
+fn read_parked(pty: &Pty, term: &mut Terminal) -> bool {
+    SCRATCH.with_borrow_mut(|buf| match pty.rx.try_read(buf) {
+        Ok(0) => false,
+        Ok(n) => {
+            term.process(&buf[..n]);
+            true
+        }
+        Err(e) => e.kind() == std::io::ErrorKind::WouldBlock,
+    })
+}
+
+/// Hands a shell to `reply` (a relay takeover).
+fn hand_over(shell: Shell, reply: tokio::sync::oneshot::Sender<HandedShell>) {
     let Shell {
         user,
         name,
         pid,
-        mut pty,
-        mut child,
+        pty,
+        child,
         mut term,
+        ..
     } = shell;
-    let mut client: Option<Client> = None;
-    let mut sink: Option<Sink> = None;
-    // Typed input the pty has not taken yet.
-    let mut typed: Vec<u8> = Vec::new();
-    let mut pty_open = true;
-    let mut first = first.map(Msg::Attach);
-    let status = loop {
-        attached.store(sink.is_some(), std::sync::atomic::Ordering::Relaxed);
-        let held = sink.as_ref().map_or(0, |c| c.held);
-        let typing = !typed.is_empty();
-        let turn = if let Some(msg) = first.take() {
-            Turn::Attach(Some(msg))
-        } else {
-            tokio::select! {
-            a = attach.recv() => Turn::Attach(a),
-            r = pty.rx.readable(), if pty_open => Turn::Pty(r),
-            r = write_out(sink.as_mut()), if held > 0 => Turn::Wrote(r),
-            // Input the shell has not taken yet holds further input back,
-            // never its output: a paste into a busy program cannot
-            // deadlock the shell's task.
-            r = read_client(client.as_mut()), if typed.len() < IN_LIMIT => Turn::Read(r),
-            r = pty.tx.write(&typed), if typing && pty_open => Turn::Typed(r),
-            s = wait_child(child.as_mut()), if !pty_open => Turn::Exited(s),
+    let (rows, cols) = {
+        let (r, c) = term.live().screen().size();
+        (r.get(), c.get())
+    };
+    let image = redraw(term.live());
+    let handed = pty.rx.into_nonblocking_fd().map(|fd| HandedShell {
+        user,
+        name: name.clone(),
+        pid,
+        rows,
+        cols,
+        image,
+        pty: fd,
+        child,
+    });
+    match handed {
+        Ok(h) => {
+            if let Err(h) = reply.send(h) {
+                tracing::warn!("shell {name}: handover abandoned; the shell loses its pty");
+                drop(h);
             }
+        }
+        Err(e) => tracing::warn!("shell {name}: cannot hand over its pty: {e}"),
+    }
+}
+
+/// Runs one shell until it exits or is handed over.
+async fn run_shell(
+    mut shell: Shell,
+    first: Option<Attach>,
+    mut msgs: mpsc::Receiver<Msg>,
+    now: Arc<Now>,
+) {
+    let name = shell.name.clone();
+    let mut pty_open = true;
+    // A client that waits for the shell's exit status.
+    let mut waiting: Option<Sink<WriteHalf<RoamStream>>> = None;
+    // A client whose session is suspended.
+    let mut dormant: Option<Dormant> = None;
+    let mut next = first.map(Msg::Attach);
+    let status = loop {
+        now.attached.store(waiting.is_some(), Ordering::Relaxed);
+        let msg = match next.take() {
+            Some(m) => Some(m),
+            None => tokio::select! {
+                m = msgs.recv() => m,
+                r = shell.pty.rx.readable(), if pty_open => {
+                    if r.is_err() || !read_parked(&shell.pty, &mut shell.term) {
+                        pty_open = false;
+                    }
+                    continue;
+                }
+                s = wait_child(shell.child.as_mut()), if !pty_open => break s,
+                suspended = session_change(dormant.as_mut().map(|d| &mut d.watch)) => {
+                    if let (false, Some(d)) = (suspended, dormant.take()) {
+                        // The same client is back: a new worker, the screen.
+                        next = Some(Msg::Attach(Attach {
+                            stream: d.stream,
+                            rows: 0,
+                            cols: 0,
+                            new: false,
+                            scrollback: false,
+                            session: Some(d.watch),
+                            quiet: true,
+                        }));
+                    }
+                    continue;
+                }
+            },
         };
-        match turn {
-            Turn::Attach(None) => {}
-            Turn::Attach(Some(Msg::Handover(reply))) => {
-                if let Some(mut s) = sink.take() {
-                    // The client re-attaches to the next relay; what it
-                    // has not been sent yet it gets as the screen there.
+        if matches!(msg, Some(Msg::Attach(_))) {
+            if let Some(d) = dormant.take() {
+                // Another client takes the shell over from a suspended one.
+                let mut stream = d.stream;
+                let _ = stream.shutdown().await;
+            }
+        }
+        match msg {
+            None => {}
+            Some(Msg::Handover(reply)) => {
+                if let Some(d) = dormant.take() {
+                    let (_, wr) = tokio::io::split(d.stream);
+                    waiting = Some(Sink::new(wr));
+                }
+                if let Some(mut s) = waiting.take() {
                     s.drop_unsent();
                     s.push(Frame::Reattach);
-                    s.flush_and_end(std::time::Duration::from_millis(200)).await;
+                    s.flush_and_end(Duration::from_millis(200)).await;
                 }
-                drop(client);
-                let (rows, cols) = {
-                    let t = term.live();
-                    let (r, c) = t.screen().size();
-                    (r.get(), c.get())
-                };
-                let image = redraw(term.live());
-                let handed = pty.rx.into_nonblocking_fd().map(|fd| HandedShell {
-                    user,
-                    name: name.clone(),
-                    pid,
-                    rows,
-                    cols,
-                    image,
-                    pty: fd,
-                    child,
-                });
-                match handed {
-                    Ok(h) => {
-                        if let Err(h) = reply.send(h) {
-                            tracing::warn!(
-                                "shell {name}: handover abandoned; the shell loses its pty"
-                            );
-                            drop(h);
-                        }
-                    }
-                    Err(e) => tracing::warn!("shell {name}: cannot hand over its pty: {e}"),
-                }
+                hand_over(shell, reply);
                 return;
             }
-            Turn::Attach(Some(Msg::Attach(a))) => {
-                if let Some(mut old) = sink.take() {
-                    // Taken over by a newer client process.
+            Some(Msg::Attach(a)) if !pty_open => {
+                // The shell has ended: this client gets the last screen
+                // and waits for the status with the others.
+                if let Some(mut old) = waiting.take() {
                     let _ = old.wr.shutdown().await;
                 }
-                resize(&pty.rx, term.live(), a.rows, a.cols);
-                let (rd, wr) = tokio::io::split(a.stream);
-                let mut s = Sink {
-                    wr,
-                    out: std::collections::VecDeque::new(),
-                    pos: 0,
-                    held: 0,
-                    stale: false,
-                };
-                s.push(Frame::Attached(Attached {
-                    name: name.clone(),
-                    new: a.new,
-                }));
-                if !a.new {
-                    let t = term.live();
-                    let screen = if a.scrollback {
-                        redraw(t)
-                    } else {
-                        t.screen().contents_formatted().into_bytes()
-                    };
-                    s.push(Frame::Output(screen));
+                let (_, wr) = tokio::io::split(a.stream);
+                let mut s = Sink::new(wr);
+                if !a.quiet {
+                    s.push(Frame::Attached(Attached {
+                        name: name.clone(),
+                        new: a.new,
+                    }));
                 }
-                client = Some(Client {
-                    rd,
-                    frames: Decoder::default(),
-                    buf: vec![0u8; 16 * 1024],
-                });
-                sink = Some(s);
+                s.push(Frame::Output(redraw(shell.term.live())));
+                waiting = Some(s);
             }
-            Turn::Pty(Err(_)) => pty_open = false,
-            Turn::Pty(Ok(())) => {
-                let got = SCRATCH.with_borrow_mut(|buf| match pty.rx.try_read(buf) {
-                    Ok(0) => None,
-                    Ok(n) => {
-                        term.process(&buf[..n]);
-                        Some(sink.is_some().then(|| buf[..n].to_vec()))
+            Some(Msg::Attach(a)) => {
+                now.attached.store(true, Ordering::Relaxed);
+                let left = Attending {
+                    name: &name,
+                    pty: &shell.pty,
+                    term: &mut shell.term,
+                    spec: &shell.spec,
+                    now: &now,
+                    msgs: &mut msgs,
+                }
+                .run(a)
+                .await;
+                now.worker.store(0, Ordering::Relaxed);
+                shell.term.pack();
+                match left {
+                    Left::Detached => tracing::info!("shell {name}: client detached"),
+                    Left::Handover(reply) => {
+                        hand_over(shell, reply);
+                        return;
                     }
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Some(None),
-                    // EIO: every holder of the pty's other end is gone
-                    // (the shell exited).
-                    Err(_) => None,
-                });
-                let Some(copy) = got else {
-                    pty_open = false;
-                    continue;
-                };
-                if let (Some(c), Some(bytes)) = (sink.as_mut().filter(|c| !c.stale), copy) {
-                    c.push(Frame::Output(bytes));
-                    if c.held > OUT_LIMIT {
-                        tracing::info!(
-                            "shell {name}: the client is too far behind; it gets the screen instead"
-                        );
-                        c.drop_unsent();
-                        c.stale = true;
+                    Left::Ended(sink) => {
+                        pty_open = false;
+                        waiting = Some(sink);
+                    }
+                    Left::Dormant(d) => {
+                        tracing::info!("shell {name}: its client's session is suspended");
+                        dormant = Some(d);
                     }
                 }
             }
-            Turn::Wrote(Ok(n)) => {
-                if let Some(c) = sink.as_mut() {
-                    c.taken(n);
-                    if c.held == 0 && std::mem::take(&mut c.stale) {
-                        let screen = term.live().screen().contents_formatted();
-                        c.push(Frame::Output(screen.into_bytes()));
-                    }
-                }
-            }
-            Turn::Wrote(Err(_)) | Turn::Read(Err(_)) | Turn::Read(Ok(0)) => {
-                tracing::info!("shell {name}: client detached");
-                client = None;
-                sink = None;
-                term.pack();
-            }
-            Turn::Read(Ok(n)) => {
-                let c = client.as_mut().expect("a read needs a client");
-                c.frames.push(&c.buf[..n]);
-                loop {
-                    match c.frames.next() {
-                        Ok(Some(Frame::Input(bytes))) => typed.extend_from_slice(&bytes),
-                        Ok(Some(Frame::Resize { rows, cols })) => {
-                            resize(&pty.rx, term.live(), rows, cols);
-                        }
-                        Ok(Some(other)) => {
-                            tracing::warn!(
-                                "shell {name}: unexpected frame from the client: {other:?}"
-                            );
-                        }
-                        Ok(None) => break,
-                        Err(e) => {
-                            tracing::warn!("shell {name}: {e}; dropping the client");
-                            client = None;
-                            sink = None;
-                            term.pack();
-                            break;
-                        }
-                    }
-                }
-            }
-            Turn::Typed(Ok(n)) => {
-                typed.drain(..n);
-                if typed.is_empty() {
-                    typed = Vec::new(); // a parked shell keeps no buffer
-                }
-            }
-            Turn::Typed(Err(e)) => {
-                tracing::debug!("shell {name}: writing the pty: {e}");
-                typed.clear();
-            }
-            Turn::Exited(s) => break s,
         }
     };
     let code = match &status {
@@ -796,20 +1324,23 @@ async fn run_shell(
         Ok(None) => super::wire::EXIT_UNKNOWN,
         Err(_) => -1,
     };
-    let _ = (&user, pid);
     tracing::info!("shell {name} exited ({code})");
-    if let Some(mut c) = sink {
+    if let (None, Some(d)) = (&waiting, dormant) {
+        // Delivered if its session resumes.
+        waiting = Some(Sink::new(tokio::io::split(d.stream).1));
+    }
+    if let Some(mut c) = waiting {
         c.push(Frame::Exit(code));
-        c.flush_and_end(std::time::Duration::from_secs(5)).await;
+        c.flush_and_end(Duration::from_secs(5)).await;
     }
 }
 
-fn nz(v: u16) -> std::num::NonZeroU16 {
+pub(super) fn nz(v: u16) -> std::num::NonZeroU16 {
     std::num::NonZeroU16::new(v.max(1)).expect("at least 1")
 }
 
 /// Sets the pty's and the emulator's window size.
-fn resize(master: impl AsFd, term: &mut vt100::Parser, rows: u16, cols: u16) {
+pub(super) fn resize(master: impl AsFd, term: &mut vt100::Parser, rows: u16, cols: u16) {
     let ws = rustix::termios::Winsize {
         ws_row: rows.max(1),
         ws_col: cols.max(1),
@@ -824,7 +1355,7 @@ fn resize(master: impl AsFd, term: &mut vt100::Parser, rows: u16, cols: u16) {
 
 /// What a client that attaches to a running shell is sent first: the
 /// scrollback, pushed into its terminal's own scrollback, then the screen.
-fn redraw(term: &mut vt100::Parser) -> Vec<u8> {
+pub(super) fn redraw(term: &mut vt100::Parser) -> Vec<u8> {
     let rows = term.screen().size().0.get();
     let mut out = b"\x1b[m\x1b[H\x1b[2J".to_vec();
     let history = scrollback_lines(term);
@@ -865,7 +1396,9 @@ fn scrollback_lines(term: &mut vt100::Parser) -> Vec<String> {
     lines
 }
 
-async fn write_out(client: Option<&mut Sink>) -> std::io::Result<usize> {
+pub(super) async fn write_out<W: AsyncWrite + Unpin>(
+    client: Option<&mut Sink<W>>,
+) -> std::io::Result<usize> {
     match client {
         Some(c) => match c.out.front() {
             Some(f) => c.wr.write(&f[c.pos..]).await,
@@ -875,7 +1408,9 @@ async fn write_out(client: Option<&mut Sink>) -> std::io::Result<usize> {
     }
 }
 
-async fn read_client(client: Option<&mut Client>) -> std::io::Result<usize> {
+pub(super) async fn read_client<R: AsyncRead + Unpin>(
+    client: Option<&mut Client<R>>,
+) -> std::io::Result<usize> {
     match client {
         Some(c) => c.rd.read(&mut c.buf).await,
         None => std::future::pending().await,
