@@ -297,6 +297,11 @@ pub(crate) struct ServeArgs {
     /// Serve `roam shell`: interactive shells on ptys, as the account each
     /// client names, for keys in that account's --shell-keys file. Shells
     /// keep running (with screen and scrollback) while clients are away.
+    /// An attached shell's terminal runs in a process of its own (`roam
+    /// shell-worker`, a child of the relay, listed by `roam status`); it
+    /// ends when the client goes. Killed or crashed, it is replaced at once
+    /// and loses no output (the relay keeps its journal), only keys typed
+    /// that had not reached the shell yet.
     #[arg(long, verbatim_doc_comment)]
     pub(crate) shell: bool,
     /// Where an account's authorized keys for shells are: %h is its home
