@@ -783,14 +783,10 @@ async fn start_worker(
         .spawn()
         .map_err(|e| io(&spec.program.display().to_string(), e))?;
     let pid = proc.id().unwrap_or(0);
-    let tokio_unix = |s: UnixStream| {
-        s.set_nonblocking(true)?;
-        tokio::net::UnixStream::from_std(s)
-    };
-    let (ctl_rd, mut ctl_wr) = tokio_unix(ctl_mine)
+    let (ctl_rd, mut ctl_wr) = worker::to_tokio(ctl_mine)
         .map_err(|e| io("socket", e))?
         .into_split();
-    let (a_rd, a_wr) = tokio_unix(a_mine)
+    let (a_rd, a_wr) = worker::to_tokio(a_mine)
         .map_err(|e| io("socket", e))?
         .into_split();
     term.pack();

@@ -243,6 +243,25 @@ pub(crate) fn send_pty(
     Ok(())
 }
 
+/// A std socket of the pair between relay and worker, driven by tokio.
+pub(crate) fn to_tokio(
+    s: std::os::unix::net::UnixStream,
+) -> std::io::Result<tokio::net::UnixStream> {
+    s.set_nonblocking(true)?;
+    tokio::net::UnixStream::from_std(s)
+}
+
+/// The `Image` frame of `term` as it is now (its scrollback and screen).
+fn image_of(term: &mut Terminal) -> Ctl {
+    let t = term.live();
+    let (rows, cols) = t.screen().size();
+    Ctl::Image {
+        rows: rows.get(),
+        cols: cols.get(),
+        image: redraw(t),
+    }
+}
+
 /// The worker's side of [`send_pty`].
 fn recv_pty(sock: &std::os::unix::net::UnixStream) -> Result<OwnedFd, String> {
     let mut space = vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
@@ -279,12 +298,8 @@ pub(crate) async fn run(args: ShellWorkerArgs) -> CliResult {
     let ctl = dup(std::io::stdin().as_fd(), "control socket (stdin)")?;
     let out = dup(std::io::stdout().as_fd(), "client socket (stdout)")?;
     let pty = recv_pty(&ctl).map_err(|e| CliError(format!("shell worker {label}: {e}")))?;
-    let tokio_unix = |s: std::os::unix::net::UnixStream| {
-        s.set_nonblocking(true)?;
-        tokio::net::UnixStream::from_std(s)
-    };
-    let ctl = tokio_unix(ctl).map_err(|e| CliError(format!("shell worker {label}: {e}")))?;
-    let out = tokio_unix(out).map_err(|e| CliError(format!("shell worker {label}: {e}")))?;
+    let ctl = to_tokio(ctl).map_err(|e| CliError(format!("shell worker {label}: {e}")))?;
+    let out = to_tokio(out).map_err(|e| CliError(format!("shell worker {label}: {e}")))?;
     let pty = Pty::from_master(pty).map_err(|e| CliError(format!("shell worker {label}: {e}")))?;
     let (mut ctl_rd, ctl_wr) = ctl.into_split();
     let mut dec = CtlDecoder::default();
@@ -473,15 +488,8 @@ async fn serve(
                 loop {
                     match dec.next() {
                         Ok(Some(Ctl::Checkpoint)) => {
-                            let t = term.live();
-                            let (rows, cols) = t.screen().size();
                             ctl_out.clear();
-                            Ctl::Image {
-                                rows: rows.get(),
-                                cols: cols.get(),
-                                image: redraw(t),
-                            }
-                            .encode(&mut ctl_out);
+                            image_of(&mut term).encode(&mut ctl_out);
                             if ctl_wr.write_all(&ctl_out).await.is_err() {
                                 return Ok(0);
                             }
@@ -498,16 +506,7 @@ async fn serve(
     };
     ctl_out.clear();
     match end {
-        End::Detached => {
-            let t = term.live();
-            let (rows, cols) = t.screen().size();
-            Ctl::Image {
-                rows: rows.get(),
-                cols: cols.get(),
-                image: redraw(t),
-            }
-            .encode(&mut ctl_out);
-        }
+        End::Detached => image_of(&mut term).encode(&mut ctl_out),
         End::PtyClosed => {
             sink.flush_and_end(std::time::Duration::from_secs(5)).await;
             Ctl::Closed.encode(&mut ctl_out);
