@@ -120,34 +120,58 @@ impl Frame {
     }
 }
 
-/// Splits a byte stream into frames.
+/// `kind | payload length u32 LE | payload` frames as their bytes arrive:
+/// the framing of the shell stream and of a shell worker's control socket.
 #[derive(Debug, Default)]
-pub(crate) struct Decoder {
+pub(crate) struct Framing {
     buf: Vec<u8>,
 }
 
-impl Decoder {
+impl Framing {
     /// Adds received bytes.
     pub(crate) fn push(&mut self, data: &[u8]) {
         self.buf.extend_from_slice(data);
     }
 
-    /// The next complete frame, `None` if more bytes are needed, or why the
-    /// bytes are not a frame (the stream is then unusable).
-    pub(crate) fn next(&mut self) -> Result<Option<Frame>, String> {
+    /// The next whole frame's kind and payload, `None` until it is whole;
+    /// an error (naming the frames `what`) for a payload over `max` bytes.
+    pub(crate) fn take(&mut self, max: usize, what: &str) -> Result<Option<(u8, Vec<u8>)>, String> {
         if self.buf.len() < 5 {
             return Ok(None);
         }
         let kind = self.buf[0];
         let len = u32::from_le_bytes(self.buf[1..5].try_into().expect("4 bytes")) as usize;
-        if len > MAX_FRAME {
-            return Err(format!("shell frame of {len} bytes is over the limit"));
+        if len > max {
+            return Err(format!("{what} of {len} bytes is over the limit"));
         }
         if self.buf.len() < 5 + len {
             return Ok(None);
         }
         let payload: Vec<u8> = self.buf[5..5 + len].to_vec();
         self.buf.drain(..5 + len);
+        Ok(Some((kind, payload)))
+    }
+}
+
+/// Splits a byte stream into frames.
+#[derive(Debug, Default)]
+pub(crate) struct Decoder {
+    frames: Framing,
+}
+
+impl Decoder {
+    /// Adds received bytes.
+    pub(crate) fn push(&mut self, data: &[u8]) {
+        self.frames.push(data);
+    }
+
+    /// The next complete frame, `None` if more bytes are needed, or why the
+    /// bytes are not a frame (the stream is then unusable).
+    pub(crate) fn next(&mut self) -> Result<Option<Frame>, String> {
+        let Some((kind, payload)) = self.frames.take(MAX_FRAME, "shell frame")? else {
+            return Ok(None);
+        };
+        let len = payload.len();
         let frame = match kind {
             1 => Frame::Input(payload),
             2 if len == 4 => Frame::Resize {

@@ -33,7 +33,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use super::host::{
     read_client, redraw, resize, write_out, Client, Pty, Sink, Terminal, IN_LIMIT, OUT_LIMIT,
 };
-use super::wire::{Attached, Frame};
+use super::wire::{Attached, Frame, Framing};
 use crate::cli::{CliError, CliResult, ShellWorkerArgs};
 
 /// Largest control frame (a start carries the image: 5,000 lines of
@@ -134,31 +134,22 @@ impl Ctl {
 /// Splits the control socket's bytes into [`Ctl`] frames.
 #[derive(Debug, Default)]
 pub(crate) struct CtlDecoder {
-    buf: Vec<u8>,
+    frames: Framing,
 }
 
 impl CtlDecoder {
     /// Adds received bytes.
     pub(crate) fn push(&mut self, data: &[u8]) {
-        self.buf.extend_from_slice(data);
+        self.frames.push(data);
     }
 
     /// The next complete frame, `None` if more bytes are needed, or why the
     /// bytes are not a control frame.
     pub(crate) fn next(&mut self) -> Result<Option<Ctl>, String> {
-        if self.buf.len() < 5 {
+        let Some((kind, p)) = self.frames.take(CTL_MAX, "control frame")? else {
             return Ok(None);
-        }
-        let kind = self.buf[0];
-        let len = u32::from_le_bytes(self.buf[1..5].try_into().expect("4 bytes")) as usize;
-        if len > CTL_MAX {
-            return Err(format!("control frame of {len} bytes is over the limit"));
-        }
-        if self.buf.len() < 5 + len {
-            return Ok(None);
-        }
-        let p: Vec<u8> = self.buf[5..5 + len].to_vec();
-        self.buf.drain(..5 + len);
+        };
+        let len = p.len();
         let size = |p: &[u8]| {
             (
                 u16::from_le_bytes([p[0], p[1]]),
