@@ -298,8 +298,10 @@ pub(crate) struct ServeArgs {
     /// client names, for keys in that account's --shell-keys file. Shells
     /// keep running (with screen and scrollback) while clients are away.
     /// An attached shell's terminal runs in a process of its own (`roam
-    /// shell-worker`, a child of the relay, listed by `roam status`); it
-    /// ends when the client goes. Killed or crashed, it is replaced at once
+    /// shell-worker`, a child of the relay, listed by `roam status`), as
+    /// the account (so a root relay's binary must be executable by every
+    /// account that gets a shell, e.g. in /usr/local/bin); it ends when
+    /// the client goes. Killed or crashed, it is replaced at once
     /// and loses no output (the relay keeps its journal), only keys typed
     /// that had not reached the shell yet.
     #[arg(long, verbatim_doc_comment)]

@@ -539,6 +539,20 @@ fn listed_worker(relay_state: &Path, not: Option<u64>) -> u64 {
     }
 }
 
+/// `/proc/PID/status` of worker `pid`, once it runs `roam shell-worker`
+/// (after `setpriv` has exec'd it; at most 10 s).
+fn worker_status(pid: u64) -> String {
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if String::from_utf8_lossy(&cmdline).contains("shell-worker") {
+            return std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        }
+        assert!(Instant::now() < end, "worker {pid} never ran shell-worker");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// The numbers `N` of every `wk-N` in `text` (not `wk-N-end`), in order.
 fn wk_lines(text: &str) -> Vec<u32> {
     text.match_indices("wk-")
@@ -1149,6 +1163,37 @@ fn a_root_relay_starts_the_shell_as_the_named_account_and_only_for_its_keys() {
     let listed = listed_shells(&relay_state);
     assert_eq!(listed.len(), 1, "{listed:?}");
     assert_eq!(listed[0]["user"], a.name.as_str(), "{listed:?}");
+    // The shell's worker (the terminal emulator that parses everything the
+    // shell prints) runs as the account too, with its groups and no
+    // capability: never as the root relay.
+    let worker = listed_worker(&relay_state, None);
+    let status = worker_status(worker);
+    let field = |name: &str| -> Vec<String> {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .unwrap_or_else(|| panic!("no {name} in the worker's status:\n{status}"))
+            .split_whitespace()
+            .map(str::to_string)
+            .collect()
+    };
+    let (uid, gid) = (a.uid().to_string(), a.gid.to_string());
+    assert_eq!(field("Uid:"), vec![uid.clone(); 4], "the worker's uids");
+    assert_eq!(field("Gid:"), vec![gid.clone(); 4], "the worker's gids");
+    let worker_groups: std::collections::BTreeSet<u32> = field("Groups:")
+        .iter()
+        .map(|g| g.parse().unwrap())
+        .collect();
+    assert_eq!(
+        worker_groups,
+        [a.gid, extra.gid].into(),
+        "the worker's groups"
+    );
+    assert_eq!(
+        field("CapEff:"),
+        ["0000000000000000"],
+        "the worker's capabilities"
+    );
     // The shell's exit status is the client's.
     client.send(b"exit 3\r");
     assert_eq!(
@@ -1340,4 +1385,60 @@ fn a_shell_whose_home_cannot_be_entered_starts_in_root_saying_why() {
     check(port, "No such file or directory");
     drop(c_relay);
     std::fs::rename(&away, &c.home).unwrap();
+}
+
+/// A root relay whose binary the account may not execute (a copy in a
+/// directory only root may enter) cannot run the shell's worker as the
+/// account, so it refuses the shell up front, naming the account and the
+/// binary and saying how to fix it, instead of starting a shell whose
+/// workers die at start. Skips, saying why, unless root with `useradd`.
+#[test]
+fn a_root_relay_the_account_cannot_execute_refuses_its_shell_saying_why() {
+    if let Some(why) = account_skip_reason() {
+        eprintln!("SKIP: {why}");
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let homes = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(homes.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+    let (relay_state, alice) = (dir.path().join("relay"), dir.path().join("alice"));
+    for d in [&relay_state, &alice] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    let alice_key = keygen(&alice);
+    let a = TempUser::create(homes.path());
+    a.authorize(&format!("{alice_key}\n"));
+    // The relay's binary, where only root may go.
+    let private = dir.path().join("private");
+    std::fs::create_dir(&private).unwrap();
+    std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let bin = private.join("roam");
+    std::fs::copy(BIN, &bin).unwrap();
+    let port = free_port();
+    let log = dir.path().join("relay.log");
+    let relay = Guard(
+        Command::new(&bin)
+            .env("ROAM_STATE_DIR", &relay_state)
+            .env_remove("RUST_LOG")
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--shell"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(std::fs::File::create(&log).unwrap()))
+            .spawn()
+            .unwrap(),
+    );
+    wait_for_port(port);
+    let mut c = PtyClient::start(&alice, &format!("{}@127.0.0.1:{port}", a.name), &[]);
+    let code = c.wait_exit(Duration::from_secs(30));
+    let why = format!("user {:?} cannot execute {}", a.name, bin.display());
+    c.wait_until(Duration::from_secs(5), |t| t.contains(&why).then_some(()));
+    let text = c.text();
+    assert_eq!(code, Some(1), "{text}");
+    assert!(text.contains("refused the shell"), "{text}");
+    assert!(text.contains("/usr/local/bin"), "no advice in: {text}");
+    assert!(
+        listed_shells(&relay_state).is_empty(),
+        "a shell was started"
+    );
+    drop(relay);
 }

@@ -58,6 +58,10 @@ pub(super) struct Login {
     pub(super) notice: Option<String>,
     /// The program started as the shell (for messages).
     pub(super) shell: PathBuf,
+    /// What runs the shell's worker processes as the account (the
+    /// `setpriv` prefix of [`become_user`]); empty when the relay is the
+    /// account.
+    pub(super) worker_as: Vec<OsString>,
 }
 
 impl Account {
@@ -124,7 +128,48 @@ impl Account {
             .env("LOGNAME", &self.name)
             .env("SHELL", &shell)
             .env("TERM", term);
-        Ok(Login { cmd, notice, shell })
+        let worker_as = self.become_account()?;
+        if !worker_as.is_empty() {
+            self.can_run_worker(&worker_as).await?;
+        }
+        Ok(Login {
+            cmd,
+            notice,
+            shell,
+            worker_as,
+        })
+    }
+
+    /// Checks that the account can execute this relay's binary, which its
+    /// shell's worker processes run as it (`test -x` as the account): a
+    /// relay installed where only root may run it gets a precise refusal
+    /// instead of workers that die at start.
+    async fn can_run_worker(&self, become_account: &[OsString]) -> Result<(), String> {
+        let exe = std::env::current_exe()
+            .map_err(|e| format!("this relay's own binary (for the shell's worker): {e}"))?;
+        let mut argv = become_account.to_vec();
+        argv.extend(["test".into(), "-x".into(), exe.clone().into()]);
+        let mut probe = command(&argv);
+        probe
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true);
+        let checking = || format!("checking that {:?} can run {}", self.name, exe.display());
+        let status = tokio::time::timeout(HOME_CHECK_TIMEOUT, probe.status())
+            .await
+            .map_err(|_| format!("{}: no answer in {HOME_CHECK_TIMEOUT:?}", checking()))?
+            .map_err(|e| format!("{} (with setpriv from util-linux): {e}", checking()))?;
+        match status.code() {
+            Some(0) => Ok(()),
+            Some(1) => Err(format!(
+                "user {:?} cannot execute {}, which runs its shell's terminal as that user: \
+                 install roam where every account can run it (e.g. /usr/local/bin)",
+                self.name,
+                exe.display()
+            )),
+            _ => Err(format!("{}: {status}", checking())),
+        }
     }
 
     /// The `setpriv` command line (up to its `--`) that gives a process the
@@ -132,22 +177,7 @@ impl Account {
     /// as root and the account is not root; else nothing (the shell runs
     /// as the relay does).
     fn become_account(&self) -> Result<Vec<OsString>, String> {
-        if !nix::unistd::geteuid().is_root() || self.uid == 0 {
-            return Ok(Vec::new());
-        }
-        let name = std::ffi::CString::new(self.name.as_bytes())
-            .map_err(|_| format!("user name {:?} has a NUL byte", self.name))?;
-        let groups = nix::unistd::getgrouplist(&name, nix::unistd::Gid::from_raw(self.gid))
-            .map_err(|e| format!("the groups of user {:?}: {e}", self.name))?;
-        let groups: Vec<String> = groups.iter().map(|g| g.as_raw().to_string()).collect();
-        Ok(vec![
-            "setpriv".into(),
-            format!("--reuid={}", self.uid).into(),
-            format!("--regid={}", self.gid).into(),
-            // Never empty: the list has the account's own group.
-            format!("--groups={}", groups.join(",")).into(),
-            "--".into(),
-        ])
+        become_ids(&self.name, self.uid, self.gid)
     }
 
     /// Where the shell starts: the home if the account can enter it, else
@@ -233,6 +263,38 @@ impl Account {
             None => Err(format!("{}: {} ({said})", checking(), out.status)),
         }
     }
+}
+
+/// [`Account::become_account`] for the account named `user`, looked up
+/// again (a shell handed over by another relay knows only its account's
+/// name).
+pub(super) fn become_user(user: &str) -> Result<Vec<OsString>, String> {
+    let u = nix::unistd::User::from_name(user)
+        .map_err(|e| format!("looking up user {user:?}: {e}"))?
+        .ok_or_else(|| format!("no user {user:?} on this host"))?;
+    become_ids(&u.name, u.uid.as_raw(), u.gid.as_raw())
+}
+
+/// The `setpriv` prefix that runs a command as `name` (`uid`, `gid` and
+/// the supplementary groups `/etc/group` gives it), when this process is
+/// root and the account is not; else empty.
+fn become_ids(name: &str, uid: u32, gid: u32) -> Result<Vec<OsString>, String> {
+    if !nix::unistd::geteuid().is_root() || uid == 0 {
+        return Ok(Vec::new());
+    }
+    let c_name = std::ffi::CString::new(name.as_bytes())
+        .map_err(|_| format!("user name {name:?} has a NUL byte"))?;
+    let groups = nix::unistd::getgrouplist(&c_name, nix::unistd::Gid::from_raw(gid))
+        .map_err(|e| format!("the groups of user {name:?}: {e}"))?;
+    let groups: Vec<String> = groups.iter().map(|g| g.as_raw().to_string()).collect();
+    Ok(vec![
+        "setpriv".into(),
+        format!("--reuid={uid}").into(),
+        format!("--regid={gid}").into(),
+        // Never empty: the list has the account's own group.
+        format!("--groups={}", groups.join(",")).into(),
+        "--".into(),
+    ])
 }
 
 /// A command running `argv` in `/` with only `PATH` in its environment.

@@ -23,6 +23,7 @@
 //! exits, the attached client gets its status.
 
 use std::collections::HashMap;
+use std::ffi::OsString;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -33,7 +34,7 @@ use roam::RoamStream;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, WriteHalf};
 use tokio::sync::mpsc;
 
-use super::account::{Account, Login};
+use super::account::{self, Account, Login};
 use super::wire::{Attached, Decoder, Frame, Open};
 use super::worker::{self, Ctl, CtlDecoder, StartHeader};
 
@@ -262,6 +263,7 @@ impl ShellHost {
                 Err(back) => req = back,
             }
         }
+        let worker_as = login.worker_as.clone();
         let (pty, child) = match spawn_shell(login, req.rows, req.cols) {
             Ok(x) => x,
             Err(why) => return Err((why, req.stream)),
@@ -271,7 +273,7 @@ impl ShellHost {
             account.name,
             child.id().unwrap_or(0)
         );
-        let spec = WorkerSpec::record(&account.name, &name);
+        let spec = WorkerSpec::record(&account.name, &name, Ok(worker_as));
         let shell = Shell {
             user: account.name,
             name,
@@ -350,7 +352,7 @@ impl ShellHost {
         tracing::info!("shell {} of {} (pid {}) adopted", h.name, h.user, h.pid);
         self.clone().run(
             Shell {
-                spec: WorkerSpec::record(&h.user, &h.name),
+                spec: WorkerSpec::record(&h.user, &h.name, account::become_user(&h.user)),
                 user: h.user,
                 name: h.name,
                 pid: h.pid,
@@ -426,6 +428,7 @@ fn spawn_shell(login: Login, rows: u16, cols: u16) -> Result<(Pty, tokio::proces
         mut cmd,
         notice,
         shell,
+        worker_as: _,
     } = login;
     let pty = open_pty(rows, cols).map_err(|e| format!("opening a pty: {e}"))?;
     let slave = |what| {
@@ -695,33 +698,46 @@ impl Terminal {
 
 /// The recorded start of a shell's per-session process (`roam
 /// shell-worker`): every worker the shell gets starts with the same argv,
-/// environment and working directory.
+/// environment and working directory, as the shell's account.
 #[derive(Debug, Clone)]
 pub(crate) struct WorkerSpec {
-    program: PathBuf,
-    args: Vec<String>,
+    program: OsString,
+    args: Vec<OsString>,
     env: Vec<(String, String)>,
     cwd: PathBuf,
+    /// Why no worker can start (the account is gone), if so.
+    refused: Option<String>,
 }
 
 impl WorkerSpec {
-    /// This relay's binary, run as `shell-worker` in `/`, with only `PATH`,
-    /// `LANG` and `RUST_LOG` (if set) from the relay's environment.
-    fn record(user: &str, name: &str) -> Self {
-        let program = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("roam"));
+    /// This relay's binary, run as `shell-worker` in `/` behind `run_as`
+    /// (the `setpriv` prefix that makes it the account: the terminal
+    /// emulator that parses the shell's output never runs as root for
+    /// another account), with only `PATH`, `LANG` and `RUST_LOG` (if set)
+    /// from the relay's environment.
+    fn record(user: &str, name: &str, run_as: Result<Vec<OsString>, String>) -> Self {
+        let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("roam"));
         let env = ["PATH", "LANG", "RUST_LOG"]
             .iter()
             .filter_map(|k| std::env::var(k).ok().map(|v| (k.to_string(), v)))
             .collect();
+        let (mut argv, refused) = match run_as {
+            Ok(prefix) => (prefix, None),
+            Err(why) => (Vec::new(), Some(why)),
+        };
+        argv.extend([
+            exe.into_os_string(),
+            "shell-worker".into(),
+            "--shell".into(),
+            format!("{user}/{name}").into(),
+        ]);
+        let program = argv.remove(0);
         WorkerSpec {
             program,
-            args: vec![
-                "shell-worker".into(),
-                "--shell".into(),
-                format!("{user}/{name}"),
-            ],
+            args: argv,
             env,
             cwd: PathBuf::from("/"),
+            refused,
         }
     }
 }
@@ -767,6 +783,9 @@ async fn start_worker(
     use std::os::unix::net::UnixStream;
     use std::process::Stdio;
     let io = |what: &str, e: std::io::Error| format!("starting the shell's worker: {what}: {e}");
+    if let Some(why) = &spec.refused {
+        return Err(format!("starting the shell's worker: {why}"));
+    }
     let (ctl_mine, ctl_theirs) = UnixStream::pair().map_err(|e| io("socket", e))?;
     let (a_mine, a_theirs) = UnixStream::pair().map_err(|e| io("socket", e))?;
     worker::send_pty(&ctl_mine, pty.rx.as_fd()).map_err(|e| io("passing the pty", e))?;
@@ -781,7 +800,7 @@ async fn start_worker(
         .kill_on_drop(true);
     let proc = cmd
         .spawn()
-        .map_err(|e| io(&spec.program.display().to_string(), e))?;
+        .map_err(|e| io(&spec.program.to_string_lossy(), e))?;
     let pid = proc.id().unwrap_or(0);
     let (ctl_rd, mut ctl_wr) = worker::to_tokio(ctl_mine)
         .map_err(|e| io("socket", e))?
