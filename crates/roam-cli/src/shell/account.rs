@@ -112,7 +112,7 @@ impl Account {
         let become_account = self.become_account()?;
         let (dir, notice) = self.start_dir(&become_account).await?;
         let shell = program.unwrap_or(&self.shell).to_path_buf();
-        let mut argv = become_account;
+        let mut argv = become_account.clone();
         argv.extend(["env".into(), "-C".into(), dir.into_os_string()]);
         // `--ctty`: the pty (stdin) becomes the new session's controlling
         // terminal.
@@ -128,7 +128,8 @@ impl Account {
             .env("LOGNAME", &self.name)
             .env("SHELL", &shell)
             .env("TERM", term);
-        let worker_as = self.become_account()?;
+        // The worker runs behind the same prefix.
+        let worker_as = become_account;
         if !worker_as.is_empty() {
             self.can_run_worker(&worker_as).await?;
         }
