@@ -37,8 +37,8 @@ use roam_proto::PublicKey;
 /// The `PATH` of the shell and of the commands that start it.
 const PATH: &str = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin";
 
-/// How long checking that the account can enter its home may take (a home
-/// on a network file system that hangs).
+/// How long a check made as the account (entering its home, running the
+/// relay's binary) may take (a home on a network file system that hangs).
 const HOME_CHECK_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The account a shell runs as.
@@ -58,8 +58,8 @@ pub(super) struct Login {
     pub(super) notice: Option<String>,
     /// The program started as the shell (for messages).
     pub(super) shell: PathBuf,
-    /// What runs the shell's worker processes as the account (the
-    /// `setpriv` prefix of [`become_user`]); empty when the relay is the
+    /// What runs the shell's worker processes as the account (the same
+    /// `setpriv` prefix as the shell's); empty when the relay is the
     /// account.
     pub(super) worker_as: Vec<OsString>,
 }
@@ -148,19 +148,14 @@ impl Account {
     async fn can_run_worker(&self, become_account: &[OsString]) -> Result<(), String> {
         let exe = std::env::current_exe()
             .map_err(|e| format!("this relay's own binary (for the shell's worker): {e}"))?;
-        let mut argv = become_account.to_vec();
-        argv.extend(["test".into(), "-x".into(), exe.clone().into()]);
-        let mut probe = command(&argv);
-        probe
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .kill_on_drop(true);
-        let checking = || format!("checking that {:?} can run {}", self.name, exe.display());
-        let status = tokio::time::timeout(HOME_CHECK_TIMEOUT, probe.status())
-            .await
-            .map_err(|_| format!("{}: no answer in {HOME_CHECK_TIMEOUT:?}", checking()))?
-            .map_err(|e| format!("{} (with setpriv from util-linux): {e}", checking()))?;
+        let checking = format!("checking that {:?} can run {}", self.name, exe.display());
+        let out = probe_as(
+            become_account,
+            &["test".into(), "-x".into(), exe.clone().into()],
+            &checking,
+        )
+        .await?;
+        let status = out.status;
         match status.code() {
             Some(0) => Ok(()),
             Some(1) => Err(format!(
@@ -169,7 +164,7 @@ impl Account {
                 self.name,
                 exe.display()
             )),
-            _ => Err(format!("{}: {status}", checking())),
+            _ => Err(format!("{checking}: {status}")),
         }
     }
 
@@ -224,26 +219,22 @@ impl Account {
         &self,
         become_account: &[OsString],
     ) -> Result<Option<String>, String> {
-        let mut argv = become_account.to_vec();
-        argv.extend(["env".into(), "-C".into(), self.home.clone().into()]);
-        argv.push("true".into());
-        let mut probe = command(&argv);
-        probe
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::piped())
-            .kill_on_drop(true);
-        let checking = || {
-            format!(
-                "checking that {:?} can enter {}",
-                self.name,
-                self.home.display()
-            )
-        };
-        let out = tokio::time::timeout(HOME_CHECK_TIMEOUT, probe.output())
-            .await
-            .map_err(|_| format!("{}: no answer in {HOME_CHECK_TIMEOUT:?}", checking()))?
-            .map_err(|e| format!("{} (with setpriv from util-linux): {e}", checking()))?;
+        let checking = format!(
+            "checking that {:?} can enter {}",
+            self.name,
+            self.home.display()
+        );
+        let out = probe_as(
+            become_account,
+            &[
+                "env".into(),
+                "-C".into(),
+                self.home.clone().into(),
+                "true".into(),
+            ],
+            &checking,
+        )
+        .await?;
         if out.status.success() {
             return Ok(None);
         }
@@ -261,9 +252,31 @@ impl Account {
                     .map_or(line, |(_, why)| why)
                     .to_string(),
             )),
-            None => Err(format!("{}: {} ({said})", checking(), out.status)),
+            None => Err(format!("{checking}: {} ({said})", out.status)),
         }
     }
+}
+
+/// Runs `argv` behind `become_account` (a check made as the account), its
+/// stderr kept, within [`HOME_CHECK_TIMEOUT`]; `checking` says what for in
+/// the errors.
+async fn probe_as(
+    become_account: &[OsString],
+    argv: &[OsString],
+    checking: &str,
+) -> Result<std::process::Output, String> {
+    let mut all = become_account.to_vec();
+    all.extend_from_slice(argv);
+    let mut probe = command(&all);
+    probe
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true);
+    tokio::time::timeout(HOME_CHECK_TIMEOUT, probe.output())
+        .await
+        .map_err(|_| format!("{checking}: no answer in {HOME_CHECK_TIMEOUT:?}"))?
+        .map_err(|e| format!("{checking} (with setpriv from util-linux): {e}"))
 }
 
 /// [`Account::become_account`] for the account named `user`, looked up
