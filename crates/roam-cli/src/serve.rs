@@ -1335,7 +1335,9 @@ async fn run_session(
                     relays.spawn(relay_stream(relay.clone(), stream, target, session.clone(), None, stop.clone()));
                 }
                 Err(_) => {
-                    // Over: the relays end with the session.
+                    // Over: the relays end with the session (each delivers
+                    // what the session still holds for its target; the
+                    // `stop_tx` dropped here asks them nothing).
                     relays.detach_all();
                     return;
                 }
@@ -1492,22 +1494,36 @@ fn fmt_peer(peer: Option<SocketAddr>) -> String {
     peer.map_or_else(|| "?".to_string(), |p| p.to_string())
 }
 
+/// How long a relay keeps delivering, to a target that reads slowly, the
+/// bytes its session received before it closed.
+const TARGET_DRAIN_LIMIT: Duration = Duration::from_secs(30);
+
+/// Completes when the session's task asks its relays to stop (`stop` turns
+/// `true`: a handover wave takes the session, or it is parked); never once
+/// the task is gone. The task returns when its session ends and leaves the
+/// relays to finish on their own, which drops the sender: that is no
+/// request to stop. Taken for one, it made a relay hand its target
+/// connection to nobody, closing it with every byte the session still held
+/// for the target (up to a stream window) unsent, and nothing logged.
+async fn stop_asked(stop: &mut watch::Receiver<bool>) {
+    if stop.wait_for(|s| *s).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
 /// Connects one stream to its target (if allowed and under the caps) and
 /// copies both ways until either side ends or the session does. A stream
 /// handed over from another relay (`resumed`) brings its target connection
 /// and the bytes in flight. Returns the stream's state when the relay hands
 /// over (and the stream handle, to be dropped after the session's export).
-/// How long a relay keeps delivering, to a target that reads slowly, the
-/// bytes its session received before it closed.
-const TARGET_DRAIN_LIMIT: Duration = Duration::from_secs(30);
-
+/// `stop` is the session task's stop channel ([`stop_asked`]).
 async fn relay_stream(
     relay: Arc<Relay>,
     mut stream: RoamStream,
     target: String,
     session: roam::SessionHandle,
     resumed: Option<HandedStream>,
-    mut handing: watch::Receiver<bool>,
+    mut stop: watch::Receiver<bool>,
 ) -> Option<(HandedStream, RoamStream)> {
     let peer = fmt_peer(session.stats().peer_addr);
     let targets = &relay.targets;
@@ -1577,7 +1593,7 @@ async fn relay_stream(
             let dial = tokio::select! {
                 d = tokio::time::timeout(TARGET_CONNECT_TIMEOUT, TcpStream::connect((host.as_str(), port))) => d,
                 // Handing over while dialing: the new relay dials again.
-                _ = handing.wait_for(|h| *h) => {
+                _ = stop_asked(&mut stop) => {
                     let id = stream.id().0;
                     return Some((HandedStream { id, target, tcp: None, up, down }, stream));
                 }
@@ -1606,7 +1622,7 @@ async fn relay_stream(
     let mut ended_with = None;
     let end = crate::pump::pump_until(&mut stream, &mut tcp, up, down, async {
         tokio::select! {
-            _ = handing.wait_for(|h| *h) => {}
+            _ = stop_asked(&mut stop) => {}
             reason = session.closed() => ended_with = Some(reason),
         }
     })
@@ -1670,5 +1686,255 @@ async fn relay_stream(
                 stream,
             ))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A relay allowing `target` (its protocol configuration, for the
+    /// server), and a client configuration pinned to its key.
+    fn relay_and_client(
+        target: &str,
+    ) -> (Arc<Relay>, roam_proto::ServerConfig, roam::ClientConfig) {
+        let keypair = roam_proto::Keypair::generate().unwrap();
+        let server_key = keypair.public();
+        let proto = roam_proto::ServerConfig {
+            keypair,
+            authorized_keys: None,
+            addresses: Vec::new(),
+            session: roam_proto::Config::default(),
+        };
+        let relay = Relay::new(
+            Arc::new(vec![AllowRule::parse(target).unwrap()]),
+            TargetCaps::new(16, crate::limits::DEFAULT_TARGETS_PER_SESSION),
+            None,
+            proto.clone(),
+            Arc::default(),
+        );
+        let mut client = roam::ClientConfig::new(roam_proto::ClientConfig {
+            keypair: roam_proto::Keypair::generate().unwrap(),
+            server_trust: roam_proto::ServerTrust::Pinned(server_key),
+            session: roam_proto::Config::default(),
+        });
+        client.watch_network = false;
+        (relay, proto, client)
+    }
+
+    /// A relay whose session task is gone — it returns when its session
+    /// ends and leaves the relays to finish, dropping their stop channel's
+    /// sender — still delivers to its target every byte the client sent
+    /// before it closed the session, then closes the target connection.
+    /// Before, the dropped sender read as a stop: the relay handed its
+    /// target connection to nobody (closing it) with what it held unsent.
+    /// Under `roam serve` that took the session task winning a race at the
+    /// close (a slow target lost the last ~900 KiB of 24 MiB now and then);
+    /// here the sender is gone from the start, so it is not left to chance.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_relay_whose_session_task_is_gone_delivers_every_byte_sent_before_the_close() {
+        const UPLOAD: usize = 1 << 20;
+        // The target: accepts, says so, and reads nothing until told to
+        // (after the close), then reads to end-of-file.
+        let target = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let target_addr = target.local_addr().unwrap().to_string();
+        let (accepted_tx, accepted) = oneshot::channel();
+        let (go, go_rx) = oneshot::channel::<()>();
+        let reader = tokio::spawn(async move {
+            let (mut c, _) = target.accept().await.unwrap();
+            let _ = accepted_tx.send(());
+            let _ = go_rx.await;
+            let mut got = Vec::new();
+            c.read_to_end(&mut got).await.map(|_| got)
+        });
+
+        // The relay's side: one stream, relayed with a stop channel whose
+        // sender is already gone.
+        let (relay, proto, client) = relay_and_client(&target_addr);
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let relay_addr = listener.local_addr().unwrap().to_string();
+        let (ended_tx, mut ended) = oneshot::channel();
+        let ended_tx = Mutex::new(Some(ended_tx));
+        let (shut, shut_rx) = oneshot::channel::<()>();
+        let server = tokio::spawn(roam::serve(
+            listener,
+            roam::ServerConfig::new(proto),
+            async move {
+                let _ = shut_rx.await;
+            },
+            move |session: roam::SessionHandle| {
+                let relay = relay.clone();
+                let ended_tx = ended_tx.lock().unwrap().take();
+                tokio::spawn(async move {
+                    let (stream, meta) = session.accept_stream().await.unwrap();
+                    let stop = watch::channel(false).1;
+                    let target = String::from_utf8(meta).unwrap();
+                    let r = relay_stream(relay, stream, target, session, None, stop).await;
+                    if let Some(tx) = ended_tx {
+                        let _ = tx.send(r.map(|(st, _)| st.id));
+                    }
+                });
+            },
+        ));
+
+        // The client: opens the stream, waits for the target connection
+        // (the relay is pumping), then sends, finishes and closes
+        // (acknowledged: the relay's session has every byte, and is over).
+        let limit = Duration::from_secs(30);
+        let upload: Vec<u8> = (0..UPLOAD).map(|i| (i % 251) as u8).collect();
+        let run = async {
+            let session = roam::connect(&relay_addr, client).await.unwrap();
+            let mut stream = session.open_stream(target_addr.as_bytes()).unwrap();
+            tokio::select! {
+                r = accepted => r.unwrap(),
+                r = &mut ended => panic!("the relay ended before it connected: {r:?}"),
+            }
+            let mut wrote = stream.write_all(&upload).await;
+            if wrote.is_ok() {
+                wrote = stream.shutdown().await;
+            }
+            let closed = session.close(roam_proto::code::NO_ERROR, "").await;
+            let _ = go.send(());
+            let got = reader.await.unwrap().unwrap();
+            (wrote, closed, got, (&mut ended).await.unwrap())
+        };
+        let (wrote, closed, got, handed) = tokio::time::timeout(limit, run)
+            .await
+            .expect("the relay delivered within 30 s");
+        assert_eq!(handed, None, "the relay must not hand its stream over");
+        assert_eq!(got.len(), UPLOAD, "bytes at the target");
+        assert!(got == upload, "the target got other bytes");
+        wrote.unwrap();
+        assert!(
+            matches!(closed, roam_proto::CloseReason::Local { .. }),
+            "{closed:?}"
+        );
+        let _ = shut.send(());
+        let _ = server.await;
+    }
+
+    /// The race itself, through `serve_relay`: a session of several
+    /// streams, each to a target that reads slowly, so the relay holds up
+    /// to a stream window of each when the client's close arrives. The
+    /// close wakes the session task before the streams' relays (it waits
+    /// in `accept_stream`), so on one worker it returns first, and the
+    /// relays found its stop channel's sender gone: at random, one in two
+    /// lost what it held. Every byte must reach every target.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_session_of_several_streams_closed_with_bytes_held_delivers_them_all() {
+        use sha2::{Digest, Sha256};
+        const STREAMS: usize = 4;
+        // Sessions in turn (each with a one in four chance, or so, of
+        // ending with no relay losing the race).
+        const ROUNDS: usize = 3;
+        // Beyond what the kernel takes (the relay's send buffer grows to
+        // 4 MiB), plus more than a window.
+        const UPLOAD: usize = 6 << 20;
+        // The targets: each reads 64 KiB per millisecond at most, and
+        // reports the length and digest of what it got at end-of-file.
+        let target = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let target_addr = target.local_addr().unwrap().to_string();
+        let (report, mut reports) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut c, _)) = target.accept().await else {
+                    return;
+                };
+                let report = report.clone();
+                tokio::spawn(async move {
+                    let mut h = Sha256::new();
+                    let mut n = 0usize;
+                    let mut buf = vec![0u8; 64 << 10];
+                    loop {
+                        match c.read(&mut buf).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(k) => {
+                                h.update(&buf[..k]);
+                                n += k;
+                                tokio::time::sleep(Duration::from_millis(1)).await;
+                            }
+                        }
+                    }
+                    let _ = report.send((n, h.finalize().to_vec()));
+                });
+            }
+        });
+        let (relay, proto, client) = relay_and_client(&target_addr);
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let relay_addr = listener.local_addr().unwrap().to_string();
+        let (shut, shut_rx) = oneshot::channel::<()>();
+        let server = tokio::spawn(serve_relay(
+            listener,
+            roam::ServerConfig::new(proto),
+            relay,
+            async move {
+                let _ = shut_rx.await;
+            },
+        ));
+        let upload: Arc<Vec<u8>> = Arc::new((0..UPLOAD).map(|i| (i % 251) as u8).collect());
+        let want = Sha256::digest(&upload[..]).to_vec();
+        for round in 0..ROUNDS {
+            let got = tokio::time::timeout(
+                Duration::from_secs(60),
+                held_at_close(
+                    &relay_addr,
+                    client.clone(),
+                    &target_addr,
+                    STREAMS,
+                    &upload,
+                    &mut reports,
+                ),
+            )
+            .await
+            .expect("every target got end-of-file within 60 s");
+            for (i, (n, digest)) in got.iter().enumerate() {
+                assert_eq!(*n, UPLOAD, "round {round}: bytes at target {i}");
+                assert!(*digest == want, "round {round}: target {i} got other bytes");
+            }
+        }
+        let _ = shut.send(());
+        let _ = server.await;
+    }
+
+    /// One session of [`a_session_of_several_streams_closed_with_bytes_held_delivers_them_all`]:
+    /// `streams` streams each send `upload` and finish, the session is
+    /// closed, and the targets' reports (length, digest) come back.
+    async fn held_at_close(
+        relay_addr: &str,
+        client: roam::ClientConfig,
+        target_addr: &str,
+        streams: usize,
+        upload: &Arc<Vec<u8>>,
+        reports: &mut tokio::sync::mpsc::UnboundedReceiver<(usize, Vec<u8>)>,
+    ) -> Vec<(usize, Vec<u8>)> {
+        let session = roam::connect(relay_addr, client).await.unwrap();
+        let mut writers = Vec::new();
+        for _ in 0..streams {
+            let mut stream = session.open_stream(target_addr.as_bytes()).unwrap();
+            let upload = upload.clone();
+            writers.push(tokio::spawn(async move {
+                stream.write_all(&upload).await?;
+                stream.shutdown().await?;
+                // Kept until the close: a stream dropped unread
+                // would be reset once its bytes are acknowledged.
+                Ok::<_, std::io::Error>(stream)
+            }));
+        }
+        let mut held = Vec::new();
+        for w in writers {
+            held.push(w.await.unwrap().unwrap());
+        }
+        let closed = session.close(roam_proto::code::NO_ERROR, "").await;
+        assert!(
+            matches!(closed, roam_proto::CloseReason::Local { .. }),
+            "{closed:?}"
+        );
+        let mut got = Vec::new();
+        for _ in 0..streams {
+            got.push(reports.recv().await.unwrap());
+        }
+        drop(held);
+        got
     }
 }
