@@ -126,6 +126,10 @@ On SIGHUP (ssh sends it on exit), SIGINT or SIGTERM roam finishes the stream,
 closes the session (waiting at most 3 s for the relay) and exits 128+signal.
 While the relay is unreachable the session stays suspended and roam says so
 on stderr; it resumes by itself when the relay can be reached again.
+The two directions end on their own: after the target has finished sending,
+roam goes on sending stdin until its end. If the target then stops reading
+(it resets the connection) roam says so on stderr and exits 0, as socat and
+nc do; if the session or connection is lost instead, that is an error.
 
 Named sessions outlive the process: with --name N, SIGHUP, SIGINT, SIGTERM
 or `roam detach N` detach the session instead of closing it. The relay keeps

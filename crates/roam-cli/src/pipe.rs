@@ -104,6 +104,13 @@ pub(crate) async fn run(args: PipeArgs, config: &FileConfig) -> CliResult {
 /// remote finishing its side (half-close) does not stop the upload, and stdin
 /// reaching its end only finishes ours. Done when both are done, or when the
 /// remote side fails (reset).
+///
+/// An upload that fails after the remote finished is an error like any
+/// other (a lost session, a dead connection: the input was not delivered),
+/// except a reset of the stream or connection: the remote chose to stop
+/// reading once it was done, as a TCP peer closing with input unread does,
+/// and `socat` or `nc` end with success there too. That one is said on
+/// standard error, so no input goes missing without a word.
 async fn shuttle<R, W>(rd: R, mut wr: W) -> std::io::Result<()>
 where
     R: AsyncRead + Unpin,
@@ -130,12 +137,18 @@ where
             // fd 1 now points at /dev/null, so the pipe's reader sees EOF.
             release_stdout();
             // The remote finished sending; keep uploading until stdin ends or
-            // the remote refuses more (a reset surfaces as a write error,
-            // which after the remote's end is no failure of ours).
-            if let Err(e) = up.await {
-                tracing::debug!("upload after the remote finished: {e}");
+            // the remote refuses more.
+            match up.await {
+                Ok(_) => Ok(()),
+                Err(e) if refused_by_remote(&e) => {
+                    tracing::warn!(
+                        "the remote end stopped reading after it finished sending ({e}): \
+                         the rest of standard input was not delivered"
+                    );
+                    Ok(())
+                }
+                Err(e) => Err(e),
             }
-            Ok(())
         }
         r = &mut up => {
             if let Err(e) = r {
@@ -144,6 +157,21 @@ where
             down.await
         }
     }
+}
+
+/// Whether `e`, from writing to the remote, says the remote refused more
+/// input (a roam stream reset, or a TCP connection reset or closed), rather
+/// than that the path to it failed.
+fn refused_by_remote(e: &std::io::Error) -> bool {
+    let reset = e
+        .get_ref()
+        .and_then(|i| i.downcast_ref::<roam_proto::StreamError>())
+        .is_some_and(|se| matches!(se, roam_proto::StreamError::Reset(_)));
+    reset
+        || matches!(
+            e.kind(),
+            std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
+        )
 }
 
 /// Replaces standard output by `/dev/null`, closing our end of the pipe or

@@ -595,6 +595,77 @@ fn a_relay_restarted_without_the_session_is_reported_with_exit_code_3() {
     );
 }
 
+/// A target that sends a banner, finishes its side at once, then keeps
+/// reading (slowly): `roam pipe`'s download is over while its upload goes
+/// on. Lose the session under that upload (the relay restarted without
+/// it): the input was not delivered, so the pipe must say so and exit 3,
+/// not 0 (it used to count any upload failure after the download's end as
+/// the remote's choice).
+#[test]
+fn an_upload_lost_after_the_download_ended_is_no_success() {
+    let state = tempfile::tempdir().unwrap();
+    let relay_state = tempfile::tempdir().unwrap();
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let target_port = l.local_addr().unwrap().port();
+    let received = Arc::new(AtomicU64::new(0));
+    let count = received.clone();
+    std::thread::spawn(move || {
+        let Ok((mut c, _)) = l.accept() else { return };
+        let _ = c.write_all(b"banner\n");
+        let _ = c.shutdown(std::net::Shutdown::Write);
+        let mut buf = [0u8; 16 << 10];
+        while let Ok(n @ 1..) = c.read(&mut buf) {
+            count.fetch_add(n as u64, Ordering::SeqCst);
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    });
+    let port = free_port();
+    let allow = format!("127.0.0.1:{target_port}");
+    let relay = Relay::start(relay_state.path(), port, &allow);
+    let mut child = roam(state.path())
+        .args([
+            "pipe",
+            &format!("127.0.0.1:{port}"),
+            &target_port.to_string(),
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = lines_of(&mut child);
+    let mut stdin = child.stdin.take().unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let mut pipe = Guard(child);
+    // Endless input (bounded: 2 GiB or 120 s), until the pipe stops taking it.
+    std::thread::spawn(move || {
+        let chunk = vec![0x5au8; 64 << 10];
+        let end = Instant::now() + Duration::from_secs(120);
+        for _ in 0..(2u64 << 30) / (64 << 10) {
+            if Instant::now() > end || stdin.write_all(&chunk).is_err() {
+                return;
+            }
+        }
+    });
+    let mut out = Vec::new();
+    stdout.read_to_end(&mut out).unwrap();
+    assert_eq!(out, b"banner\n", "the whole download, then its end");
+    assert!(
+        wait_until(Duration::from_secs(20), || received.load(Ordering::SeqCst)
+            > 1 << 20),
+        "the upload goes on after the download ended"
+    );
+    // kill -9: the relay forgets the session; a new one answers at its port.
+    drop(relay);
+    wait_line(&lines, "session suspended", Duration::from_secs(10))
+        .unwrap_or_else(|seen| panic!("the pipe did not say it lost the relay:\n{seen}"));
+    let _relay = Relay::start(relay_state.path(), port, &allow);
+    let msg = wait_line(&lines, "no longer knows", Duration::from_secs(40))
+        .unwrap_or_else(|seen| panic!("no lost-session message:\n{seen}"));
+    assert!(msg.contains("restarted"), "{msg}");
+    assert_eq!(pipe.wait_exit(Duration::from_secs(10)), Some(3));
+}
+
 #[test]
 fn forward_opens_a_new_session_after_the_relay_lost_its_own() {
     let state = tempfile::tempdir().unwrap();
