@@ -504,7 +504,7 @@ pub(crate) fn run(cli: Cli) -> i32 {
     let config = match FileConfig::load(cli.config.as_deref()) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("roam: {e}");
+            eprintln_whole!("roam: {e}");
             return 2;
         }
     };
@@ -523,7 +523,7 @@ pub(crate) fn run(cli: Cli) -> i32 {
     let rt = match builder.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("roam: cannot start the async runtime: {e}");
+            eprintln_whole!("roam: cannot start the async runtime: {e}");
             return 1;
         }
     };
@@ -546,7 +546,7 @@ pub(crate) fn run(cli: Cli) -> i32 {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("roam: {}", e.0);
+            eprintln_whole!("roam: {}", e.0);
             1
         }
     }

@@ -5,6 +5,18 @@
 
 #![forbid(unsafe_code)]
 
+/// `eprintln!` in one write(2). `eprintln!` writes a line in pieces (one
+/// write per literal and argument), and a relay shares its stderr with the
+/// successor SIGUSR2 starts, so the two processes' lines interleaved
+/// mid-line ("took over roam serve: handed 1 sessions ..."). A line written
+/// whole (shorter than `PIPE_BUF`) reaches a pipe or the journal in one
+/// piece. A failed write is ignored where `eprintln!` would panic.
+macro_rules! eprintln_whole {
+    ($($arg:tt)*) => {
+        $crate::write_stderr_line(::std::format_args!($($arg)*))
+    };
+}
+
 mod cli;
 mod cluster;
 mod config;
@@ -29,6 +41,14 @@ mod takeover;
 mod target;
 
 pub mod parsers;
+
+/// Writes `args` and a newline to stderr in one write (`eprintln_whole!`).
+pub(crate) fn write_stderr_line(args: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let mut line = args.to_string();
+    line.push('\n');
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
+}
 
 /// Runs the `roam` command with the process's arguments; returns its exit code.
 pub fn main() -> i32 {

@@ -61,6 +61,12 @@ pub(crate) fn describe_reset(code: u64, target: &str) -> String {
 
 /// `roam serve`.
 pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
+    // SIGUSR2 asks for a takeover, and its default action ends the process:
+    // its handler is installed first, before the relay says it listens (or
+    // READY=1). A SIGUSR2 that arrives while the relay starts (or takes
+    // over) waits for the takeover socket instead of killing the relay and
+    // its sessions.
+    let usr2 = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined2()).ok();
     let listen = args
         .listen
         .or_else(|| config.serve.listen.clone())
@@ -220,7 +226,7 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
         server.max_sessions_per_ip,
         server.max_sessions_per_key,
     );
-    eprintln!(
+    eprintln_whole!(
         "roam serve: listening on {local}; server key {public}; allowed targets: {}; clients: {}",
         allow_text.join(", "),
         authorized
@@ -256,7 +262,7 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
             metrics_fd = l.as_fd().try_clone_to_owned().ok();
         }
         let at = l.local_addr().map_or(addr, |a| a.to_string());
-        eprintln!("roam serve: metrics at http://{at}/metrics");
+        eprintln_whole!("roam serve: metrics at http://{at}/metrics");
         tokio::spawn(crate::metrics::serve(
             l,
             crate::metrics::Sources {
@@ -366,7 +372,7 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
         drop(rest);
         match shells {
             Ok(shells) => {
-                eprintln!(
+                eprintln_whole!(
                     "roam serve: took over {adopted} sessions, {} shells and the listener {listen} from the running relay",
                     shells.len(),
                 );
@@ -387,7 +393,7 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
                 // old relay serves the rest: both serve until this one is
                 // told otherwise.
                 tracing::error!("takeover failed part-way ({e}) after {adopted} sessions moved here; serving them while the old relay keeps the rest");
-                eprintln!("roam serve: takeover failed part-way ({e}); serving the {adopted} sessions that moved here, the old relay keeps the rest");
+                eprintln_whole!("roam serve: takeover failed part-way ({e}); serving the {adopted} sessions that moved here, the old relay keeps the rest");
                 taken = adopted;
             }
         }
@@ -401,6 +407,7 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
     if let Some(l) = takeover_listener {
         tokio::spawn(offer_takeover(
             l,
+            usr2,
             relay,
             gate,
             stats,
@@ -409,6 +416,13 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
             metrics_fd,
             handed_over,
         ));
+    } else if let Some(mut usr2) = usr2 {
+        // Handled all the same: its default action would end the relay.
+        tokio::spawn(async move {
+            while usr2.recv().await.is_some() {
+                tracing::warn!("SIGUSR2 ignored: this relay has no takeover socket");
+            }
+        });
     }
     serving
         .await
@@ -507,6 +521,7 @@ fn bind_takeover_socket(path: &std::path::Path, replace: bool) -> Option<tokio::
 #[allow(clippy::too_many_arguments)]
 async fn offer_takeover(
     listener: tokio::net::UnixListener,
+    mut usr2: Option<tokio::signal::unix::Signal>,
     relay: Arc<Relay>,
     gate: watch::Sender<bool>,
     stats: roam::ServerStats,
@@ -515,8 +530,6 @@ async fn offer_takeover(
     metrics_fd: Option<OwnedFd>,
     handed_over: Arc<tokio::sync::Notify>,
 ) {
-    let mut usr2 =
-        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined2()).ok();
     loop {
         let conn = tokio::select! {
             c = listener.accept() => c,
@@ -550,7 +563,7 @@ async fn offer_takeover(
             Ok((sock, Ok(Ok(hello)))) => (sock, hello),
             Ok((_, Ok(Err(refusal)))) => {
                 tracing::warn!("takeover refused: {refusal}");
-                eprintln!("roam serve: takeover refused: {refusal}");
+                eprintln_whole!("roam serve: takeover refused: {refusal}");
                 continue;
             }
             Ok((_, Err(e))) => {
@@ -563,7 +576,7 @@ async fn offer_takeover(
             }
         };
         let started = Instant::now();
-        eprintln!(
+        eprintln_whole!(
             "roam serve: handing over to a new relay (roam {})",
             hello.version
         );
@@ -591,10 +604,10 @@ async fn offer_takeover(
         let fail = |e: String, moved: usize, shells: Vec<crate::shell::host::HandedShell>| {
             if moved == 0 {
                 tracing::error!("takeover failed part-way ({e}); the sessions stay here");
-                eprintln!("roam serve: takeover failed part-way ({e}); serving on");
+                eprintln_whole!("roam serve: takeover failed part-way ({e}); serving on");
             } else {
                 tracing::error!("takeover failed part-way ({e}) after {moved} sessions moved to the new relay; serving the rest here");
-                eprintln!("roam serve: takeover failed part-way ({e}) after {moved} sessions moved to the new relay; serving the rest");
+                eprintln_whole!("roam serve: takeover failed part-way ({e}) after {moved} sessions moved to the new relay; serving the rest");
             }
             crate::sdnotify::notify(&format!(
                 "MAINPID={}\nREADY=1\nSTATUS=takeover failed; serving on",
@@ -682,7 +695,7 @@ async fn offer_takeover(
         sending += t.elapsed();
         match sent {
             Ok((shells, Ok(()))) => {
-                eprintln!(
+                eprintln_whole!(
                     "roam serve: handed {moved} sessions and {} shells to the new relay in {} ms ({} ms taking them out, {} ms sending, {waves} waves); exiting",
                     shells.len(),
                     started.elapsed().as_millis(),
@@ -731,7 +744,7 @@ fn start_successor() {
         args.push("--takeover".into());
     }
     match std::process::Command::new(&exe).args(&args).spawn() {
-        Ok(child) => eprintln!(
+        Ok(child) => eprintln_whole!(
             "roam serve: SIGUSR2: started {} --takeover (pid {})",
             exe.display(),
             child.id()
@@ -1133,7 +1146,7 @@ async fn report_stops(relay: Arc<Relay>, sessions: usize) {
         return;
     }
     let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize] as f64 / 1000.0;
-    eprintln!(
+    eprintln_whole!(
         "roam serve: {} of {sessions} handed-over sessions running here; each was stopped for p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms (from the old relay stopping it to this one running it)",
         v.len(),
         at(0.5),

@@ -117,9 +117,19 @@ struct TargetReport {
 /// A target that checks the upward pattern and sends the downward one until
 /// the client finishes; reports each connection.
 async fn run_target(l: tokio::net::TcpListener, reports: Arc<Mutex<Vec<TargetReport>>>) {
+    run_target_counting(l, reports, Arc::default()).await
+}
+
+/// [`run_target`], adding each checked upward byte to `up` as it arrives
+/// (all connections together): a test can wait until data flows.
+async fn run_target_counting(
+    l: tokio::net::TcpListener,
+    reports: Arc<Mutex<Vec<TargetReport>>>,
+    up: Arc<AtomicU64>,
+) {
     loop {
         let Ok((c, _)) = l.accept().await else { return };
-        let reports = reports.clone();
+        let (reports, up) = (reports.clone(), up.clone());
         tokio::spawn(async move {
             let (mut r, mut w) = c.into_split();
             let stop = Arc::new(AtomicBool::new(false));
@@ -155,6 +165,7 @@ async fn run_target(l: tokio::net::TcpListener, reports: Arc<Mutex<Vec<TargetRep
                             break;
                         }
                         got += n as u64;
+                        up.fetch_add(n as u64, Ordering::SeqCst);
                     }
                     Err(e) => {
                         error = Some(format!("target read after {got} bytes: {e}"));
@@ -243,6 +254,19 @@ async fn run_client(
         down_received: got,
         transports,
     })
+}
+
+/// Waits (at most `limit`) until `counter` is above `floor`; whether it got
+/// there.
+fn wait_above(counter: &AtomicU64, floor: u64, limit: Duration) -> bool {
+    let end = Instant::now() + limit;
+    while counter.load(Ordering::SeqCst) <= floor {
+        if Instant::now() >= end {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    true
 }
 
 /// The relay's public key from its start-up line.
@@ -584,12 +608,13 @@ fn sigusr2_starts_a_successor_that_takes_over() {
     let dir = tempfile::tempdir().unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let reports = Arc::new(Mutex::new(Vec::new()));
+    let up = Arc::new(AtomicU64::new(0));
     let target = {
         let l = rt
             .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
             .unwrap();
         let port = l.local_addr().unwrap().port();
-        rt.spawn(run_target(l, reports.clone()));
+        rt.spawn(run_target_counting(l, reports.clone(), up.clone()));
         port
     };
     let port = free_port();
@@ -606,7 +631,12 @@ fn sigusr2_starts_a_successor_that_takes_over() {
         target,
         stop.clone(),
     ));
-    std::thread::sleep(Duration::from_millis(300));
+    // The session is the relay's, its stream connected to the target, once
+    // upward bytes arrive there.
+    assert!(
+        wait_above(&up, 0, Duration::from_secs(20)),
+        "the session's bytes never reached the target"
+    );
     let pid = relay.child.0.id();
     assert!(Command::new("kill")
         .args(["-USR2", &pid.to_string()])
@@ -623,12 +653,16 @@ fn sigusr2_starts_a_successor_that_takes_over() {
         .and_then(|s| s.trim_end_matches(')').parse().ok())
         .expect("successor pid");
     let _successor = PidGuard(successor);
-    assert!(relay
-        .wait_for("took over 1 sessions", Duration::from_secs(20))
-        .is_ok());
+    let took = relay.wait_for("took over 1 sessions", Duration::from_secs(20));
+    assert!(took.is_ok(), "successor took over: {took:?}");
     let status = relay.wait_exit(Duration::from_secs(20));
     assert!(status.is_some_and(|s| s.success()), "old relay: {status:?}");
-    std::thread::sleep(Duration::from_millis(300));
+    // The session goes on through the successor alone.
+    let at_exit = up.load(Ordering::SeqCst);
+    assert!(
+        wait_above(&up, at_exit, Duration::from_secs(20)),
+        "no byte moved after the old relay exited"
+    );
     stop.store(true, Ordering::SeqCst);
     let r = rt
         .block_on(async { tokio::time::timeout(Duration::from_secs(30), client).await })
@@ -646,6 +680,35 @@ fn sigusr2_starts_a_successor_that_takes_over() {
     assert_eq!(reports[0].down_sent, r.down_received);
     assert!(r.up_sent > 0 && r.down_received > 0);
     rt.shutdown_timeout(Duration::from_secs(1));
+}
+
+/// SIGUSR2 sent the moment the relay says it listens (a reload right after
+/// start-up) starts a successor too: the handler is in place before the
+/// relay announces itself, where SIGUSR2's default action used to end it.
+#[test]
+fn sigusr2_right_after_start_up_is_not_lost() {
+    let dir = tempfile::tempdir().unwrap();
+    let (port, target) = (free_port(), free_port());
+    let mut relay = Serve::start(dir.path(), port, target, &[]);
+    relay
+        .wait_for("listening on", Duration::from_secs(20))
+        .expect("relay starts");
+    relay.child.signal("USR2");
+    let started = relay.wait_for("--takeover (pid ", Duration::from_secs(20));
+    let successor: u32 = started
+        .as_ref()
+        .ok()
+        .and_then(|l| l.rsplit("(pid ").next())
+        .and_then(|s| s.trim_end_matches(')').parse().ok())
+        .unwrap_or_else(|| {
+            let status = relay.wait_exit(Duration::from_secs(1));
+            panic!("no successor: {started:?}, relay {status:?}")
+        });
+    let _successor = PidGuard(successor);
+    let took = relay.wait_for("took over 0 sessions", Duration::from_secs(20));
+    assert!(took.is_ok(), "successor took over: {took:?}");
+    let status = relay.wait_exit(Duration::from_secs(20));
+    assert!(status.is_some_and(|s| s.success()), "old relay: {status:?}");
 }
 
 /// Under systemd (`Type=notify`, `NotifyAccess=all`): the relay says
