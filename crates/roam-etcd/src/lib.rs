@@ -23,6 +23,13 @@
 //! A connection per request costs one loopback/LAN handshake, which is small
 //! next to an etcd write (a raft round and an fsync).
 //!
+//! The response is read sans-IO: `http::ResponseReader` holds no socket
+//! (bytes are pushed in as they arrive; it answers "need more", the response
+//! or an error, the same however the bytes were split), and the JSON answers
+//! are decoded by plain functions of the body. The `etcd_client` fuzz target
+//! drives both, and base64, through the module `fuzzing`, which exists only
+//! under `cfg(fuzzing)` (set by cargo-fuzz, never by a normal build).
+//!
 //! # Errors
 //!
 //! Nothing here panics on bad input: an endpoint that does not answer is
@@ -41,6 +48,9 @@ use std::time::Duration;
 use serde_json::{json, Map, Value};
 
 mod b64;
+#[cfg(fuzzing)]
+#[doc(hidden)]
+pub mod fuzzing;
 mod http;
 pub mod testing;
 
@@ -451,6 +461,76 @@ fn decode_op_response(v: &Value, what: &str) -> Result<OpResponse, Error> {
     ))
 }
 
+// ---- the answers to each call, from the object `decode_answer` returns ----
+
+/// A range's key-values (`get`, `get_prefix`).
+fn decode_range(m: &Map<String, Value>) -> Result<Vec<KeyValue>, Error> {
+    decode_kvs(m, "range")
+}
+
+/// A put's revision.
+fn decode_put(m: &Map<String, Value>) -> Result<i64, Error> {
+    header_revision(m, "put")
+}
+
+/// How many keys a delete removed.
+fn decode_delete(m: &Map<String, Value>) -> Result<u64, Error> {
+    non_negative(get_i64(m, "deleted", "deleterange")?, "deleterange.deleted")
+}
+
+/// A transaction's outcome and its branch's answers.
+fn decode_txn(m: &Map<String, Value>) -> Result<TxnResponse, Error> {
+    let responses = match m.get("responses") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .enumerate()
+            .map(|(i, r)| decode_op_response(r, &format!("txn.responses[{i}]")))
+            .collect::<Result<_, _>>()?,
+        Some(v) => {
+            return Err(dec_err(
+                "txn.responses",
+                format!("expected an array, got {}", short(v)),
+            ))
+        }
+    };
+    Ok(TxnResponse {
+        succeeded: get_bool(m, "succeeded", "txn")?,
+        revision: header_revision(m, "txn")?,
+        responses,
+    })
+}
+
+/// A granted lease; an answer without an ID is an error.
+fn decode_grant(m: &Map<String, Value>) -> Result<Lease, Error> {
+    let id = get_i64(m, "ID", "lease grant")?;
+    let granted = get_i64(m, "TTL", "lease grant")?;
+    if id == 0 {
+        return Err(dec_err("lease grant", "no lease ID in the answer"));
+    }
+    Ok(Lease {
+        id,
+        ttl: Duration::from_secs(
+            u64::try_from(granted)
+                .map_err(|_| dec_err("lease grant.TTL", format!("negative TTL {granted}")))?,
+        ),
+    })
+}
+
+/// A keep-alive's remaining TTL, `None` if the lease is gone.
+fn decode_keep_alive(m: &Map<String, Value>) -> Result<Option<Duration>, Error> {
+    // A streamed answer: each message is wrapped in {"result": ...}.
+    let r = match m.get("result") {
+        Some(r) => obj(r, "keepalive.result")?,
+        None => m,
+    };
+    let ttl = get_i64(r, "TTL", "keepalive")?;
+    Ok(u64::try_from(ttl)
+        .ok()
+        .filter(|&t| t > 0)
+        .map(Duration::from_secs))
+}
+
 /// An `error` in an answer (a unary error body, a streamed error, or a
 /// response's own `error` string).
 fn server_error(m: &Map<String, Value>, status: u16) -> Option<Error> {
@@ -594,7 +674,7 @@ impl Client {
         let m = self
             .call("get", "/v3/kv/range", json!({ "key": b64::encode(key) }))
             .await?;
-        Ok(decode_kvs(&m, "range")?.into_iter().next())
+        Ok(decode_range(&m)?.into_iter().next())
     }
 
     /// Reads every key starting with `prefix`, in key order (all keys if
@@ -608,7 +688,7 @@ impl Client {
                 json!({ "key": b64::encode(key), "range_end": b64::encode(&prefix_end(prefix)) }),
             )
             .await?;
-        decode_kvs(&m, "range")
+        decode_range(&m)
     }
 
     /// Writes `key = value`, attached to `lease` (0 = none); returns the
@@ -618,7 +698,7 @@ impl Client {
         let m = self
             .call("put", "/v3/kv/put", put_body(key, value, lease))
             .await?;
-        header_revision(&m, "put")
+        decode_put(&m)
     }
 
     /// Deletes one key; returns how many keys went (0 or 1).
@@ -630,10 +710,7 @@ impl Client {
                 json!({ "key": b64::encode(key) }),
             )
             .await?;
-        non_negative(
-            get_i64(&m, "deleted", "deleterange")?,
-            "deleterange.deleted",
-        )
+        decode_delete(&m)
     }
 
     /// Runs a transaction.
@@ -644,25 +721,7 @@ impl Client {
             "failure": txn.failure.iter().map(Op::json).collect::<Vec<_>>(),
         });
         let m = self.call("txn", "/v3/kv/txn", body).await?;
-        let responses = match m.get("responses") {
-            None | Some(Value::Null) => Vec::new(),
-            Some(Value::Array(a)) => a
-                .iter()
-                .enumerate()
-                .map(|(i, r)| decode_op_response(r, &format!("txn.responses[{i}]")))
-                .collect::<Result<_, _>>()?,
-            Some(v) => {
-                return Err(dec_err(
-                    "txn.responses",
-                    format!("expected an array, got {}", short(v)),
-                ))
-            }
-        };
-        Ok(TxnResponse {
-            succeeded: get_bool(&m, "succeeded", "txn")?,
-            revision: header_revision(&m, "txn")?,
-            responses,
-        })
+        decode_txn(&m)
     }
 
     /// Grants a lease of `ttl`, in whole seconds rounded up, at least 1.
@@ -679,18 +738,7 @@ impl Client {
                 json!({ "TTL": secs.to_string() }),
             )
             .await?;
-        let id = get_i64(&m, "ID", "lease grant")?;
-        let granted = get_i64(&m, "TTL", "lease grant")?;
-        if id == 0 {
-            return Err(dec_err("lease grant", "no lease ID in the answer"));
-        }
-        Ok(Lease {
-            id,
-            ttl: Duration::from_secs(
-                u64::try_from(granted)
-                    .map_err(|_| dec_err("lease grant.TTL", format!("negative TTL {granted}")))?,
-            ),
-        })
+        decode_grant(&m)
     }
 
     /// One keep-alive: Some(remaining ttl) or None if the lease no longer exists (expired/revoked: etcd answers TTL 0 or omits it).
@@ -704,16 +752,7 @@ impl Client {
                 json!({ "ID": id.to_string() }),
             )
             .await?;
-        // A streamed answer: each message is wrapped in {"result": ...}.
-        let r = match m.get("result") {
-            Some(r) => obj(r, "keepalive.result")?,
-            None => &m,
-        };
-        let ttl = get_i64(r, "TTL", "keepalive")?;
-        Ok(u64::try_from(ttl)
-            .ok()
-            .filter(|&t| t > 0)
-            .map(Duration::from_secs))
+        decode_keep_alive(&m)
     }
 
     /// Revokes a lease, deleting every key attached to it at once. Revoking a
