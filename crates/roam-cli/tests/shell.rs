@@ -618,14 +618,27 @@ fn a_shell_worker_killed_mid_output_loses_no_line() {
         "{}",
         client.text()
     );
+    // The relay reaps the worker before `roam status` says the shell is
+    // parked; a worker that has exited is a zombie until then, and not in
+    // `workers_of`: wait for what the relay says, then look for workers.
     let end = Instant::now() + Duration::from_secs(10);
-    while !workers_of(relay_pid).is_empty() {
-        assert!(Instant::now() < end, "a worker outlived its client");
+    loop {
+        let shells = listed_shells(&sh.relay_state);
+        if shells[0]["attached"] == false && shells[0]["worker"].is_null() {
+            break;
+        }
+        assert!(
+            Instant::now() < end,
+            "the shell is not parked: {shells:?}\n{}",
+            log()
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
-    let shells = listed_shells(&sh.relay_state);
-    assert_eq!(shells[0]["attached"], false, "{shells:?}");
-    assert!(shells[0]["worker"].is_null(), "{shells:?}");
+    assert_eq!(
+        workers_of(relay_pid),
+        Vec::<u32>::new(),
+        "a worker outlived its client"
+    );
 
     // A new client: the scrollback and screen hold every line once.
     let mut again = PtyClient::start(&sh.client, &sh.target, &["--name", "wk"]);
@@ -637,16 +650,24 @@ fn a_shell_worker_killed_mid_output_loses_no_line() {
     // its shell's worker goes until the session resumes.
     listed_worker(&sh.relay_state, None);
     drop(again);
+    // The relay logs the suspension once it has reaped the worker (which
+    // is a zombie, not in `workers_of`, a moment before): wait for the log.
     let end = Instant::now() + Duration::from_secs(20);
-    while !workers_of(relay_pid).is_empty() {
+    while !log().contains("session is suspended") {
         assert!(
             Instant::now() < end,
-            "a worker outlived its client's connection\n{}",
+            "the client's session was never suspended (workers {:?})\n{}",
+            workers_of(relay_pid),
             log()
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    assert!(log().contains("session is suspended"), "{}", log());
+    assert_eq!(
+        workers_of(relay_pid),
+        Vec::<u32>::new(),
+        "a worker outlived its client's connection\n{}",
+        log()
+    );
     // Another client takes the shell over and it goes on.
     let mut third = PtyClient::start(&sh.client, &sh.target, &["--name", "wk"]);
     third.wait_for("wk-401-end");
