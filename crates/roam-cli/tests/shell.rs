@@ -6,7 +6,8 @@
 //! while its client is away (it must not block); a relay upgrade
 //! (`--takeover`) with the client attached: the same shell goes on and the
 //! client re-attaches by itself; a key that is not authorized (skips,
-//! saying why, without tmux). A thousand parked shells and what they cost
+//! saying why, without tmux). The network cut (a fault proxy) while the
+//! shell prints: once it is back the same client is shown what was printed. A thousand parked shells and what they cost
 //! the relay (clients on ptys of the test's own). A relay running as root
 //! starting the shell as the account named, with its supplementary groups,
 //! for that account's keys only, and only while the keys file and every
@@ -30,7 +31,10 @@ struct Tmux {
 
 impl Tmux {
     fn start() -> Option<Self> {
-        let socket = format!("roam-shell-test-{}", std::process::id());
+        // Tests run on threads of one process: each its own server.
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let socket = format!("roam-shell-test-{}-{n}", std::process::id());
         let ok = Command::new("tmux")
             .args(["-L", &socket, "-f", "/dev/null", "start-server"])
             .status()
@@ -673,6 +677,102 @@ fn a_shell_worker_killed_mid_output_loses_no_line() {
     third.wait_for("wk-401-end");
     third.send(b"echo fin-$((2*21))\r");
     third.wait_for("fin-42");
+}
+
+/// The network drops while a client is attached, through a fault proxy:
+/// every connection is reset and new ones are refused, so the client's
+/// session is suspended on the relay (its worker goes, its stream waits).
+/// The shell prints meanwhile, into the relay's parked terminal. When the
+/// path is back the session resumes and the client, without typing
+/// anything, is shown what was printed while it was away.
+#[test]
+fn a_shell_shows_what_it_printed_while_the_network_was_down() {
+    let Some(tmux) = Tmux::start() else {
+        eprintln!("SKIP: tmux is not installed (apt-get install tmux)");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let sh = ShRelay::start(dir.path(), true);
+    let log = || std::fs::read_to_string(dir.path().join("relay.log")).unwrap_or_default();
+    let (user, relay_addr) = sh.target.split_once('@').unwrap();
+    let proxy = roam_sim::proxy::FaultProxy::spawn(relay_addr.parse().unwrap()).unwrap();
+    tmux.window(
+        "blip",
+        &format!(
+            "exec env ROAM_STATE_DIR={} {BIN} shell {user}@{} --name blip",
+            sh.client.display(),
+            proxy.addr()
+        ),
+    );
+    tmux.wait_for("blip", "new shell \"blip\"");
+    listed_worker(&sh.relay_state, None);
+
+    // The marker is printed once the test says so (the typed line does not
+    // hold it), then `printed` is made.
+    let (go, printed) = (dir.path().join("go"), dir.path().join("printed"));
+    tmux.keys(
+        "blip",
+        &format!(
+            "while [ ! -e {} ]; do sleep 0.05; done; echo MARK-$((40+2)); touch {}",
+            go.display(),
+            printed.display()
+        ),
+    );
+    // The typed line is on the client's screen: it reached the shell.
+    tmux.wait_for("blip", "touch ");
+
+    // The network goes: the relay suspends the client's session and stops
+    // its worker (it logs that once the worker is reaped); the client's
+    // re-dials are refused.
+    proxy.refuse(true);
+    proxy.reset_all();
+    let end = Instant::now() + Duration::from_secs(30);
+    while !log().contains("session is suspended") {
+        assert!(
+            Instant::now() < end,
+            "the client's session was never suspended\n{}",
+            log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let shells = listed_shells(&sh.relay_state);
+    assert!(shells[0]["worker"].is_null(), "{shells:?}");
+
+    // The shell prints while nobody sees it: the relay reads it into the
+    // shell's parked terminal.
+    std::fs::write(&go, b"").unwrap();
+    let end = Instant::now() + Duration::from_secs(20);
+    while !printed.exists() {
+        assert!(Instant::now() < end, "the shell never printed\n{}", log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The relay reads a parked shell's pty as soon as it is readable; a
+    // moment for that, so the marker is not still in the pty for the next
+    // worker to read as live output.
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        !tmux.text("blip").contains("MARK-42"),
+        "the client saw the marker through a cut network"
+    );
+
+    // The network is back: the client's session resumes, and its screen
+    // shows the marker without anything typed.
+    proxy.refuse(false);
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        tmux.wait_for("blip", "MARK-42")
+    }))
+    .unwrap_or_else(|_| {
+        panic!(
+            "what the shell printed while the network was down never reached the client\n\
+             shells: {:?}\nproxy: {:?}\nrelay log:\n{}",
+            listed_shells(&sh.relay_state),
+            proxy.stats(),
+            log()
+        )
+    });
+    // And it goes on live.
+    tmux.keys("blip", "echo after-$((6*7))");
+    tmux.wait_for("blip", "after-42");
 }
 
 /// Starts a shell named `name` with a client on a pty of its own, waits

@@ -50,8 +50,9 @@ pub(crate) struct StartHeader {
     /// Send the scrollback before the screen (a re-attach), or only the
     /// screen (a restarted worker, or after a relay takeover).
     pub(crate) scrollback: bool,
-    /// Send nothing first (a worker restarted for a client whose screen
-    /// is current up to what the killed worker sent).
+    /// Send only the screen first, without an `Attached` frame: the same
+    /// client, whose terminal may miss output (its session was suspended,
+    /// or its last worker died with output journaled but not sent).
     #[serde(default)]
     pub(crate) quiet: bool,
     /// The client's window (0 × 0: keep the terminal's).
@@ -375,15 +376,17 @@ async fn serve(
             name: name.clone(),
             new: header.new,
         }));
-        if !header.new {
-            let t = term.live();
-            let screen = if header.scrollback {
-                redraw(t)
-            } else {
-                t.screen().contents_formatted().into_bytes()
-            };
-            sink.push(Frame::Output(screen));
-        }
+    }
+    // A quiet start is the same client back: the screen, which it may not
+    // have seen all of, never the scrollback it has.
+    if header.quiet || !header.new {
+        let t = term.live();
+        let screen = if header.scrollback && !header.quiet {
+            redraw(t)
+        } else {
+            t.screen().contents_formatted().into_bytes()
+        };
+        sink.push(Frame::Output(screen));
     }
     let mut typed: Vec<u8> = Vec::new();
     let mut pty_buf = vec![0u8; 16 * 1024];
