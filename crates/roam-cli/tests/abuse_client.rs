@@ -468,15 +468,9 @@ fn relay_keys_are_pinned_by_name_and_address() {
     assert!(err.contains(&format!("127.0.0.1:{}", relay.port)), "{err}");
 }
 
-/// Starts `roam pipe` to the relay at `host:relay_port` with stdin/stdout
-/// piped; checks an echo round trip of 100 numbered lines through it.
-fn start_pipe_named(
-    state: &Path,
-    host: &str,
-    relay_port: u16,
-    target_port: u16,
-) -> (Guard, mpsc::Receiver<String>) {
-    let mut child = roam(state)
+/// `roam pipe HOST:RELAY_PORT TARGET_PORT` with its stdio piped.
+fn spawn_pipe(state: &Path, host: &str, relay_port: u16, target_port: u16) -> Child {
+    roam(state)
         .args([
             "pipe",
             &format!("{host}:{relay_port}"),
@@ -486,7 +480,18 @@ fn start_pipe_named(
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .unwrap();
+        .unwrap()
+}
+
+/// Starts `roam pipe` to the relay at `host:relay_port` with stdin/stdout
+/// piped; checks an echo round trip of 100 numbered lines through it.
+fn start_pipe_named(
+    state: &Path,
+    host: &str,
+    relay_port: u16,
+    target_port: u16,
+) -> (Guard, mpsc::Receiver<String>) {
+    let mut child = spawn_pipe(state, host, relay_port, target_port);
     let lines = lines_of(&mut child);
     let mut stdin = child.stdin.take().unwrap();
     let mut stdout = BufReader::new(child.stdout.take().unwrap());
@@ -622,17 +627,7 @@ fn an_upload_lost_after_the_download_ended_is_no_success() {
     let port = free_port();
     let allow = format!("127.0.0.1:{target_port}");
     let relay = Relay::start(relay_state.path(), port, &allow);
-    let mut child = roam(state.path())
-        .args([
-            "pipe",
-            &format!("127.0.0.1:{port}"),
-            &target_port.to_string(),
-        ])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = spawn_pipe(state.path(), "127.0.0.1", port, target_port);
     let lines = lines_of(&mut child);
     let mut stdin = child.stdin.take().unwrap();
     let mut stdout = child.stdout.take().unwrap();
