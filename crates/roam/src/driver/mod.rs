@@ -259,6 +259,16 @@ impl Driver {
             c.fit_memory(reading, advice);
         }
         if let Some(req) = sh.detach.take() {
+            // The export carries no event queue: what the last input left
+            // there is dispatched first. Above all a stream the peer has
+            // just opened: not yet in `incoming`, it would be in neither
+            // `Detached::unaccepted` nor, restored, any accept queue — a
+            // stream nobody ever accepts (a shell client's re-attach lost
+            // in a relay takeover). No session handle comes of it: a
+            // server's `Connected` precedes any handle, hence any detach.
+            while let Some(ev) = sh.session.poll_event() {
+                let _ = self.on_event(&mut sh, ev, now);
+            }
             let result = self.detach(&mut sh, std_now, req.live);
             let done = result.is_ok();
             let _ = req.reply.send(result);
