@@ -709,16 +709,32 @@ fn a_shell_shows_what_it_printed_while_the_network_was_down() {
 
     // The marker is printed once the test says so (the typed line does not
     // hold it), then `printed` is made.
-    let (go, printed) = (dir.path().join("go"), dir.path().join("printed"));
+    let (started, go, printed) = (
+        dir.path().join("started"),
+        dir.path().join("go"),
+        dir.path().join("printed"),
+    );
     tmux.keys(
         "blip",
         &format!(
-            "while [ ! -e {} ]; do sleep 0.05; done; echo MARK-$((40+2)); touch {}",
+            "touch {}; while [ ! -e {} ]; do sleep 0.05; done; echo MARK-$((40+2)); touch {}",
+            started.display(),
             go.display(),
             printed.display()
         ),
     );
-    // The typed line is on the client's screen: it reached the shell.
+    // The shell runs the line (its echo on the client's screen is not
+    // enough: tmux sends the Enter apart, and it may still be on its way
+    // when the network is cut), and its echo is on the client's screen.
+    let end = Instant::now() + Duration::from_secs(20);
+    while !started.exists() {
+        assert!(
+            Instant::now() < end,
+            "the shell never ran the line\n{}",
+            log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     tmux.wait_for("blip", "touch ");
 
     // The network goes: the relay suspends the client's session and stops
