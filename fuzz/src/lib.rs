@@ -131,9 +131,11 @@ pub enum Side {
 /// Period of the stream byte pattern (a prime, so no framing size divides it).
 const PERIOD: usize = 65_521;
 /// Largest single `write`.
-const MAX_WRITE: usize = 1 << 17;
+const MAX_WRITE: usize = 1 << 15;
+/// Longest slice [`pattern`] gives (a write, a read's check, a built frame).
+const MAX_SLICE: usize = 1 << 17;
 
-/// `PERIOD + MAX_WRITE` bytes repeating with period `PERIOD`: stream contents are slices of it.
+/// `PERIOD + MAX_SLICE` bytes repeating with period `PERIOD`: stream contents are slices of it.
 fn table() -> &'static [u8] {
     static TABLE: OnceLock<Vec<u8>> = OnceLock::new();
     TABLE.get_or_init(|| {
@@ -150,7 +152,7 @@ fn table() -> &'static [u8] {
         period
             .iter()
             .cycle()
-            .take(PERIOD + MAX_WRITE)
+            .take(PERIOD + MAX_SLICE)
             .copied()
             .collect()
     })
