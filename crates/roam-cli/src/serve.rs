@@ -1386,8 +1386,11 @@ async fn run_session(
     let reply = match leave {
         Leave::Wave(reply) => reply,
         Leave::Park(suspended_for) => {
-            park(&relay, &session, streams, suspended_for).await;
-            drop(handles);
+            if let Err(streams) = park(&relay, &session, streams, suspended_for).await {
+                // It ended instead (its client resumed and closed it, or
+                // it expired): what its relays held still goes out.
+                deliver_after_end(&relay, &session, streams, handles).await;
+            }
             return;
         }
     };
@@ -1404,13 +1407,48 @@ async fn run_session(
                 live,
                 stopped_ns: None,
             }));
+            drop(handles);
         }
         Err(e) => {
             tracing::info!("session {id} not handed over: {e}");
             let _ = reply.send(None);
+            // It ended as the wave came (its client closed it): there is
+            // nothing to hand over, but its relays were stopped with what
+            // the client sent before the close still on its way to the
+            // targets. Deliver it, as the relays of a session that ends do;
+            // this task (so the handover's wait for it) lasts until then.
+            deliver_after_end(&relay, &session, streams, handles).await;
         }
     }
-    drop(handles);
+}
+
+/// The relays of a session that ended while they were stopped for a
+/// handover or for parking: each is run again, and finds its session
+/// closed at once, so it does what the relay of a session that ends does:
+/// delivers what its stream still holds to the target (the bytes it had
+/// read first; dialing the target again if it was stopped while dialing),
+/// within [`TARGET_DRAIN_LIMIT`], then closes the connection, and logs how
+/// that went. `streams[i]` is what the relay of `handles[i]` returned.
+async fn deliver_after_end(
+    relay: &Arc<Relay>,
+    session: &roam::SessionHandle,
+    streams: Vec<HandedStream>,
+    handles: Vec<RoamStream>,
+) {
+    // Never asked to stop: the sender lives until they are all done.
+    let (_keep, stop) = watch::channel(false);
+    let mut set = JoinSet::new();
+    for (st, stream) in streams.into_iter().zip(handles) {
+        set.spawn(relay_stream(
+            relay.clone(),
+            stream,
+            st.target.clone(),
+            session.clone(),
+            Some(st),
+            stop.clone(),
+        ));
+    }
+    while set.join_next().await.is_some() {}
 }
 
 /// A session kept as its continuation, waiting for its client's resume.
@@ -1465,14 +1503,17 @@ async fn sleep_until_some(t: Option<tokio::time::Instant>) {
 /// connections (the relays are stopped already) wait in the parked map,
 /// with no task or buffer, until its client resumes (`Relay::lookup`) or
 /// the suspend timeout passes. A resume that arrives meanwhile is answered
-/// "busy, try again" rather than "unknown".
+/// "busy, try again" rather than "unknown". A session that ended meanwhile
+/// is not parked: its streams come back.
 async fn park(
     relay: &Arc<Relay>,
     session: &roam::SessionHandle,
     streams: Vec<HandedStream>,
     suspended_for: Duration,
-) {
-    let Some(id) = session.id() else { return };
+) -> Result<(), Vec<HandedStream>> {
+    let Some(id) = session.id() else {
+        return Err(streams);
+    };
     relay.parking().insert(id);
     match session.detach().await {
         Ok(detached) => {
@@ -1497,10 +1538,15 @@ async fn park(
             relay
                 .parked()
                 .insert(id, Parked::new(session, Instant::now(), suspended_for));
+            relay.parking().remove(&id);
+            Ok(())
         }
-        Err(e) => tracing::debug!("session {id} not parked: {e}"),
+        Err(e) => {
+            tracing::debug!("session {id} not parked: {e}");
+            relay.parking().remove(&id);
+            Err(streams)
+        }
     }
-    relay.parking().remove(&id);
 }
 
 fn fmt_peer(peer: Option<SocketAddr>) -> String {
@@ -1823,6 +1869,120 @@ mod tests {
             matches!(closed, roam_proto::CloseReason::Local { .. }),
             "{closed:?}"
         );
+        let _ = shut.send(());
+        let _ = server.await;
+    }
+
+    /// A session whose client closes it while its relay is stopped for a
+    /// handover (the wave and the close in the same instant: the session
+    /// task's `detach_live` then finds it closed, and nothing is handed
+    /// over) still delivers to the target every byte the client sent
+    /// before the close, then closes the target connection
+    /// (`deliver_after_end`). Before, the stopped relay's target connection
+    /// was dropped with those bytes unsent.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_session_closed_while_its_relay_is_stopped_for_a_handover_delivers_every_byte() {
+        // Within the relay's stream window (1 MiB): the stopped relay's
+        // session takes it all.
+        const UPLOAD: usize = 512 << 10;
+        // The target: says when it accepts a connection, reads nothing
+        // until told to, then reads each connection to its end and reports
+        // what it got. (A wave that stops the relay while it dials drops
+        // that connection unused, and the relay dials again.)
+        let target = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let target_addr = target.local_addr().unwrap().to_string();
+        let (accepted_tx, mut accepted) = tokio::sync::mpsc::unbounded_channel();
+        let (go, go_rx) = watch::channel(false);
+        let (got_tx, mut got_rx) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Ok((mut c, _)) = target.accept().await {
+                let _ = accepted_tx.send(());
+                let mut go = go_rx.clone();
+                let got_tx = got_tx.clone();
+                tokio::spawn(async move {
+                    let _ = go.wait_for(|g| *g).await;
+                    let mut got = Vec::new();
+                    let _ = c.read_to_end(&mut got).await;
+                    let _ = got_tx.send(got);
+                });
+            }
+        });
+
+        // The relay's side: one stream, relayed until the test's wave.
+        let (relay, proto, client) = relay_and_client(&target_addr);
+        let relay_kept = relay.clone();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let relay_addr = listener.local_addr().unwrap().to_string();
+        let (wave, stop) = watch::channel(false);
+        type Stopped = (Option<(HandedStream, RoamStream)>, roam::SessionHandle);
+        let (stopped_tx, stopped) = oneshot::channel::<Stopped>();
+        let stopped_tx = Mutex::new(Some(stopped_tx));
+        let (shut, shut_rx) = oneshot::channel::<()>();
+        let server = tokio::spawn(roam::serve(
+            listener,
+            roam::ServerConfig::new(proto),
+            async move {
+                let _ = shut_rx.await;
+            },
+            move |session: roam::SessionHandle| {
+                let relay = relay.clone();
+                let stop = stop.clone();
+                let tx = stopped_tx.lock().unwrap().take();
+                tokio::spawn(async move {
+                    let (stream, meta) = session.accept_stream().await.unwrap();
+                    let target = String::from_utf8(meta).unwrap();
+                    let r = relay_stream(relay, stream, target, session.clone(), None, stop).await;
+                    if let Some(tx) = tx {
+                        let _ = tx.send((r, session));
+                    }
+                });
+            },
+        ));
+
+        let upload: Vec<u8> = (0..UPLOAD).map(|i| (i % 251) as u8).collect();
+        let run = async {
+            let session = roam::connect(&relay_addr, client).await.unwrap();
+            let mut stream = session.open_stream(target_addr.as_bytes()).unwrap();
+            accepted.recv().await.unwrap();
+            // The wave stops the relay...
+            wave.send_replace(true);
+            let (handed, relay_session) = stopped.await.unwrap();
+            let (st, handle) = handed.expect("a relay stopped by a wave hands its stream over");
+            // ...and before the session task takes the session out, the
+            // client sends (into the relay's session: its relay is
+            // stopped, so nothing of it reaches the target) and closes:
+            // there is nothing to hand over.
+            let mut wrote = stream.write_all(&upload).await;
+            if wrote.is_ok() {
+                wrote = stream.shutdown().await;
+            }
+            let closed = session.close(roam_proto::code::NO_ERROR, "").await;
+            relay_session.closed().await;
+            let refused = relay_session.detach_live().await.err();
+            go.send_replace(true);
+            deliver_after_end(&relay_kept, &relay_session, vec![st], vec![handle]).await;
+            // Every connection the target got is closed now: one carries
+            // the upload, any other (a dial the wave cut short) nothing.
+            let mut got = Vec::new();
+            while got.is_empty() {
+                match tokio::time::timeout(Duration::from_secs(5), got_rx.recv()).await {
+                    Ok(Some(g)) => got = g,
+                    _ => break,
+                }
+            }
+            (wrote, closed, refused, got)
+        };
+        let (wrote, closed, refused, got) = tokio::time::timeout(Duration::from_secs(30), run)
+            .await
+            .expect("delivered within 30 s");
+        wrote.unwrap();
+        assert!(
+            matches!(closed, roam_proto::CloseReason::Local { .. }),
+            "{closed:?}"
+        );
+        assert_eq!(refused, Some(roam_proto::ExportError::Closed));
+        assert_eq!(got.len(), UPLOAD, "bytes at the target");
+        assert!(got == upload, "the target got other bytes");
         let _ = shut.send(());
         let _ = server.await;
     }
