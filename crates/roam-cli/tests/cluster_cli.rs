@@ -7,7 +7,6 @@
 //! free on 127.0.0.1; every process is killed at the end, even on failure.
 
 use std::io::{BufRead, BufReader, Write};
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
@@ -118,10 +117,10 @@ impl Drop for Proc {
     }
 }
 
-/// A port on 127.0.0.1 that was free a moment ago.
+/// A free port on 127.0.0.1, as `addr:port` ([`roam_sim::ports`]).
 fn free_port() -> String {
-    let l = TcpListener::bind("127.0.0.1:0").expect("bind");
-    l.local_addr().expect("addr").to_string()
+    let port = roam_sim::ports::free_loopback_port().expect("a free port");
+    format!("127.0.0.1:{port}")
 }
 
 fn write_key(path: &Path) -> Keypair {

@@ -4,9 +4,11 @@
 //!   sans-IO sessions under simulated time through delay, transport kills,
 //!   black holes, partitions and address changes.
 //! - [`proxy`]: a loopback TCP fault proxy for tests over real sockets.
+//! - [`ports`]: free loopback ports for the processes a test starts.
 
 pub mod net;
 pub mod netns;
+pub mod ports;
 pub mod proxy;
 pub mod sshd;
 pub mod workload;

@@ -13,7 +13,7 @@
 //! is missing.
 
 use std::io::{self, BufRead, BufReader};
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
@@ -51,12 +51,9 @@ pub fn available() -> Result<(), String> {
     Ok(())
 }
 
-/// A port on 127.0.0.1 that was free a moment ago (bind to port 0, read it,
-/// close). Racy by nature; good enough for a test port.
+/// A free port on 127.0.0.1 for sshd ([`crate::ports::free_loopback_port`]).
 pub fn free_loopback_port() -> io::Result<u16> {
-    Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?
-        .local_addr()?
-        .port())
+    crate::ports::free_loopback_port()
 }
 
 fn keygen(path: &Path, comment: &str) -> io::Result<()> {

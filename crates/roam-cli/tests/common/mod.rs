@@ -9,7 +9,6 @@
 #![allow(dead_code)]
 
 use std::io::{Read, Write};
-use std::net::TcpListener;
 use std::path::Path;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
@@ -52,14 +51,10 @@ impl Guard {
     }
 }
 
-/// A loopback port that was free a moment ago (bound to port 0, then
-/// released): for a child process that must be told its port.
+/// A free loopback port for a child process that must be told its port
+/// (outside the kernel's ephemeral range: [`roam_sim::ports`]).
 pub(crate) fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    roam_sim::ports::free_loopback_port().unwrap()
 }
 
 /// Waits (at most 20 s) until something accepts connections on the

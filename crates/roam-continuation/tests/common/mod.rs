@@ -392,10 +392,10 @@ impl Drop for Proc {
     }
 }
 
-/// A TCP port on 127.0.0.1 that was free a moment ago, as `addr:port`.
+/// A free TCP port on 127.0.0.1, as `addr:port` ([`roam_sim::ports`]).
 pub fn free_port() -> String {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    l.local_addr().expect("addr").to_string()
+    let port = roam_sim::ports::free_loopback_port().expect("a free port");
+    format!("127.0.0.1:{port}")
 }
 
 /// A new keypair, its private key written to `path` in hex (mode 0600).
