@@ -1782,6 +1782,51 @@ mod tests {
         (relay, proto, client)
     }
 
+    /// What the relay of a test's one stream returned, with its session.
+    type Relayed = (Option<(HandedStream, RoamStream)>, roam::SessionHandle);
+
+    /// A relay server on loopback whose first session's first stream is
+    /// relayed by `relay_stream` with `stop` as its stop channel; what the
+    /// relay returns comes back on the receiver. Returns the server's
+    /// address, that receiver, the server's shutdown and its task.
+    async fn relay_one_stream(
+        relay: Arc<Relay>,
+        proto: roam_proto::ServerConfig,
+        stop: watch::Receiver<bool>,
+    ) -> (
+        String,
+        oneshot::Receiver<Relayed>,
+        oneshot::Sender<()>,
+        tokio::task::JoinHandle<std::io::Result<()>>,
+    ) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let relay_addr = listener.local_addr().unwrap().to_string();
+        let (relayed_tx, relayed) = oneshot::channel::<Relayed>();
+        let relayed_tx = Mutex::new(Some(relayed_tx));
+        let (shut, shut_rx) = oneshot::channel::<()>();
+        let server = tokio::spawn(roam::serve(
+            listener,
+            roam::ServerConfig::new(proto),
+            async move {
+                let _ = shut_rx.await;
+            },
+            move |session: roam::SessionHandle| {
+                let relay = relay.clone();
+                let stop = stop.clone();
+                let tx = relayed_tx.lock().unwrap().take();
+                tokio::spawn(async move {
+                    let (stream, meta) = session.accept_stream().await.unwrap();
+                    let target = String::from_utf8(meta).unwrap();
+                    let r = relay_stream(relay, stream, target, session.clone(), None, stop).await;
+                    if let Some(tx) = tx {
+                        let _ = tx.send((r, session));
+                    }
+                });
+            },
+        ));
+        (relay_addr, relayed, shut, server)
+    }
+
     /// A relay whose session task is gone — it returns when its session
     /// ends and leaves the relays to finish, dropping their stop channel's
     /// sender — still delivers to its target every byte the client sent
@@ -1811,31 +1856,8 @@ mod tests {
         // The relay's side: one stream, relayed with a stop channel whose
         // sender is already gone.
         let (relay, proto, client) = relay_and_client(&target_addr);
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let relay_addr = listener.local_addr().unwrap().to_string();
-        let (ended_tx, mut ended) = oneshot::channel();
-        let ended_tx = Mutex::new(Some(ended_tx));
-        let (shut, shut_rx) = oneshot::channel::<()>();
-        let server = tokio::spawn(roam::serve(
-            listener,
-            roam::ServerConfig::new(proto),
-            async move {
-                let _ = shut_rx.await;
-            },
-            move |session: roam::SessionHandle| {
-                let relay = relay.clone();
-                let ended_tx = ended_tx.lock().unwrap().take();
-                tokio::spawn(async move {
-                    let (stream, meta) = session.accept_stream().await.unwrap();
-                    let stop = watch::channel(false).1;
-                    let target = String::from_utf8(meta).unwrap();
-                    let r = relay_stream(relay, stream, target, session, None, stop).await;
-                    if let Some(tx) = ended_tx {
-                        let _ = tx.send(r.map(|(st, _)| st.id));
-                    }
-                });
-            },
-        ));
+        let (relay_addr, mut ended, shut, server) =
+            relay_one_stream(relay, proto, watch::channel(false).1).await;
 
         // The client: opens the stream, waits for the target connection
         // (the relay is pumping), then sends, finishes and closes
@@ -1847,7 +1869,10 @@ mod tests {
             let mut stream = session.open_stream(target_addr.as_bytes()).unwrap();
             tokio::select! {
                 r = accepted => r.unwrap(),
-                r = &mut ended => panic!("the relay ended before it connected: {r:?}"),
+                r = &mut ended => panic!(
+                    "the relay ended before it connected (handed over: {})",
+                    r.is_ok_and(|(h, _)| h.is_some())
+                ),
             }
             let mut wrote = stream.write_all(&upload).await;
             if wrote.is_ok() {
@@ -1856,7 +1881,8 @@ mod tests {
             let closed = session.close(roam_proto::code::NO_ERROR, "").await;
             let _ = go.send(());
             let got = reader.await.unwrap().unwrap();
-            (wrote, closed, got, (&mut ended).await.unwrap())
+            let handed = (&mut ended).await.unwrap().0.map(|(st, _)| st.id);
+            (wrote, closed, got, handed)
         };
         let (wrote, closed, got, handed) = tokio::time::timeout(limit, run)
             .await
@@ -1910,34 +1936,9 @@ mod tests {
 
         // The relay's side: one stream, relayed until the test's wave.
         let (relay, proto, client) = relay_and_client(&target_addr);
-        let relay_kept = relay.clone();
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let relay_addr = listener.local_addr().unwrap().to_string();
         let (wave, stop) = watch::channel(false);
-        type Stopped = (Option<(HandedStream, RoamStream)>, roam::SessionHandle);
-        let (stopped_tx, stopped) = oneshot::channel::<Stopped>();
-        let stopped_tx = Mutex::new(Some(stopped_tx));
-        let (shut, shut_rx) = oneshot::channel::<()>();
-        let server = tokio::spawn(roam::serve(
-            listener,
-            roam::ServerConfig::new(proto),
-            async move {
-                let _ = shut_rx.await;
-            },
-            move |session: roam::SessionHandle| {
-                let relay = relay.clone();
-                let stop = stop.clone();
-                let tx = stopped_tx.lock().unwrap().take();
-                tokio::spawn(async move {
-                    let (stream, meta) = session.accept_stream().await.unwrap();
-                    let target = String::from_utf8(meta).unwrap();
-                    let r = relay_stream(relay, stream, target, session.clone(), None, stop).await;
-                    if let Some(tx) = tx {
-                        let _ = tx.send((r, session));
-                    }
-                });
-            },
-        ));
+        let (relay_addr, stopped, shut, server) =
+            relay_one_stream(relay.clone(), proto, stop).await;
 
         let upload: Vec<u8> = (0..UPLOAD).map(|i| (i % 251) as u8).collect();
         let run = async {
@@ -1960,7 +1961,7 @@ mod tests {
             relay_session.closed().await;
             let refused = relay_session.detach_live().await.err();
             go.send_replace(true);
-            deliver_after_end(&relay_kept, &relay_session, vec![st], vec![handle]).await;
+            deliver_after_end(&relay, &relay_session, vec![st], vec![handle]).await;
             // Every connection the target got is closed now: one carries
             // the upload, any other (a dial the wave cut short) nothing.
             let mut got = Vec::new();
