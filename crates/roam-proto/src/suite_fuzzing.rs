@@ -87,8 +87,13 @@ fn digest<const N: usize>(key: &[u8], nonce: u64, parts: &[&[u8]]) -> [u8; N] {
     out
 }
 
+/// The byte both stand-in ciphers XOR with (never 0).
+fn pad_byte(key: &[u8; 32]) -> u8 {
+    key[0] | 1
+}
+
 fn xor(key: &[u8; 32], buf: &mut [u8]) {
-    let k = key[0] | 1;
+    let k = pad_byte(key);
     // 64 bytes per iteration as eight words: a byte loop pays the fuzzer's
     // coverage counter (a memory increment) once per 16 bytes vectorized.
     let pad = u64::from_ne_bytes([k; 8]);
@@ -112,9 +117,10 @@ fn tag(key: &[u8; 32], nonce: u64, ad: &[u8], ct: &[u8]) -> [u8; TAG_LEN] {
     digest(key, nonce, &[ad, ct])
 }
 
-/// A record AEAD keyed for one direction (fuzzing stand-in): the XOR and
-/// the checksum of [`CheapCipher`], fused into one pass over the record
-/// (records are most of the bytes a session target moves).
+/// A record AEAD keyed for one direction (fuzzing stand-in): the XOR of
+/// [`CheapCipher`] and a keyed checksum of its own ([`Lanes`]), fused into
+/// one pass over the record (records are most of the bytes a session target
+/// moves).
 #[derive(Clone)]
 pub(crate) struct Aead([u8; 32]);
 
@@ -196,7 +202,7 @@ impl Lanes {
 /// checksum is over the ciphertext, which is `buf` after the XOR when
 /// `sealing` and before it when opening.
 fn xor_and_tag(key: &[u8; 32], nonce: u64, buf: &mut [u8], sealing: bool) -> [u8; TAG_LEN] {
-    let k = key[0] | 1;
+    let k = pad_byte(key);
     let pad = u64::from_ne_bytes([k; 8]);
     let mut lanes = Lanes::new(key, nonce);
     let len = buf.len();
