@@ -1,0 +1,658 @@
+//! Drives [CRIU](https://criu.org) — checkpoint/restore in user space — for
+//! roam's process migration (issue 12; `docs/ARCHITECTURE.md`, "Process
+//! migration").
+//!
+//! CRIU is the engine: it freezes a process tree, writes its memory, file
+//! descriptors and sockets (established TCP connections included, with
+//! `tcp_established`) to an images directory, and rebuilds the tree from
+//! those images. roam does not checkpoint anything itself; it tells CRIU what
+//! to do through CRIU's RPC interface, as container runtimes do: `criu swrk
+//! FD` is started with one end of a `SOCK_SEQPACKET` pair, and each request
+//! and response is one protobuf message (`criu_req`/`criu_resp` of CRIU's
+//! `rpc.proto`, whose generated types come from the `rust-criu` crate).
+//!
+//! - [`Criu::locate`] finds a CRIU that works here (`$ROAM_CRIU`, else `criu`
+//!   on `PATH`) and refuses one older than 4.1 with the reason (this kernel's
+//!   vDSO layout breaks CRIU 3.x; `scripts/criu-build` builds 4.1.1).
+//! - [`Criu::dump`] checkpoints a process tree; [`Criu::restore`] brings it
+//!   back. With [`Criu::in_netns`], CRIU runs inside a named network namespace
+//!   (`nsenter --net`), where the process and its addresses live: CRIU must
+//!   share the process's network namespace to dump and restore its sockets.
+//!   (Not `ip netns exec`, which also gives its program a mount namespace of
+//!   its own: CRIU would then see the process in a foreign one and try to
+//!   dump that too.)
+//! - Every failure is an [`Error`] that says what failed, CRIU's own message
+//!   and the tail of CRIU's log (kept in the images directory).
+//!
+//! The network lock: while a process with established connections is being
+//! dumped, and until it is restored, CRIU drops its connections' packets (an
+//! nftables table or iptables rules in the process's namespace), so the peer
+//! neither gets a reset nor sees an acknowledgement for bytes the image does
+//! not hold; its retransmissions reach the restored process.
+
+use std::fmt;
+use std::io::{self, Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use protobuf::{Message, MessageField};
+use rust_criu::rust_criu_protobuf::rpc;
+use socket2::{Domain, Socket, Type};
+
+/// The oldest CRIU roam accepts: 3.x fails on this kernel at start-up
+/// ("vdso: Unexpected rt vDSO area bounds").
+pub const MIN_VERSION: Version = Version {
+    major: 4,
+    minor: 1,
+    sublevel: 0,
+};
+
+/// Longest wait for one CRIU request (a dump of a large process writes its
+/// whole memory; a hung CRIU must not hang roam).
+const RPC_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Lines of CRIU's log quoted in an error.
+const LOG_TAIL_LINES: usize = 12;
+
+/// A CRIU version (`major.minor.sublevel`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Version {
+    /// The major number (4 for 4.1.1).
+    pub major: u32,
+    /// The minor number (1 for 4.1.1).
+    pub minor: u32,
+    /// The sublevel (1 for 4.1.1).
+    pub sublevel: u32,
+}
+
+impl fmt::Display for Version {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}.{}", self.major, self.minor, self.sublevel)
+    }
+}
+
+/// How CRIU keeps a dumped process's connections quiet until it is restored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum NetworkLock {
+    /// An nftables table in the process's network namespace (the default:
+    /// needs no iptables and removes cleanly with the table).
+    #[default]
+    Nftables,
+    /// iptables rules (CRIU's own default).
+    Iptables,
+    /// No lock: the caller blocks the traffic itself. Without any lock the
+    /// peer's packets during the dump draw resets.
+    Skip,
+}
+
+impl NetworkLock {
+    fn rpc(self) -> rpc::Criu_network_lock_method {
+        match self {
+            NetworkLock::Nftables => rpc::Criu_network_lock_method::NFTABLES,
+            NetworkLock::Iptables => rpc::Criu_network_lock_method::IPTABLES,
+            NetworkLock::Skip => rpc::Criu_network_lock_method::SKIP,
+        }
+    }
+}
+
+/// What a dump takes and how.
+#[derive(Debug, Clone, Default)]
+pub struct DumpOptions {
+    /// Dump established TCP connections (`--tcp-established`); without it a
+    /// process with one fails to dump.
+    pub tcp_established: bool,
+    /// Leave the process running after the dump (a copy, not a move). When
+    /// `false` CRIU kills it once the images are complete.
+    pub leave_running: bool,
+    /// The network lock (see [`NetworkLock`]).
+    pub network_lock: NetworkLock,
+    /// The tree was started from a shell and shares its session or terminal
+    /// (`--shell-job`).
+    pub shell_job: bool,
+    /// Dump the process's connected Unix sockets whose peer is outside the
+    /// tree (`--ext-unix-sk`).
+    pub ext_unix_sk: bool,
+    /// Dump file locks (`--file-locks`).
+    pub file_locks: bool,
+}
+
+/// How a restore runs.
+#[derive(Debug, Clone, Default)]
+pub struct RestoreOptions {
+    /// Restore established TCP connections from the images (as dumped with
+    /// [`DumpOptions::tcp_established`]).
+    pub tcp_established: bool,
+    /// The lock the dump used: the restore lifts it once the connections are
+    /// back.
+    pub network_lock: NetworkLock,
+    /// As [`DumpOptions::shell_job`].
+    pub shell_job: bool,
+    /// As [`DumpOptions::ext_unix_sk`].
+    pub ext_unix_sk: bool,
+    /// As [`DumpOptions::file_locks`].
+    pub file_locks: bool,
+}
+
+/// A finished dump.
+#[derive(Debug, Clone)]
+pub struct Dumped {
+    /// Wall time of the RPC request: the process was frozen for (at most) this long.
+    pub elapsed: Duration,
+    /// Bytes the images directory holds.
+    pub image_bytes: u64,
+}
+
+/// A finished restore.
+#[derive(Debug, Clone)]
+pub struct Restored {
+    /// The restored tree's root process (its pid is the dumped one's: CRIU
+    /// restores pids).
+    pub pid: i32,
+    /// Wall time of the RPC request.
+    pub elapsed: Duration,
+}
+
+/// Why a CRIU operation failed.
+#[derive(Debug)]
+pub enum Error {
+    /// No CRIU binary was found (neither `$ROAM_CRIU` nor `criu` on `PATH`).
+    NotFound,
+    /// CRIU is too old to run on this kernel.
+    TooOld {
+        /// The binary.
+        path: PathBuf,
+        /// Its version.
+        version: Version,
+    },
+    /// CRIU could not be started.
+    Spawn {
+        /// The binary.
+        path: PathBuf,
+        /// Why.
+        source: io::Error,
+    },
+    /// Talking to CRIU failed (it died, or a message did not go through).
+    Io {
+        /// The request (`dump`, `restore`, `version`).
+        op: &'static str,
+        /// Why.
+        source: io::Error,
+    },
+    /// CRIU answered with something that is not a valid response.
+    Protocol {
+        /// The request.
+        op: &'static str,
+        /// What was wrong.
+        detail: String,
+    },
+    /// CRIU ran the request and it failed.
+    Failed {
+        /// The request.
+        op: &'static str,
+        /// CRIU's message (`cr_errmsg`), if it gave one.
+        message: String,
+        /// CRIU's errno, if it gave one.
+        errno: Option<i32>,
+        /// Where CRIU's log is.
+        log: Option<PathBuf>,
+        /// The last lines of that log.
+        log_tail: String,
+    },
+    /// No answer within five minutes: CRIU was killed.
+    Timeout {
+        /// The request.
+        op: &'static str,
+    },
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::NotFound => write!(
+                f,
+                "CRIU not found: set ROAM_CRIU to a criu binary (>= {MIN_VERSION}) or put one \
+                 on PATH; scripts/criu-build builds one from source"
+            ),
+            Error::TooOld { path, version } => write!(
+                f,
+                "{} is CRIU {version}, which fails on this kernel; roam needs CRIU >= \
+                 {MIN_VERSION} (scripts/criu-build builds one from source)",
+                path.display()
+            ),
+            Error::Spawn { path, source } => {
+                write!(f, "could not start {} swrk: {source}", path.display())
+            }
+            Error::Io { op, source } => write!(f, "criu {op}: talking to CRIU failed: {source}"),
+            Error::Protocol { op, detail } => write!(f, "criu {op}: bad response: {detail}"),
+            Error::Failed {
+                op,
+                message,
+                errno,
+                log,
+                log_tail,
+            } => {
+                write!(f, "criu {op} failed")?;
+                if !message.is_empty() {
+                    write!(f, ": {message}")?;
+                }
+                if let Some(e) = errno {
+                    write!(f, " ({})", io::Error::from_raw_os_error(*e))?;
+                }
+                if let Some(log) = log {
+                    write!(f, "; CRIU's log: {}", log.display())?;
+                }
+                if !log_tail.is_empty() {
+                    write!(f, "; its last lines:\n{log_tail}")?;
+                }
+                Ok(())
+            }
+            Error::Timeout { op } => write!(
+                f,
+                "criu {op}: no answer within {} s; CRIU was killed",
+                RPC_TIMEOUT.as_secs()
+            ),
+        }
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Spawn { source, .. } | Error::Io { source, .. } => Some(source),
+            _ => None,
+        }
+    }
+}
+
+/// A CRIU binary roam can drive, and where it runs.
+#[derive(Debug, Clone)]
+pub struct Criu {
+    path: PathBuf,
+    version: Version,
+    netns: Option<String>,
+}
+
+impl Criu {
+    /// The CRIU named by `$ROAM_CRIU`, else `criu` on `PATH`, if it is at
+    /// least [`MIN_VERSION`].
+    pub fn locate() -> Result<Criu, Error> {
+        let path = match std::env::var_os("ROAM_CRIU") {
+            Some(p) if !p.is_empty() => PathBuf::from(p),
+            _ => on_path("criu").ok_or(Error::NotFound)?,
+        };
+        Criu::at(&path)
+    }
+
+    /// The CRIU binary at `path`, if it runs and is at least [`MIN_VERSION`].
+    pub fn at(path: &Path) -> Result<Criu, Error> {
+        if !path.is_file() {
+            return Err(Error::Spawn {
+                path: path.to_owned(),
+                source: io::Error::new(io::ErrorKind::NotFound, "no such file"),
+            });
+        }
+        let mut criu = Criu {
+            path: path.to_owned(),
+            version: MIN_VERSION,
+            netns: None,
+        };
+        criu.version = criu.query_version()?;
+        if criu.version < MIN_VERSION {
+            return Err(Error::TooOld {
+                path: criu.path,
+                version: criu.version,
+            });
+        }
+        Ok(criu)
+    }
+
+    /// The same CRIU, run inside the named network namespace
+    /// (`/run/netns/NS`, as `ip netns add` makes), where the processes it
+    /// dumps or restores live. Only the network namespace is entered.
+    pub fn in_netns(mut self, ns: &str) -> Criu {
+        self.netns = Some(ns.to_owned());
+        self
+    }
+
+    /// The binary.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Its version.
+    pub fn version(&self) -> Version {
+        self.version
+    }
+
+    /// Checkpoints the process tree rooted at `pid` into `images` (an
+    /// existing, preferably empty directory). Unless
+    /// [`DumpOptions::leave_running`], the tree is gone afterwards: only a
+    /// [`Criu::restore`] brings it back.
+    pub fn dump(&self, pid: i32, images: &Path, opts: &DumpOptions) -> Result<Dumped, Error> {
+        let dir = open_dir(images, "dump")?;
+        let mut o = self.base_opts(&dir, "dump.log");
+        o.set_pid(pid);
+        o.set_leave_running(opts.leave_running);
+        o.set_tcp_established(opts.tcp_established);
+        o.set_shell_job(opts.shell_job);
+        o.set_ext_unix_sk(opts.ext_unix_sk);
+        o.set_file_locks(opts.file_locks);
+        o.set_network_lock(opts.network_lock.rpc());
+        let t = Instant::now();
+        let resp = self.call("dump", rpc::Criu_req_type::DUMP, Some(o), Some(images))?;
+        let elapsed = t.elapsed();
+        if resp.type_() != rpc::Criu_req_type::DUMP {
+            return Err(Error::Protocol {
+                op: "dump",
+                detail: format!("answered {:?} to a dump", resp.type_()),
+            });
+        }
+        Ok(Dumped {
+            elapsed,
+            image_bytes: dir_bytes(images),
+        })
+    }
+
+    /// Restores the tree dumped into `images`. Its root gets its old pid
+    /// back; it runs detached from the caller (re-parented to init once CRIU
+    /// exits).
+    pub fn restore(&self, images: &Path, opts: &RestoreOptions) -> Result<Restored, Error> {
+        let dir = open_dir(images, "restore")?;
+        let mut o = self.base_opts(&dir, "restore.log");
+        o.set_tcp_established(opts.tcp_established);
+        o.set_shell_job(opts.shell_job);
+        o.set_ext_unix_sk(opts.ext_unix_sk);
+        o.set_file_locks(opts.file_locks);
+        o.set_network_lock(opts.network_lock.rpc());
+        let t = Instant::now();
+        let resp = self.call(
+            "restore",
+            rpc::Criu_req_type::RESTORE,
+            Some(o),
+            Some(images),
+        )?;
+        let elapsed = t.elapsed();
+        let pid = resp
+            .restore
+            .as_ref()
+            .map(|r| r.pid())
+            .filter(|&p| p > 0)
+            .ok_or_else(|| Error::Protocol {
+                op: "restore",
+                detail: "a successful restore without the restored pid".into(),
+            })?;
+        Ok(Restored { pid, elapsed })
+    }
+
+    /// Options common to dump and restore. `images` must stay open until
+    /// the request is answered: CRIU opens the directory through the
+    /// caller's descriptor (`/proc/<caller>/fd/<fd>`, the caller being the
+    /// socket's peer), so nothing has to be inherited. (A plain path in
+    /// `images_dir` fails in CRIU 4.1: it readlink()s the path.)
+    fn base_opts(&self, images: &std::fs::File, log: &str) -> rpc::Criu_opts {
+        let mut o = rpc::Criu_opts::new();
+        o.set_images_dir_fd(images.as_raw_fd());
+        o.set_log_file(log.to_owned());
+        // Level 4: everything; an error quotes the log's tail.
+        o.set_log_level(4);
+        o
+    }
+
+    fn query_version(&self) -> Result<Version, Error> {
+        let resp = self.call("version", rpc::Criu_req_type::VERSION, None, None)?;
+        let v = resp.version.as_ref().ok_or_else(|| Error::Protocol {
+            op: "version",
+            detail: "no version in the answer".into(),
+        })?;
+        let n = |x: i32| u32::try_from(x).unwrap_or(0);
+        Ok(Version {
+            major: n(v.major_number()),
+            minor: n(v.minor_number()),
+            sublevel: n(v.sublevel()),
+        })
+    }
+
+    /// One request to a fresh `criu swrk`, and its final response.
+    fn call(
+        &self,
+        op: &'static str,
+        kind: rpc::Criu_req_type,
+        opts: Option<rpc::Criu_opts>,
+        images: Option<&Path>,
+    ) -> Result<rpc::Criu_resp, Error> {
+        let (ours, theirs) = Socket::pair(Domain::UNIX, Type::SEQPACKET, None)
+            .map_err(|source| Error::Io { op, source })?;
+        // CRIU's end is its stdin (fd 0, named on the command line): no
+        // descriptor has to survive exec any other way.
+        let mut cmd = match &self.netns {
+            Some(ns) => {
+                let mut c = Command::new("nsenter");
+                c.arg(format!("--net=/run/netns/{ns}"))
+                    .arg("--")
+                    .arg(&self.path);
+                c
+            }
+            None => Command::new(&self.path),
+        };
+        cmd.args(["swrk", "0"])
+            .stdin(Stdio::from(OwnedFd::from(theirs)))
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        let mut child = cmd.spawn().map_err(|source| Error::Spawn {
+            path: self.path.clone(),
+            source,
+        })?;
+        let result = exchange(op, kind, opts, &ours);
+        drop(ours);
+        let stderr = reap(&mut child);
+        let resp = match result {
+            Ok(resp) => resp,
+            Err(Error::Io { op, source }) if !stderr.is_empty() => {
+                return Err(Error::Io {
+                    op,
+                    source: io::Error::new(source.kind(), format!("{source}; CRIU said: {stderr}")),
+                })
+            }
+            Err(e) => return Err(e),
+        };
+        if !resp.success() {
+            let log = images.map(|d| d.join(format!("{op}.log")));
+            let log_tail = log.as_deref().map(tail).unwrap_or_default();
+            return Err(Error::Failed {
+                op,
+                message: resp.cr_errmsg().trim().to_owned(),
+                errno: resp.cr_errno.filter(|&e| e > 0),
+                log,
+                log_tail,
+            });
+        }
+        Ok(resp)
+    }
+}
+
+/// Sends the request and reads responses until the final one (notifications,
+/// which come only when asked for with `notify_scripts`, are acknowledged).
+fn exchange(
+    op: &'static str,
+    kind: rpc::Criu_req_type,
+    opts: Option<rpc::Criu_opts>,
+    sock: &Socket,
+) -> Result<rpc::Criu_resp, Error> {
+    let io_err = |source| Error::Io { op, source };
+    let mut req = rpc::Criu_req::new();
+    req.set_type(kind);
+    if let Some(o) = opts {
+        req.opts = MessageField::some(o);
+    }
+    let bytes = req.write_to_bytes().map_err(|e| Error::Protocol {
+        op,
+        detail: format!("could not encode the request: {e}"),
+    })?;
+    sock.set_write_timeout(Some(RPC_TIMEOUT)).map_err(io_err)?;
+    sock.set_read_timeout(Some(RPC_TIMEOUT)).map_err(io_err)?;
+    (&*sock).write_all(&bytes).map_err(io_err)?;
+    // One message per read (SOCK_SEQPACKET); CRIU's responses are small.
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        let n = match (&*sock).read(&mut buf) {
+            Ok(0) => {
+                return Err(io_err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "CRIU closed the connection without an answer",
+                )))
+            }
+            Ok(n) => n,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Err(Error::Timeout { op })
+            }
+            Err(e) => return Err(io_err(e)),
+        };
+        let resp = rpc::Criu_resp::parse_from_bytes(&buf[..n]).map_err(|e| Error::Protocol {
+            op,
+            detail: format!("undecodable response ({n} bytes): {e}"),
+        })?;
+        if resp.type_() == rpc::Criu_req_type::NOTIFY {
+            let mut ack = rpc::Criu_req::new();
+            ack.set_type(rpc::Criu_req_type::NOTIFY);
+            ack.set_notify_success(true);
+            let b = ack.write_to_bytes().map_err(|e| Error::Protocol {
+                op,
+                detail: format!("could not encode a notification's answer: {e}"),
+            })?;
+            (&*sock).write_all(&b).map_err(io_err)?;
+            continue;
+        }
+        return Ok(resp);
+    }
+}
+
+/// Waits for `criu swrk` (it exits once its socket closes; killed if it
+/// does not within a few seconds) and returns what it wrote to stderr.
+fn reap(child: &mut Child) -> String {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match child.try_wait() {
+            Ok(Some(_)) => break,
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                break;
+            }
+        }
+    }
+    let mut err = String::new();
+    if let Some(mut s) = child.stderr.take() {
+        let _ = s.read_to_string(&mut err);
+    }
+    err.trim().to_owned()
+}
+
+/// The images directory, opened for CRIU to reach through `/proc`.
+fn open_dir(dir: &Path, op: &'static str) -> Result<std::fs::File, Error> {
+    std::fs::File::open(dir).map_err(|e| Error::Io {
+        op,
+        source: io::Error::new(e.kind(), format!("images directory {}: {e}", dir.display())),
+    })
+}
+
+/// What an error quotes from CRIU's `log`: its `Error` lines (the first
+/// [`LOG_TAIL_LINES`]; a failure's cause is usually the first of them), then
+/// its last lines, up to [`LOG_TAIL_LINES`] in all. Empty if unreadable.
+fn tail(log: &Path) -> String {
+    let Ok(text) = std::fs::read(log) else {
+        return String::new();
+    };
+    let text = String::from_utf8_lossy(&text);
+    let lines: Vec<&str> = text.lines().collect();
+    let mut quoted: Vec<&str> = lines
+        .iter()
+        .copied()
+        .filter(|l| l.contains("Error ("))
+        .take(LOG_TAIL_LINES)
+        .collect();
+    let room = LOG_TAIL_LINES.saturating_sub(quoted.len()).max(2);
+    let last = &lines[lines.len().saturating_sub(room)..];
+    if !quoted.is_empty() && !last.is_empty() {
+        quoted.push("...");
+    }
+    quoted.extend(last.iter().filter(|l| !l.contains("Error (")));
+    quoted.join("\n")
+}
+
+/// Total size of the regular files directly in `dir`.
+fn dir_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.filter_map(Result::ok)
+                .filter_map(|e| e.metadata().ok())
+                .filter(|m| m.is_file())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+/// `name` in one of `PATH`'s directories.
+fn on_path(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_order_by_major_minor_then_sublevel() {
+        let v = |major, minor, sublevel| Version {
+            major,
+            minor,
+            sublevel,
+        };
+        assert!(v(3, 17, 0) < MIN_VERSION);
+        assert!(v(4, 0, 9) < MIN_VERSION);
+        assert!(v(4, 1, 0) >= MIN_VERSION);
+        assert!(v(4, 1, 1) > MIN_VERSION);
+        assert!(v(5, 0, 0) > MIN_VERSION);
+        assert_eq!(v(4, 1, 1).to_string(), "4.1.1");
+    }
+
+    #[test]
+    fn a_missing_binary_is_refused_with_its_path() {
+        let e = Criu::at(Path::new("/nonexistent/criu")).unwrap_err();
+        assert!(matches!(e, Error::Spawn { .. }), "{e:?}");
+        assert!(e.to_string().contains("/nonexistent/criu"), "{e}");
+    }
+
+    #[test]
+    fn a_failure_quotes_criu_and_its_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("dump.log");
+        let lines: Vec<String> = (0..30).map(|i| format!("line {i}")).collect();
+        std::fs::write(&log, lines.join("\n")).unwrap();
+        let e = Error::Failed {
+            op: "dump",
+            message: "Dumping FAILED.".into(),
+            errno: Some(3),
+            log: Some(log.clone()),
+            log_tail: tail(&log),
+        };
+        let s = e.to_string();
+        assert!(
+            s.starts_with("criu dump failed: Dumping FAILED. (No such process"),
+            "{s}"
+        );
+        assert!(s.contains("line 29") && s.contains("line 18"), "{s}");
+        assert!(!s.contains("line 17"), "only the last lines: {s}");
+    }
+}

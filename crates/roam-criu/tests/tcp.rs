@@ -1,0 +1,347 @@
+//! CRIU, driven by roam-criu, checkpoints an unmodified server in the middle
+//! of a TCP conversation and restores it: the connection survives, and every
+//! byte the client sent comes back once, in order (issue 12, the engine under
+//! `roam migrate-process`).
+//!
+//! Topology: two network namespaces joined by a veth pair (roam-sim's
+//! `NetPair`); the server, a Python echo server started with only its
+//! network namespace changed (`nsenter --net`, so CRIU sees it in its own
+//! mount namespace), runs on the server side; the client is a socket of this
+//! test process made in the client namespace. The client streams 64-bit
+//! sequence numbers and checks every echoed word.
+//!
+//! Needs root, iproute2, nftables, python3 and CRIU >= 4.1 (`$ROAM_CRIU` or
+//! `criu` on `PATH`; `scripts/criu-build` builds one). Without them the tests
+//! say why and pass, except when `$ROAM_CRIU` is set (CI sets it): then a
+//! CRIU that does not work is a failure.
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use roam_criu::{Criu, DumpOptions, Error, NetworkLock, RestoreOptions};
+use roam_sim::netns::{self, NetPair, Side};
+
+/// The echo server: one connection at a time, every byte sent back.
+const ECHO_SERVER: &str = r#"
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[1])))
+s.listen(8)
+while True:
+    c, _ = s.accept()
+    while True:
+        d = c.recv(65536)
+        if not d:
+            break
+        c.sendall(d)
+    c.close()
+"#;
+
+/// Port of the echo server (inside its own namespace: nothing else binds there).
+const PORT: u16 = 7100;
+
+/// CRIU and a namespace pair, or `None` (with the reason printed) where the
+/// machine cannot run these tests. Panics instead when `$ROAM_CRIU` is set.
+fn setup(name: &str) -> Option<(Criu, NetPair)> {
+    let required = std::env::var_os("ROAM_CRIU").is_some_and(|v| !v.is_empty());
+    let skip = |why: String| {
+        assert!(!required, "ROAM_CRIU is set but {why}");
+        eprintln!("skipped: {why}");
+    };
+    if let Err(why) = netns::available() {
+        skip(why);
+        return None;
+    }
+    for tool in ["nft", "python3", "nsenter"] {
+        if Command::new("sh")
+            .args(["-c", &format!("command -v {tool}")])
+            .stdout(Stdio::null())
+            .status()
+            .map_or(true, |s| !s.success())
+        {
+            skip(format!("{tool} is not installed"));
+            return None;
+        }
+    }
+    let criu = match Criu::locate() {
+        Ok(c) => c,
+        Err(e) => {
+            skip(format!("no usable CRIU: {e}"));
+            return None;
+        }
+    };
+    let pair = NetPair::new(name).expect("network namespaces");
+    let criu = criu.in_netns(pair.ns(Side::Server));
+    Some((criu, pair))
+}
+
+/// Starts the echo server in the pair's server namespace, in a session of
+/// its own with its stdio on /dev/null (so CRIU dumps it alone), and waits
+/// until it accepts. Returns it (this test process is its parent, so it
+/// must be reaped for its pid to be free for a restore) and its address; the
+/// pair's drop kills it.
+fn start_echo(pair: &NetPair) -> (Child, SocketAddr) {
+    let child = Command::new("nsenter")
+        .arg(format!("--net=/run/netns/{}", pair.ns(Side::Server)))
+        .args(["--", "setsid", "python3", "-c", ECHO_SERVER])
+        .arg(PORT.to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start the echo server");
+    let addr = SocketAddr::from((pair.server_addr(), PORT));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match pair.tcp_connect(Side::Client, addr, Duration::from_secs(1)) {
+            Ok(probe) => {
+                drop(probe);
+                break;
+            }
+            Err(e) => {
+                assert!(Instant::now() < deadline, "echo server never listened: {e}");
+                thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+    // Let the server finish with the probe and return to accept().
+    thread::sleep(Duration::from_millis(100));
+    (child, addr)
+}
+
+/// A client streaming 64-bit sequence numbers through the echo server and
+/// checking each one that comes back.
+struct Stream {
+    /// Bytes echoed back and verified so far.
+    echoed: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+    writer: thread::JoinHandle<u64>,
+    reader: thread::JoinHandle<Result<u64, String>>,
+}
+
+impl Stream {
+    fn start(sock: TcpStream) -> Stream {
+        let echoed = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut w = sock.try_clone().expect("clone socket");
+        let mut r = sock;
+        r.set_read_timeout(Some(Duration::from_secs(60)))
+            .expect("read timeout");
+        let writer = {
+            let stop = stop.clone();
+            thread::spawn(move || {
+                let mut sent = 0u64;
+                let mut next = 0u64;
+                let mut buf = Vec::with_capacity(8192);
+                while !stop.load(Ordering::Relaxed) {
+                    buf.clear();
+                    for _ in 0..1024 {
+                        buf.extend_from_slice(&next.to_le_bytes());
+                        next += 1;
+                    }
+                    if w.write_all(&buf).is_err() {
+                        break;
+                    }
+                    sent += buf.len() as u64;
+                }
+                let _ = w.shutdown(Shutdown::Write);
+                sent
+            })
+        };
+        let reader = {
+            let echoed = echoed.clone();
+            thread::spawn(move || {
+                let mut expect = 0u64;
+                let mut word = [0u8; 8];
+                let mut have = 0usize;
+                let mut buf = vec![0u8; 65536];
+                loop {
+                    let n = match r.read(&mut buf) {
+                        Ok(0) => break,
+                        Ok(n) => n,
+                        Err(e) => return Err(format!("read after {expect} words: {e}")),
+                    };
+                    for &b in &buf[..n] {
+                        word[have] = b;
+                        have += 1;
+                        if have == 8 {
+                            let got = u64::from_le_bytes(word);
+                            if got != expect {
+                                return Err(format!("word {expect} came back as {got}"));
+                            }
+                            expect += 1;
+                            have = 0;
+                        }
+                    }
+                    echoed.fetch_add(n as u64, Ordering::Relaxed);
+                }
+                if have != 0 {
+                    return Err(format!("a partial word after {expect} words"));
+                }
+                Ok(expect * 8)
+            })
+        };
+        Stream {
+            echoed,
+            stop,
+            writer,
+            reader,
+        }
+    }
+
+    /// Waits until `n` bytes have been echoed.
+    fn wait_echoed(&self, n: u64, within: Duration) {
+        let deadline = Instant::now() + within;
+        while self.echoed.load(Ordering::Relaxed) < n {
+            assert!(
+                Instant::now() < deadline,
+                "only {} of {n} bytes echoed within {within:?}",
+                self.echoed.load(Ordering::Relaxed)
+            );
+            thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Stops writing, waits for the last echo, and returns (sent, echoed).
+    fn finish(self) -> (u64, u64) {
+        self.stop.store(true, Ordering::Relaxed);
+        let sent = self.writer.join().expect("writer");
+        let echoed = self
+            .reader
+            .join()
+            .expect("reader")
+            .unwrap_or_else(|e| panic!("echo stream broken: {e}"));
+        (sent, echoed)
+    }
+}
+
+fn alive(pid: i32) -> bool {
+    // A zombie still has /proc/PID: count it as gone.
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| !s.contains(") Z "))
+        .unwrap_or(false)
+}
+
+/// A live connection of an unmodified server survives dump and restore:
+/// while the server is gone (dumped, not yet restored) the client keeps
+/// writing; afterwards every byte comes back once and in order, and the
+/// connection is the same one (no reset, no reconnect).
+#[test]
+fn an_echo_servers_live_connection_survives_dump_and_restore_with_every_byte() {
+    let Some((criu, pair)) = setup("criu_tcp") else {
+        return;
+    };
+    let (mut server, addr) = start_echo(&pair);
+    let pid = i32::try_from(server.id()).expect("pid");
+    let sock = pair
+        .tcp_connect(Side::Client, addr, Duration::from_secs(5))
+        .expect("connect");
+    let local = sock.local_addr().expect("local addr");
+    let stream = Stream::start(sock);
+    stream.wait_echoed(4 << 20, Duration::from_secs(30));
+
+    let images = tempfile::tempdir().expect("images dir");
+    let dumped = criu
+        .dump(
+            pid,
+            images.path(),
+            &DumpOptions {
+                tcp_established: true,
+                network_lock: NetworkLock::Nftables,
+                ..DumpOptions::default()
+            },
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    // CRIU killed it; reaping it frees its pid for the restore.
+    let status = server.wait().expect("reap the dumped server");
+    assert!(!status.success(), "the dumped server exited on its own");
+    let at_dump = stream.echoed.load(Ordering::Relaxed);
+    // The client keeps writing into the locked connection meanwhile.
+    thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        stream.echoed.load(Ordering::Relaxed),
+        at_dump,
+        "bytes came back while the server was dumped"
+    );
+
+    let restored = criu
+        .restore(
+            images.path(),
+            &RestoreOptions {
+                tcp_established: true,
+                network_lock: NetworkLock::Nftables,
+                ..RestoreOptions::default()
+            },
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(restored.pid, pid, "CRIU restores the server's pid");
+    assert!(alive(pid), "the restored server is not running");
+    stream.wait_echoed(at_dump + (4 << 20), Duration::from_secs(30));
+    let (sent, echoed) = stream.finish();
+    assert_eq!(echoed, sent, "every byte sent came back");
+    eprintln!(
+        "{local} -> {addr}: {sent} bytes, dump {:?} ({} image bytes), restore {:?}",
+        dumped.elapsed, dumped.image_bytes, restored.elapsed
+    );
+}
+
+/// A dump that cannot be done leaves the process running and says why, with
+/// CRIU's own message and its log.
+#[test]
+fn a_dump_without_tcp_established_fails_precisely_and_leaves_the_server_running() {
+    let Some((criu, pair)) = setup("criu_refuse") else {
+        return;
+    };
+    let (mut server, addr) = start_echo(&pair);
+    let pid = i32::try_from(server.id()).expect("pid");
+    let sock = pair
+        .tcp_connect(Side::Client, addr, Duration::from_secs(5))
+        .expect("connect");
+    let stream = Stream::start(sock);
+    stream.wait_echoed(1 << 20, Duration::from_secs(30));
+    let images = tempfile::tempdir().expect("images dir");
+    let err = criu
+        .dump(pid, images.path(), &DumpOptions::default())
+        .expect_err("an established connection without tcp_established must not dump");
+    let text = err.to_string();
+    assert!(matches!(err, Error::Failed { op: "dump", .. }), "{err:?}");
+    assert!(
+        text.contains(&images.path().join("dump.log").display().to_string()),
+        "names the log: {text}"
+    );
+    assert!(
+        text.to_lowercase().contains("tcp") || text.contains("established"),
+        "says it is the TCP connection: {text}"
+    );
+    assert!(alive(pid), "a failed dump left the server stopped or dead");
+    // And the connection still works.
+    let at = stream.echoed.load(Ordering::Relaxed);
+    stream.wait_echoed(at + (1 << 20), Duration::from_secs(30));
+    let (sent, echoed) = stream.finish();
+    assert_eq!(echoed, sent);
+    let _ = server.kill();
+    let _ = server.wait();
+}
+
+/// Dumping a process that does not exist is a precise error, not a hang.
+#[test]
+fn dumping_a_missing_process_says_so() {
+    let Some((criu, _pair)) = setup("criu_missing") else {
+        return;
+    };
+    let images = tempfile::tempdir().expect("images dir");
+    // Pids are below /proc/sys/kernel/pid_max (at most 2^22).
+    let missing = 4_194_303;
+    assert!(!Path::new(&format!("/proc/{missing}")).exists());
+    let err = criu
+        .dump(missing, images.path(), &DumpOptions::default())
+        .expect_err("no such process");
+    assert!(matches!(err, Error::Failed { op: "dump", .. }), "{err:?}");
+}
