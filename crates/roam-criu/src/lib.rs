@@ -459,10 +459,15 @@ impl Criu {
         };
         if !resp.success() {
             let log = images.map(|d| d.join(format!("{op}.log")));
-            let log_tail = log.as_deref().map(tail).unwrap_or_default();
+            let log_text = log
+                .as_deref()
+                .and_then(|l| std::fs::read(l).ok())
+                .map(|b| String::from_utf8_lossy(&b).into_owned())
+                .unwrap_or_default();
+            let log_tail = tail(&log_text);
             return Err(Error::Failed {
                 op,
-                message: resp.cr_errmsg().trim().to_owned(),
+                message: headline(resp.cr_errmsg(), &log_text),
                 errno: resp.cr_errno.filter(|&e| e > 0),
                 log,
                 log_tail,
@@ -563,21 +568,38 @@ fn open_dir(dir: &Path, op: &'static str) -> Result<std::fs::File, Error> {
     })
 }
 
-/// What an error quotes from CRIU's `log`: its `Error` lines (the first
+/// CRIU errors that do not make an operation fail: CRIU logs them as errors
+/// and reports the first error it logged as the request's message, which
+/// would then hide the real cause. Raising its descriptor limit fails
+/// without CAP_SYS_RESOURCE, and CRIU carries on with the limit it has.
+const HARMLESS: &[&str] = &["rlimit: Can't setup RLIMIT_NOFILE"];
+
+/// The `Error` lines of CRIU's log that are not [`HARMLESS`].
+fn error_lines(log: &str) -> impl Iterator<Item = &str> {
+    log.lines()
+        .filter(|l| l.contains("Error (") && !HARMLESS.iter().any(|h| l.contains(h)))
+}
+
+/// The failure's one-line cause: CRIU's message, unless that is a
+/// [`HARMLESS`] error, then the first real `Error` line of the log (without
+/// its timestamp and pid).
+fn headline(cr_errmsg: &str, log: &str) -> String {
+    let msg = cr_errmsg.trim();
+    if !msg.is_empty() && !HARMLESS.iter().any(|h| msg.contains(h)) {
+        return msg.to_owned();
+    }
+    error_lines(log)
+        .next()
+        .map(|l| l[l.find("Error (").unwrap_or(0)..].trim().to_owned())
+        .unwrap_or_else(|| msg.to_owned())
+}
+
+/// What an error quotes from CRIU's log: its real `Error` lines (the first
 /// [`LOG_TAIL_LINES`]; a failure's cause is usually the first of them), then
-/// its last lines, up to [`LOG_TAIL_LINES`] in all. Empty if unreadable.
-fn tail(log: &Path) -> String {
-    let Ok(text) = std::fs::read(log) else {
-        return String::new();
-    };
-    let text = String::from_utf8_lossy(&text);
-    let lines: Vec<&str> = text.lines().collect();
-    let mut quoted: Vec<&str> = lines
-        .iter()
-        .copied()
-        .filter(|l| l.contains("Error ("))
-        .take(LOG_TAIL_LINES)
-        .collect();
+/// its last lines, up to [`LOG_TAIL_LINES`] in all.
+fn tail(log: &str) -> String {
+    let lines: Vec<&str> = log.lines().collect();
+    let mut quoted: Vec<&str> = error_lines(log).take(LOG_TAIL_LINES).collect();
     let room = LOG_TAIL_LINES.saturating_sub(quoted.len()).max(2);
     let last = &lines[lines.len().saturating_sub(room)..];
     if !quoted.is_empty() && !last.is_empty() {
@@ -635,24 +657,35 @@ mod tests {
     }
 
     #[test]
-    fn a_failure_quotes_criu_and_its_log() {
-        let dir = tempfile::tempdir().unwrap();
-        let log = dir.path().join("dump.log");
-        let lines: Vec<String> = (0..30).map(|i| format!("line {i}")).collect();
-        std::fs::write(&log, lines.join("\n")).unwrap();
+    fn a_failure_names_the_real_cause_and_quotes_the_log() {
+        let mut lines: Vec<String> = (0..30).map(|i| format!("(00.{i:06}) line {i}")).collect();
+        lines[3] = "(00.000003) Error (criu/util.c:1533): rlimit: Can't setup RLIMIT_NOFILE \
+                    for self: Operation not permitted"
+            .into();
+        lines[9] = " 30443: Error (soccr/soccr.c:499): Can't bind inet socket back: \
+                    Cannot assign requested address"
+            .into();
+        let log = lines.join("\n");
         let e = Error::Failed {
-            op: "dump",
-            message: "Dumping FAILED.".into(),
+            op: "restore",
+            message: headline(&lines[3], &log),
             errno: Some(3),
-            log: Some(log.clone()),
+            log: Some(PathBuf::from("/images/restore.log")),
             log_tail: tail(&log),
         };
         let s = e.to_string();
         assert!(
-            s.starts_with("criu dump failed: Dumping FAILED. (No such process"),
-            "{s}"
+            s.starts_with(
+                "criu restore failed: Error (soccr/soccr.c:499): Can't bind inet socket back: \
+                 Cannot assign requested address (No such process"
+            ),
+            "the real cause heads the message, not CRIU's harmless first error: {s}"
         );
-        assert!(s.contains("line 29") && s.contains("line 18"), "{s}");
-        assert!(!s.contains("line 17"), "only the last lines: {s}");
+        assert!(s.contains("/images/restore.log"), "{s}");
+        assert!(!s.contains("RLIMIT_NOFILE"), "{s}");
+        assert!(s.contains("line 29") && s.contains("line 19"), "{s}");
+        assert!(!s.contains("line 18"), "only the last lines: {s}");
+        // A message of CRIU's own that is not harmless stays as it is.
+        assert_eq!(headline("Dumping FAILED.", &log), "Dumping FAILED.");
     }
 }

@@ -25,7 +25,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use roam_criu::{Criu, DumpOptions, Error, NetworkLock, RestoreOptions};
-use roam_sim::netns::{self, NetPair, Side};
+use roam_sim::netns::{self, Lan, NetPair, Side};
 
 /// The echo server: one connection at a time, every byte sent back.
 const ECHO_SERVER: &str = r#"
@@ -47,9 +47,9 @@ while True:
 /// Port of the echo server (inside its own namespace: nothing else binds there).
 const PORT: u16 = 7100;
 
-/// CRIU and a namespace pair, or `None` (with the reason printed) where the
-/// machine cannot run these tests. Panics instead when `$ROAM_CRIU` is set.
-fn setup(name: &str) -> Option<(Criu, NetPair)> {
+/// CRIU, or `None` (with the reason printed) where the machine cannot run
+/// these tests. Panics instead when `$ROAM_CRIU` is set.
+fn criu() -> Option<Criu> {
     let required = std::env::var_os("ROAM_CRIU").is_some_and(|v| !v.is_empty());
     let skip = |why: String| {
         assert!(!required, "ROAM_CRIU is set but {why}");
@@ -70,26 +70,31 @@ fn setup(name: &str) -> Option<(Criu, NetPair)> {
             return None;
         }
     }
-    let criu = match Criu::locate() {
-        Ok(c) => c,
+    match Criu::locate() {
+        Ok(c) => Some(c),
         Err(e) => {
             skip(format!("no usable CRIU: {e}"));
-            return None;
+            None
         }
-    };
+    }
+}
+
+/// CRIU running in the server side of a new namespace pair, and the pair.
+fn setup(name: &str) -> Option<(Criu, NetPair)> {
+    let criu = criu()?;
     let pair = NetPair::new(name).expect("network namespaces");
     let criu = criu.in_netns(pair.ns(Side::Server));
     Some((criu, pair))
 }
 
-/// Starts the echo server in the pair's server namespace, in a session of
-/// its own with its stdio on /dev/null (so CRIU dumps it alone), and waits
-/// until it accepts. Returns it (this test process is its parent, so it
-/// must be reaped for its pid to be free for a restore) and its address; the
-/// pair's drop kills it.
-fn start_echo(pair: &NetPair) -> (Child, SocketAddr) {
+/// Starts the echo server in namespace `ns`, in a session of its own with its
+/// stdio on /dev/null (so CRIU dumps it alone), and waits until `connect`
+/// reaches it. Returns it: this test process is its parent, so it must be
+/// reaped for its pid to be free for a restore. The namespace's owner (a
+/// `NetPair` or `Lan`) kills it when dropped.
+fn start_echo(ns: &str, connect: impl Fn() -> std::io::Result<TcpStream>) -> Child {
     let child = Command::new("nsenter")
-        .arg(format!("--net=/run/netns/{}", pair.ns(Side::Server)))
+        .arg(format!("--net=/run/netns/{ns}"))
         .args(["--", "setsid", "python3", "-c", ECHO_SERVER])
         .arg(PORT.to_string())
         .stdin(Stdio::null())
@@ -97,10 +102,9 @@ fn start_echo(pair: &NetPair) -> (Child, SocketAddr) {
         .stderr(Stdio::null())
         .spawn()
         .expect("start the echo server");
-    let addr = SocketAddr::from((pair.server_addr(), PORT));
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        match pair.tcp_connect(Side::Client, addr, Duration::from_secs(1)) {
+        match connect() {
             Ok(probe) => {
                 drop(probe);
                 break;
@@ -113,6 +117,15 @@ fn start_echo(pair: &NetPair) -> (Child, SocketAddr) {
     }
     // Let the server finish with the probe and return to accept().
     thread::sleep(Duration::from_millis(100));
+    child
+}
+
+/// [`start_echo`] on the pair's server side; also returns its address.
+fn start_echo_on(pair: &NetPair) -> (Child, SocketAddr) {
+    let addr = SocketAddr::from((pair.server_addr(), PORT));
+    let child = start_echo(pair.ns(Side::Server), || {
+        pair.tcp_connect(Side::Client, addr, Duration::from_secs(1))
+    });
     (child, addr)
 }
 
@@ -238,7 +251,7 @@ fn an_echo_servers_live_connection_survives_dump_and_restore_with_every_byte() {
     let Some((criu, pair)) = setup("criu_tcp") else {
         return;
     };
-    let (mut server, addr) = start_echo(&pair);
+    let (mut server, addr) = start_echo_on(&pair);
     let pid = i32::try_from(server.id()).expect("pid");
     let sock = pair
         .tcp_connect(Side::Client, addr, Duration::from_secs(5))
@@ -299,7 +312,7 @@ fn a_dump_without_tcp_established_fails_precisely_and_leaves_the_server_running(
     let Some((criu, pair)) = setup("criu_refuse") else {
         return;
     };
-    let (mut server, addr) = start_echo(&pair);
+    let (mut server, addr) = start_echo_on(&pair);
     let pid = i32::try_from(server.id()).expect("pid");
     let sock = pair
         .tcp_connect(Side::Client, addr, Duration::from_secs(5))
@@ -344,4 +357,87 @@ fn dumping_a_missing_process_says_so() {
         .dump(missing, images.path(), &DumpOptions::default())
         .expect_err("no such process");
     assert!(matches!(err, Error::Failed { op: "dump", .. }), "{err:?}");
+}
+
+/// The process moves to another host and takes its address along: dumped on
+/// host A, its service address taken off A and put on B, restored on B, the
+/// client's host told to look the address up again (what B's gratuitous ARP
+/// would do). The client's connection carries on with every byte, and host
+/// A no longer has the process. Until the restore, the client's packets
+/// still go to A, which drops them (the address is gone there): no reset.
+#[test]
+fn a_live_connection_follows_its_server_to_another_host_with_its_address() {
+    let Some(criu) = criu() else {
+        return;
+    };
+    const CLIENT: usize = 0;
+    const A: usize = 1;
+    const B: usize = 2;
+    let lan = Lan::new("criu_move", 3).expect("LAN");
+    let service = lan.subnet_addr(100);
+    lan.add_addr(A, service).expect("service address on A");
+    let addr = SocketAddr::from((service, PORT));
+    let mut server = start_echo(lan.ns(A), || {
+        lan.tcp_connect(CLIENT, addr, Duration::from_secs(1))
+    });
+    let pid = i32::try_from(server.id()).expect("pid");
+    let sock = lan
+        .tcp_connect(CLIENT, addr, Duration::from_secs(5))
+        .expect("connect");
+    let stream = Stream::start(sock);
+    stream.wait_echoed(4 << 20, Duration::from_secs(30));
+
+    let images = tempfile::tempdir().expect("images dir");
+    let lock = NetworkLock::Nftables;
+    let started = Instant::now();
+    let dumped = criu
+        .clone()
+        .in_netns(lan.ns(A))
+        .dump(
+            pid,
+            images.path(),
+            &DumpOptions {
+                tcp_established: true,
+                network_lock: lock,
+                ..DumpOptions::default()
+            },
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    server.wait().expect("reap the dumped server");
+    let at_dump = stream.echoed.load(Ordering::Relaxed);
+    lan.del_addr(A, service).expect("service address off A");
+    lan.add_addr(B, service).expect("service address on B");
+    let restored = criu
+        .in_netns(lan.ns(B))
+        .restore(
+            images.path(),
+            &RestoreOptions {
+                tcp_established: true,
+                network_lock: lock,
+                ..RestoreOptions::default()
+            },
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    lan.forget_neighbor(service).expect("neighbor caches");
+    let moved = started.elapsed();
+    assert_eq!(restored.pid, pid);
+    assert!(alive(pid), "the restored server is not running");
+    let in_b = Command::new("ip")
+        .args(["netns", "pids", lan.ns(B)])
+        .output()
+        .expect("ip netns pids");
+    assert!(
+        String::from_utf8_lossy(&in_b.stdout)
+            .split_whitespace()
+            .any(|p| p == pid.to_string()),
+        "the restored server is not on host B"
+    );
+    stream.wait_echoed(at_dump + (4 << 20), Duration::from_secs(30));
+    let (sent, echoed) = stream.finish();
+    assert_eq!(echoed, sent, "every byte sent came back");
+    eprintln!(
+        "moved A -> B with {service}: {sent} bytes verified; dump {:?}, restore {:?}, \
+         dump to address back {moved:?}, {} image bytes",
+        dumped.elapsed, restored.elapsed, dumped.image_bytes
+    );
 }

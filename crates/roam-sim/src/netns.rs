@@ -16,6 +16,9 @@
 //! behind by a test process that was killed outright are removed by the next
 //! [`NetPair::new`] once their creator's pid is gone.
 //!
+//! [`Lan`] puts any number of hosts on one bridged Ethernet segment instead,
+//! for addresses that move between hosts.
+//!
 //! Needs root and iproute2; [`available`] says why not, so tests can skip
 //! with a clear message. Non-goals: delay and loss (this kernel has no netem;
 //! use [`crate::proxy::FaultProxy`]), and IPv6.
@@ -145,14 +148,17 @@ fn destroy_ns(ns: &str) {
     let _ = ip(&["netns", "del", ns]);
 }
 
-/// Deletes `roam-<prefix>-<pid>-[cs]` namespaces whose creating process is
-/// gone (a test process killed before its guards ran).
+/// Deletes `roam-<prefix>-<pid>-<role>` namespaces ([`NetPair`]'s `-c` and
+/// `-s`, [`Lan`]'s `-sw` and `-hN`) whose creating process is gone (a test
+/// process killed before its guards ran). Prefixes have no `-`.
 fn remove_stale() {
     for ns in roam_namespaces() {
-        let Some(stem) = ns.strip_suffix("-c").or_else(|| ns.strip_suffix("-s")) else {
+        let Some(rest) = ns.strip_prefix(NS_PREFIX) else {
             continue;
         };
-        let Some((_, pid)) = stem.rsplit_once('-') else {
+        let mut parts = rest.split('-');
+        let (Some(_prefix), Some(pid), Some(_role)) = (parts.next(), parts.next(), parts.next())
+        else {
             continue;
         };
         let Ok(pid) = pid.parse::<u32>() else {
@@ -444,6 +450,196 @@ impl Drop for NetPair {
     fn drop(&mut self) {
         destroy_ns(&self.client_ns);
         destroy_ns(&self.server_ns);
+        let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
+        live.retain(|s| s != &self.stem);
+    }
+}
+
+/// Hosts on one Ethernet segment: a switch namespace
+/// `roam-<prefix>-<pid>-sw` holding a bridge, and host namespaces
+/// `roam-<prefix>-<pid>-h0`, `-h1`, ... each with a veth [`IFACE`] plugged
+/// into the bridge. Host `i` has `10.198.X.(i+1)/24` (X per LAN); more
+/// addresses of the subnet can be added to and removed from any host
+/// ([`Lan::add_addr`], [`Lan::del_addr`]) and the other hosts made to look
+/// them up again ([`Lan::forget_neighbor`]), as a service address moves with
+/// a migrated process.
+/// Dropping the LAN kills every process in its namespaces and deletes them.
+#[derive(Debug)]
+pub struct Lan {
+    stem: String,
+    switch: String,
+    hosts: Vec<String>,
+    /// X of 10.198.X.0/24.
+    subnet: u8,
+}
+
+/// Name of the bridge in a [`Lan`]'s switch namespace.
+const BRIDGE: &str = "br0";
+
+impl Lan {
+    /// Creates the switch and `hosts` hosts (at most 200), every link up.
+    /// `prefix` names the test ([A-Za-z0-9_], unique among the LANs and
+    /// pairs alive in this process).
+    pub fn new(prefix: &str, hosts: usize) -> io::Result<Lan> {
+        if prefix.is_empty()
+            || !prefix
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_')
+            || hosts == 0
+            || hosts > 200
+        {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("LAN prefix {prefix:?} must be [A-Za-z0-9_], hosts 1..=200 (not {hosts})"),
+            ));
+        }
+        remove_stale();
+        let stem = format!("{NS_PREFIX}{prefix}-{}", std::process::id());
+        {
+            let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
+            if live.contains(&stem) {
+                return Err(io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    format!("a LAN or pair with prefix {prefix:?} is alive in this process"),
+                ));
+            }
+            live.push(stem.clone());
+        }
+        let subnet =
+            ((std::process::id().wrapping_mul(13).wrapping_add(next_id())) % 254 + 1) as u8;
+        let lan = Lan {
+            switch: format!("{stem}-sw"),
+            hosts: (0..hosts).map(|i| format!("{stem}-h{i}")).collect(),
+            stem,
+            subnet,
+        };
+        // From here on, `lan`'s Drop cleans up whatever was made.
+        for ns in std::iter::once(&lan.switch).chain(&lan.hosts) {
+            if roam_namespaces().contains(ns) {
+                destroy_ns(ns);
+            }
+            ip(&["netns", "add", ns])?;
+            ip(&["-n", ns, "link", "set", "lo", "up"])?;
+        }
+        ip(&["-n", &lan.switch, "link", "add", BRIDGE, "type", "bridge"])?;
+        ip(&["-n", &lan.switch, "link", "set", BRIDGE, "up"])?;
+        for (i, ns) in lan.hosts.iter().enumerate() {
+            let port = format!("p{i}");
+            ip(&[
+                "link",
+                "add",
+                "name",
+                IFACE,
+                "netns",
+                ns,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                &port,
+                "netns",
+                &lan.switch,
+            ])?;
+            ip(&["-n", &lan.switch, "link", "set", &port, "master", BRIDGE])?;
+            ip(&["-n", &lan.switch, "link", "set", &port, "up"])?;
+            let addr = format!("{}/24", lan.addr(i));
+            ip(&["-n", ns, "addr", "add", &addr, "dev", IFACE])?;
+            ip(&["-n", ns, "link", "set", IFACE, "up"])?;
+        }
+        Ok(lan)
+    }
+
+    /// The namespace of host `i`.
+    pub fn ns(&self, i: usize) -> &str {
+        &self.hosts[i]
+    }
+
+    /// `10.198.X.last`: an address of this LAN's subnet.
+    pub fn subnet_addr(&self, last: u8) -> Ipv4Addr {
+        Ipv4Addr::new(10, 198, self.subnet, last)
+    }
+
+    /// Host `i`'s own address (`10.198.X.(i+1)`).
+    pub fn addr(&self, i: usize) -> Ipv4Addr {
+        self.subnet_addr(u8::try_from(i + 1).unwrap_or(u8::MAX))
+    }
+
+    /// Adds `addr` (of the LAN's /24) to host `i`.
+    pub fn add_addr(&self, i: usize, addr: Ipv4Addr) -> io::Result<()> {
+        ip(&[
+            "-n",
+            self.ns(i),
+            "addr",
+            "add",
+            &format!("{addr}/24"),
+            "dev",
+            IFACE,
+        ])
+    }
+
+    /// Removes `addr` from host `i`.
+    pub fn del_addr(&self, i: usize, addr: Ipv4Addr) -> io::Result<()> {
+        ip(&[
+            "-n",
+            self.ns(i),
+            "addr",
+            "del",
+            &format!("{addr}/24"),
+            "dev",
+            IFACE,
+        ])
+    }
+
+    /// Makes every other host forget which link-layer address `addr` had, so
+    /// their next packet to it asks again and reaches whichever host has it
+    /// now: what a gratuitous ARP from that host does on a real segment.
+    pub fn forget_neighbor(&self, addr: Ipv4Addr) -> io::Result<()> {
+        for ns in &self.hosts {
+            // `flush` of an address nobody has resolved is not an error.
+            ip(&[
+                "-n",
+                ns,
+                "neigh",
+                "flush",
+                "to",
+                &addr.to_string(),
+                "dev",
+                IFACE,
+            ])?;
+        }
+        Ok(())
+    }
+
+    /// Runs `f` on a helper thread inside host `i`'s namespace (see
+    /// [`NetPair::in_ns`]).
+    pub fn in_ns<T: Send>(&self, i: usize, f: impl FnOnce() -> T + Send) -> io::Result<T> {
+        let ns_file = File::open(format!("/run/netns/{}", self.ns(i)))?;
+        thread::scope(|s| {
+            s.spawn(move || {
+                nix::sched::setns(&ns_file, CloneFlags::CLONE_NEWNET).map_err(io::Error::from)?;
+                Ok(f())
+            })
+            .join()
+            .map_err(|_| io::Error::other("closure run in a network namespace panicked"))?
+        })
+    }
+
+    /// A TCP connection to `addr` made from inside host `i`'s namespace.
+    pub fn tcp_connect(
+        &self,
+        i: usize,
+        addr: SocketAddr,
+        timeout: Duration,
+    ) -> io::Result<TcpStream> {
+        self.in_ns(i, || TcpStream::connect_timeout(&addr, timeout))?
+    }
+}
+
+impl Drop for Lan {
+    fn drop(&mut self) {
+        for ns in self.hosts.iter().chain(std::iter::once(&self.switch)) {
+            destroy_ns(ns);
+        }
         let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
         live.retain(|s| s != &self.stem);
     }

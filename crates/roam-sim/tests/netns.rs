@@ -231,3 +231,61 @@ fn duplicate_prefix_is_refused() {
     assert_eq!(b.unwrap_err().kind(), std::io::ErrorKind::AlreadyExists);
     assert!(NetPair::new("bad-prefix").is_err());
 }
+
+/// A `Lan`'s hosts reach each other over the bridge; an address moved from
+/// one host to another (removed, added, neighbors told) is then served by the
+/// new host; dropping the LAN removes all its namespaces.
+#[test]
+fn a_lan_address_moved_between_hosts_is_reached_at_its_new_host() {
+    require_netns!();
+    let lan = netns::Lan::new("lan_move", 3).expect("LAN");
+    assert_eq!(ours("lan_move").len(), 4, "a switch and three hosts");
+    let service = lan.subnet_addr(100);
+    let at = SocketAddr::from((service, PORT));
+    // One listener on each candidate host, each answering with its own name.
+    let serve = |host: usize, name: &'static [u8]| {
+        lan.add_addr(host, service).expect("add the address");
+        let l = lan
+            .in_ns(host, || std::net::TcpListener::bind(at))
+            .expect("enter ns")
+            .expect("listen");
+        thread::spawn(move || {
+            if let Ok((mut c, _)) = l.accept() {
+                let _ = c.write_all(name);
+            }
+        })
+    };
+    let ask = || {
+        let mut c = lan.tcp_connect(0, at, T).expect("connect");
+        let mut answer = Vec::new();
+        c.read_to_end(&mut answer).expect("read");
+        answer
+    };
+    let first = serve(1, b"host 1");
+    assert_eq!(ask(), b"host 1");
+    first.join().expect("host 1");
+    lan.del_addr(1, service).expect("remove the address");
+    let second = serve(2, b"host 2");
+    lan.forget_neighbor(service).expect("neighbors");
+    assert_eq!(
+        ask(),
+        b"host 2",
+        "the moved address is served by its new host"
+    );
+    second.join().expect("host 2");
+    // The hosts' own addresses stay reachable across the bridge.
+    let own = SocketAddr::from((lan.addr(2), PORT + 1));
+    let l = lan
+        .in_ns(2, || std::net::TcpListener::bind(own))
+        .expect("enter ns")
+        .expect("listen");
+    let t = thread::spawn(move || l.accept().map(|_| ()));
+    lan.tcp_connect(1, own, T).expect("host 1 reaches host 2");
+    t.join().expect("accept").expect("accepted");
+    drop(lan);
+    assert!(
+        ours("lan_move").is_empty(),
+        "namespaces left: {:?}",
+        ours("lan_move")
+    );
+}
