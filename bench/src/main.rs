@@ -85,7 +85,7 @@ struct Cli {
     #[arg(long)]
     roam: Option<PathBuf>,
     /// Only these scenarios (comma-separated): throughput, latency, setup,
-    /// resume, memory, many, cluster.
+    /// resume, memory, many, cluster, takeover, shell, migrate.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Only these peers (comma-separated result names, e.g. socat,roam-forward);
@@ -157,6 +157,8 @@ pub(crate) struct Plan {
     pub(crate) shell_rounds: usize,
     /// Detached shells parked at once in scenario 9.
     pub(crate) shell_parked: usize,
+    /// Scenario 10's cases: (connections, MB of process memory).
+    pub(crate) migrate_cases: Vec<(usize, usize)>,
 }
 
 /// The state sizes of scenario 7 (bytes of attributes).
@@ -196,6 +198,7 @@ impl Plan {
             shell_keystrokes: 200,
             shell_rounds: 2,
             shell_parked: 100,
+            migrate_cases: vec![(10, 10), (100, 10)],
         }
     }
 
@@ -229,6 +232,15 @@ impl Plan {
             shell_keystrokes: 1000,
             shell_rounds: 5,
             shell_parked: 1000,
+            migrate_cases: vec![
+                (10, 10),
+                (100, 10),
+                (1000, 10),
+                (10000, 10),
+                (100, 100),
+                (100, 1000),
+                (1000, 1000),
+            ],
         }
     }
 
@@ -262,6 +274,7 @@ impl Plan {
             shell_keystrokes: 20,
             shell_rounds: 1,
             shell_parked: 10,
+            migrate_cases: vec![(10, 10)],
         }
     }
 
@@ -332,6 +345,7 @@ pub(crate) struct Scenarios {
     pub(crate) cluster: Outcome<scenarios::cluster::Cluster>,
     pub(crate) takeover: Outcome<scenarios::takeover::Takeover>,
     pub(crate) shell: Outcome<scenarios::shell::ShellBench>,
+    pub(crate) migrate: Outcome<scenarios::migrate::Migrate>,
 }
 
 impl Scenarios {
@@ -348,6 +362,7 @@ impl Scenarios {
             ("cluster", s.cluster.is_error()),
             ("takeover", s.takeover.is_error()),
             ("shell", s.shell.is_error()),
+            ("migrate", s.migrate.is_error()),
         ] {
             if err {
                 v.push(name);
@@ -398,6 +413,11 @@ where
         Ok(Err(join)) => Outcome::Error {
             error: format!("panicked: {join}"),
         },
+        // A scenario that cannot run on this machine (a missing tool) says
+        // so with `Unsupported`: reported as skipped, with the reason.
+        Ok(Ok(Err(e))) if e.kind() == io::ErrorKind::Unsupported => {
+            Outcome::Skipped { why: e.to_string() }
+        }
         Ok(Ok(Err(e))) => Outcome::Error {
             error: e.to_string(),
         },
@@ -446,6 +466,7 @@ fn main() {
         "cluster",
         "takeover",
         "shell",
+        "migrate",
     ];
     if let Some(bad) = cli.only.iter().find(|o| !known.contains(&o.as_str())) {
         eprintln!(
@@ -597,6 +618,10 @@ async fn run(cli: Cli, plan: Plan, nofile: u64) -> i32 {
             scenarios::shell::run(c.clone(), l)
         })
         .await,
+        migrate: scenario("migrate", &c.env, only, &lab, budget, |l| {
+            scenarios::migrate::run(c.clone(), l)
+        })
+        .await,
     };
     drop(lab);
     let errors = scen.errors();
@@ -672,6 +697,18 @@ mod tests {
             assert_eq!(p.cluster_drains, [64, 1000]);
             assert_eq!(p.cluster_move_every_s, [2.0, 5.0, 10.0]);
         }
+        // Issue 12's figures: connections 10 to 10,000 and 10 MB to 1 GB,
+        // and the target's case (1 GB, 1,000 connections), in full runs.
+        let conns: Vec<usize> = f.migrate_cases.iter().map(|c| c.0).collect();
+        let mbs: Vec<usize> = f.migrate_cases.iter().map(|c| c.1).collect();
+        for n in [10, 100, 1000, 10_000] {
+            assert!(conns.contains(&n), "{n} connections");
+        }
+        for mb in [10, 100, 1000] {
+            assert!(mbs.contains(&mb), "{mb} MB");
+        }
+        assert!(f.migrate_cases.contains(&(1000, 1000)));
+        assert!(!q.migrate_cases.is_empty());
     }
 
     #[test]

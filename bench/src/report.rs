@@ -601,7 +601,59 @@ fn markdown(r: &Results, plots: &[io::Result<PathBuf>]) -> String {
     cluster_section(&mut s, &sc.cluster);
     takeover_section(&mut s, &sc.takeover);
     shell_section(&mut s, &sc.shell);
+    migrate_section(&mut s, &sc.migrate);
     s
+}
+
+/// Section 10: a process moved to another host (CRIU, issue 12's engine).
+fn migrate_section(s: &mut String, o: &Outcome<crate::scenarios::migrate::Migrate>) {
+    let _ = writeln!(
+        s,
+        "\n## 10. A running process moved to another host (CRIU)\n"
+    );
+    if let Some(x) = status_line(o) {
+        *s += &x;
+    }
+    let Some(m) = o.ok() else {
+        return;
+    };
+    let _ = writeln!(
+        s,
+        "Three network namespaces on one bridge: a client host, host A and host B. A Python \
+         server on A holds the memory shown and echoes on every connection from the client host. \
+         It is moved with {}: dumped on A (established connections), its service address moved \
+         from A to B, restored on B, the client host's neighbor entry for the address forgotten; \
+         TCP to and from the address is dropped on A from the dump until the address has left \
+         and on B until the restore is done (roam's address lock). Moved: from the dump's start until the address answers on B. Freeze: \
+         the longest 1-byte round trip of a probe connection across the move (it includes the \
+         client's TCP retransmission timeout: packets sent during the move are dropped, not yet \
+         queued and re-injected). Images go to a local directory: no transfer between machines, \
+         no lazy pages (`roam migrate-process` is not built yet). Targets (1 GB, 1,000 \
+         connections, full runs): freeze ≤ {} ms (the paper), goal ≤ {} ms.\n",
+        m.criu,
+        crate::scenarios::migrate::PAPER_FREEZE_MS,
+        crate::scenarios::migrate::GOAL_FREEZE_MS
+    );
+    let _ = writeln!(
+        s,
+        "| connections | memory (MB) | dump (ms) | restore (ms) | moved (ms) | freeze (ms) | probe RTT before (ms) | images (MB) | intact |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
+    for r in &m.rows {
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} of {} |",
+            r.connections,
+            r.memory_mb,
+            f(r.dump_ms, 0),
+            f(r.restore_ms, 0),
+            f(r.moved_ms, 0),
+            f(r.freeze_ms, 0),
+            f(r.probe_rtt_ms, 2),
+            f(r.image_bytes as f64 / 1e6, 1),
+            r.intact,
+            r.connections
+        );
+    }
 }
 
 /// Section 9: interactive shells (`roam shell` against ssh and mosh).

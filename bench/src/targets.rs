@@ -178,7 +178,36 @@ pub(crate) fn evaluate(sc: &Scenarios, planned_clients: usize) -> Vec<Target> {
         }
     }
     cluster(sc, &mut v);
+    migrate(sc, &mut v);
     v
+}
+
+/// Issue 12's freeze targets for a process moved between hosts (scenario
+/// 10): the paper's 200 ms and the goal of 50 ms, at 1 GB and 1,000
+/// connections (measured in full runs only).
+fn migrate(sc: &Scenarios, v: &mut Vec<Target>) {
+    use crate::scenarios::migrate::{GOAL_FREEZE_MS, PAPER_FREEZE_MS};
+    let freeze = sc
+        .migrate
+        .ok()
+        .and_then(|m| {
+            m.rows
+                .iter()
+                .find(|r| r.connections == 1000 && r.memory_mb == 1000)
+        })
+        .map_or(f64::NAN, |r| r.freeze_ms);
+    for (goal, whose) in [
+        (PAPER_FREEZE_MS, "the paper's"),
+        (GOAL_FREEZE_MS, "the goal"),
+    ] {
+        v.push(target(
+            format!("process moved to another host, 1 GB, 1,000 connections: freeze (ms), {whose}"),
+            "<=",
+            goal,
+            freeze,
+            "CRIU dump + restore, images in a local directory (no transfer, no lazy pages): section 10",
+        ));
+    }
 }
 
 /// Issue 10's targets for moves between cluster hosts (scenario 7).

@@ -7,6 +7,7 @@ pub(crate) mod cluster;
 pub(crate) mod latency;
 pub(crate) mod many;
 pub(crate) mod memory;
+pub(crate) mod migrate;
 pub(crate) mod resume;
 pub(crate) mod setup;
 pub(crate) mod shell;

@@ -200,6 +200,11 @@ pub enum Error {
         /// The last lines of that log.
         log_tail: String,
     },
+    /// An [`AddressLock`] could not be put in place or removed.
+    Lock {
+        /// What `nft` said.
+        detail: String,
+    },
     /// No answer within five minutes: CRIU was killed.
     Timeout {
         /// The request.
@@ -248,6 +253,7 @@ impl fmt::Display for Error {
                 }
                 Ok(())
             }
+            Error::Lock { detail } => write!(f, "address lock: {detail}"),
             Error::Timeout { op } => write!(
                 f,
                 "criu {op}: no answer within {} s; CRIU was killed",
@@ -440,15 +446,42 @@ impl Criu {
             .stdin(Stdio::from(OwnedFd::from(theirs)))
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
-        let mut child = cmd.spawn().map_err(|source| Error::Spawn {
+        let spawned = cmd.spawn();
+        // The command holds our copy of CRIU's end until dropped: closed
+        // now, CRIU's death reads as end-of-file instead of a wait forever.
+        drop(cmd);
+        let mut child = spawned.map_err(|source| Error::Spawn {
             path: self.path.clone(),
             source,
         })?;
         let result = exchange(op, kind, opts, &ours);
         drop(ours);
-        let stderr = reap(&mut child);
+        let (status, stderr) = reap(&mut child);
         let resp = match result {
             Ok(resp) => resp,
+            Err(Error::Io { op, source }) if source.kind() == io::ErrorKind::UnexpectedEof => {
+                let log = images.map(|d| d.join(format!("{op}.log")));
+                let log_text = log
+                    .as_deref()
+                    .and_then(|l| std::fs::read(l).ok())
+                    .map(|b| String::from_utf8_lossy(&b).into_owned())
+                    .unwrap_or_default();
+                return Err(Error::Failed {
+                    op,
+                    message: format!(
+                        "CRIU ended without an answer ({}){}",
+                        status.map_or("not reaped".into(), |s| s.to_string()),
+                        if stderr.is_empty() {
+                            String::new()
+                        } else {
+                            format!("; it said: {stderr}")
+                        }
+                    ),
+                    errno: None,
+                    log,
+                    log_tail: tail(&log_text),
+                });
+            }
             Err(Error::Io { op, source }) if !stderr.is_empty() => {
                 return Err(Error::Io {
                     op,
@@ -474,6 +507,119 @@ impl Criu {
             });
         }
         Ok(resp)
+    }
+}
+
+/// A network lock of roam's own: while held, every TCP packet to or from one
+/// address is dropped in one network namespace (an nftables table with an
+/// input and an output rule). Use it with [`NetworkLock::Skip`] around a dump
+/// and around a restore.
+///
+/// Why not CRIU's own lock: CRIU's nftables lock adds one set element per
+/// connection through libnftables, which aborts CRIU ("bit out of range 0 -
+/// FD_SETSIZE on fd_set") once CRIU holds more than 1,024 descriptors, as it
+/// does when it dumps a process with several hundred connections; its
+/// iptables lock runs one iptables command per connection. One rule for the
+/// whole address costs the same for ten connections or ten thousand, and it
+/// also covers the gaps CRIU's lock leaves when a process moves between
+/// hosts: from the moment the dumped sockets are gone until the address has
+/// left the old host, and on the new host from the moment the address
+/// arrives until the restored sockets exist — packets that would otherwise
+/// draw resets are dropped, and TCP retransmits them.
+#[derive(Debug)]
+pub struct AddressLock {
+    ns: Option<String>,
+    table: String,
+    released: bool,
+}
+
+impl AddressLock {
+    /// Drops TCP to and from `addr` in namespace `ns` (`/run/netns/NS`; the
+    /// caller's own namespace if `None`) until released or dropped.
+    pub fn new(ns: Option<&str>, addr: std::net::IpAddr) -> Result<AddressLock, Error> {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let table = format!(
+            "roam_lock_{}_{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        let family = match addr {
+            std::net::IpAddr::V4(_) => "ip",
+            std::net::IpAddr::V6(_) => "ip6",
+        };
+        // Priority -150: before conntrack's and any filter table's hooks.
+        let rules = format!(
+            "table inet {table} {{\n\
+             \tchain input {{ type filter hook input priority -150; policy accept; \
+             {family} daddr {addr} meta l4proto tcp drop; }}\n\
+             \tchain output {{ type filter hook output priority -150; policy accept; \
+             {family} saddr {addr} meta l4proto tcp drop; }}\n}}\n"
+        );
+        // Marked released until the table exists: a failed start deletes nothing.
+        let mut lock = AddressLock {
+            ns: ns.map(str::to_owned),
+            table,
+            released: true,
+        };
+        lock.nft(&rules)?;
+        lock.released = false;
+        Ok(lock)
+    }
+
+    /// Lifts the lock.
+    pub fn release(mut self) -> Result<(), Error> {
+        self.released = true;
+        self.nft(&format!("delete table inet {}\n", self.table))
+    }
+
+    /// Runs `nft -f -` with `script`, in the lock's namespace.
+    fn nft(&self, script: &str) -> Result<(), Error> {
+        let mut cmd = match &self.ns {
+            Some(ns) => {
+                let mut c = Command::new("nsenter");
+                c.arg(format!("--net=/run/netns/{ns}")).args(["--", "nft"]);
+                c
+            }
+            None => Command::new("nft"),
+        };
+        let mut child = cmd
+            .args(["-f", "-"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| Error::Lock {
+                detail: format!("could not run nft: {e}"),
+            })?;
+        if let Some(mut stdin) = child.stdin.take() {
+            stdin
+                .write_all(script.as_bytes())
+                .map_err(|e| Error::Lock {
+                    detail: format!("writing to nft: {e}"),
+                })?;
+        }
+        let out = child.wait_with_output().map_err(|e| Error::Lock {
+            detail: format!("waiting for nft: {e}"),
+        })?;
+        if !out.status.success() {
+            return Err(Error::Lock {
+                detail: format!(
+                    "nft failed ({}): {}",
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Drop for AddressLock {
+    fn drop(&mut self) {
+        if !self.released {
+            let _ = self.nft(&format!("delete table inet {}\n", self.table));
+        }
     }
 }
 
@@ -539,25 +685,25 @@ fn exchange(
 }
 
 /// Waits for `criu swrk` (it exits once its socket closes; killed if it
-/// does not within a few seconds) and returns what it wrote to stderr.
-fn reap(child: &mut Child) -> String {
+/// does not within a few seconds) and returns how it ended and what it
+/// wrote to stderr.
+fn reap(child: &mut Child) -> (Option<std::process::ExitStatus>, String) {
     let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
+    let status = loop {
         match child.try_wait() {
-            Ok(Some(_)) => break,
+            Ok(Some(s)) => break Some(s),
             Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
             _ => {
                 let _ = child.kill();
-                let _ = child.wait();
-                break;
+                break child.wait().ok();
             }
         }
-    }
+    };
     let mut err = String::new();
     if let Some(mut s) = child.stderr.take() {
         let _ = s.read_to_string(&mut err);
     }
-    err.trim().to_owned()
+    (status, err.trim().to_owned())
 }
 
 /// The images directory, opened for CRIU to reach through `/proc`.

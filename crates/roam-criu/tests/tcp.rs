@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use roam_criu::{Criu, DumpOptions, Error, NetworkLock, RestoreOptions};
+use roam_criu::{AddressLock, Criu, DumpOptions, Error, NetworkLock, RestoreOptions};
 use roam_sim::netns::{self, Lan, NetPair, Side};
 
 /// The echo server: one connection at a time, every byte sent back.
@@ -363,8 +363,9 @@ fn dumping_a_missing_process_says_so() {
 /// host A, its service address taken off A and put on B, restored on B, the
 /// client's host told to look the address up again (what B's gratuitous ARP
 /// would do). The client's connection carries on with every byte, and host
-/// A no longer has the process. Until the restore, the client's packets
-/// still go to A, which drops them (the address is gone there): no reset.
+/// A no longer has the process. roam's address lock (not CRIU's) keeps the
+/// gaps quiet: on A, TCP for the address is dropped from the dump until the
+/// address has left; on B, from its arrival until the restore is done.
 #[test]
 fn a_live_connection_follows_its_server_to_another_host_with_its_address() {
     let Some(criu) = criu() else {
@@ -388,8 +389,11 @@ fn a_live_connection_follows_its_server_to_another_host_with_its_address() {
     stream.wait_echoed(4 << 20, Duration::from_secs(30));
 
     let images = tempfile::tempdir().expect("images dir");
-    let lock = NetworkLock::Nftables;
     let started = Instant::now();
+    // roam's address lock instead of CRIU's: on A from before the dump
+    // until the address has left, on B from before it arrives until the
+    // restore is done.
+    let lock_a = AddressLock::new(Some(lan.ns(A)), service.into()).expect("lock on A");
     let dumped = criu
         .clone()
         .in_netns(lan.ns(A))
@@ -398,7 +402,7 @@ fn a_live_connection_follows_its_server_to_another_host_with_its_address() {
             images.path(),
             &DumpOptions {
                 tcp_established: true,
-                network_lock: lock,
+                network_lock: NetworkLock::Skip,
                 ..DumpOptions::default()
             },
         )
@@ -406,6 +410,8 @@ fn a_live_connection_follows_its_server_to_another_host_with_its_address() {
     server.wait().expect("reap the dumped server");
     let at_dump = stream.echoed.load(Ordering::Relaxed);
     lan.del_addr(A, service).expect("service address off A");
+    lock_a.release().expect("unlock A");
+    let lock_b = AddressLock::new(Some(lan.ns(B)), service.into()).expect("lock on B");
     lan.add_addr(B, service).expect("service address on B");
     let restored = criu
         .in_netns(lan.ns(B))
@@ -413,11 +419,12 @@ fn a_live_connection_follows_its_server_to_another_host_with_its_address() {
             images.path(),
             &RestoreOptions {
                 tcp_established: true,
-                network_lock: lock,
+                network_lock: NetworkLock::Skip,
                 ..RestoreOptions::default()
             },
         )
         .unwrap_or_else(|e| panic!("{e}"));
+    lock_b.release().expect("unlock B");
     lan.forget_neighbor(service).expect("neighbor caches");
     let moved = started.elapsed();
     assert_eq!(restored.pid, pid);
@@ -440,4 +447,42 @@ fn a_live_connection_follows_its_server_to_another_host_with_its_address() {
          dump to address back {moved:?}, {} image bytes",
         dumped.elapsed, restored.elapsed, dumped.image_bytes
     );
+}
+
+/// roam's address lock drops TCP for its address while held, in its
+/// namespace only, and is gone once released or dropped.
+#[test]
+fn the_address_lock_drops_tcp_for_its_address_until_released() {
+    let Some((_criu, pair)) = setup("criu_lock") else {
+        return;
+    };
+    let (mut server, addr) = start_echo_on(&pair);
+    let connect = || pair.tcp_connect(Side::Client, addr, Duration::from_millis(500));
+    connect().expect("reachable before the lock");
+    let lock = AddressLock::new(Some(pair.ns(Side::Server)), addr.ip()).expect("lock");
+    let err = connect().expect_err("a locked address must not answer");
+    assert_eq!(
+        err.kind(),
+        std::io::ErrorKind::TimedOut,
+        "dropped silently, not refused: {err}"
+    );
+    lock.release().expect("release");
+    connect().expect("reachable after release");
+    {
+        let _dropped = AddressLock::new(Some(pair.ns(Side::Server)), addr.ip()).expect("lock");
+        assert!(connect().is_err());
+    }
+    connect().expect("reachable once the lock is dropped");
+    let tables = Command::new("nsenter")
+        .arg(format!("--net=/run/netns/{}", pair.ns(Side::Server)))
+        .args(["--", "nft", "list", "tables"])
+        .output()
+        .expect("nft list tables");
+    assert!(
+        !String::from_utf8_lossy(&tables.stdout).contains("roam_lock"),
+        "a lock table was left behind: {}",
+        String::from_utf8_lossy(&tables.stdout)
+    );
+    let _ = server.kill();
+    let _ = server.wait();
 }

@@ -1,0 +1,388 @@
+//! Scenario 10: a running process moves to another host with its
+//! connections and its address — the engine of issue 12 (CRIU through
+//! `roam-criu`), measured against the number of connections and the memory
+//! the process holds, as the paper's figures are (Live migration of many
+//! connections: freezes under 200 ms at 1 GB).
+//!
+//! Per case (`n` connections, `m` MB): three network namespaces on one
+//! bridged segment (roam-sim's `Lan`): the client host, host A and host B.
+//! On A a Python server holds `m` MB of touched memory and echoes on every
+//! connection; this process opens `n` connections to its service address
+//! from the client host. One of them is the probe: it sends one byte and
+//! waits for its echo, again and again, timing each round trip. Then the
+//! server moves: CRIU dumps it on A (established connections; the server is
+//! gone once the images are complete), the address leaves A for B, CRIU
+//! restores it on B, and the client host forgets the address's link-layer
+//! address (a gratuitous ARP's effect). Throughout, roam's address lock
+//! (`roam_criu::AddressLock`: TCP to and from the address dropped, on A until
+//! the address has left, on B until the restore is done) stands in for
+//! CRIU's per-connection lock, which aborts CRIU past ~1,000 descriptors.
+//! Afterwards every connection must echo a token of its own.
+//!
+//! Reported per case: CRIU's dump and restore times, the time from the
+//! dump's start until the address answers on B ("moved"), the probe's
+//! longest round trip across the move ("freeze" as the peer sees it: it
+//! includes the client's TCP retransmission timeout, since packets sent
+//! during the move are dropped rather than queued), the images' size, and
+//! the connections intact. No `roam migrate-process` yet: no transfer of the
+//! images between machines (they are in a local directory), no lazy pages.
+//!
+//! Needs root, nftables, python3 and CRIU >= 4.1 (`$ROAM_CRIU` or `criu` on
+//! `PATH`); skipped with the reason otherwise.
+
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use roam_criu::{AddressLock, Criu, DumpOptions, NetworkLock, RestoreOptions};
+use roam_sim::netns::{self, Lan};
+use serde::Serialize;
+
+use super::progress;
+use crate::peers::Lab;
+use crate::Ctx;
+
+/// The paper's freeze (ms) at 1 GB and many connections.
+pub(crate) const PAPER_FREEZE_MS: f64 = 200.0;
+/// The issue's goal for the freeze (ms).
+pub(crate) const GOAL_FREEZE_MS: f64 = 50.0;
+
+/// The server: holds `argv[2]` MB of touched memory, echoes on every
+/// connection (non-blocking, one selector), prints "ready" once listening.
+const SERVER: &str = r#"
+import os, resource, selectors, socket, sys
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+ballast = bytearray(int(sys.argv[2]) << 20)
+for i in range(0, len(ballast), 4096):
+    ballast[i] = 1
+sel = selectors.DefaultSelector()
+ls = socket.socket()
+ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+ls.bind(("0.0.0.0", int(sys.argv[1])))
+ls.listen(4096)
+ls.setblocking(False)
+sel.register(ls, selectors.EVENT_READ)
+os.write(1, b"ready\n")
+os.close(1)
+os.open("/dev/null", os.O_WRONLY)
+while True:
+    for key, _ in sel.select():
+        s = key.fileobj
+        if s is ls:
+            try:
+                c, _ = ls.accept()
+            except BlockingIOError:
+                continue
+            c.setblocking(False)
+            sel.register(c, selectors.EVENT_READ)
+            continue
+        try:
+            d = s.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            continue
+        except OSError:
+            d = b""
+        if not d:
+            sel.unregister(s)
+            s.close()
+            continue
+        s.setblocking(True)
+        s.sendall(d)
+        s.setblocking(False)
+"#;
+
+/// The server's port (inside the LAN's namespaces only).
+const PORT: u16 = 7200;
+/// Longest wait for one echo.
+const ECHO_TIMEOUT: Duration = Duration::from_secs(20);
+/// Probe round trips before the move, so the connection is warm.
+const PROBE_WARMUP: Duration = Duration::from_millis(300);
+
+/// One measured move.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Row {
+    pub(crate) connections: usize,
+    pub(crate) memory_mb: usize,
+    pub(crate) dump_ms: f64,
+    pub(crate) restore_ms: f64,
+    /// From the dump's start until the address answers on B.
+    pub(crate) moved_ms: f64,
+    /// The probe's longest round trip across the move.
+    pub(crate) freeze_ms: f64,
+    /// The probe's median round trip before the move.
+    pub(crate) probe_rtt_ms: f64,
+    pub(crate) image_bytes: u64,
+    /// Connections that echoed their token after the move.
+    pub(crate) intact: usize,
+}
+
+/// The scenario's result.
+#[derive(Debug, Serialize)]
+pub(crate) struct Migrate {
+    /// The CRIU binary and its version.
+    pub(crate) criu: String,
+    pub(crate) rows: Vec<Row>,
+}
+
+pub(crate) async fn run(ctx: Arc<Ctx>, _lab: Arc<Lab>) -> io::Result<Migrate> {
+    let cases = ctx.plan.migrate_cases.clone();
+    tokio::task::spawn_blocking(move || measure_all(&cases))
+        .await
+        .map_err(|e| io::Error::other(format!("migrate scenario: {e}")))?
+}
+
+fn measure_all(cases: &[(usize, usize)]) -> io::Result<Migrate> {
+    netns::available().map_err(skip)?;
+    for tool in ["nft", "python3", "nsenter"] {
+        let found = Command::new("sh")
+            .args(["-c", &format!("command -v {tool}")])
+            .stdout(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !found {
+            return Err(skip(format!("{tool} is not installed")));
+        }
+    }
+    let criu = Criu::locate().map_err(|e| skip(e.to_string()))?;
+    let mut rows = Vec::new();
+    for &(n, mb) in cases {
+        let row = measure(&criu, n, mb)?;
+        progress(&format!(
+            "migrate {n} connections, {mb} MB: dump {:.0} ms, restore {:.0} ms, moved {:.0} ms, \
+             probe freeze {:.0} ms, {:.1} MB of images, {}/{n} intact",
+            row.dump_ms,
+            row.restore_ms,
+            row.moved_ms,
+            row.freeze_ms,
+            row.image_bytes as f64 / 1e6,
+            row.intact
+        ));
+        rows.push(row);
+    }
+    Ok(Migrate {
+        criu: format!("{} ({})", criu.path().display(), criu.version()),
+        rows,
+    })
+}
+
+/// The error that makes `main` report the scenario as skipped.
+fn skip(why: impl std::fmt::Display) -> io::Error {
+    io::Error::new(io::ErrorKind::Unsupported, format!("skipped: {why}"))
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn measure(criu: &Criu, n: usize, mb: usize) -> io::Result<Row> {
+    const CLIENT: usize = 0;
+    const A: usize = 1;
+    const B: usize = 2;
+    let lan = Lan::new("bench_migrate", 3)?;
+    let service = lan.subnet_addr(100);
+    lan.add_addr(A, service)?;
+    let addr = SocketAddr::from((service, PORT));
+    let mut server = start_server(lan.ns(A), mb)?;
+    let result = (|| -> io::Result<Row> {
+        let pid = i32::try_from(server.id()).map_err(io::Error::other)?;
+        let mut conns = Vec::with_capacity(n);
+        for _ in 0..n {
+            let c = lan.tcp_connect(CLIENT, addr, Duration::from_secs(10))?;
+            c.set_read_timeout(Some(ECHO_TIMEOUT))?;
+            c.set_nodelay(true)?;
+            conns.push(c);
+        }
+        // Every connection proven before the move.
+        for (i, c) in conns.iter_mut().enumerate() {
+            echo_token(c, i, 0)?;
+        }
+        let probe = Probe::start(conns[0].try_clone()?);
+        thread::sleep(PROBE_WARMUP);
+
+        let images = tempfile::tempdir()?;
+        // roam's own lock on the service address (one rule, whatever the
+        // number of connections), on A from before the dump until the
+        // address has left, on B from before it arrives until the restore.
+        let t0 = Instant::now();
+        let lock_a = AddressLock::new(Some(lan.ns(A)), service.into()).map_err(io::Error::other)?;
+        let dumped = criu
+            .clone()
+            .in_netns(lan.ns(A))
+            .dump(
+                pid,
+                images.path(),
+                &DumpOptions {
+                    tcp_established: true,
+                    network_lock: NetworkLock::Skip,
+                    ..DumpOptions::default()
+                },
+            )
+            .map_err(io::Error::other)?;
+        let _ = server.wait();
+        lan.del_addr(A, service)?;
+        lock_a.release().map_err(io::Error::other)?;
+        let lock_b = AddressLock::new(Some(lan.ns(B)), service.into()).map_err(io::Error::other)?;
+        lan.add_addr(B, service)?;
+        let restored = criu
+            .clone()
+            .in_netns(lan.ns(B))
+            .restore(
+                images.path(),
+                &RestoreOptions {
+                    tcp_established: true,
+                    network_lock: NetworkLock::Skip,
+                    ..RestoreOptions::default()
+                },
+            )
+            .map_err(io::Error::other)?;
+        lock_b.release().map_err(io::Error::other)?;
+        lan.forget_neighbor(service)?;
+        let moved = t0.elapsed();
+        // A few round trips after the move, then the probe's verdict.
+        let after = probe.rounds();
+        let deadline = Instant::now() + ECHO_TIMEOUT;
+        while probe.rounds() < after + 20 && Instant::now() < deadline {
+            thread::sleep(Duration::from_millis(5));
+        }
+        let (freeze, rtt) = probe.finish()?;
+        let mut intact = 0;
+        for (i, c) in conns.iter_mut().enumerate().skip(1) {
+            if echo_token(c, i, 1).is_ok() {
+                intact += 1;
+            }
+        }
+        // The probe's connection counts if the probe saw its echoes after the move.
+        if freeze < ECHO_TIMEOUT {
+            intact += 1;
+        }
+        let _ = restored.pid;
+        Ok(Row {
+            connections: n,
+            memory_mb: mb,
+            dump_ms: ms(dumped.elapsed),
+            restore_ms: ms(restored.elapsed),
+            moved_ms: ms(moved),
+            freeze_ms: ms(freeze),
+            probe_rtt_ms: ms(rtt),
+            image_bytes: dumped.image_bytes,
+            intact,
+        })
+    })();
+    // Whatever happened, `lan`'s drop kills the server (on A or B).
+    let _ = server.kill();
+    let _ = server.wait();
+    drop(lan);
+    let row = result?;
+    if row.intact != n {
+        return Err(io::Error::other(format!(
+            "{} of {n} connections did not survive the move",
+            n - row.intact
+        )));
+    }
+    Ok(row)
+}
+
+/// Starts the server on `ns` (network namespace only, a session of its own)
+/// and waits for its "ready".
+fn start_server(ns: &str, mb: usize) -> io::Result<Child> {
+    let mut child = Command::new("nsenter")
+        .arg(format!("--net=/run/netns/{ns}"))
+        .args(["--", "setsid", "python3", "-c", SERVER])
+        .arg(PORT.to_string())
+        .arg(mb.to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let mut out = child
+        .stdout
+        .take()
+        .ok_or_else(|| io::Error::other("no stdout"))?;
+    let mut line = [0u8; 6];
+    if let Err(e) = out.read_exact(&mut line) {
+        let _ = child.kill();
+        let _ = child.wait();
+        return Err(io::Error::other(format!(
+            "migration server did not start: {e}"
+        )));
+    }
+    // The server closed its end after "ready": CRIU sees no pipe to us.
+    drop(out);
+    Ok(child)
+}
+
+/// Sends connection `i`'s token for `round` and checks its echo.
+fn echo_token(c: &mut TcpStream, i: usize, round: u64) -> io::Result<()> {
+    let token = ((i as u64) << 8 | round).to_le_bytes();
+    c.write_all(&token)?;
+    let mut back = [0u8; 8];
+    c.read_exact(&mut back)?;
+    if back != token {
+        return Err(io::Error::other(format!(
+            "connection {i}: token {token:?} came back as {back:?}"
+        )));
+    }
+    Ok(())
+}
+
+/// One-byte round trips on one connection, timed.
+struct Probe {
+    stop: Arc<AtomicBool>,
+    rounds: Arc<std::sync::atomic::AtomicUsize>,
+    worker: thread::JoinHandle<io::Result<Vec<Duration>>>,
+}
+
+impl Probe {
+    fn start(mut c: TcpStream) -> Probe {
+        let stop = Arc::new(AtomicBool::new(false));
+        let rounds = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let worker = {
+            let (stop, rounds) = (stop.clone(), rounds.clone());
+            thread::spawn(move || {
+                let mut rtts = Vec::new();
+                let mut b = [0u8; 1];
+                let mut k = 0u8;
+                while !stop.load(Ordering::Relaxed) {
+                    let t = Instant::now();
+                    c.write_all(&[k])?;
+                    c.read_exact(&mut b)?;
+                    if b[0] != k {
+                        return Err(io::Error::other("the probe's byte came back wrong"));
+                    }
+                    rtts.push(t.elapsed());
+                    rounds.fetch_add(1, Ordering::Relaxed);
+                    k = k.wrapping_add(1);
+                    thread::sleep(Duration::from_millis(1));
+                }
+                Ok(rtts)
+            })
+        };
+        Probe {
+            stop,
+            rounds,
+            worker,
+        }
+    }
+
+    fn rounds(&self) -> usize {
+        self.rounds.load(Ordering::Relaxed)
+    }
+
+    /// Stops; returns the longest round trip and the median of the others.
+    fn finish(self) -> io::Result<(Duration, Duration)> {
+        self.stop.store(true, Ordering::Relaxed);
+        let mut rtts = self
+            .worker
+            .join()
+            .map_err(|_| io::Error::other("probe panicked"))??;
+        rtts.sort();
+        let longest = rtts.last().copied().unwrap_or_default();
+        let median = rtts.get(rtts.len() / 2).copied().unwrap_or_default();
+        Ok((longest, median))
+    }
+}
