@@ -432,16 +432,7 @@ impl Criu {
             .map_err(|source| Error::Io { op, source })?;
         // CRIU's end is its stdin (fd 0, named on the command line): no
         // descriptor has to survive exec any other way.
-        let mut cmd = match &self.netns {
-            Some(ns) => {
-                let mut c = Command::new("nsenter");
-                c.arg(format!("--net=/run/netns/{ns}"))
-                    .arg("--")
-                    .arg(&self.path);
-                c
-            }
-            None => Command::new(&self.path),
-        };
+        let mut cmd = command_in(self.netns.as_deref(), self.path.as_os_str());
         cmd.args(["swrk", "0"])
             .stdin(Stdio::from(OwnedFd::from(theirs)))
             .stdout(Stdio::null())
@@ -460,12 +451,7 @@ impl Criu {
         let resp = match result {
             Ok(resp) => resp,
             Err(Error::Io { op, source }) if source.kind() == io::ErrorKind::UnexpectedEof => {
-                let log = images.map(|d| d.join(format!("{op}.log")));
-                let log_text = log
-                    .as_deref()
-                    .and_then(|l| std::fs::read(l).ok())
-                    .map(|b| String::from_utf8_lossy(&b).into_owned())
-                    .unwrap_or_default();
+                let (log, log_text) = read_log(images, op);
                 return Err(Error::Failed {
                     op,
                     message: format!(
@@ -491,12 +477,7 @@ impl Criu {
             Err(e) => return Err(e),
         };
         if !resp.success() {
-            let log = images.map(|d| d.join(format!("{op}.log")));
-            let log_text = log
-                .as_deref()
-                .and_then(|l| std::fs::read(l).ok())
-                .map(|b| String::from_utf8_lossy(&b).into_owned())
-                .unwrap_or_default();
+            let (log, log_text) = read_log(images, op);
             let log_tail = tail(&log_text);
             return Err(Error::Failed {
                 op,
@@ -575,14 +556,7 @@ impl AddressLock {
 
     /// Runs `nft -f -` with `script`, in the lock's namespace.
     fn nft(&self, script: &str) -> Result<(), Error> {
-        let mut cmd = match &self.ns {
-            Some(ns) => {
-                let mut c = Command::new("nsenter");
-                c.arg(format!("--net=/run/netns/{ns}")).args(["--", "nft"]);
-                c
-            }
-            None => Command::new("nft"),
-        };
+        let mut cmd = command_in(self.ns.as_deref(), "nft".as_ref());
         let mut child = cmd
             .args(["-f", "-"])
             .stdin(Stdio::piped())
@@ -620,6 +594,21 @@ impl Drop for AddressLock {
         if !self.released {
             let _ = self.nft(&format!("delete table inet {}\n", self.table));
         }
+    }
+}
+
+/// A command running `program` with only its network namespace changed to
+/// `ns` (`nsenter --net=/run/netns/NS`), or as is when `ns` is `None`.
+fn command_in(ns: Option<&str>, program: &std::ffi::OsStr) -> Command {
+    match ns {
+        Some(ns) => {
+            let mut c = Command::new("nsenter");
+            c.arg(format!("--net=/run/netns/{ns}"))
+                .arg("--")
+                .arg(program);
+            c
+        }
+        None => Command::new(program),
     }
 }
 
@@ -712,6 +701,18 @@ fn open_dir(dir: &Path, op: &'static str) -> Result<std::fs::File, Error> {
         op,
         source: io::Error::new(e.kind(), format!("images directory {}: {e}", dir.display())),
     })
+}
+
+/// Where CRIU's log of `op` is (in the images directory, when there is one)
+/// and its text (empty if unreadable).
+fn read_log(images: Option<&Path>, op: &str) -> (Option<PathBuf>, String) {
+    let log = images.map(|d| d.join(format!("{op}.log")));
+    let text = log
+        .as_deref()
+        .and_then(|l| std::fs::read(l).ok())
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
+        .unwrap_or_default();
+    (log, text)
 }
 
 /// CRIU errors that do not make an operation fail: CRIU logs them as errors

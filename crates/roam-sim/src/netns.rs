@@ -148,6 +148,21 @@ fn destroy_ns(ns: &str) {
     let _ = ip(&["netns", "del", ns]);
 }
 
+/// Runs `f` on a helper thread that has entered the named network namespace
+/// (`/run/netns/NS`); sockets it creates stay in that namespace.
+fn in_named_ns<T: Send>(ns: &str, f: impl FnOnce() -> T + Send) -> io::Result<T> {
+    let ns_file = File::open(format!("/run/netns/{ns}"))?;
+    thread::scope(|s| {
+        s.spawn(move || {
+            // setns(2) on a thread changes only that thread's namespace.
+            nix::sched::setns(&ns_file, CloneFlags::CLONE_NEWNET).map_err(io::Error::from)?;
+            Ok(f())
+        })
+        .join()
+        .map_err(|_| io::Error::other("closure run in a network namespace panicked"))?
+    })
+}
+
 /// Deletes `roam-<prefix>-<pid>-<role>` namespaces ([`NetPair`]'s `-c` and
 /// `-s`, [`Lan`]'s `-sw` and `-hN`) whose creating process is gone (a test
 /// process killed before its guards ran). Prefixes have no `-`.
@@ -170,8 +185,36 @@ fn remove_stale() {
     }
 }
 
-/// Namespace stems in use by this process, so two live pairs never share one.
+/// Namespace stems in use by this process, so two live pairs or LANs never
+/// share one.
 static LIVE: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// Checks `prefix`, clears stale namespaces, and claims the stem
+/// `roam-<prefix>-<pid>` for a new [`NetPair`] or [`Lan`] (released by its
+/// drop).
+fn claim_stem(prefix: &str) -> io::Result<String> {
+    if prefix.is_empty()
+        || !prefix
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_')
+    {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("netns prefix {prefix:?} must be non-empty [A-Za-z0-9_]"),
+        ));
+    }
+    remove_stale();
+    let stem = format!("{NS_PREFIX}{prefix}-{}", std::process::id());
+    let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
+    if live.contains(&stem) {
+        return Err(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            format!("a NetPair or Lan with prefix {prefix:?} is alive in this process"),
+        ));
+    }
+    live.push(stem.clone());
+    Ok(stem)
+}
 
 /// Two network namespaces joined by a veth pair. See the [module docs](self).
 #[derive(Debug)]
@@ -191,28 +234,7 @@ impl NetPair {
     /// both links and both loopbacks up. `prefix` names the test; it must be
     /// unique among the pairs alive in this process.
     pub fn new(prefix: &str) -> io::Result<NetPair> {
-        if prefix.is_empty()
-            || !prefix
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '_')
-        {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("netns prefix {prefix:?} must be non-empty [A-Za-z0-9_]"),
-            ));
-        }
-        remove_stale();
-        let stem = format!("{NS_PREFIX}{prefix}-{}", std::process::id());
-        {
-            let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
-            if live.contains(&stem) {
-                return Err(io::Error::new(
-                    io::ErrorKind::AlreadyExists,
-                    format!("a NetPair with prefix {prefix:?} is alive in this process"),
-                ));
-            }
-            live.push(stem.clone());
-        }
+        let stem = claim_stem(prefix)?;
         // Each namespace has its own stack, so subnets need not differ between
         // pairs; distinct ones just make captures and logs easier to tell apart.
         let subnet = ((std::process::id().wrapping_mul(7).wrapping_add(next_id())) % 254 + 1) as u8;
@@ -338,16 +360,7 @@ impl NetPair {
     /// are used afterwards, so the test process itself can be a host of the
     /// topology.
     pub fn in_ns<T: Send>(&self, side: Side, f: impl FnOnce() -> T + Send) -> io::Result<T> {
-        let ns_file = File::open(format!("/run/netns/{}", self.ns(side)))?;
-        thread::scope(|s| {
-            s.spawn(move || {
-                // setns(2) on a thread changes only that thread's namespace.
-                nix::sched::setns(&ns_file, CloneFlags::CLONE_NEWNET).map_err(io::Error::from)?;
-                Ok(f())
-            })
-            .join()
-            .map_err(|_| io::Error::other("closure run in a network namespace panicked"))?
-        })
+        in_named_ns(self.ns(side), f)
     }
 
     /// A TCP listener bound to `addr` inside `side`'s namespace.
@@ -481,30 +494,13 @@ impl Lan {
     /// `prefix` names the test ([A-Za-z0-9_], unique among the LANs and
     /// pairs alive in this process).
     pub fn new(prefix: &str, hosts: usize) -> io::Result<Lan> {
-        if prefix.is_empty()
-            || !prefix
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '_')
-            || hosts == 0
-            || hosts > 200
-        {
+        if hosts == 0 || hosts > 200 {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
-                format!("LAN prefix {prefix:?} must be [A-Za-z0-9_], hosts 1..=200 (not {hosts})"),
+                format!("a LAN has 1 to 200 hosts, not {hosts}"),
             ));
         }
-        remove_stale();
-        let stem = format!("{NS_PREFIX}{prefix}-{}", std::process::id());
-        {
-            let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
-            if live.contains(&stem) {
-                return Err(io::Error::new(
-                    io::ErrorKind::AlreadyExists,
-                    format!("a LAN or pair with prefix {prefix:?} is alive in this process"),
-                ));
-            }
-            live.push(stem.clone());
-        }
+        let stem = claim_stem(prefix)?;
         let subnet =
             ((std::process::id().wrapping_mul(13).wrapping_add(next_id())) % 254 + 1) as u8;
         let lan = Lan {
@@ -613,15 +609,7 @@ impl Lan {
     /// Runs `f` on a helper thread inside host `i`'s namespace (see
     /// [`NetPair::in_ns`]).
     pub fn in_ns<T: Send>(&self, i: usize, f: impl FnOnce() -> T + Send) -> io::Result<T> {
-        let ns_file = File::open(format!("/run/netns/{}", self.ns(i)))?;
-        thread::scope(|s| {
-            s.spawn(move || {
-                nix::sched::setns(&ns_file, CloneFlags::CLONE_NEWNET).map_err(io::Error::from)?;
-                Ok(f())
-            })
-            .join()
-            .map_err(|_| io::Error::other("closure run in a network namespace panicked"))?
-        })
+        in_named_ns(self.ns(i), f)
     }
 
     /// A TCP connection to `addr` made from inside host `i`'s namespace.
