@@ -106,9 +106,13 @@ const PROBE_WARMUP: Duration = Duration::from_millis(300);
 /// One measured move.
 #[derive(Debug, Clone, Serialize)]
 pub(crate) struct Row {
+    /// Connections the server holds (the probe among them).
     pub(crate) connections: usize,
+    /// MB of touched memory the server holds.
     pub(crate) memory_mb: usize,
+    /// CRIU's dump request, wall time.
     pub(crate) dump_ms: f64,
+    /// CRIU's restore request, wall time.
     pub(crate) restore_ms: f64,
     /// From the dump's start until the address answers on B.
     pub(crate) moved_ms: f64,
@@ -116,6 +120,7 @@ pub(crate) struct Row {
     pub(crate) freeze_ms: f64,
     /// The probe's median round trip before the move.
     pub(crate) probe_rtt_ms: f64,
+    /// Bytes of the images directory.
     pub(crate) image_bytes: u64,
     /// Connections that echoed their token after the move.
     pub(crate) intact: usize,
@@ -332,8 +337,11 @@ fn echo_token(c: &mut TcpStream, i: usize, round: u64) -> io::Result<()> {
 
 /// One-byte round trips on one connection, timed.
 struct Probe {
+    /// Set to end the round trips.
     stop: Arc<AtomicBool>,
+    /// Round trips completed so far.
     rounds: Arc<std::sync::atomic::AtomicUsize>,
+    /// The thread doing them; returns every round trip's time.
     worker: thread::JoinHandle<io::Result<Vec<Duration>>>,
 }
 

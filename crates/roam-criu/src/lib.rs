@@ -275,8 +275,11 @@ impl std::error::Error for Error {
 /// A CRIU binary roam can drive, and where it runs.
 #[derive(Debug, Clone)]
 pub struct Criu {
+    /// The binary.
     path: PathBuf,
+    /// Its version, as it answered over RPC.
     version: Version,
+    /// The network namespace it runs in (`None`: the caller's).
     netns: Option<String>,
 }
 
@@ -509,8 +512,11 @@ impl Criu {
 /// draw resets are dropped, and TCP retransmits them.
 #[derive(Debug)]
 pub struct AddressLock {
+    /// The namespace the lock is in (`None`: the caller's).
     ns: Option<String>,
+    /// The nftables table (family `inet`) that holds the two rules.
     table: String,
+    /// The table is gone (or never made): nothing for the drop to delete.
     released: bool,
 }
 

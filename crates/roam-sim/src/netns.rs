@@ -479,8 +479,11 @@ impl Drop for NetPair {
 /// Dropping the LAN kills every process in its namespaces and deletes them.
 #[derive(Debug)]
 pub struct Lan {
+    /// `roam-<prefix>-<pid>`, claimed in the live registry.
     stem: String,
+    /// The switch namespace (holds the bridge).
     switch: String,
+    /// The host namespaces, in order.
     hosts: Vec<String>,
     /// X of 10.198.X.0/24.
     subnet: u8,
