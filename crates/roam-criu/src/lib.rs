@@ -639,6 +639,7 @@ fn exchange(
     sock.set_write_timeout(Some(RPC_TIMEOUT)).map_err(io_err)?;
     sock.set_read_timeout(Some(RPC_TIMEOUT)).map_err(io_err)?;
     (&*sock).write_all(&bytes).map_err(io_err)?;
+    let deadline = Instant::now() + RPC_TIMEOUT;
     // One message per read (SOCK_SEQPACKET); CRIU's responses are small.
     let mut buf = vec![0u8; 64 << 10];
     loop {
@@ -650,10 +651,18 @@ fn exchange(
                 )))
             }
             Ok(n) => n,
+            // A signal for another part of the caller (a child's exit, in a
+            // program that runs many) is no reason to give up on CRIU: read
+            // again, within the same overall time.
+            Err(e) if e.kind() == io::ErrorKind::Interrupted && Instant::now() < deadline => {
+                continue
+            }
             Err(e)
                 if matches!(
                     e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    io::ErrorKind::WouldBlock
+                        | io::ErrorKind::TimedOut
+                        | io::ErrorKind::Interrupted
                 ) =>
             {
                 return Err(Error::Timeout { op })
