@@ -265,7 +265,6 @@ fn measure(criu: &Criu, n: usize, mb: usize) -> io::Result<Row> {
         if freeze < ECHO_TIMEOUT {
             intact += 1;
         }
-        let _ = restored.pid;
         Ok(Row {
             connections: n,
             memory_mb: mb,

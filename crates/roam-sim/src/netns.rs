@@ -189,6 +189,16 @@ fn remove_stale() {
 /// share one.
 static LIVE: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
+/// Creates namespace `ns` with its loopback up, first removing a leftover of
+/// the same name (a reused pid of a killed run).
+fn fresh_ns(ns: &str) -> io::Result<()> {
+    if roam_namespaces().iter().any(|n| n == ns) {
+        destroy_ns(ns);
+    }
+    ip(&["netns", "add", ns])?;
+    ip(&["-n", ns, "link", "set", "lo", "up"])
+}
+
 /// Checks `prefix`, clears stale namespaces, and claims the stem
 /// `roam-<prefix>-<pid>` for a new [`NetPair`] or [`Lan`] (released by its
 /// drop).
@@ -248,12 +258,7 @@ impl NetPair {
         };
         // From here on, `pair`'s Drop cleans up whatever was made.
         for ns in [&pair.client_ns, &pair.server_ns] {
-            // A leftover of our own pid (reused pid of a killed run).
-            if roam_namespaces().contains(ns) {
-                destroy_ns(ns);
-            }
-            ip(&["netns", "add", ns])?;
-            ip(&["-n", ns, "link", "set", "lo", "up"])?;
+            fresh_ns(ns)?;
         }
         ip(&[
             "link",
@@ -514,11 +519,7 @@ impl Lan {
         };
         // From here on, `lan`'s Drop cleans up whatever was made.
         for ns in std::iter::once(&lan.switch).chain(&lan.hosts) {
-            if roam_namespaces().contains(ns) {
-                destroy_ns(ns);
-            }
-            ip(&["netns", "add", ns])?;
-            ip(&["-n", ns, "link", "set", "lo", "up"])?;
+            fresh_ns(ns)?;
         }
         ip(&["-n", &lan.switch, "link", "add", BRIDGE, "type", "bridge"])?;
         ip(&["-n", &lan.switch, "link", "set", BRIDGE, "up"])?;
