@@ -205,6 +205,13 @@ pub enum Error {
         /// What `nft` said.
         detail: String,
     },
+    /// The caller's post-dump step ([`Criu::dump_then`]) refused: CRIU
+    /// rolled the dump back and the process runs on where it was, its
+    /// connections untouched.
+    Aborted {
+        /// The step's reason.
+        reason: String,
+    },
     /// No answer within five minutes: CRIU was killed.
     Timeout {
         /// The request.
@@ -254,6 +261,10 @@ impl fmt::Display for Error {
                 Ok(())
             }
             Error::Lock { detail } => write!(f, "address lock: {detail}"),
+            Error::Aborted { reason } => write!(
+                f,
+                "dump rolled back (the process runs on here, its connections untouched): {reason}"
+            ),
             Error::Timeout { op } => write!(
                 f,
                 "criu {op}: no answer within {} s; CRIU was killed",
@@ -340,6 +351,35 @@ impl Criu {
     /// [`DumpOptions::leave_running`], the tree is gone afterwards: only a
     /// [`Criu::restore`] brings it back.
     pub fn dump(&self, pid: i32, images: &Path, opts: &DumpOptions) -> Result<Dumped, Error> {
+        self.dump_inner(pid, images, opts, None)
+    }
+
+    /// [`Criu::dump`] for a move: once the images are complete, and while
+    /// the tree is still frozen (its sockets in repair mode, the network
+    /// lock held), `post_dump` runs with the images directory — it sends
+    /// the images away and has them restored elsewhere. `Ok` completes the
+    /// dump: CRIU kills the tree, whose sockets close without a packet.
+    /// `Err(reason)` rolls it back: CRIU takes the sockets out of repair
+    /// mode and the tree runs on here, its connections untouched, and the
+    /// dump fails with [`Error::Aborted`]. (CRIU's "post-dump" action
+    /// script, asked for over RPC with `notify_scripts`.)
+    pub fn dump_then(
+        &self,
+        pid: i32,
+        images: &Path,
+        opts: &DumpOptions,
+        post_dump: &mut dyn FnMut(&Path) -> Result<(), String>,
+    ) -> Result<Dumped, Error> {
+        self.dump_inner(pid, images, opts, Some(post_dump))
+    }
+
+    fn dump_inner(
+        &self,
+        pid: i32,
+        images: &Path,
+        opts: &DumpOptions,
+        mut post_dump: Option<&mut dyn FnMut(&Path) -> Result<(), String>>,
+    ) -> Result<Dumped, Error> {
         let dir = open_dir(images, "dump")?;
         let mut o = self.base_opts(&dir, "dump.log");
         o.set_pid(pid);
@@ -349,8 +389,32 @@ impl Criu {
         o.set_ext_unix_sk(opts.ext_unix_sk);
         o.set_file_locks(opts.file_locks);
         o.set_network_lock(opts.network_lock.rpc());
+        o.set_notify_scripts(post_dump.is_some());
+        let mut refused: Option<String> = None;
+        let mut on_notify = |script: &str| -> bool {
+            match (&mut post_dump, script) {
+                (Some(step), "post-dump") => match step(images) {
+                    Ok(()) => true,
+                    Err(reason) => {
+                        refused = Some(reason);
+                        false
+                    }
+                },
+                _ => true,
+            }
+        };
         let t = Instant::now();
-        let resp = self.call("dump", rpc::Criu_req_type::DUMP, Some(o), Some(images))?;
+        let resp = self.call_notified(
+            "dump",
+            rpc::Criu_req_type::DUMP,
+            Some(o),
+            Some(images),
+            &mut on_notify,
+        );
+        if let Some(reason) = refused {
+            return Err(Error::Aborted { reason });
+        }
+        let resp = resp?;
         let elapsed = t.elapsed();
         if resp.type_() != rpc::Criu_req_type::DUMP {
             return Err(Error::Protocol {
@@ -431,6 +495,19 @@ impl Criu {
         opts: Option<rpc::Criu_opts>,
         images: Option<&Path>,
     ) -> Result<rpc::Criu_resp, Error> {
+        self.call_notified(op, kind, opts, images, &mut |_| true)
+    }
+
+    /// [`Criu::call`], with `on_notify` answering each notification CRIU
+    /// sends (its action scripts' names; `true` lets CRIU go on).
+    fn call_notified(
+        &self,
+        op: &'static str,
+        kind: rpc::Criu_req_type,
+        opts: Option<rpc::Criu_opts>,
+        images: Option<&Path>,
+        on_notify: &mut dyn FnMut(&str) -> bool,
+    ) -> Result<rpc::Criu_resp, Error> {
         let (ours, theirs) = Socket::pair(Domain::UNIX, Type::SEQPACKET, None)
             .map_err(|source| Error::Io { op, source })?;
         // CRIU's end is its stdin (fd 0, named on the command line): no
@@ -448,7 +525,7 @@ impl Criu {
             path: self.path.clone(),
             source,
         })?;
-        let result = exchange(op, kind, opts, &ours);
+        let result = exchange(op, kind, opts, &ours, on_notify);
         drop(ours);
         let (status, stderr) = reap(&mut child);
         let resp = match result {
@@ -618,13 +695,16 @@ fn command_in(ns: Option<&str>, program: &std::ffi::OsStr) -> Command {
     }
 }
 
-/// Sends the request and reads responses until the final one (notifications,
-/// which come only when asked for with `notify_scripts`, are acknowledged).
+/// Sends the request and reads responses until the final one. Each
+/// notification (they come only when asked for with `notify_scripts`) is
+/// answered with what `on_notify` says of it; the time it takes does not
+/// count against the request's own time limit.
 fn exchange(
     op: &'static str,
     kind: rpc::Criu_req_type,
     opts: Option<rpc::Criu_opts>,
     sock: &Socket,
+    on_notify: &mut dyn FnMut(&str) -> bool,
 ) -> Result<rpc::Criu_resp, Error> {
     let io_err = |source| Error::Io { op, source };
     let mut req = rpc::Criu_req::new();
@@ -639,7 +719,7 @@ fn exchange(
     sock.set_write_timeout(Some(RPC_TIMEOUT)).map_err(io_err)?;
     sock.set_read_timeout(Some(RPC_TIMEOUT)).map_err(io_err)?;
     (&*sock).write_all(&bytes).map_err(io_err)?;
-    let deadline = Instant::now() + RPC_TIMEOUT;
+    let mut deadline = Instant::now() + RPC_TIMEOUT;
     // One message per read (SOCK_SEQPACKET); CRIU's responses are small.
     let mut buf = vec![0u8; 64 << 10];
     loop {
@@ -674,9 +754,12 @@ fn exchange(
             detail: format!("undecodable response ({n} bytes): {e}"),
         })?;
         if resp.type_() == rpc::Criu_req_type::NOTIFY {
+            let script = resp.notify.as_ref().map_or("", |n| n.script());
+            let go_on = on_notify(script);
+            deadline = Instant::now() + RPC_TIMEOUT;
             let mut ack = rpc::Criu_req::new();
             ack.set_type(rpc::Criu_req_type::NOTIFY);
-            ack.set_notify_success(true);
+            ack.set_notify_success(go_on);
             let b = ack.write_to_bytes().map_err(|e| Error::Protocol {
                 op,
                 detail: format!("could not encode a notification's answer: {e}"),

@@ -343,6 +343,70 @@ fn a_dump_without_tcp_established_fails_precisely_and_leaves_the_server_running(
     let _ = server.wait();
 }
 
+/// A move whose far side fails rolls back: the post-dump step sees complete
+/// images while the server is frozen (no byte echoed meanwhile), refuses,
+/// and CRIU gives the server back its sockets. The server runs on with the
+/// same connection and every byte, and the dump names the step's reason.
+#[test]
+fn a_refused_post_dump_step_rolls_the_dump_back_and_the_connection_carries_on() {
+    let Some((criu, pair)) = setup("criu_rollback") else {
+        return;
+    };
+    let (mut server, addr) = start_echo_on(&pair);
+    let pid = i32::try_from(server.id()).expect("pid");
+    let sock = pair
+        .tcp_connect(Side::Client, addr, Duration::from_secs(5))
+        .expect("connect");
+    let stream = Stream::start(sock);
+    stream.wait_echoed(2 << 20, Duration::from_secs(30));
+    let images = tempfile::tempdir().expect("images dir");
+    let mut seen: Option<(bool, u64, u64)> = None;
+    let err = criu
+        .dump_then(
+            pid,
+            images.path(),
+            &DumpOptions {
+                tcp_established: true,
+                network_lock: NetworkLock::Nftables,
+                ..DumpOptions::default()
+            },
+            &mut |dir| {
+                let before = stream.echoed.load(Ordering::Relaxed);
+                thread::sleep(Duration::from_millis(300));
+                let after = stream.echoed.load(Ordering::Relaxed);
+                seen = Some((
+                    dir.join("inventory.img").exists() && dir.join("pages-1.img").exists(),
+                    before,
+                    after,
+                ));
+                Err("the destination ran out of disk".into())
+            },
+        )
+        .expect_err("a refused post-dump step must fail the dump");
+    assert!(
+        matches!(&err, Error::Aborted { reason } if reason == "the destination ran out of disk"),
+        "{err:?}"
+    );
+    assert!(
+        err.to_string().contains("runs on here"),
+        "says where the process is: {err}"
+    );
+    let (complete, before, after) = seen.expect("the post-dump step never ran");
+    assert!(complete, "the step ran before the images were complete");
+    assert_eq!(before, after, "bytes came back while the server was frozen");
+    assert!(alive(pid), "the rolled-back server is not running");
+    assert!(
+        server.try_wait().expect("try_wait").is_none(),
+        "the rolled-back server exited"
+    );
+    let at = stream.echoed.load(Ordering::Relaxed);
+    stream.wait_echoed(at + (2 << 20), Duration::from_secs(30));
+    let (sent, echoed) = stream.finish();
+    assert_eq!(echoed, sent, "every byte sent came back");
+    let _ = server.kill();
+    let _ = server.wait();
+}
+
 /// Dumping a process that does not exist is a precise error, not a hang.
 #[test]
 fn dumping_a_missing_process_says_so() {
