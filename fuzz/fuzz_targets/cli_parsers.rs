@@ -1,8 +1,9 @@
 //! The `roam` command's text parsers (`roam_cli::parsers`): config file,
 //! authorized keys, known servers, allow rules, durations, control replies,
 //! the record a detached named session leaves (`roam pipe --name`),
-//! `roam shell`'s stream frames and request, and the control frames between
-//! the relay and a shell's worker process.
+//! `roam shell`'s stream frames and request, the control frames between
+//! the relay and a shell's worker process, and `roam migrate-process`'s
+//! stream frames.
 //!
 //! The first input byte picks the parser, the rest is its input (as UTF-8,
 //! lossily). Properties: no parser panics, and each one that re-encodes what
@@ -67,6 +68,9 @@ fuzz_target!(|data: &[u8]| {
             }
             if let Ok(Some(meta)) = parsers::shell_open(rest) {
                 assert_eq!(parsers::shell_open(&meta), Ok(Some(meta.clone())));
+            }
+            if let Ok((read, again)) = parsers::migrate_frames(rest) {
+                assert_eq!(read, again, "a migration frame re-encodes differently");
             }
         }
         _ => {

@@ -180,6 +180,56 @@ relay refused the shell, the message says why); 3 the session was lost.")]
     /// Internal: an attached shell's per-session process, started by `roam serve --shell`.
     #[command(hide = true)]
     ShellWorker(ShellWorkerArgs),
+    /// Move a running process, with its TCP connections and its address, to another host.
+    #[command(after_help = "\
+Examples:
+  roam migrate-process 4242 --to hostb.example          # its one address moves along
+  roam migrate-process $(pidof redis-server) --to 10.0.0.2:7448 --address 10.0.0.50/24
+
+The destination runs `roam migrate-accept` (as root, with CRIU) and lists this
+host's client key (`roam keygen` prints it) in its authorized keys. Both hosts
+are on one link (the address moves between them, as in a cluster with one
+service address per process); peers notice a pause, not a reset.
+
+What happens: the destination is asked first whether it can host the address
+(nothing is frozen before it agrees). Then the address is locked here (its TCP
+packets dropped; peers retransmit), CRIU freezes and dumps the process with its
+established connections, listening and UDP sockets, and the images travel over
+an encrypted roam session (no shared filesystem). The destination locks the
+address, adds it to its interface, restores the process, and only then is the
+process here let go: CRIU ends it without a packet, the address comes off this
+host, and the destination lifts its lock and announces the address (gratuitous
+ARP). Phases and bytes are shown as they happen; a summary gives the freeze
+(first lock to the destination's go), each phase's share and the image bytes.
+
+If anything fails before the destination has the process — it refuses, its disk
+fills, it dies, the session breaks, Ctrl-C — the dump is rolled back: the
+process runs on here with its connections and address untouched, and the error
+says why. The address defaults to the one address the process's sockets are
+bound to; name it with --address when they use none (wildcards) or several.
+
+Not yet: lazy (post-copy) memory, queueing of packets that arrive during the
+freeze (they are dropped and retransmitted), a destination with a different
+address (use roam sessions for that).
+
+Exit status: 0 moved; 1 not moved (the process runs on here) or moved with a
+warning (printed); 2 bad arguments.")]
+    MigrateProcess(MigrateProcessArgs),
+    /// Accept processes moved here by `roam migrate-process` (run as root, with CRIU).
+    #[command(after_help = "\
+Examples:
+  roam migrate-accept --authorized-keys /etc/roam/migrate_keys
+  roam migrate-accept --listen 10.0.0.2:7448 --authorized-keys keys --dev eth1
+
+Listens for roam sessions (port 7448 by default) from the client keys in
+--authorized-keys only: accepting a process means running it here as its own
+user. Each migration's images are written to a private directory under
+--images-dir (default: the temporary directory) and removed once the process
+runs; the address is added to the interface on its subnet (or --dev). A
+migration that fails here is undone (address, lock, restored copy) and the
+source is told why; CRIU's log of a failed restore is kept and named. One
+migration runs at a time. Stops on SIGINT or SIGTERM.")]
+    MigrateAccept(MigrateAcceptArgs),
     /// Detach a named session from the `roam pipe --name` process attached to it.
     #[command(after_help = "\
 Examples:
@@ -380,6 +430,44 @@ pub(crate) struct ShellArgs {
 }
 
 #[derive(Debug, Args)]
+pub(crate) struct MigrateProcessArgs {
+    /// The process to move (with its children).
+    #[arg(value_name = "PID")]
+    pub(crate) pid: i32,
+    /// The destination's `roam migrate-accept`, with optional port (default 7448).
+    #[arg(long, value_name = "HOST[:PORT]")]
+    pub(crate) to: String,
+    /// The address that moves with the process, `ADDR` or `ADDR/PREFIX`
+    /// [default: the one address its sockets are bound to].
+    #[arg(long, value_name = "ADDR")]
+    pub(crate) address: Option<String>,
+    /// Where the images are written before they travel [default: the temporary directory].
+    #[arg(long, value_name = "DIR")]
+    pub(crate) images_dir: Option<PathBuf>,
+    #[command(flatten)]
+    pub(crate) client: ClientArgs,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct MigrateAcceptArgs {
+    /// Address to listen on [default: 0.0.0.0:7448].
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub(crate) listen: Option<String>,
+    /// This host's key [default: <state dir>/server.key, created with mode 0600].
+    #[arg(long, value_name = "FILE")]
+    pub(crate) key: Option<PathBuf>,
+    /// The client keys that may send a process here (one public key per line).
+    #[arg(long, value_name = "FILE")]
+    pub(crate) authorized_keys: PathBuf,
+    /// Where received images are written [default: the temporary directory].
+    #[arg(long, value_name = "DIR")]
+    pub(crate) images_dir: Option<PathBuf>,
+    /// The interface moved-in addresses go on [default: the one on their subnet].
+    #[arg(long, value_name = "IFACE")]
+    pub(crate) dev: Option<String>,
+}
+
+#[derive(Debug, Args)]
 pub(crate) struct DetachArgs {
     /// The session's name (as given to `roam pipe --name`).
     #[arg(value_name = "NAME")]
@@ -539,6 +627,8 @@ pub(crate) fn run(cli: Cli) -> i32 {
             Command::Cluster(a) => crate::cluster::run(a).await,
             Command::Keygen(a) => crate::keys::keygen(a, &config),
             Command::Demo(a) => crate::demo::run(a).await,
+            Command::MigrateProcess(a) => crate::migrate::source::run(a, &config).await,
+            Command::MigrateAccept(a) => crate::migrate::dest::run(a, &config).await,
         }
     });
     // stdin is read on a blocking thread that cannot be interrupted: do not wait for it.

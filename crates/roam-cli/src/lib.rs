@@ -27,6 +27,7 @@ mod forward;
 mod keys;
 mod limits;
 mod metrics;
+mod migrate;
 mod named;
 mod notices;
 mod paths;

@@ -84,6 +84,20 @@ pub fn shell_open(meta: &[u8]) -> Result<Option<Vec<u8>>, String> {
         .map(|o| o.map(|o| o.meta()))
 }
 
+/// Decodes the whole frames at the start of a process migration's stream
+/// (`roam migrate-process`); `Ok` carries the bytes they were decoded from
+/// and their re-encoding (the encoding is canonical: the two are equal).
+pub fn migrate_frames(bytes: &[u8]) -> Result<(Vec<u8>, Vec<u8>), String> {
+    let frames = crate::migrate::wire::decode_all(bytes).map_err(|e| e.to_string())?;
+    let mut read = Vec::new();
+    let mut again = Vec::new();
+    for (frame, raw) in frames {
+        read.extend_from_slice(raw);
+        again.extend_from_slice(&crate::migrate::wire::encode(&frame));
+    }
+    Ok((read, again))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

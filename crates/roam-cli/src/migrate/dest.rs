@@ -1,0 +1,360 @@
+//! `roam migrate-accept`: the destination side of a move. Accepts roam
+//! sessions from authorized keys only; each migration stream brings one
+//! process's images, which are restored here with the process's address.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use roam_criu::{AddressLock, Criu, NetworkLock, RestoreOptions};
+use tokio::io::AsyncWriteExt;
+
+use super::host::{self, IfAddr};
+use super::wire::{self, Frame};
+use super::DEFAULT_PORT;
+use crate::cli::{CliError, CliResult, MigrateAcceptArgs};
+use crate::config::FileConfig;
+
+/// Longest wait for the source's next frame (between two image chunks, or
+/// for the commit after a restore): past it the migration is undone.
+const FRAME_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// What every migration here shares.
+struct Host {
+    /// CRIU.
+    criu: Criu,
+    /// Where images are received (a directory per migration inside).
+    images_dir: PathBuf,
+    /// The interface to put addresses on (default: the one whose subnet
+    /// holds the address).
+    dev: Option<String>,
+    /// One migration at a time.
+    busy: tokio::sync::Mutex<()>,
+}
+
+/// Runs the destination until SIGINT or SIGTERM.
+pub(crate) async fn run(args: MigrateAcceptArgs, config: &FileConfig) -> CliResult {
+    if !nix::unistd::geteuid().is_root() {
+        return Err(CliError(
+            "roam migrate-accept must run as root (CRIU restores processes as their own \
+             users, and addresses are added to interfaces)"
+                .into(),
+        ));
+    }
+    let criu = Criu::locate()
+        .map_err(|e| CliError(format!("cannot accept processes without CRIU: {e}")))?;
+    let state = crate::paths::state_dir(config);
+    let key_path = args
+        .key
+        .clone()
+        .unwrap_or_else(|| state.join("server.key"));
+    let keypair = crate::keys::load_or_create(&key_path)?;
+    let authorized = crate::keys::read_authorized(&args.authorized_keys)?;
+    if authorized.is_empty() {
+        return Err(CliError(format!(
+            "{} lists no key: nobody could send a process",
+            args.authorized_keys.display()
+        )));
+    }
+    let listen = args
+        .listen
+        .clone()
+        .unwrap_or_else(|| format!("0.0.0.0:{DEFAULT_PORT}"));
+    let listener = tokio::net::TcpListener::bind(&listen)
+        .await
+        .map_err(|e| CliError(format!("cannot listen on {listen}: {e}")))?;
+    let local = listener.local_addr().map_or(listen, |a| a.to_string());
+    let images_dir = args.images_dir.clone().unwrap_or_else(std::env::temp_dir);
+    eprintln!(
+        "roam migrate-accept: listening on {local} (CRIU {}, images in {}, key {}; {} authorized keys)",
+        criu.version(),
+        images_dir.display(),
+        keypair.public(),
+        authorized.len()
+    );
+    let host = Arc::new(Host {
+        criu,
+        images_dir,
+        dev: args.dev.clone(),
+        busy: tokio::sync::Mutex::new(()),
+    });
+    let server = roam::ServerConfig::new(roam_proto::ServerConfig {
+        keypair,
+        authorized_keys: Some(Arc::new(authorized)),
+        addresses: Vec::new(),
+        session: roam_proto::Config::default(),
+    });
+    roam::serve(
+        listener,
+        server,
+        crate::serve::shutdown_signal(),
+        move |session: roam::SessionHandle| {
+            tokio::spawn(serve_session(host.clone(), session));
+        },
+    )
+    .await
+    .map_err(|e| CliError(format!("serving failed: {e}")))?;
+    Ok(0)
+}
+
+/// One source's session: each migration stream it opens, one after another.
+async fn serve_session(host: Arc<Host>, session: roam::SessionHandle) {
+    let peer = session
+        .stats()
+        .peer_addr
+        .map_or_else(|| "?".to_string(), |a| a.to_string());
+    while let Ok((stream, meta)) = session.accept_stream().await {
+        if meta != wire::STREAM_META {
+            tracing::warn!(
+                "a stream from {peer} for {:?}, not a migration: refused",
+                String::from_utf8_lossy(&meta)
+            );
+            continue;
+        }
+        let _one = host.busy.lock().await;
+        let (mut rd, mut wr) = tokio::io::split(stream);
+        match receive(&host, &mut rd, &mut wr).await {
+            Ok(msg) => eprintln!("roam migrate-accept: {msg} (from {peer})"),
+            Err(reason) => {
+                eprintln!("roam migrate-accept: a migration from {peer} failed: {reason}");
+                let _ = wire::write_frame(&mut wr, &Frame::Failed { reason }).await;
+                // Let the source's sending end: read and drop what it
+                // still sends, until it stops (or a minute passes).
+                let _ = tokio::time::timeout(FRAME_TIMEOUT, async {
+                    while let Ok(f) = wire::read_frame(&mut rd).await {
+                        if matches!(f, Frame::Restore | Frame::Abort { .. }) {
+                            break;
+                        }
+                    }
+                })
+                .await;
+            }
+        }
+        let _ = wr.flush().await;
+    }
+}
+
+/// The source's next frame, within [`FRAME_TIMEOUT`].
+async fn next(rd: &mut tokio::io::ReadHalf<roam::RoamStream>) -> Result<Frame, String> {
+    match tokio::time::timeout(FRAME_TIMEOUT, wire::read_frame(rd)).await {
+        Ok(Ok(f)) => Ok(f),
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+            Err("the source closed the stream".into())
+        }
+        Ok(Err(e)) => Err(format!("the stream from the source failed: {e}")),
+        Err(_) => Err(format!(
+            "nothing from the source for {} s",
+            FRAME_TIMEOUT.as_secs()
+        )),
+    }
+}
+
+/// One migration: offer, images, restore, commit. An error is the reason
+/// sent back; everything this side did is undone by then.
+async fn receive(
+    host: &Host,
+    rd: &mut tokio::io::ReadHalf<roam::RoamStream>,
+    wr: &mut tokio::io::WriteHalf<roam::RoamStream>,
+) -> Result<String, String> {
+    let (address, process) = match next(rd).await? {
+        Frame::Hello { address, process } => (address, process),
+        other => return Err(format!("expected an offer, got {other:?}")),
+    };
+    let target = place(host, &address)?;
+    let send = |e: std::io::Error| format!("the stream to the source failed: {e}");
+    wire::write_frame(
+        wr,
+        &Frame::Ready {
+            detail: format!("CRIU {}, {}", host.criu.version(), target.dev),
+        },
+    )
+    .await
+    .map_err(send)?;
+    let images = Received::create(&host.images_dir)?;
+    loop {
+        match next(rd).await? {
+            Frame::File { name, size } => images.receive_file(rd, &name, size).await?,
+            Frame::Restore => break,
+            Frame::Abort { reason } => return Err(format!("the source gave up: {reason}")),
+            other => return Err(format!("expected an image, got {other:?}")),
+        }
+    }
+    // Restore behind a lock, with the address in place.
+    let lock = AddressLock::new(None, target.addr)
+        .map_err(|e| format!("cannot lock {} here: {e}", target.addr))?;
+    if let Err(e) = host::add_address(&target) {
+        let _ = lock.release();
+        return Err(format!("cannot put {} here: {}", target.cidr(), e.0));
+    }
+    let undo_address = |lock: AddressLock| {
+        let _ = host::del_address(&target);
+        let _ = lock.release();
+    };
+    let criu = host.criu.clone();
+    let dir = images.path.clone();
+    let t = Instant::now();
+    let restored = tokio::task::spawn_blocking(move || {
+        criu.restore(
+            &dir,
+            &RestoreOptions {
+                tcp_established: true,
+                network_lock: NetworkLock::Skip,
+                ..RestoreOptions::default()
+            },
+        )
+    })
+    .await
+    .map_err(|e| format!("the restore thread failed: {e}"));
+    let restored = match restored {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => {
+            undo_address(lock);
+            images.keep();
+            return Err(format!("restore failed: {e}"));
+        }
+        Err(e) => {
+            undo_address(lock);
+            return Err(e);
+        }
+    };
+    let restore_us = u64::try_from(t.elapsed().as_micros()).unwrap_or(u64::MAX);
+    let pid = restored.pid;
+    let commit = async {
+        wire::write_frame(wr, &Frame::Restored { pid, restore_us })
+            .await
+            .map_err(send)?;
+        match next(rd).await? {
+            Frame::Commit => Ok(()),
+            Frame::Abort { reason } => Err(format!("the source gave up: {reason}")),
+            other => Err(format!("expected the commit, got {other:?}")),
+        }
+    };
+    if let Err(e) = commit.await {
+        // The source still has the process: ours must go, silently (the
+        // lock drops its sockets' last packets).
+        kill_and_wait(pid);
+        undo_address(lock);
+        return Err(format!("{e}; the restored copy (pid {pid}) was killed"));
+    }
+    let _ = lock.release();
+    let announced = host::announce(&target);
+    wire::write_frame(wr, &Frame::Live).await.map_err(send)?;
+    if let Err(e) = announced {
+        eprintln!("roam migrate-accept: warning: {}", e.0);
+    }
+    Ok(format!(
+        "{process} runs here as pid {pid} with {} (restore {} ms)",
+        target.cidr(),
+        restore_us / 1000
+    ))
+}
+
+/// Where `address` (`ADDR/PREFIX`) goes here: refused if this host has it
+/// already or no interface (or not `--dev`) is on its subnet.
+fn place(host: &Host, address: &str) -> Result<IfAddr, String> {
+    let (addr, prefix) = host::parse_cidr(address)?;
+    let here = host::addresses().map_err(|e| e.0)?;
+    if here.iter().any(|a| a.addr == addr) {
+        return Err(format!("{addr} is already on this host"));
+    }
+    let dev = match &host.dev {
+        Some(d) => d.clone(),
+        None => here
+            .iter()
+            .find(|a| a.covers(addr) && !a.addr.is_loopback())
+            .map(|a| a.dev.clone())
+            .ok_or_else(|| {
+                format!("no interface here is on {addr}'s subnet (start migrate-accept with --dev)")
+            })?,
+    };
+    Ok(IfAddr { dev, addr, prefix })
+}
+
+/// Kills `pid` and waits (up to 5 s) until it is gone.
+fn kill_and_wait(pid: i32) {
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Path::new(&format!("/proc/{pid}")).exists() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A migration's images directory here, removed when dropped unless kept.
+struct Received {
+    /// The directory.
+    path: PathBuf,
+    /// Keep it (CRIU's log of a failed restore is in it).
+    keep: std::sync::atomic::AtomicBool,
+}
+
+impl Received {
+    /// Makes `<parent>/roam-accept-<n>`, mode 0700.
+    fn create(parent: &Path) -> Result<Received, String> {
+        use std::os::unix::fs::DirBuilderExt;
+        let stamp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let path = parent.join(format!("roam-accept-{}-{stamp}", std::process::id()));
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&path)
+            .map_err(|e| format!("cannot make an images directory in {}: {e}", parent.display()))?;
+        Ok(Received {
+            path,
+            keep: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+
+    /// Keeps the directory (and says so).
+    fn keep(&self) {
+        self.keep.store(true, std::sync::atomic::Ordering::Relaxed);
+        eprintln!(
+            "roam migrate-accept: CRIU's log of the restore is kept in {}",
+            self.path.display()
+        );
+    }
+
+    /// Receives one image file of `size` bytes.
+    async fn receive_file(
+        &self,
+        rd: &mut tokio::io::ReadHalf<roam::RoamStream>,
+        name: &str,
+        size: u64,
+    ) -> Result<(), String> {
+        let path = self.path.join(name);
+        let mut f = tokio::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .await
+            .map_err(|e| format!("cannot create image {name} here: {e}"))?;
+        let mut left = size;
+        while left > 0 {
+            match next(rd).await? {
+                Frame::Data(d) if d.len() as u64 <= left => {
+                    f.write_all(&d)
+                        .await
+                        .map_err(|e| format!("cannot write image {name} here: {e}"))?;
+                    left -= d.len() as u64;
+                }
+                Frame::Data(_) => return Err(format!("image {name} is longer than announced")),
+                Frame::Abort { reason } => return Err(format!("the source gave up: {reason}")),
+                other => return Err(format!("expected image data, got {other:?}")),
+            }
+        }
+        f.flush()
+            .await
+            .map_err(|e| format!("cannot write image {name} here: {e}"))
+    }
+}
+
+impl Drop for Received {
+    fn drop(&mut self) {
+        if !self.keep.load(std::sync::atomic::Ordering::Relaxed) {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
+}

@@ -1,0 +1,382 @@
+//! What a migration needs to know and change on a host: the process tree's
+//! sockets and addresses (`/proc`), the host's interface addresses, moving
+//! an address on and off (`ip`), and telling the neighbours where it went
+//! (a gratuitous ARP with `arping`).
+
+use std::collections::BTreeSet;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::process::Command;
+
+use crate::cli::CliError;
+
+/// The sockets of a process tree, as a migration reports them.
+#[derive(Debug, Default)]
+pub(crate) struct ProcessInfo {
+    /// The root's pid.
+    pub(crate) pid: i32,
+    /// The root's command name (`/proc/PID/comm`).
+    pub(crate) name: String,
+    /// Processes in the tree (the root and its descendants).
+    pub(crate) processes: usize,
+    /// Established TCP connections.
+    pub(crate) established: usize,
+    /// Listening TCP sockets.
+    pub(crate) listening: usize,
+    /// UDP sockets.
+    pub(crate) udp: usize,
+    /// Local addresses the tree's sockets are bound to, wildcards and
+    /// loopback left out: the candidates for the process's own address.
+    pub(crate) addresses: BTreeSet<IpAddr>,
+}
+
+impl ProcessInfo {
+    /// `PID (name)`.
+    pub(crate) fn label(&self) -> String {
+        format!("{} ({})", self.pid, self.name)
+    }
+
+    /// `3 TCP connections, 1 listening socket, 0 UDP sockets`.
+    pub(crate) fn sockets(&self) -> String {
+        let s = |n: usize| if n == 1 { "" } else { "s" };
+        format!(
+            "{} TCP connection{}, {} listening socket{}, {} UDP socket{}",
+            self.established,
+            s(self.established),
+            self.listening,
+            s(self.listening),
+            self.udp,
+            s(self.udp)
+        )
+    }
+}
+
+/// The pids of the tree rooted at `pid`: it and its descendants.
+fn tree(pid: i32) -> Vec<i32> {
+    let mut out = vec![pid];
+    let mut i = 0;
+    while i < out.len() && out.len() < 100_000 {
+        let p = out[i];
+        i += 1;
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{p}/task")) else {
+            continue;
+        };
+        for t in tasks.flatten() {
+            let children = std::fs::read_to_string(t.path().join("children")).unwrap_or_default();
+            out.extend(children.split_whitespace().filter_map(|c| c.parse::<i32>().ok()));
+        }
+    }
+    out
+}
+
+/// Inspects the process tree rooted at `pid`: a precise error if there is
+/// no such process or it cannot be read (not root).
+pub(crate) fn inspect(pid: i32) -> Result<ProcessInfo, CliError> {
+    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).map_err(|e| {
+        CliError(if e.kind() == std::io::ErrorKind::NotFound {
+            format!("no process {pid} here")
+        } else {
+            format!("cannot read process {pid}: {e}")
+        })
+    })?;
+    let pids = tree(pid);
+    let mut inodes = BTreeSet::new();
+    for p in &pids {
+        let dir = std::fs::read_dir(format!("/proc/{p}/fd")).map_err(|e| {
+            CliError(format!(
+                "cannot list the descriptors of process {p}: {e} (moving a process needs root)"
+            ))
+        })?;
+        for fd in dir.flatten() {
+            if let Ok(target) = std::fs::read_link(fd.path()) {
+                let t = target.to_string_lossy();
+                if let Some(n) = t
+                    .strip_prefix("socket:[")
+                    .and_then(|r| r.strip_suffix(']'))
+                    .and_then(|n| n.parse::<u64>().ok())
+                {
+                    inodes.insert(n);
+                }
+            }
+        }
+    }
+    let mut info = ProcessInfo {
+        pid,
+        name: comm.trim().to_owned(),
+        processes: pids.len(),
+        ..ProcessInfo::default()
+    };
+    for table in ["tcp", "tcp6", "udp", "udp6"] {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/net/{table}")).unwrap_or_default();
+        for row in parse_sockets(&text) {
+            if !inodes.contains(&row.inode) {
+                continue;
+            }
+            match (table.starts_with("tcp"), row.state) {
+                (true, 0x01) => info.established += 1,
+                (true, 0x0A) => info.listening += 1,
+                (true, _) => {}
+                (false, _) => info.udp += 1,
+            }
+            if !row.local.is_unspecified() && !row.local.is_loopback() {
+                info.addresses.insert(row.local);
+            }
+        }
+    }
+    Ok(info)
+}
+
+/// One row of `/proc/net/{tcp,udp}[6]`.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct SocketRow {
+    /// The local address (IPv4-mapped IPv6 addresses as IPv4).
+    pub(crate) local: IpAddr,
+    /// The TCP state (1 established, 10 listening; 7 for unconnected UDP).
+    pub(crate) state: u8,
+    /// The socket's inode.
+    pub(crate) inode: u64,
+}
+
+/// Parses a `/proc/net/{tcp,udp}[6]` table (rows it cannot read are skipped).
+pub(crate) fn parse_sockets(text: &str) -> Vec<SocketRow> {
+    text.lines()
+        .skip(1)
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let local = parse_hex_addr(f.get(1)?.split(':').next()?)?;
+            let state = u8::from_str_radix(f.get(3)?, 16).ok()?;
+            let inode = f.get(9)?.parse().ok()?;
+            Some(SocketRow {
+                local,
+                state,
+                inode,
+            })
+        })
+        .collect()
+}
+
+/// The kernel's hex form of an address: 8 digits (IPv4) or 32 (IPv6), each
+/// 32-bit word in host (little-endian) order.
+fn parse_hex_addr(hex: &str) -> Option<IpAddr> {
+    let word = |i: usize| -> Option<[u8; 4]> {
+        let w = u32::from_str_radix(hex.get(i * 8..i * 8 + 8)?, 16).ok()?;
+        Some(w.to_le_bytes())
+    };
+    match hex.len() {
+        8 => Some(IpAddr::V4(Ipv4Addr::from(word(0)?))),
+        32 => {
+            let mut b = [0u8; 16];
+            for i in 0..4 {
+                b[i * 4..i * 4 + 4].copy_from_slice(&word(i)?);
+            }
+            let v6 = Ipv6Addr::from(b);
+            Some(v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4))
+        }
+        _ => None,
+    }
+}
+
+/// An address on one of this host's interfaces.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct IfAddr {
+    /// The interface (`eth0`).
+    pub(crate) dev: String,
+    /// The address.
+    pub(crate) addr: IpAddr,
+    /// Its prefix length.
+    pub(crate) prefix: u8,
+}
+
+impl IfAddr {
+    /// `ADDR/PREFIX`.
+    pub(crate) fn cidr(&self) -> String {
+        format!("{}/{}", self.addr, self.prefix)
+    }
+
+    /// Whether `ip` is inside this address's subnet.
+    pub(crate) fn covers(&self, ip: IpAddr) -> bool {
+        match (self.addr, ip) {
+            (IpAddr::V4(a), IpAddr::V4(b)) => {
+                let mask = u32::MAX.checked_shl(32 - u32::from(self.prefix.min(32)));
+                let mask = mask.unwrap_or(0);
+                u32::from(a) & mask == u32::from(b) & mask
+            }
+            (IpAddr::V6(a), IpAddr::V6(b)) => {
+                let mask = u128::MAX.checked_shl(128 - u32::from(self.prefix.min(128)));
+                let mask = mask.unwrap_or(0);
+                u128::from(a) & mask == u128::from(b) & mask
+            }
+            _ => false,
+        }
+    }
+}
+
+/// Parses `ADDR/PREFIX` (`10.1.2.3/24`); a bare address gets the full
+/// prefix (/32 or /128).
+pub(crate) fn parse_cidr(text: &str) -> Result<(IpAddr, u8), String> {
+    let (a, p) = match text.split_once('/') {
+        Some((a, p)) => (a, Some(p)),
+        None => (text, None),
+    };
+    let addr: IpAddr = a
+        .trim()
+        .parse()
+        .map_err(|_| format!("{text:?} is not an address (e.g. 10.1.2.3/24)"))?;
+    let max = if addr.is_ipv4() { 32 } else { 128 };
+    let prefix = match p {
+        Some(p) => p
+            .trim()
+            .parse::<u8>()
+            .ok()
+            .filter(|&n| n <= max)
+            .ok_or_else(|| format!("{text:?}: the prefix length must be 0 to {max}"))?,
+        None => max,
+    };
+    Ok((addr, prefix))
+}
+
+/// Runs `ip ARGS`; its stderr is the error.
+fn ip(args: &[&str]) -> Result<String, CliError> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| CliError(format!("cannot run `ip` (iproute2): {e}")))?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(CliError(format!(
+            "`ip {}` failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )))
+    }
+}
+
+/// Every address on this host's interfaces (`ip -o addr show`).
+pub(crate) fn addresses() -> Result<Vec<IfAddr>, CliError> {
+    Ok(parse_ip_addr(&ip(&["-o", "addr", "show"])?))
+}
+
+/// Parses `ip -o addr show`: `2: eth0    inet 10.1.2.3/24 brd ... scope global eth0`.
+pub(crate) fn parse_ip_addr(text: &str) -> Vec<IfAddr> {
+    text.lines()
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if !matches!(*f.get(2)?, "inet" | "inet6") {
+                return None;
+            }
+            // `veth0@if5` names the peer's index after the '@'.
+            let dev = f.get(1)?.trim_end_matches(':');
+            let dev = dev.split('@').next()?.to_owned();
+            let (addr, prefix) = parse_cidr(f.get(3)?).ok()?;
+            Some(IfAddr { dev, addr, prefix })
+        })
+        .collect()
+}
+
+/// Puts `a` on its interface (without duplicate-address detection for
+/// IPv6: the address has just left the other host).
+pub(crate) fn add_address(a: &IfAddr) -> Result<(), CliError> {
+    let cidr = a.cidr();
+    let mut args = vec!["addr", "add", &cidr, "dev", &a.dev];
+    if a.addr.is_ipv6() {
+        args.push("nodad");
+    }
+    ip(&args).map(|_| ())
+}
+
+/// Takes `a` off its interface.
+pub(crate) fn del_address(a: &IfAddr) -> Result<(), CliError> {
+    ip(&["addr", "del", &a.cidr(), "dev", &a.dev]).map(|_| ())
+}
+
+/// Tells the neighbours on `a`'s link that its address is here now: two
+/// unsolicited ARP announcements (`arping -U`, iputils). Without them the
+/// neighbours keep sending to the old host until their cache entry goes
+/// stale (seconds). IPv6 is not announced (the neighbours re-resolve).
+pub(crate) fn announce(a: &IfAddr) -> Result<(), CliError> {
+    let IpAddr::V4(v4) = a.addr else {
+        return Ok(());
+    };
+    let out = Command::new("arping")
+        .args(["-U", "-c", "2", "-w", "1", "-I", &a.dev])
+        .arg(v4.to_string())
+        .output()
+        .map_err(|e| {
+            CliError(format!(
+                "cannot run arping (iputils-arping) to announce {v4}: {e}; neighbours \
+                 will find the address within seconds"
+            ))
+        })?;
+    // arping -U exits 1 when nobody answers, which nobody does to an announcement.
+    match out.status.code() {
+        Some(0 | 1) => Ok(()),
+        _ => Err(CliError(format!(
+            "arping could not announce {v4} on {}: {}",
+            a.dev,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proc_net_rows_give_address_state_and_inode() {
+        let tcp = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n\
+   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 12345 1 0000000000000000 100 0 0 10 0\n\
+   1: 6405C60A:1BBC 0105C60A:D2F0 01 00000000:00000000 00:00000000 00000000     0        0 777 1 0000000000000000 20 4 30 10 -1\n";
+        let rows = parse_sockets(tcp);
+        assert_eq!(
+            rows,
+            vec![
+                SocketRow {
+                    local: "127.0.0.1".parse().unwrap(),
+                    state: 0x0A,
+                    inode: 12345
+                },
+                SocketRow {
+                    local: "10.198.5.100".parse().unwrap(),
+                    state: 1,
+                    inode: 777
+                },
+            ]
+        );
+        // IPv4-mapped in tcp6 reads as IPv4; a real IPv6 address stays one.
+        assert_eq!(
+            parse_hex_addr("0000000000000000FFFF00006405C60A"),
+            Some("10.198.5.100".parse().unwrap())
+        );
+        assert_eq!(
+            parse_hex_addr("B80D0120000000000000000001000000"),
+            Some("2001:db8::1".parse().unwrap())
+        );
+    }
+
+    #[test]
+    fn ip_addr_output_gives_device_address_and_prefix() {
+        let text = "1: lo    inet 127.0.0.1/8 scope host lo\\       valid_lft forever preferred_lft forever\n\
+2: eth0@if7    inet 10.198.5.2/24 scope global eth0\\       valid_lft forever preferred_lft forever\n\
+2: eth0@if7    inet6 fe80::1/64 scope link \\       valid_lft forever preferred_lft forever\n";
+        let a = parse_ip_addr(text);
+        assert_eq!(a.len(), 3);
+        assert_eq!(a[1].dev, "eth0");
+        assert_eq!(a[1].cidr(), "10.198.5.2/24");
+        assert!(a[1].covers("10.198.5.100".parse().unwrap()));
+        assert!(!a[1].covers("10.198.6.100".parse().unwrap()));
+        assert!(!a[1].covers("fe80::1".parse().unwrap()));
+        assert!(a[2].covers("fe80::2".parse().unwrap()));
+    }
+
+    #[test]
+    fn cidr_parsing_is_strict() {
+        assert_eq!(
+            parse_cidr("10.1.2.3/24"),
+            Ok(("10.1.2.3".parse().unwrap(), 24))
+        );
+        assert_eq!(parse_cidr("10.1.2.3"), Ok(("10.1.2.3".parse().unwrap(), 32)));
+        assert!(parse_cidr("10.1.2.3/33").is_err());
+        assert!(parse_cidr("host/24").is_err());
+    }
+}

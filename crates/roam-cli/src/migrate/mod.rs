@@ -1,0 +1,135 @@
+//! `roam migrate-process` and `roam migrate-accept`: a running process,
+//! with its TCP connections, listening and UDP sockets, moves to another
+//! host and takes its address along (issue 12; `docs/ARCHITECTURE.md`,
+//! "Process migration").
+//!
+//! CRIU does the checkpoint and the restore ([`roam_criu`]); roam moves the
+//! images over an encrypted, authenticated roam session (no shared
+//! filesystem), moves the address, and keeps the step that can fail — the
+//! destination — inside CRIU's post-dump step, so that a failure anywhere
+//! before the destination has the process rolls the dump back and the
+//! process runs on at the source, its connections untouched.
+//!
+//! The sequence (source A, destination B, both holding a roam address lock
+//! that drops every TCP packet of the address while it moves):
+//! 1. A asks B whether it can host the address ([`wire::Frame::Hello`]);
+//!    nothing is frozen until B says it can.
+//! 2. A locks the address and has CRIU dump the process with its
+//!    connections. While the process is frozen (sockets in repair mode) and
+//!    the images complete, A streams them to B and asks for a restore.
+//! 3. B locks the address, puts it on its interface and restores. If that
+//!    fails it undoes both and says why; A refuses CRIU's post-dump step and
+//!    the dump rolls back.
+//! 4. Once B has the process, A lets CRIU finish (the old process dies
+//!    without a packet), takes the address off and tells B to commit; B
+//!    lifts its lock and announces the address (gratuitous ARP). The peers'
+//!    TCP retransmissions reach the restored process.
+
+pub(crate) mod dest;
+pub(crate) mod host;
+pub(crate) mod source;
+pub(crate) mod wire;
+
+use std::io::{IsTerminal, Write};
+use std::time::{Duration, Instant};
+
+/// The port `roam migrate-accept` listens on unless told otherwise.
+pub(crate) const DEFAULT_PORT: u16 = 7448;
+
+/// Phases and byte counts on stderr: one line per phase, and on a terminal
+/// a progress bar while images travel.
+pub(crate) struct Progress {
+    /// When the command started.
+    start: Instant,
+    /// Whether stderr is a terminal (bar and carriage returns).
+    tty: bool,
+    /// Whether a bar is on the current line.
+    bar: bool,
+    /// When the bar was last drawn (at most every 100 ms).
+    drawn: Option<Instant>,
+}
+
+impl Progress {
+    /// A progress reporter starting now.
+    pub(crate) fn new() -> Progress {
+        Progress {
+            start: Instant::now(),
+            tty: std::io::stderr().is_terminal(),
+            bar: false,
+            drawn: None,
+        }
+    }
+
+    /// Time since the command started.
+    pub(crate) fn elapsed(&self) -> Duration {
+        self.start.elapsed()
+    }
+
+    /// Starts a phase: `roam: [  0.12 s] MESSAGE`.
+    pub(crate) fn phase(&mut self, msg: &str) {
+        self.end_bar();
+        eprintln!(
+            "roam: [{:>7.2} s] {msg}",
+            self.start.elapsed().as_secs_f64()
+        );
+    }
+
+    /// Shows `done` of `total` bytes sent (a bar on a terminal).
+    pub(crate) fn bytes(&mut self, done: u64, total: u64) {
+        if !self.tty {
+            return;
+        }
+        let now = Instant::now();
+        if done < total && self.drawn.is_some_and(|t| now - t < Duration::from_millis(100)) {
+            return;
+        }
+        self.drawn = Some(now);
+        let frac = if total == 0 {
+            1.0
+        } else {
+            done as f64 / total as f64
+        };
+        let width = 30;
+        let filled = ((frac * f64::from(width)) as usize).min(width as usize);
+        let mut err = std::io::stderr().lock();
+        let _ = write!(
+            err,
+            "\r      images {} / {} [{}{}] {:>3.0}%",
+            mb(done),
+            mb(total),
+            "#".repeat(filled),
+            " ".repeat(width as usize - filled),
+            frac * 100.0
+        );
+        let _ = err.flush();
+        self.bar = true;
+    }
+
+    /// Ends the bar's line, if one is drawn.
+    fn end_bar(&mut self) {
+        if self.bar {
+            eprintln!();
+            self.bar = false;
+        }
+    }
+}
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        self.end_bar();
+    }
+}
+
+/// `12.3 MB` (decimal megabytes, as transfer tools print them).
+pub(crate) fn mb(bytes: u64) -> String {
+    format!("{:.1} MB", bytes as f64 / 1e6)
+}
+
+/// `412 ms`, or `1.32 s` from a second on.
+pub(crate) fn ms(d: Duration) -> String {
+    if d < Duration::from_secs(1) {
+        format!("{} ms", d.as_millis())
+    } else {
+        format!("{:.2} s", d.as_secs_f64())
+    }
+}

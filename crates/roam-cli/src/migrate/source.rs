@@ -1,0 +1,426 @@
+//! `roam migrate-process PID --to HOST`: the source side of a move.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use roam_criu::{AddressLock, Criu, DumpOptions, NetworkLock};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::mpsc;
+
+use super::host::{self, IfAddr, ProcessInfo};
+use super::wire::{self, Frame};
+use super::{mb, ms, Progress, DEFAULT_PORT};
+use crate::cli::{CliError, CliResult, MigrateProcessArgs};
+use crate::config::FileConfig;
+
+/// Longest wait for the destination's answer to one request (a restore of a
+/// large process takes a while).
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Bytes per data frame.
+const CHUNK: usize = 256 << 10;
+
+/// The source: moves process `args.pid` to `args.to`.
+pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliResult {
+    let mut progress = Progress::new();
+    let criu = Criu::locate().map_err(|e| CliError(format!("cannot move a process: {e}")))?;
+    let info = host::inspect(args.pid)?;
+    let address = own_address(args.address.as_deref(), &info)?;
+    let to = match crate::target::split_host_port(&args.to)? {
+        (h, Some(p)) => crate::target::join(&h, p),
+        (h, None) => crate::target::join(&h, DEFAULT_PORT),
+    };
+    progress.phase(&format!(
+        "moving {} ({}; {}) with {} to {to}",
+        info.label(),
+        plural(info.processes, "process", "processes"),
+        info.sockets(),
+        address.cidr()
+    ));
+    let session = crate::connect::connect_relay(&to, args.client.key.as_deref(), config)
+        .await
+        .map_err(|e| {
+            let e = e.into_cli();
+            CliError(format!("{}; nothing was moved", e.0))
+        })?;
+    let stream = session
+        .open_stream(wire::STREAM_META)
+        .map_err(|e| CliError(format!("cannot open a stream to {to}: {e}")))?;
+    let (rd, mut wr) = tokio::io::split(stream);
+    let mut answers = spawn_reader(rd);
+    let refused = |why: String| CliError(format!("{to} cannot take the process: {why}; nothing was frozen"));
+    wire::write_frame(
+        &mut wr,
+        &Frame::Hello {
+            address: address.cidr(),
+            process: info.label(),
+        },
+    )
+    .await
+    .map_err(|e| refused(e.to_string()))?;
+    let ready = match answer(&mut answers).await {
+        Ok(Frame::Ready { detail }) => detail,
+        Ok(Frame::Failed { reason }) => return Err(refused(reason)),
+        Ok(other) => return Err(refused(format!("it answered {other:?} to the offer"))),
+        Err(e) => return Err(refused(e)),
+    };
+    progress.phase(&format!("{to} can host it ({ready})"));
+
+    let images = ImagesDir::create(args.images_dir.as_deref(), args.pid)?;
+    let lock = AddressLock::new(None, address.addr)
+        .map_err(|e| CliError(format!("cannot lock {}: {e}; nothing was frozen", address.addr)))?;
+    let frozen_at = Instant::now();
+    progress.phase(&format!("freezing and dumping {}", info.label()));
+
+    // CRIU runs on a thread of its own; its post-dump step (the process
+    // frozen, the images complete) hands the images directory over here
+    // and waits for the verdict.
+    let (images_tx, mut images_rx) = mpsc::channel::<PathBuf>(1);
+    let (verdict_tx, verdict_rx) = std::sync::mpsc::channel::<Result<(), String>>();
+    let dump = {
+        let dir = images.path.clone();
+        let pid = args.pid;
+        tokio::task::spawn_blocking(move || {
+            let opts = DumpOptions {
+                tcp_established: true,
+                network_lock: NetworkLock::Skip,
+                ..DumpOptions::default()
+            };
+            criu.dump_then(pid, &dir, &opts, &mut |p| {
+                images_tx
+                    .blocking_send(p.to_path_buf())
+                    .map_err(|_| "roam stopped waiting".to_string())?;
+                verdict_rx
+                    .recv()
+                    .unwrap_or_else(|_| Err("roam stopped waiting".into()))
+            })
+        })
+    };
+    let mut timings = Timings::default();
+    let mut restored: Option<(i32, Duration)> = None;
+    if let Some(dir) = images_rx.recv().await {
+        timings.dump = frozen_at.elapsed();
+        let sent = Instant::now();
+        let outcome = tokio::select! {
+            r = send_and_restore(&mut wr, &mut answers, &dir, &mut progress, &mut timings, &to) => r,
+            _ = crate::serve::shutdown_signal() => Err("interrupted by a signal".to_string()),
+        };
+        timings.transfer = sent.elapsed().saturating_sub(timings.restore);
+        let verdict = outcome.map(|r| {
+            restored = Some(r);
+        });
+        let _ = verdict_tx.send(verdict);
+    }
+    drop(verdict_tx);
+    let dumped = dump
+        .await
+        .map_err(|e| CliError(format!("the dump thread failed: {e}")))?;
+    let dumped = match dumped {
+        Ok(d) => d,
+        Err(e) => {
+            let unlocked = lock.release();
+            let _ = wire::write_frame(
+                &mut wr,
+                &Frame::Abort {
+                    reason: e.to_string(),
+                },
+            )
+            .await;
+            images.keep_on_failure();
+            let mut msg = format!(
+                "{} was not moved and runs on here with its connections: {e}",
+                info.label()
+            );
+            if let Err(u) = unlocked {
+                msg.push_str(&format!(
+                    "\nAND its address stays locked: {u} (remove the table with `nft list tables`)"
+                ));
+            }
+            return Err(CliError(msg));
+        }
+    };
+    // Committed: the process is gone here (CRIU killed it, its sockets in
+    // repair mode, so without a packet) and runs at the destination.
+    let (new_pid, _) = restored.unwrap_or((0, Duration::ZERO));
+    progress.phase(&format!(
+        "restored at {to} as pid {new_pid}; handing over {}",
+        address.addr
+    ));
+    let mut warnings = Vec::new();
+    if let Err(e) = host::del_address(&address) {
+        warnings.push(format!("could not take {} off this host: {}", address.cidr(), e.0));
+    }
+    let committed = Instant::now();
+    let live = match wire::write_frame(&mut wr, &Frame::Commit).await {
+        Err(e) => Err(e.to_string()),
+        Ok(()) => match answer(&mut answers).await {
+            Ok(Frame::Live) => Ok(()),
+            Ok(Frame::Failed { reason }) => Err(reason),
+            Ok(other) => Err(format!("it answered {other:?} to the commit")),
+            Err(e) => Err(e),
+        },
+    };
+    timings.handover = committed.elapsed();
+    let freeze = frozen_at.elapsed();
+    if let Err(e) = lock.release() {
+        warnings.push(format!("could not lift this host's address lock: {e}"));
+    }
+    if let Err(e) = live {
+        warnings.push(format!(
+            "{to} did not confirm the address is live there: {e} (the process runs there; \
+             check `ip addr` and `nft list tables` on {to})"
+        ));
+    }
+    drop(images);
+    let _ = session.close(0, "moved").await;
+    let total = progress.elapsed();
+    drop(progress);
+    println!(
+        "moved {} to {to} (pid {new_pid} there) with {}: {}",
+        info.label(),
+        address.cidr(),
+        info.sockets()
+    );
+    println!(
+        "  freeze {} (dump {}, transfer {}, restore {}, hand-over {}); {} of images; total {}",
+        ms(freeze),
+        ms(timings.dump),
+        ms(timings.transfer),
+        ms(timings.restore),
+        ms(timings.handover),
+        mb(dumped.image_bytes),
+        ms(total),
+    );
+    for w in &warnings {
+        eprintln!("roam: warning: {w}");
+    }
+    Ok(if warnings.is_empty() { 0 } else { 1 })
+}
+
+/// `1 process`, `3 processes`.
+fn plural(n: usize, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
+}
+
+/// How long each phase of the freeze took.
+#[derive(Debug, Default)]
+struct Timings {
+    /// Lock and CRIU's dump, until the images were complete.
+    dump: Duration,
+    /// Sending the images.
+    transfer: Duration,
+    /// The destination's restore (as it measured it).
+    restore: Duration,
+    /// Commit until the destination said the address is live.
+    handover: Duration,
+}
+
+/// The address that moves with the process: `--address`, else the one
+/// address its sockets are bound to; it must be on one of this host's
+/// interfaces (its prefix and interface come from there).
+fn own_address(given: Option<&str>, info: &ProcessInfo) -> Result<IfAddr, CliError> {
+    let here = host::addresses()?;
+    let ip = match given {
+        Some(text) => host::parse_cidr(text).map_err(CliError)?.0,
+        None => match info.addresses.len() {
+            1 => *info.addresses.iter().next().unwrap_or(&std::net::IpAddr::from([0, 0, 0, 0])),
+            0 => {
+                return Err(CliError(format!(
+                    "{}'s sockets are bound to no particular address (only wildcards or \
+                     loopback): say which address moves with it with --address ADDR",
+                    info.label()
+                )))
+            }
+            _ => {
+                let list: Vec<String> = info.addresses.iter().map(|a| a.to_string()).collect();
+                return Err(CliError(format!(
+                    "{}'s sockets use several addresses ({}): say which one moves with it \
+                     with --address ADDR",
+                    info.label(),
+                    list.join(", ")
+                )));
+            }
+        },
+    };
+    here.into_iter().find(|a| a.addr == ip).ok_or_else(|| {
+        CliError(format!(
+            "{ip} is not on any interface of this host (see `ip addr`): the address that \
+             moves must be the process's own, here"
+        ))
+    })
+}
+
+/// Reads the destination's frames on a task of its own, so that an early
+/// refusal is seen while images are still being sent.
+fn spawn_reader(
+    mut rd: tokio::io::ReadHalf<roam::RoamStream>,
+) -> mpsc::Receiver<Result<Frame, String>> {
+    let (tx, rx) = mpsc::channel(4);
+    tokio::spawn(async move {
+        loop {
+            let r = wire::read_frame(&mut rd).await.map_err(|e| {
+                if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                    "the destination closed the stream".to_string()
+                } else {
+                    format!("the stream to the destination failed: {e}")
+                }
+            });
+            let end = r.is_err();
+            if tx.send(r).await.is_err() || end {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+/// The destination's next frame, within [`ANSWER_TIMEOUT`].
+async fn answer(answers: &mut mpsc::Receiver<Result<Frame, String>>) -> Result<Frame, String> {
+    match tokio::time::timeout(ANSWER_TIMEOUT, answers.recv()).await {
+        Ok(Some(r)) => r,
+        Ok(None) => Err("the stream to the destination ended".into()),
+        Err(_) => Err(format!(
+            "no answer from the destination within {} s",
+            ANSWER_TIMEOUT.as_secs()
+        )),
+    }
+}
+
+/// The post-dump step: sends every image to the destination and has it
+/// restore the process. Returns the restored pid and how long the restore
+/// took; an error is the reason to roll back.
+async fn send_and_restore(
+    wr: &mut tokio::io::WriteHalf<roam::RoamStream>,
+    answers: &mut mpsc::Receiver<Result<Frame, String>>,
+    dir: &Path,
+    progress: &mut Progress,
+    timings: &mut Timings,
+    to: &str,
+) -> Result<(i32, Duration), String> {
+    let files = image_files(dir).map_err(|e| format!("cannot list the images: {e}"))?;
+    let total: u64 = files.iter().map(|(_, n)| n).sum();
+    progress.phase(&format!(
+        "dumped in {}; sending {} files, {} of images",
+        ms(timings.dump),
+        files.len(),
+        mb(total)
+    ));
+    let send = async {
+        let mut done = 0u64;
+        let mut buf = vec![0u8; CHUNK];
+        for (name, size) in &files {
+            wire::write_frame(
+                wr,
+                &Frame::File {
+                    name: name.clone(),
+                    size: *size,
+                },
+            )
+            .await
+            .map_err(|e| format!("sending the images failed: {e}"))?;
+            let mut f = tokio::fs::File::open(dir.join(name))
+                .await
+                .map_err(|e| format!("cannot read image {name}: {e}"))?;
+            let mut left = *size;
+            while left > 0 {
+                let want = usize::try_from(left.min(CHUNK as u64)).unwrap_or(CHUNK);
+                f.read_exact(&mut buf[..want])
+                    .await
+                    .map_err(|e| format!("cannot read image {name}: {e}"))?;
+                wr.write_all(&wire::encode(&Frame::Data(buf[..want].to_vec())))
+                    .await
+                    .map_err(|e| format!("sending the images failed: {e}"))?;
+                left -= want as u64;
+                done += want as u64;
+                progress.bytes(done, total);
+            }
+        }
+        wire::write_frame(wr, &Frame::Restore)
+            .await
+            .map_err(|e| format!("sending the images failed: {e}"))
+    };
+    // The destination may refuse half-way (a full disk): its answer ends
+    // the sending.
+    let early = tokio::select! {
+        r = send => { r?; None }
+        f = answers.recv() => Some(f.unwrap_or_else(|| Err("the stream to the destination ended".into()))),
+    };
+    progress.phase(&format!("images sent; {to} restores"));
+    let reply = match early {
+        Some(r) => r,
+        None => answer(answers).await,
+    };
+    match reply? {
+        Frame::Restored { pid, restore_us } => {
+            timings.restore = Duration::from_micros(restore_us);
+            Ok((pid, timings.restore))
+        }
+        Frame::Failed { reason } => Err(format!("{to} could not restore it: {reason}")),
+        other => Err(format!("{to} answered {other:?} instead of restoring")),
+    }
+}
+
+/// The images to send: every regular file but CRIU's logs, by name, with
+/// their sizes.
+fn image_files(dir: &Path) -> std::io::Result<Vec<(String, u64)>> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir)? {
+        let e = e?;
+        let meta = e.metadata()?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        if meta.is_file() && !name.ends_with(".log") {
+            out.push((name, meta.len()));
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// A private directory for the images, removed when dropped (unless kept
+/// for a failure's log).
+struct ImagesDir {
+    /// The directory.
+    path: PathBuf,
+    /// Keep it (it holds CRIU's log of a failure).
+    keep: bool,
+}
+
+impl ImagesDir {
+    /// Makes `<parent>/roam-migrate-<pid>-<n>` (mode 0700; parent default
+    /// the temporary directory).
+    fn create(parent: Option<&Path>, pid: i32) -> Result<ImagesDir, CliError> {
+        use std::os::unix::fs::DirBuilderExt;
+        let parent = parent.map_or_else(std::env::temp_dir, Path::to_path_buf);
+        let stamp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let path = parent.join(format!("roam-migrate-{pid}-{stamp}"));
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&path)
+            .map_err(|e| {
+                CliError(format!(
+                    "cannot make the images directory {}: {e}; nothing was frozen",
+                    path.display()
+                ))
+            })?;
+        Ok(ImagesDir { path, keep: false })
+    }
+
+    /// Keeps the directory and says where it is.
+    fn keep_on_failure(mut self) {
+        self.keep = true;
+        eprintln!(
+            "roam: CRIU's log of the dump is kept in {}",
+            self.path.display()
+        );
+    }
+}
+
+impl Drop for ImagesDir {
+    fn drop(&mut self) {
+        if !self.keep {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
+}

@@ -1,0 +1,426 @@
+//! The frames of a process migration's stream (sans-IO; the layout is in
+//! `docs/ARCHITECTURE.md`, "Process migration: the stream").
+//!
+//! The source opens one stream, whose metadata is [`STREAM_META`], on a
+//! roam session to the destination's `roam migrate-accept`, and both sides
+//! then send frames: a kind byte, a big-endian `u32` payload length (at most
+//! [`MAX_PAYLOAD`]) and the payload. Strings are a big-endian `u16` length
+//! and UTF-8; numbers are big-endian.
+
+use std::fmt;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// The stream's metadata: names the protocol and its version.
+pub(crate) const STREAM_META: &[u8] = b"roam:migrate-process/1";
+
+/// Longest payload of one frame (an image file travels as many
+/// [`Frame::Data`] frames).
+pub(crate) const MAX_PAYLOAD: usize = 1 << 20;
+
+/// Bytes of a frame's header (kind and length).
+pub(crate) const HEADER: usize = 5;
+
+/// Longest image file name accepted (CRIU's are short: `pages-1.img`).
+const MAX_NAME: usize = 255;
+
+/// One message of the migration stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Frame {
+    /// Source → destination, first: the process to host and its address
+    /// (`10.1.2.3/24`), so that the destination can refuse before anything
+    /// is frozen.
+    Hello {
+        /// The address that moves with the process, with its prefix length.
+        address: String,
+        /// The process's name and pid, for the destination's log.
+        process: String,
+    },
+    /// Destination → source: it can host the process (what it will use).
+    Ready {
+        /// E.g. `CRIU 4.1.1, eth0`.
+        detail: String,
+    },
+    /// Source → destination: an image file of `size` bytes follows as
+    /// [`Frame::Data`] frames.
+    File {
+        /// The file's name in the images directory (no `/`).
+        name: String,
+        /// Its length in bytes.
+        size: u64,
+    },
+    /// Source → destination: the next bytes of the current file.
+    Data(Vec<u8>),
+    /// Source → destination: every image was sent; restore the process.
+    Restore,
+    /// Destination → source: the process runs there, still behind the
+    /// destination's address lock.
+    Restored {
+        /// The restored process's pid.
+        pid: i32,
+        /// How long CRIU's restore took, in microseconds.
+        restore_us: u64,
+    },
+    /// Source → destination: the source has let go of the process and its
+    /// address; take the address live.
+    Commit,
+    /// Destination → source: the address is live at the destination (lock
+    /// lifted, neighbours told).
+    Live,
+    /// Source → destination: the migration is called off; undo everything.
+    Abort {
+        /// Why.
+        reason: String,
+    },
+    /// Destination → source: the destination cannot go on; it has undone
+    /// its part.
+    Failed {
+        /// Why, precisely.
+        reason: String,
+    },
+}
+
+/// Kind bytes, source → destination.
+const HELLO: u8 = 1;
+const FILE: u8 = 2;
+const DATA: u8 = 3;
+const RESTORE: u8 = 4;
+const COMMIT: u8 = 5;
+const ABORT: u8 = 6;
+/// Kind bytes, destination → source.
+const READY: u8 = 16;
+const RESTORED: u8 = 17;
+const LIVE: u8 = 18;
+const FAILED: u8 = 19;
+
+/// Why bytes are not a valid frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum WireError {
+    /// An unknown kind byte.
+    UnknownKind(u8),
+    /// A payload longer than [`MAX_PAYLOAD`].
+    TooLong(usize),
+    /// A payload that does not match its kind.
+    Malformed {
+        /// The frame's kind byte.
+        kind: u8,
+        /// What is wrong.
+        detail: &'static str,
+    },
+}
+
+impl fmt::Display for WireError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            WireError::UnknownKind(k) => write!(f, "unknown frame kind {k}"),
+            WireError::TooLong(n) => {
+                write!(f, "a frame of {n} bytes (at most {MAX_PAYLOAD} allowed)")
+            }
+            WireError::Malformed { kind, detail } => {
+                write!(f, "malformed frame of kind {kind}: {detail}")
+            }
+        }
+    }
+}
+
+/// Checks a frame header: its kind and payload length.
+pub(crate) fn header(h: &[u8; HEADER]) -> Result<(u8, usize), WireError> {
+    let kind = h[0];
+    if !matches!(
+        kind,
+        HELLO | FILE | DATA | RESTORE | COMMIT | ABORT | READY | RESTORED | LIVE | FAILED
+    ) {
+        return Err(WireError::UnknownKind(kind));
+    }
+    let len = u32::from_be_bytes([h[1], h[2], h[3], h[4]]) as usize;
+    if len > MAX_PAYLOAD {
+        return Err(WireError::TooLong(len));
+    }
+    Ok((kind, len))
+}
+
+/// Reads a payload's fields in order.
+struct Fields<'a> {
+    kind: u8,
+    rest: &'a [u8],
+}
+
+impl<'a> Fields<'a> {
+    fn bad(&self, detail: &'static str) -> WireError {
+        WireError::Malformed {
+            kind: self.kind,
+            detail,
+        }
+    }
+
+    fn take(&mut self, n: usize, what: &'static str) -> Result<&'a [u8], WireError> {
+        if self.rest.len() < n {
+            return Err(self.bad(what));
+        }
+        let (a, b) = self.rest.split_at(n);
+        self.rest = b;
+        Ok(a)
+    }
+
+    fn u64(&mut self) -> Result<u64, WireError> {
+        let b = self.take(8, "truncated number")?;
+        Ok(u64::from_be_bytes(b.try_into().map_err(|_| self.bad("truncated number"))?))
+    }
+
+    fn string(&mut self) -> Result<String, WireError> {
+        let l = self.take(2, "truncated string length")?;
+        let n = usize::from(u16::from_be_bytes([l[0], l[1]]));
+        let b = self.take(n, "truncated string")?;
+        String::from_utf8(b.to_vec()).map_err(|_| self.bad("a string that is not UTF-8"))
+    }
+
+    fn end(self) -> Result<(), WireError> {
+        if self.rest.is_empty() {
+            Ok(())
+        } else {
+            Err(self.bad("bytes after the last field"))
+        }
+    }
+}
+
+/// Whether `name` may be an image file's name: a plain name in one
+/// directory (nothing that could reach outside it).
+fn plain_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_NAME
+        && name != "."
+        && name != ".."
+        && !name.contains(['/', '\0'])
+}
+
+/// Decodes the payload of a frame of `kind` (as [`header`] accepted it).
+pub(crate) fn decode(kind: u8, payload: &[u8]) -> Result<Frame, WireError> {
+    let mut f = Fields {
+        kind,
+        rest: payload,
+    };
+    let frame = match kind {
+        HELLO => Frame::Hello {
+            address: f.string()?,
+            process: f.string()?,
+        },
+        READY => Frame::Ready {
+            detail: f.string()?,
+        },
+        FILE => {
+            let size = f.u64()?;
+            let name = f.string()?;
+            if !plain_name(&name) {
+                return Err(f.bad("an image file name that is not a plain file name"));
+            }
+            Frame::File { name, size }
+        }
+        DATA => {
+            if payload.is_empty() {
+                return Err(f.bad("an empty data frame"));
+            }
+            return Ok(Frame::Data(payload.to_vec()));
+        }
+        RESTORE => Frame::Restore,
+        RESTORED => {
+            let pid = f.u64()?;
+            let pid = i32::try_from(pid)
+                .ok()
+                .filter(|&p| p > 0)
+                .ok_or_else(|| f.bad("a pid out of range"))?;
+            Frame::Restored {
+                pid,
+                restore_us: f.u64()?,
+            }
+        }
+        COMMIT => Frame::Commit,
+        LIVE => Frame::Live,
+        ABORT => Frame::Abort {
+            reason: f.string()?,
+        },
+        FAILED => Frame::Failed {
+            reason: f.string()?,
+        },
+        k => return Err(WireError::UnknownKind(k)),
+    };
+    f.end()?;
+    Ok(frame)
+}
+
+/// Appends `s` as a string field (cut at a character boundary to fit).
+fn put_string(out: &mut Vec<u8>, s: &str) {
+    let mut end = s.len().min(usize::from(u16::MAX));
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    out.extend_from_slice(&u16::try_from(end).unwrap_or(u16::MAX).to_be_bytes());
+    out.extend_from_slice(&s.as_bytes()[..end]);
+}
+
+/// Encodes a frame, header included. (A [`Frame::Data`] longer than
+/// [`MAX_PAYLOAD`] is the caller's bug: senders cut their data to fit.)
+pub(crate) fn encode(frame: &Frame) -> Vec<u8> {
+    let mut p = Vec::new();
+    let kind = match frame {
+        Frame::Hello { address, process } => {
+            put_string(&mut p, address);
+            put_string(&mut p, process);
+            HELLO
+        }
+        Frame::Ready { detail } => {
+            put_string(&mut p, detail);
+            READY
+        }
+        Frame::File { name, size } => {
+            p.extend_from_slice(&size.to_be_bytes());
+            put_string(&mut p, name);
+            FILE
+        }
+        Frame::Data(d) => {
+            p.extend_from_slice(d);
+            DATA
+        }
+        Frame::Restore => RESTORE,
+        Frame::Restored { pid, restore_us } => {
+            p.extend_from_slice(&u64::try_from(*pid).unwrap_or(0).to_be_bytes());
+            p.extend_from_slice(&restore_us.to_be_bytes());
+            RESTORED
+        }
+        Frame::Commit => COMMIT,
+        Frame::Live => LIVE,
+        Frame::Abort { reason } => {
+            put_string(&mut p, reason);
+            ABORT
+        }
+        Frame::Failed { reason } => {
+            put_string(&mut p, reason);
+            FAILED
+        }
+    };
+    let mut out = Vec::with_capacity(HEADER + p.len());
+    out.push(kind);
+    out.extend_from_slice(&u32::try_from(p.len()).unwrap_or(u32::MAX).to_be_bytes());
+    out.extend_from_slice(&p);
+    out
+}
+
+/// Decodes every whole frame at the start of `bytes`: each frame and the
+/// bytes it was decoded from. Stops at the first invalid frame (its error)
+/// or at an incomplete one (the frames so far).
+pub(crate) fn decode_all(mut bytes: &[u8]) -> Result<Vec<(Frame, &[u8])>, WireError> {
+    let mut out = Vec::new();
+    while bytes.len() >= HEADER {
+        let h: [u8; HEADER] = bytes[..HEADER].try_into().unwrap_or([0; HEADER]);
+        let (kind, len) = header(&h)?;
+        if bytes.len() < HEADER + len {
+            break;
+        }
+        let frame = decode(kind, &bytes[HEADER..HEADER + len])?;
+        out.push((frame, &bytes[..HEADER + len]));
+        bytes = &bytes[HEADER + len..];
+    }
+    Ok(out)
+}
+
+/// Reads one frame from `r`; an invalid frame is an `InvalidData` error.
+pub(crate) async fn read_frame(r: &mut (impl AsyncRead + Unpin)) -> std::io::Result<Frame> {
+    let mut h = [0u8; HEADER];
+    r.read_exact(&mut h).await?;
+    let invalid = |e: WireError| std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string());
+    let (kind, len) = header(&h).map_err(invalid)?;
+    let mut payload = vec![0u8; len];
+    r.read_exact(&mut payload).await?;
+    decode(kind, &payload).map_err(invalid)
+}
+
+/// Writes one frame to `w` and flushes it.
+pub(crate) async fn write_frame(
+    w: &mut (impl AsyncWrite + Unpin),
+    frame: &Frame,
+) -> std::io::Result<()> {
+    w.write_all(&encode(frame)).await?;
+    w.flush().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all() -> Vec<Frame> {
+        vec![
+            Frame::Hello {
+                address: "10.1.2.3/24".into(),
+                process: "1234 (redis-server)".into(),
+            },
+            Frame::Ready {
+                detail: "CRIU 4.1.1, eth0".into(),
+            },
+            Frame::File {
+                name: "pages-1.img".into(),
+                size: 1 << 33,
+            },
+            Frame::Data(vec![7; 100]),
+            Frame::Restore,
+            Frame::Restored {
+                pid: 4321,
+                restore_us: 123_456,
+            },
+            Frame::Commit,
+            Frame::Live,
+            Frame::Abort {
+                reason: "interrupted".into(),
+            },
+            Frame::Failed {
+                reason: "No space left on device".into(),
+            },
+        ]
+    }
+
+    #[test]
+    fn every_frame_round_trips_alone_and_in_a_row() {
+        let mut row = Vec::new();
+        for f in all() {
+            let b = encode(&f);
+            let h: [u8; HEADER] = b[..HEADER].try_into().unwrap();
+            let (kind, len) = header(&h).unwrap();
+            assert_eq!(len, b.len() - HEADER);
+            assert_eq!(decode(kind, &b[HEADER..]).unwrap(), f);
+            row.extend_from_slice(&b);
+        }
+        let back: Vec<Frame> = decode_all(&row).unwrap().into_iter().map(|(f, _)| f).collect();
+        assert_eq!(back, all());
+        // A cut anywhere yields the whole frames before it, never an error.
+        for cut in 0..row.len() {
+            let got = decode_all(&row[..cut]).unwrap();
+            assert!(got.len() < all().len());
+        }
+    }
+
+    #[test]
+    fn names_that_could_leave_the_images_directory_are_refused() {
+        for name in ["", ".", "..", "../etc/passwd", "a/b", "x\0y"] {
+            let b = encode(&Frame::File {
+                name: name.into(),
+                size: 1,
+            });
+            assert!(
+                matches!(decode(FILE, &b[HEADER..]), Err(WireError::Malformed { .. })),
+                "{name:?} accepted"
+            );
+        }
+    }
+
+    #[test]
+    fn bad_headers_and_payloads_are_precise_errors() {
+        assert_eq!(header(&[99, 0, 0, 0, 0]), Err(WireError::UnknownKind(99)));
+        assert_eq!(
+            header(&[DATA, 0, 0x10, 0, 1]),
+            Err(WireError::TooLong((1 << 20) + 1))
+        );
+        assert!(decode(DATA, &[]).is_err());
+        assert!(decode(COMMIT, &[0]).is_err(), "trailing bytes");
+        assert!(decode(RESTORED, &[0; 16]).is_err(), "pid 0");
+        assert!(decode(HELLO, &[0, 5, b'a']).is_err(), "truncated string");
+        assert!(decode(READY, &[0, 1, 0xff]).is_err(), "not UTF-8");
+    }
+}
