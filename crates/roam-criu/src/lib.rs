@@ -135,6 +135,10 @@ pub struct RestoreOptions {
     pub file_locks: bool,
 }
 
+/// The caller's step at the end of [`Criu::dump_then`]: given the images
+/// directory; `Err` (a reason) rolls the dump back.
+pub type PostDump<'a> = dyn FnMut(&Path) -> Result<(), String> + 'a;
+
 /// A finished dump.
 #[derive(Debug, Clone)]
 pub struct Dumped {
@@ -368,7 +372,7 @@ impl Criu {
         pid: i32,
         images: &Path,
         opts: &DumpOptions,
-        post_dump: &mut dyn FnMut(&Path) -> Result<(), String>,
+        post_dump: &mut PostDump<'_>,
     ) -> Result<Dumped, Error> {
         self.dump_inner(pid, images, opts, Some(post_dump))
     }
@@ -378,7 +382,7 @@ impl Criu {
         pid: i32,
         images: &Path,
         opts: &DumpOptions,
-        mut post_dump: Option<&mut dyn FnMut(&Path) -> Result<(), String>>,
+        mut post_dump: Option<&mut PostDump<'_>>,
     ) -> Result<Dumped, Error> {
         let dir = open_dir(images, "dump")?;
         let mut o = self.base_opts(&dir, "dump.log");

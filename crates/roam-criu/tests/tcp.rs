@@ -15,34 +15,16 @@
 //! say why and pass, except when `$ROAM_CRIU` is set (CI sets it): then a
 //! CRIU that does not work is a failure.
 
-use std::io::{Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use roam_criu::{AddressLock, Criu, DumpOptions, Error, NetworkLock, RestoreOptions};
+use roam_sim::echo::{alive, start_echo, EchoStream};
 use roam_sim::netns::{self, Lan, NetPair, Side};
-
-/// The echo server: one connection at a time, every byte sent back.
-const ECHO_SERVER: &str = r#"
-import socket, sys
-s = socket.socket()
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("0.0.0.0", int(sys.argv[1])))
-s.listen(8)
-while True:
-    c, _ = s.accept()
-    while True:
-        d = c.recv(65536)
-        if not d:
-            break
-        c.sendall(d)
-    c.close()
-"#;
 
 /// Port of the echo server (inside its own namespace: nothing else binds there).
 const PORT: u16 = 7100;
@@ -87,159 +69,13 @@ fn setup(name: &str) -> Option<(Criu, NetPair)> {
     Some((criu, pair))
 }
 
-/// Starts the echo server in namespace `ns`, in a session of its own with its
-/// stdio on /dev/null (so CRIU dumps it alone), and waits until `connect`
-/// reaches it. Returns it: this test process is its parent, so it must be
-/// reaped for its pid to be free for a restore. The namespace's owner (a
-/// `NetPair` or `Lan`) kills it when dropped.
-fn start_echo(ns: &str, connect: impl Fn() -> std::io::Result<TcpStream>) -> Child {
-    let child = Command::new("nsenter")
-        .arg(format!("--net=/run/netns/{ns}"))
-        .args(["--", "setsid", "python3", "-c", ECHO_SERVER])
-        .arg(PORT.to_string())
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start the echo server");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        match connect() {
-            Ok(probe) => {
-                drop(probe);
-                break;
-            }
-            Err(e) => {
-                assert!(Instant::now() < deadline, "echo server never listened: {e}");
-                thread::sleep(Duration::from_millis(50));
-            }
-        }
-    }
-    // Let the server finish with the probe and return to accept().
-    thread::sleep(Duration::from_millis(100));
-    child
-}
-
 /// [`start_echo`] on the pair's server side; also returns its address.
 fn start_echo_on(pair: &NetPair) -> (Child, SocketAddr) {
     let addr = SocketAddr::from((pair.server_addr(), PORT));
-    let child = start_echo(pair.ns(Side::Server), || {
+    let child = start_echo(pair.ns(Side::Server), PORT, || {
         pair.tcp_connect(Side::Client, addr, Duration::from_secs(1))
     });
     (child, addr)
-}
-
-/// A client streaming 64-bit sequence numbers through the echo server and
-/// checking each one that comes back.
-struct Stream {
-    /// Bytes echoed back and verified so far.
-    echoed: Arc<AtomicU64>,
-    stop: Arc<AtomicBool>,
-    writer: thread::JoinHandle<u64>,
-    reader: thread::JoinHandle<Result<u64, String>>,
-}
-
-impl Stream {
-    fn start(sock: TcpStream) -> Stream {
-        let echoed = Arc::new(AtomicU64::new(0));
-        let stop = Arc::new(AtomicBool::new(false));
-        let mut w = sock.try_clone().expect("clone socket");
-        let mut r = sock;
-        r.set_read_timeout(Some(Duration::from_secs(60)))
-            .expect("read timeout");
-        let writer = {
-            let stop = stop.clone();
-            thread::spawn(move || {
-                let mut sent = 0u64;
-                let mut next = 0u64;
-                let mut buf = Vec::with_capacity(8192);
-                while !stop.load(Ordering::Relaxed) {
-                    buf.clear();
-                    for _ in 0..1024 {
-                        buf.extend_from_slice(&next.to_le_bytes());
-                        next += 1;
-                    }
-                    if w.write_all(&buf).is_err() {
-                        break;
-                    }
-                    sent += buf.len() as u64;
-                }
-                let _ = w.shutdown(Shutdown::Write);
-                sent
-            })
-        };
-        let reader = {
-            let echoed = echoed.clone();
-            thread::spawn(move || {
-                let mut expect = 0u64;
-                let mut word = [0u8; 8];
-                let mut have = 0usize;
-                let mut buf = vec![0u8; 65536];
-                loop {
-                    let n = match r.read(&mut buf) {
-                        Ok(0) => break,
-                        Ok(n) => n,
-                        Err(e) => return Err(format!("read after {expect} words: {e}")),
-                    };
-                    for &b in &buf[..n] {
-                        word[have] = b;
-                        have += 1;
-                        if have == 8 {
-                            let got = u64::from_le_bytes(word);
-                            if got != expect {
-                                return Err(format!("word {expect} came back as {got}"));
-                            }
-                            expect += 1;
-                            have = 0;
-                        }
-                    }
-                    echoed.fetch_add(n as u64, Ordering::Relaxed);
-                }
-                if have != 0 {
-                    return Err(format!("a partial word after {expect} words"));
-                }
-                Ok(expect * 8)
-            })
-        };
-        Stream {
-            echoed,
-            stop,
-            writer,
-            reader,
-        }
-    }
-
-    /// Waits until `n` bytes have been echoed.
-    fn wait_echoed(&self, n: u64, within: Duration) {
-        let deadline = Instant::now() + within;
-        while self.echoed.load(Ordering::Relaxed) < n {
-            assert!(
-                Instant::now() < deadline,
-                "only {} of {n} bytes echoed within {within:?}",
-                self.echoed.load(Ordering::Relaxed)
-            );
-            thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    /// Stops writing, waits for the last echo, and returns (sent, echoed).
-    fn finish(self) -> (u64, u64) {
-        self.stop.store(true, Ordering::Relaxed);
-        let sent = self.writer.join().expect("writer");
-        let echoed = self
-            .reader
-            .join()
-            .expect("reader")
-            .unwrap_or_else(|e| panic!("echo stream broken: {e}"));
-        (sent, echoed)
-    }
-}
-
-fn alive(pid: i32) -> bool {
-    // A zombie still has /proc/PID: count it as gone.
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .map(|s| !s.contains(") Z "))
-        .unwrap_or(false)
 }
 
 /// A live connection of an unmodified server survives dump and restore:
@@ -257,7 +93,7 @@ fn an_echo_servers_live_connection_survives_dump_and_restore_with_every_byte() {
         .tcp_connect(Side::Client, addr, Duration::from_secs(5))
         .expect("connect");
     let local = sock.local_addr().expect("local addr");
-    let stream = Stream::start(sock);
+    let stream = EchoStream::start(sock);
     stream.wait_echoed(4 << 20, Duration::from_secs(30));
 
     let images = tempfile::tempdir().expect("images dir");
@@ -317,7 +153,7 @@ fn a_dump_without_tcp_established_fails_precisely_and_leaves_the_server_running(
     let sock = pair
         .tcp_connect(Side::Client, addr, Duration::from_secs(5))
         .expect("connect");
-    let stream = Stream::start(sock);
+    let stream = EchoStream::start(sock);
     stream.wait_echoed(1 << 20, Duration::from_secs(30));
     let images = tempfile::tempdir().expect("images dir");
     let err = criu
@@ -357,7 +193,7 @@ fn a_refused_post_dump_step_rolls_the_dump_back_and_the_connection_carries_on() 
     let sock = pair
         .tcp_connect(Side::Client, addr, Duration::from_secs(5))
         .expect("connect");
-    let stream = Stream::start(sock);
+    let stream = EchoStream::start(sock);
     stream.wait_echoed(2 << 20, Duration::from_secs(30));
     let images = tempfile::tempdir().expect("images dir");
     let mut seen: Option<(bool, u64, u64)> = None;
@@ -442,14 +278,14 @@ fn a_live_connection_follows_its_server_to_another_host_with_its_address() {
     let service = lan.subnet_addr(100);
     lan.add_addr(A, service).expect("service address on A");
     let addr = SocketAddr::from((service, PORT));
-    let mut server = start_echo(lan.ns(A), || {
+    let mut server = start_echo(lan.ns(A), PORT, || {
         lan.tcp_connect(CLIENT, addr, Duration::from_secs(1))
     });
     let pid = i32::try_from(server.id()).expect("pid");
     let sock = lan
         .tcp_connect(CLIENT, addr, Duration::from_secs(5))
         .expect("connect");
-    let stream = Stream::start(sock);
+    let stream = EchoStream::start(sock);
     stream.wait_echoed(4 << 20, Duration::from_secs(30));
 
     let images = tempfile::tempdir().expect("images dir");

@@ -5,7 +5,10 @@
 //!   black holes, partitions and address changes.
 //! - [`proxy`]: a loopback TCP fault proxy for tests over real sockets.
 //! - [`ports`]: free loopback ports for the processes a test starts.
+//! - [`echo`]: a real echo server in a namespace and a client that checks
+//!   every byte through it (for tests that move processes).
 
+pub mod echo;
 pub mod net;
 pub mod netns;
 pub mod ports;

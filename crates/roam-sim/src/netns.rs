@@ -657,6 +657,11 @@ impl ChildGuard {
         ChildGuard { child }
     }
 
+    /// The child (to take its pipes).
+    pub fn child_mut(&mut self) -> &mut Child {
+        &mut self.child
+    }
+
     /// Sends `sig` to the child.
     pub fn signal(&self, sig: Signal) -> io::Result<()> {
         nix::sys::signal::kill(Pid::from_raw(self.child.id() as i32), sig).map_err(io::Error::from)

@@ -44,10 +44,7 @@ pub(crate) async fn run(args: MigrateAcceptArgs, config: &FileConfig) -> CliResu
     let criu = Criu::locate()
         .map_err(|e| CliError(format!("cannot accept processes without CRIU: {e}")))?;
     let state = crate::paths::state_dir(config);
-    let key_path = args
-        .key
-        .clone()
-        .unwrap_or_else(|| state.join("server.key"));
+    let key_path = args.key.clone().unwrap_or_else(|| state.join("server.key"));
     let keypair = crate::keys::load_or_create(&key_path)?;
     let authorized = crate::keys::read_authorized(&args.authorized_keys)?;
     if authorized.is_empty() {
@@ -122,7 +119,7 @@ async fn serve_session(host: Arc<Host>, session: roam::SessionHandle) {
                 // still sends, until it stops (or a minute passes).
                 let _ = tokio::time::timeout(FRAME_TIMEOUT, async {
                     while let Ok(f) = wire::read_frame(&mut rd).await {
-                        if matches!(f, Frame::Restore | Frame::Abort { .. }) {
+                        if matches!(f, Frame::Sent | Frame::Abort { .. }) {
                             break;
                         }
                     }
@@ -174,10 +171,19 @@ async fn receive(
     loop {
         match next(rd).await? {
             Frame::File { name, size } => images.receive_file(rd, &name, size).await?,
-            Frame::Restore => break,
+            Frame::Sent => break,
             Frame::Abort { reason } => return Err(format!("the source gave up: {reason}")),
             other => return Err(format!("expected an image, got {other:?}")),
         }
+    }
+    // Every image is here: the source lets its process go (its pid must be
+    // free before ours can have it, when both hosts share a pid space) and
+    // then asks for the restore.
+    wire::write_frame(wr, &Frame::Stored).await.map_err(send)?;
+    match next(rd).await? {
+        Frame::Restore => {}
+        Frame::Abort { reason } => return Err(format!("the source gave up: {reason}")),
+        other => return Err(format!("expected the restore, got {other:?}")),
     }
     // Restore behind a lock, with the address in place.
     let lock = AddressLock::new(None, target.addr)
@@ -237,8 +243,14 @@ async fn receive(
         return Err(format!("{e}; the restored copy (pid {pid}) was killed"));
     }
     let _ = lock.release();
-    let announced = host::announce(&target);
+    let announcing = host::announce(&target);
     wire::write_frame(wr, &Frame::Live).await.map_err(send)?;
+    drop(images);
+    let announced = match announcing {
+        Ok(Some(child)) => host::announced(child, &target).await,
+        Ok(None) => Ok(()),
+        Err(e) => Err(e),
+    };
     if let Err(e) = announced {
         eprintln!("roam migrate-accept: warning: {}", e.0);
     }
@@ -301,16 +313,22 @@ impl Received {
         std::fs::DirBuilder::new()
             .mode(0o700)
             .create(&path)
-            .map_err(|e| format!("cannot make an images directory in {}: {e}", parent.display()))?;
+            .map_err(|e| {
+                format!(
+                    "cannot make an images directory in {}: {e}",
+                    parent.display()
+                )
+            })?;
         Ok(Received {
             path,
             keep: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
-    /// Keeps the directory (and says so).
+    /// Keeps the directory with CRIU's logs only (and says so).
     fn keep(&self) {
         self.keep.store(true, std::sync::atomic::Ordering::Relaxed);
+        super::remove_images(&self.path);
         eprintln!(
             "roam migrate-accept: CRIU's log of the restore is kept in {}",
             self.path.display()

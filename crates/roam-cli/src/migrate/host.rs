@@ -62,7 +62,11 @@ fn tree(pid: i32) -> Vec<i32> {
         };
         for t in tasks.flatten() {
             let children = std::fs::read_to_string(t.path().join("children")).unwrap_or_default();
-            out.extend(children.split_whitespace().filter_map(|c| c.parse::<i32>().ok()));
+            out.extend(
+                children
+                    .split_whitespace()
+                    .filter_map(|c| c.parse::<i32>().ok()),
+            );
         }
     }
     out
@@ -290,28 +294,43 @@ pub(crate) fn del_address(a: &IfAddr) -> Result<(), CliError> {
 }
 
 /// Tells the neighbours on `a`'s link that its address is here now: two
-/// unsolicited ARP announcements (`arping -U`, iputils). Without them the
-/// neighbours keep sending to the old host until their cache entry goes
-/// stale (seconds). IPv6 is not announced (the neighbours re-resolve).
-pub(crate) fn announce(a: &IfAddr) -> Result<(), CliError> {
+/// unsolicited ARP announcements a second apart (`arping -U`, iputils),
+/// the first at once. Without them the neighbours keep sending to the old
+/// host until their cache entry goes stale (tens of seconds). Returns the
+/// running `arping` (its exit says whether it could send; it exits 1 when
+/// nobody answers, which nobody does to an announcement), or `None` for
+/// IPv6, which is not announced (the neighbours re-resolve).
+pub(crate) fn announce(a: &IfAddr) -> Result<Option<tokio::process::Child>, CliError> {
     let IpAddr::V4(v4) = a.addr else {
-        return Ok(());
+        return Ok(None);
     };
-    let out = Command::new("arping")
-        .args(["-U", "-c", "2", "-w", "1", "-I", &a.dev])
+    tokio::process::Command::new("arping")
+        .args(["-q", "-U", "-c", "2", "-I", &a.dev])
         .arg(v4.to_string())
-        .output()
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map(Some)
         .map_err(|e| {
             CliError(format!(
                 "cannot run arping (iputils-arping) to announce {v4}: {e}; neighbours \
-                 will find the address within seconds"
+                 will find the address within tens of seconds"
             ))
-        })?;
-    // arping -U exits 1 when nobody answers, which nobody does to an announcement.
+        })
+}
+
+/// Waits for an [`announce`]ment's `arping` and says whether it failed.
+pub(crate) async fn announced(child: tokio::process::Child, a: &IfAddr) -> Result<(), CliError> {
+    let out = child
+        .wait_with_output()
+        .await
+        .map_err(|e| CliError(format!("arping: {e}")))?;
     match out.status.code() {
         Some(0 | 1) => Ok(()),
         _ => Err(CliError(format!(
-            "arping could not announce {v4} on {}: {}",
+            "arping could not announce {} on {}: {}",
+            a.addr,
             a.dev,
             String::from_utf8_lossy(&out.stderr).trim()
         ))),
@@ -375,7 +394,10 @@ mod tests {
             parse_cidr("10.1.2.3/24"),
             Ok(("10.1.2.3".parse().unwrap(), 24))
         );
-        assert_eq!(parse_cidr("10.1.2.3"), Ok(("10.1.2.3".parse().unwrap(), 32)));
+        assert_eq!(
+            parse_cidr("10.1.2.3"),
+            Ok(("10.1.2.3".parse().unwrap(), 32))
+        );
         assert!(parse_cidr("10.1.2.3/33").is_err());
         assert!(parse_cidr("host/24").is_err());
     }

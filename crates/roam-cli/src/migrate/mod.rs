@@ -80,7 +80,11 @@ impl Progress {
             return;
         }
         let now = Instant::now();
-        if done < total && self.drawn.is_some_and(|t| now - t < Duration::from_millis(100)) {
+        if done < total
+            && self
+                .drawn
+                .is_some_and(|t| now - t < Duration::from_millis(100))
+        {
             return;
         }
         self.drawn = Some(now);
@@ -117,6 +121,19 @@ impl Progress {
 impl Drop for Progress {
     fn drop(&mut self) {
         self.end_bar();
+    }
+}
+
+/// Removes everything but CRIU's logs (`*.log`) from an images directory:
+/// what is kept of a failed dump or restore (the images can be as large as
+/// the process's memory).
+pub(crate) fn remove_images(dir: &std::path::Path) {
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for e in entries.flatten() {
+            if !e.file_name().to_string_lossy().ends_with(".log") {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
     }
 }
 

@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use roam_criu::{AddressLock, Criu, DumpOptions, NetworkLock};
+use roam_criu::{AddressLock, Criu, DumpOptions, NetworkLock, RestoreOptions};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 
@@ -48,7 +48,11 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
         .map_err(|e| CliError(format!("cannot open a stream to {to}: {e}")))?;
     let (rd, mut wr) = tokio::io::split(stream);
     let mut answers = spawn_reader(rd);
-    let refused = |why: String| CliError(format!("{to} cannot take the process: {why}; nothing was frozen"));
+    let refused = |why: String| {
+        CliError(format!(
+            "{to} cannot take the process: {why}; nothing was frozen"
+        ))
+    };
     wire::write_frame(
         &mut wr,
         &Frame::Hello {
@@ -67,8 +71,12 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
     progress.phase(&format!("{to} can host it ({ready})"));
 
     let images = ImagesDir::create(args.images_dir.as_deref(), args.pid)?;
-    let lock = AddressLock::new(None, address.addr)
-        .map_err(|e| CliError(format!("cannot lock {}: {e}; nothing was frozen", address.addr)))?;
+    let lock = AddressLock::new(None, address.addr).map_err(|e| {
+        CliError(format!(
+            "cannot lock {}: {e}; nothing was frozen",
+            address.addr
+        ))
+    })?;
     let frozen_at = Instant::now();
     progress.phase(&format!("freezing and dumping {}", info.label()));
 
@@ -77,6 +85,7 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
     // and waits for the verdict.
     let (images_tx, mut images_rx) = mpsc::channel::<PathBuf>(1);
     let (verdict_tx, verdict_rx) = std::sync::mpsc::channel::<Result<(), String>>();
+    let criu_again = criu.clone();
     let dump = {
         let dir = images.path.clone();
         let pid = args.pid;
@@ -97,19 +106,15 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
         })
     };
     let mut timings = Timings::default();
-    let mut restored: Option<(i32, Duration)> = None;
     if let Some(dir) = images_rx.recv().await {
         timings.dump = frozen_at.elapsed();
         let sent = Instant::now();
         let outcome = tokio::select! {
-            r = send_and_restore(&mut wr, &mut answers, &dir, &mut progress, &mut timings, &to) => r,
+            r = send_images(&mut wr, &mut answers, &dir, &mut progress, &timings, &to) => r,
             _ = crate::serve::shutdown_signal() => Err("interrupted by a signal".to_string()),
         };
-        timings.transfer = sent.elapsed().saturating_sub(timings.restore);
-        let verdict = outcome.map(|r| {
-            restored = Some(r);
-        });
-        let _ = verdict_tx.send(verdict);
+        timings.transfer = sent.elapsed();
+        let _ = verdict_tx.send(outcome);
     }
     drop(verdict_tx);
     let dumped = dump
@@ -126,7 +131,9 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
                 },
             )
             .await;
-            images.keep_on_failure();
+            if !matches!(e, roam_criu::Error::Aborted { .. }) {
+                images.keep_log("the dump");
+            }
             let mut msg = format!(
                 "{} was not moved and runs on here with its connections: {e}",
                 info.label()
@@ -139,16 +146,42 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
             return Err(CliError(msg));
         }
     };
-    // Committed: the process is gone here (CRIU killed it, its sockets in
-    // repair mode, so without a packet) and runs at the destination.
-    let (new_pid, _) = restored.unwrap_or((0, Duration::ZERO));
+    // The images are at the destination and CRIU ended the process here
+    // (its sockets in repair mode: without a packet). From here on a
+    // failure brings the process back here from the same images.
+    let gone = wait_gone(args.pid);
+    progress.phase(&format!("process ended here; {to} restores it"));
+    let restore_asked = Instant::now();
+    let restored = match wire::write_frame(&mut wr, &Frame::Restore).await {
+        Err(e) => Err(format!("the stream to {to} failed: {e}")),
+        Ok(()) => match answer(&mut answers).await {
+            Ok(Frame::Restored { pid, restore_us }) => Ok((pid, restore_us)),
+            Ok(Frame::Failed { reason }) => Err(format!("{to} could not restore it: {reason}")),
+            Ok(other) => Err(format!("{to} answered {other:?} instead of restoring")),
+            Err(e) => Err(e),
+        },
+    };
+    let (new_pid, restore_us) = match restored {
+        Ok(r) => r,
+        Err(why) => {
+            return Err(
+                restore_here(criu_again, &images, lock, &info, &why, gone, &mut progress).await,
+            )
+        }
+    };
+    timings.restore = Duration::from_micros(restore_us);
+    timings.wait = restore_asked.elapsed().saturating_sub(timings.restore);
     progress.phase(&format!(
         "restored at {to} as pid {new_pid}; handing over {}",
         address.addr
     ));
     let mut warnings = Vec::new();
     if let Err(e) = host::del_address(&address) {
-        warnings.push(format!("could not take {} off this host: {}", address.cidr(), e.0));
+        warnings.push(format!(
+            "could not take {} off this host: {}",
+            address.cidr(),
+            e.0
+        ));
     }
     let committed = Instant::now();
     let live = match wire::write_frame(&mut wr, &Frame::Commit).await {
@@ -182,11 +215,12 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
         info.sockets()
     );
     println!(
-        "  freeze {} (dump {}, transfer {}, restore {}, hand-over {}); {} of images; total {}",
+        "  freeze {} (dump {}, transfer {}, restore {}, waits {}, hand-over {}); {} of images; total {}",
         ms(freeze),
         ms(timings.dump),
         ms(timings.transfer),
         ms(timings.restore),
+        ms(timings.wait),
         ms(timings.handover),
         mb(dumped.image_bytes),
         ms(total),
@@ -195,6 +229,83 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
         eprintln!("roam: warning: {w}");
     }
     Ok(if warnings.is_empty() { 0 } else { 1 })
+}
+
+/// Waits (up to 5 s) until `pid` is gone from this host — reaped by its
+/// parent — so that the destination can give it the same pid when both
+/// hosts share one pid space. Returns whether it went.
+fn wait_gone(pid: i32) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// The destination failed after the process ended here: restores it here
+/// from the same images (the address never left, and stays locked until
+/// the restore is done). Returns the error to report either way.
+async fn restore_here(
+    criu: Criu,
+    images: &ImagesDir,
+    lock: AddressLock,
+    info: &ProcessInfo,
+    why: &str,
+    gone: bool,
+    progress: &mut Progress,
+) -> CliError {
+    progress.phase(&format!("{why}; restoring {} here", info.label()));
+    let dir = images.path.clone();
+    let back = tokio::task::spawn_blocking(move || {
+        criu.restore(
+            &dir,
+            &RestoreOptions {
+                tcp_established: true,
+                network_lock: NetworkLock::Skip,
+                ..RestoreOptions::default()
+            },
+        )
+    })
+    .await;
+    let unlocked = lock.release();
+    let mut msg = match back {
+        Ok(Ok(r)) => format!(
+            "{} was not moved: {why}; it runs on here (pid {}) with its connections",
+            info.label(),
+            r.pid
+        ),
+        Ok(Err(e)) => {
+            images
+                .keep
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            format!(
+                "{} was not moved: {why}; AND restoring it here failed: {e}{}; its images are \
+                 kept in {} (`criu restore -D DIR --tcp-established` brings it back)",
+                info.label(),
+                if gone {
+                    ""
+                } else {
+                    " (its old pid was still taken: its parent had not reaped it)"
+                },
+                images.path.display()
+            )
+        }
+        Err(e) => format!(
+            "{} was not moved: {why}; the restore thread failed: {e}",
+            info.label()
+        ),
+    };
+    if let Err(u) = unlocked {
+        msg.push_str(&format!(
+            "\nAND its address stays locked: {u} (remove the table with `nft list tables`)"
+        ));
+    }
+    CliError(msg)
 }
 
 /// `1 process`, `3 processes`.
@@ -211,6 +322,9 @@ struct Timings {
     transfer: Duration,
     /// The destination's restore (as it measured it).
     restore: Duration,
+    /// Waiting for the old process to end, and the round trip of the
+    /// restore request.
+    wait: Duration,
     /// Commit until the destination said the address is live.
     handover: Duration,
 }
@@ -223,7 +337,11 @@ fn own_address(given: Option<&str>, info: &ProcessInfo) -> Result<IfAddr, CliErr
     let ip = match given {
         Some(text) => host::parse_cidr(text).map_err(CliError)?.0,
         None => match info.addresses.len() {
-            1 => *info.addresses.iter().next().unwrap_or(&std::net::IpAddr::from([0, 0, 0, 0])),
+            1 => *info
+                .addresses
+                .iter()
+                .next()
+                .unwrap_or(&std::net::IpAddr::from([0, 0, 0, 0])),
             0 => {
                 return Err(CliError(format!(
                     "{}'s sockets are bound to no particular address (only wildcards or \
@@ -286,17 +404,16 @@ async fn answer(answers: &mut mpsc::Receiver<Result<Frame, String>>) -> Result<F
     }
 }
 
-/// The post-dump step: sends every image to the destination and has it
-/// restore the process. Returns the restored pid and how long the restore
-/// took; an error is the reason to roll back.
-async fn send_and_restore(
+/// The post-dump step: sends every image to the destination and waits
+/// until it has written them all. An error is the reason to roll back.
+async fn send_images(
     wr: &mut tokio::io::WriteHalf<roam::RoamStream>,
     answers: &mut mpsc::Receiver<Result<Frame, String>>,
     dir: &Path,
     progress: &mut Progress,
-    timings: &mut Timings,
+    timings: &Timings,
     to: &str,
-) -> Result<(i32, Duration), String> {
+) -> Result<(), String> {
     let files = image_files(dir).map_err(|e| format!("cannot list the images: {e}"))?;
     let total: u64 = files.iter().map(|(_, n)| n).sum();
     progress.phase(&format!(
@@ -335,7 +452,7 @@ async fn send_and_restore(
                 progress.bytes(done, total);
             }
         }
-        wire::write_frame(wr, &Frame::Restore)
+        wire::write_frame(wr, &Frame::Sent)
             .await
             .map_err(|e| format!("sending the images failed: {e}"))
     };
@@ -345,18 +462,14 @@ async fn send_and_restore(
         r = send => { r?; None }
         f = answers.recv() => Some(f.unwrap_or_else(|| Err("the stream to the destination ended".into()))),
     };
-    progress.phase(&format!("images sent; {to} restores"));
     let reply = match early {
         Some(r) => r,
         None => answer(answers).await,
     };
     match reply? {
-        Frame::Restored { pid, restore_us } => {
-            timings.restore = Duration::from_micros(restore_us);
-            Ok((pid, timings.restore))
-        }
-        Frame::Failed { reason } => Err(format!("{to} could not restore it: {reason}")),
-        other => Err(format!("{to} answered {other:?} instead of restoring")),
+        Frame::Stored => Ok(()),
+        Frame::Failed { reason } => Err(format!("{to} could not take the images: {reason}")),
+        other => Err(format!("{to} answered {other:?} to the images")),
     }
 }
 
@@ -381,8 +494,8 @@ fn image_files(dir: &Path) -> std::io::Result<Vec<(String, u64)>> {
 struct ImagesDir {
     /// The directory.
     path: PathBuf,
-    /// Keep it (it holds CRIU's log of a failure).
-    keep: bool,
+    /// Keep it (it holds CRIU's log of a failure, or the only images).
+    keep: std::sync::atomic::AtomicBool,
 }
 
 impl ImagesDir {
@@ -404,14 +517,19 @@ impl ImagesDir {
                     path.display()
                 ))
             })?;
-        Ok(ImagesDir { path, keep: false })
+        Ok(ImagesDir {
+            path,
+            keep: std::sync::atomic::AtomicBool::new(false),
+        })
     }
 
-    /// Keeps the directory and says where it is.
-    fn keep_on_failure(mut self) {
-        self.keep = true;
+    /// Keeps the directory with CRIU's logs only (the images go) and says
+    /// where it is.
+    fn keep_log(&self, what: &str) {
+        self.keep.store(true, std::sync::atomic::Ordering::Relaxed);
+        super::remove_images(&self.path);
         eprintln!(
-            "roam: CRIU's log of the dump is kept in {}",
+            "roam: CRIU's log of {what} is kept in {}",
             self.path.display()
         );
     }
@@ -419,7 +537,7 @@ impl ImagesDir {
 
 impl Drop for ImagesDir {
     fn drop(&mut self) {
-        if !self.keep {
+        if !self.keep.load(std::sync::atomic::Ordering::Relaxed) {
             let _ = std::fs::remove_dir_all(&self.path);
         }
     }

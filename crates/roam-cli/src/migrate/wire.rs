@@ -51,7 +51,12 @@ pub(crate) enum Frame {
     },
     /// Source → destination: the next bytes of the current file.
     Data(Vec<u8>),
-    /// Source → destination: every image was sent; restore the process.
+    /// Source → destination: every image was sent.
+    Sent,
+    /// Destination → source: every image is written here: the source may
+    /// let its process go.
+    Stored,
+    /// Source → destination: the process is gone at the source; restore it.
     Restore,
     /// Destination → source: the process runs there, still behind the
     /// destination's address lock.
@@ -84,14 +89,16 @@ pub(crate) enum Frame {
 const HELLO: u8 = 1;
 const FILE: u8 = 2;
 const DATA: u8 = 3;
-const RESTORE: u8 = 4;
+const SENT: u8 = 4;
 const COMMIT: u8 = 5;
 const ABORT: u8 = 6;
+const RESTORE: u8 = 7;
 /// Kind bytes, destination → source.
 const READY: u8 = 16;
 const RESTORED: u8 = 17;
 const LIVE: u8 = 18;
 const FAILED: u8 = 19;
+const STORED: u8 = 20;
 
 /// Why bytes are not a valid frame.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -128,7 +135,18 @@ pub(crate) fn header(h: &[u8; HEADER]) -> Result<(u8, usize), WireError> {
     let kind = h[0];
     if !matches!(
         kind,
-        HELLO | FILE | DATA | RESTORE | COMMIT | ABORT | READY | RESTORED | LIVE | FAILED
+        HELLO
+            | FILE
+            | DATA
+            | SENT
+            | COMMIT
+            | ABORT
+            | RESTORE
+            | READY
+            | RESTORED
+            | LIVE
+            | FAILED
+            | STORED
     ) {
         return Err(WireError::UnknownKind(kind));
     }
@@ -164,7 +182,9 @@ impl<'a> Fields<'a> {
 
     fn u64(&mut self) -> Result<u64, WireError> {
         let b = self.take(8, "truncated number")?;
-        Ok(u64::from_be_bytes(b.try_into().map_err(|_| self.bad("truncated number"))?))
+        Ok(u64::from_be_bytes(
+            b.try_into().map_err(|_| self.bad("truncated number"))?,
+        ))
     }
 
     fn string(&mut self) -> Result<String, WireError> {
@@ -221,6 +241,8 @@ pub(crate) fn decode(kind: u8, payload: &[u8]) -> Result<Frame, WireError> {
             }
             return Ok(Frame::Data(payload.to_vec()));
         }
+        SENT => Frame::Sent,
+        STORED => Frame::Stored,
         RESTORE => Frame::Restore,
         RESTORED => {
             let pid = f.u64()?;
@@ -280,6 +302,8 @@ pub(crate) fn encode(frame: &Frame) -> Vec<u8> {
             p.extend_from_slice(d);
             DATA
         }
+        Frame::Sent => SENT,
+        Frame::Stored => STORED,
         Frame::Restore => RESTORE,
         Frame::Restored { pid, restore_us } => {
             p.extend_from_slice(&u64::try_from(*pid).unwrap_or(0).to_be_bytes());
@@ -326,7 +350,8 @@ pub(crate) fn decode_all(mut bytes: &[u8]) -> Result<Vec<(Frame, &[u8])>, WireEr
 pub(crate) async fn read_frame(r: &mut (impl AsyncRead + Unpin)) -> std::io::Result<Frame> {
     let mut h = [0u8; HEADER];
     r.read_exact(&mut h).await?;
-    let invalid = |e: WireError| std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string());
+    let invalid =
+        |e: WireError| std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string());
     let (kind, len) = header(&h).map_err(invalid)?;
     let mut payload = vec![0u8; len];
     r.read_exact(&mut payload).await?;
@@ -360,6 +385,8 @@ mod tests {
                 size: 1 << 33,
             },
             Frame::Data(vec![7; 100]),
+            Frame::Sent,
+            Frame::Stored,
             Frame::Restore,
             Frame::Restored {
                 pid: 4321,
@@ -387,7 +414,11 @@ mod tests {
             assert_eq!(decode(kind, &b[HEADER..]).unwrap(), f);
             row.extend_from_slice(&b);
         }
-        let back: Vec<Frame> = decode_all(&row).unwrap().into_iter().map(|(f, _)| f).collect();
+        let back: Vec<Frame> = decode_all(&row)
+            .unwrap()
+            .into_iter()
+            .map(|(f, _)| f)
+            .collect();
         assert_eq!(back, all());
         // A cut anywhere yields the whole frames before it, never an error.
         for cut in 0..row.len() {

@@ -1,0 +1,481 @@
+//! `roam migrate-process` moves a running, unmodified server with a live
+//! TCP connection to another host, address and all, and fails safely
+//! (issue 12).
+//!
+//! Topology: a LAN (roam-sim's `Lan`: a bridge and three hosts, each a
+//! network namespace): a client host, host A where a Python echo server runs
+//! on a service address of its own, and host B running `roam migrate-accept`.
+//! `roam migrate-process` runs on A (`nsenter --net`, as the server). The
+//! client streams 64-bit sequence numbers through the server and checks
+//! every echoed word across the move.
+//!
+//! Needs root, iproute2, nftables, python3, arping and CRIU >= 4.1
+//! (`$ROAM_CRIU` or `criu` on `PATH`). Without them the tests say why and
+//! pass, except when `$ROAM_CRIU` is set (CI sets it).
+
+use std::io::{BufRead, BufReader};
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use roam_sim::echo::{alive, start_echo, EchoStream};
+use roam_sim::netns::{self, ChildGuard, Lan};
+
+const CLIENT: usize = 0;
+const A: usize = 1;
+const B: usize = 2;
+/// A host that has the service address in its neighbour cache and no
+/// traffic with it: only an announcement can update its entry.
+const WATCHER: usize = 3;
+/// The echo server's port (inside the LAN's namespaces only).
+const PORT: u16 = 7100;
+/// `roam migrate-accept`'s port on B.
+const ACCEPT_PORT: u16 = 7448;
+
+/// Whether the tests can run here; panics when `$ROAM_CRIU` is set and
+/// something is missing.
+fn can_run() -> bool {
+    let required = std::env::var_os("ROAM_CRIU").is_some_and(|v| !v.is_empty());
+    let skip = |why: String| {
+        assert!(!required, "ROAM_CRIU is set but {why}");
+        eprintln!("skipped: {why}");
+        false
+    };
+    if let Err(why) = netns::available() {
+        return skip(why);
+    }
+    for tool in ["nft", "python3", "nsenter", "arping"] {
+        if Command::new("sh")
+            .args(["-c", &format!("command -v {tool}")])
+            .stdout(Stdio::null())
+            .status()
+            .map_or(true, |s| !s.success())
+        {
+            return skip(format!("{tool} is not installed"));
+        }
+    }
+    if let Err(e) = roam_criu::Criu::locate() {
+        return skip(format!("no usable CRIU: {e}"));
+    }
+    true
+}
+
+/// `roam ARGS` inside host `i`'s network namespace, with its own state dir.
+fn roam_in(lan: &Lan, i: usize, state: &Path) -> Command {
+    let mut c = Command::new("nsenter");
+    c.arg(format!("--net=/run/netns/{}", lan.ns(i)))
+        .arg("--")
+        .arg(env!("CARGO_BIN_EXE_roam"))
+        .env("ROAM_STATE_DIR", state)
+        .stdin(Stdio::null());
+    c
+}
+
+/// A LAN with the echo server on A's service address, a verified stream
+/// through it from the client host, and `roam migrate-accept` on B.
+struct Setup {
+    lan: Lan,
+    service: Ipv4Addr,
+    /// Waits for the original server process (this test is its parent):
+    /// reaped the moment it ends, its pid is free for the restore, as on
+    /// a real host whose init reaps it.
+    reaper: Option<std::thread::JoinHandle<()>>,
+    pid: i32,
+    stream: EchoStream,
+    /// The source's state directory (its client key).
+    src_state: tempfile::TempDir,
+    _dst_state: tempfile::TempDir,
+    accept: Option<ChildGuard>,
+}
+
+impl Setup {
+    /// `images_dir`: where B writes received images (default its temp dir).
+    fn new(name: &str, images_dir: Option<&Path>) -> Setup {
+        let lan = Lan::new(name, 4).expect("LAN");
+        let service = lan.subnet_addr(100);
+        lan.add_addr(A, service).expect("service address on A");
+        let addr = SocketAddr::from((service, PORT));
+        let server = start_echo(lan.ns(A), PORT, || {
+            lan.tcp_connect(CLIENT, addr, Duration::from_secs(1))
+        });
+        let pid = i32::try_from(server.id()).expect("pid");
+        let reaper = Some(reap(server));
+        let sock = lan
+            .tcp_connect(CLIENT, addr, Duration::from_secs(5))
+            .expect("connect");
+        let stream = EchoStream::start(sock);
+        stream.wait_echoed(2 << 20, Duration::from_secs(30));
+
+        let src_state = tempfile::tempdir().expect("state dir");
+        let dst_state = tempfile::tempdir().expect("state dir");
+        let keygen = Command::new(env!("CARGO_BIN_EXE_roam"))
+            .arg("keygen")
+            .env("ROAM_STATE_DIR", src_state.path())
+            .output()
+            .expect("roam keygen");
+        assert!(keygen.status.success(), "{keygen:?}");
+        let keys = dst_state.path().join("migrate_keys");
+        std::fs::write(&keys, &keygen.stdout).expect("authorized keys");
+        let mut cmd = roam_in(&lan, B, dst_state.path());
+        cmd.arg("migrate-accept")
+            .arg("--listen")
+            .arg(format!("{}:{ACCEPT_PORT}", lan.addr(B)))
+            .arg("--authorized-keys")
+            .arg(&keys)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        if let Some(d) = images_dir {
+            cmd.arg("--images-dir").arg(d);
+        }
+        let mut accept = ChildGuard::spawn(&mut cmd).expect("roam migrate-accept");
+        // Its first line says it listens; the rest is logged as it comes.
+        let err = accept.child_mut().stderr.take().expect("stderr");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                eprintln!("[migrate-accept] {line}");
+                let _ = tx.send(line);
+            }
+        });
+        let first = rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("migrate-accept said nothing");
+        assert!(first.contains("listening on"), "{first}");
+        Setup {
+            lan,
+            service,
+            reaper,
+            pid,
+            stream,
+            src_state,
+            _dst_state: dst_state,
+            accept: Some(accept),
+        }
+    }
+
+    /// Runs `roam migrate-process` on A (bounded: it is killed after 3 min).
+    fn migrate(&self, extra: &[&str]) -> Output {
+        let mut cmd = roam_in(&self.lan, A, self.src_state.path());
+        cmd.arg("migrate-process")
+            .arg(self.pid.to_string())
+            .arg("--to")
+            .arg(format!("{}:{ACCEPT_PORT}", self.lan.addr(B)))
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let child = cmd.spawn().expect("roam migrate-process");
+        let pid = child.id();
+        let watchdog = std::thread::spawn(move || {
+            let deadline = Instant::now() + Duration::from_secs(180);
+            while Instant::now() < deadline {
+                if !Path::new(&format!("/proc/{pid}")).exists() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+        });
+        let out = child.wait_with_output().expect("wait for migrate-process");
+        let _ = watchdog.join();
+        eprintln!(
+            "migrate-process: {}\nstdout:\n{}stderr:\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out
+    }
+
+    /// Host `i`'s link-layer address.
+    fn mac(&self, i: usize) -> String {
+        let out = Command::new("ip")
+            .args(["-n", self.lan.ns(i), "-o", "link", "show", "roam0"])
+            .output()
+            .expect("ip link");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        text.split_whitespace()
+            .skip_while(|w| *w != "link/ether")
+            .nth(1)
+            .unwrap_or_else(|| panic!("no link/ether in {text}"))
+            .to_owned()
+    }
+
+    /// The link-layer address host `i` has cached for the service address.
+    fn neighbour(&self, i: usize) -> String {
+        let out = Command::new("ip")
+            .args([
+                "-n",
+                self.lan.ns(i),
+                "neigh",
+                "show",
+                &self.service.to_string(),
+            ])
+            .output()
+            .expect("ip neigh");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Whether host `i` has the service address.
+    fn has_service(&self, i: usize) -> bool {
+        let out = Command::new("ip")
+            .args(["-n", self.lan.ns(i), "-o", "addr", "show"])
+            .output()
+            .expect("ip addr");
+        String::from_utf8_lossy(&out.stdout).contains(&format!("{}/", self.service))
+    }
+
+    /// Whether host `i` still has an address lock (a `roam_lock_` table).
+    fn has_lock(&self, i: usize) -> bool {
+        let out = Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{}", self.lan.ns(i)))
+            .args(["--", "nft", "list", "tables"])
+            .output()
+            .expect("nft list tables");
+        String::from_utf8_lossy(&out.stdout).contains("roam_lock_")
+    }
+
+    /// Whether `pid` is a process of host `i`.
+    fn runs_on(&self, i: usize, pid: i32) -> bool {
+        let out = Command::new("ip")
+            .args(["netns", "pids", self.lan.ns(i)])
+            .output()
+            .expect("ip netns pids");
+        String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .any(|p| p == pid.to_string())
+    }
+}
+
+impl Drop for Setup {
+    fn drop(&mut self) {
+        drop(self.accept.take());
+        // The server, wherever it runs now.
+        let _ = Command::new("kill")
+            .args(["-9", &self.pid.to_string()])
+            .status();
+        if let Some(r) = self.reaper.take() {
+            let _ = r.join();
+        }
+    }
+}
+
+/// Waits for `child` on a thread of its own.
+fn reap(mut child: Child) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let _ = child.wait();
+    })
+}
+
+/// The whole move: the server runs on B with the same pid and connection,
+/// its address moved from A to B, no lock left, and every byte the client
+/// sent came back once and in order, the stream flowing again within
+/// seconds of the command's end. B announced the address (gratuitous
+/// ARP): a host with no traffic to the server has B's link-layer address
+/// for it afterwards.
+#[test]
+fn a_running_server_moves_to_another_host_with_its_connection_and_address() {
+    if !can_run() {
+        return;
+    }
+    let received = tempfile::tempdir().expect("B's images dir");
+    let mut s = Setup::new("mig_move", Some(received.path()));
+    let (mac_a, mac_b) = (s.mac(A), s.mac(B));
+    // The watcher has A's link-layer address for the service. B knows the
+    // client's already, so it sends no ARP request of its own from the
+    // service address (any ARP packet from an address updates the other
+    // hosts' entries for it): only the announcement can update the watcher.
+    let neigh = |host: usize, addr: Ipv4Addr, mac: &str, nud: &str| {
+        let ok = Command::new("ip")
+            .args(["-n", s.lan.ns(host), "neigh", "replace"])
+            .arg(addr.to_string())
+            .args(["lladdr", mac, "dev", "roam0", "nud", nud])
+            .status()
+            .expect("ip neigh replace");
+        assert!(ok.success());
+    };
+    neigh(WATCHER, s.service, &mac_a, "stale");
+    neigh(B, s.lan.addr(CLIENT), &s.mac(CLIENT), "permanent");
+    let out = s.migrate(&[]);
+    let done = Instant::now();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "migrate-process failed: {stderr}");
+    assert!(
+        stdout.contains(&format!("moved {} (python3)", s.pid)) && stdout.contains("freeze "),
+        "summary: {stdout}"
+    );
+    assert!(
+        stdout.contains(&format!("{}/24", s.service)) && stdout.contains("1 TCP connection"),
+        "the summary names the address and the connection: {stdout}"
+    );
+    for phase in [
+        "can host it",
+        "freezing and dumping",
+        "sending",
+        "restored at",
+    ] {
+        assert!(stderr.contains(phase), "no {phase:?} phase shown: {stderr}");
+    }
+    assert!(alive(s.pid), "the server does not run anywhere");
+    assert!(s.runs_on(B, s.pid), "the server is not on host B");
+    assert!(!s.runs_on(A, s.pid), "the server is still on host A");
+    assert!(!s.has_service(A), "the address stayed on A");
+    assert!(s.has_service(B), "the address is not on B");
+    assert!(!s.has_lock(A) && !s.has_lock(B), "an address lock was left");
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while std::fs::read_dir(received.path()).map_or(0, Iterator::count) > 0 {
+        assert!(Instant::now() < deadline, "B kept the images of a move");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // B announced the address: the idle watcher's cache moved to B.
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while !s.neighbour(WATCHER).contains(&mac_b) {
+        assert!(
+            Instant::now() < deadline,
+            "the watcher still has {} for the service (A {mac_a}, B {mac_b}): no announcement",
+            s.neighbour(WATCHER).trim()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+
+    let at = s.stream.echoed();
+    s.stream.wait_echoed(at + (1 << 20), Duration::from_secs(8));
+    let resumed = done.elapsed();
+    s.stream
+        .wait_echoed(at + (4 << 20), Duration::from_secs(30));
+    let stream = std::mem::replace(
+        &mut s.stream,
+        EchoStream::start(
+            s.lan
+                .tcp_connect(
+                    CLIENT,
+                    SocketAddr::from((s.service, PORT)),
+                    Duration::from_secs(5),
+                )
+                .expect("the moved server accepts new connections on its address"),
+        ),
+    );
+    let (sent, echoed) = stream.finish();
+    assert_eq!(echoed, sent, "every byte sent came back once, in order");
+    // The listening socket moved too: the new connection echoes.
+    let at = s.stream.echoed();
+    s.stream
+        .wait_echoed(at + (1 << 20), Duration::from_secs(10));
+    eprintln!("moved: {sent} bytes verified; stream flowing again {resumed:?} after the command");
+}
+
+/// A destination whose disk fills half-way through the images: the dump is
+/// rolled back, the server runs on at A with its address and connection
+/// (every byte), nothing is left on B (no address, no lock, no images), and
+/// the error says what happened and where the process is.
+#[test]
+fn a_destination_that_runs_out_of_disk_leaves_the_server_running_at_the_source() {
+    if !can_run() {
+        return;
+    }
+    let disk = tempfile::tempdir().expect("mount point");
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=512k", "roam-test-full"])
+        .arg(disk.path())
+        .status()
+        .expect("mount");
+    assert!(mounted.success(), "mount a small tmpfs");
+    struct Unmount<'a>(&'a Path);
+    impl Drop for Unmount<'_> {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg(self.0).status();
+        }
+    }
+    let _unmount = Unmount(disk.path());
+    let mut s = Setup::new("mig_full", Some(disk.path()));
+    let source_images = tempfile::tempdir().expect("source images dir");
+    let out = s.migrate(&["--images-dir", &source_images.path().display().to_string()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("No space left on device"),
+        "names the cause: {stderr}"
+    );
+    assert!(
+        stderr.contains("runs on here with its connections"),
+        "says where the process is: {stderr}"
+    );
+    assert!(alive(s.pid), "the server died");
+    assert!(s.runs_on(A, s.pid) && !s.runs_on(B, s.pid));
+    assert!(s.has_service(A), "A lost the address");
+    assert!(!s.has_service(B), "B kept the address");
+    assert!(!s.has_lock(A) && !s.has_lock(B), "an address lock was left");
+    let left: Vec<_> = std::fs::read_dir(disk.path())
+        .expect("read the images disk")
+        .collect();
+    assert!(left.is_empty(), "B left images behind: {left:?}");
+    let left: Vec<_> = std::fs::read_dir(source_images.path())
+        .expect("read the source's images dir")
+        .collect();
+    assert!(left.is_empty(), "A left images behind: {left:?}");
+    let at = s.stream.echoed();
+    s.stream
+        .wait_echoed(at + (2 << 20), Duration::from_secs(30));
+    let stream = std::mem::replace(
+        &mut s.stream,
+        EchoStream::start(
+            s.lan
+                .tcp_connect(
+                    CLIENT,
+                    SocketAddr::from((s.service, PORT)),
+                    Duration::from_secs(5),
+                )
+                .expect("connect again"),
+        ),
+    );
+    let (sent, echoed) = stream.finish();
+    assert_eq!(echoed, sent, "every byte sent came back once, in order");
+}
+
+/// Refusals before anything is frozen: an unknown client key, and a
+/// destination that already has the address. The server never stops.
+#[test]
+fn a_refused_move_freezes_nothing_and_says_why() {
+    if !can_run() {
+        return;
+    }
+    let s = Setup::new("mig_refuse", None);
+    // A key B does not list.
+    let stranger = tempfile::tempdir().expect("state dir");
+    let mut cmd = roam_in(&s.lan, A, stranger.path());
+    let out = cmd
+        .arg("migrate-process")
+        .arg(s.pid.to_string())
+        .arg("--to")
+        .arg(format!("{}:{ACCEPT_PORT}", s.lan.addr(B)))
+        .output()
+        .expect("roam migrate-process");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("refused our client key") && stderr.contains("nothing was moved"),
+        "{stderr}"
+    );
+    // B has the address already.
+    s.lan.add_addr(B, s.service).expect("address on B");
+    let out = s.migrate(&[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("already on this host") && stderr.contains("nothing was frozen"),
+        "{stderr}"
+    );
+    // A process with no address of its own needs --address.
+    let out = s.migrate(&["--address", "10.255.255.1"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("not on any interface of this host"),
+        "{stderr}"
+    );
+    assert!(s.runs_on(A, s.pid) && alive(s.pid));
+    let at = s.stream.echoed();
+    s.stream
+        .wait_echoed(at + (1 << 20), Duration::from_secs(10));
+}

@@ -1,0 +1,187 @@
+//! A real echo server for tests that move processes (CRIU, `roam
+//! migrate-process`), and a client that checks every byte through it.
+//!
+//! The server is an unmodified Python program in a network namespace; the
+//! client streams 64-bit sequence numbers and checks that each one comes
+//! back once and in order, across whatever the test does to the server.
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+/// The echo server: one connection at a time, every byte sent back.
+pub const ECHO_SERVER: &str = r#"
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[1])))
+s.listen(8)
+while True:
+    c, _ = s.accept()
+    while True:
+        d = c.recv(65536)
+        if not d:
+            break
+        c.sendall(d)
+    c.close()
+"#;
+
+/// Starts the echo server on `port` in namespace `ns`, in a session of its own with its
+/// stdio on /dev/null (so CRIU dumps it alone), and waits until `connect`
+/// reaches it. Returns it: this test process is its parent, so it must be
+/// reaped for its pid to be free for a restore. The namespace's owner (a
+/// `NetPair` or `Lan`) kills it when dropped.
+pub fn start_echo(ns: &str, port: u16, connect: impl Fn() -> std::io::Result<TcpStream>) -> Child {
+    let child = Command::new("nsenter")
+        .arg(format!("--net=/run/netns/{ns}"))
+        .args(["--", "setsid", "python3", "-c", ECHO_SERVER])
+        .arg(port.to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start the echo server");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match connect() {
+            Ok(probe) => {
+                drop(probe);
+                break;
+            }
+            Err(e) => {
+                assert!(Instant::now() < deadline, "echo server never listened: {e}");
+                thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+    // Let the server finish with the probe and return to accept().
+    thread::sleep(Duration::from_millis(100));
+    child
+}
+
+/// A client streaming 64-bit sequence numbers through the echo server and
+/// checking each one that comes back.
+pub struct EchoStream {
+    /// Bytes echoed back and verified so far.
+    pub echoed: Arc<AtomicU64>,
+    /// Tells the writer to stop.
+    stop: Arc<AtomicBool>,
+    /// The writer: bytes it sent.
+    writer: thread::JoinHandle<u64>,
+    /// The reader: bytes it verified, or the first wrong one.
+    reader: thread::JoinHandle<Result<u64, String>>,
+}
+
+impl EchoStream {
+    /// Starts writing and checking on `sock`.
+    pub fn start(sock: TcpStream) -> EchoStream {
+        let echoed = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut w = sock.try_clone().expect("clone socket");
+        let mut r = sock;
+        r.set_read_timeout(Some(Duration::from_secs(60)))
+            .expect("read timeout");
+        let writer = {
+            let stop = stop.clone();
+            thread::spawn(move || {
+                let mut sent = 0u64;
+                let mut next = 0u64;
+                let mut buf = Vec::with_capacity(8192);
+                while !stop.load(Ordering::Relaxed) {
+                    buf.clear();
+                    for _ in 0..1024 {
+                        buf.extend_from_slice(&next.to_le_bytes());
+                        next += 1;
+                    }
+                    if w.write_all(&buf).is_err() {
+                        break;
+                    }
+                    sent += buf.len() as u64;
+                }
+                let _ = w.shutdown(Shutdown::Write);
+                sent
+            })
+        };
+        let reader = {
+            let echoed = echoed.clone();
+            thread::spawn(move || {
+                let mut expect = 0u64;
+                let mut word = [0u8; 8];
+                let mut have = 0usize;
+                let mut buf = vec![0u8; 65536];
+                loop {
+                    let n = match r.read(&mut buf) {
+                        Ok(0) => break,
+                        Ok(n) => n,
+                        Err(e) => return Err(format!("read after {expect} words: {e}")),
+                    };
+                    for &b in &buf[..n] {
+                        word[have] = b;
+                        have += 1;
+                        if have == 8 {
+                            let got = u64::from_le_bytes(word);
+                            if got != expect {
+                                return Err(format!("word {expect} came back as {got}"));
+                            }
+                            expect += 1;
+                            have = 0;
+                        }
+                    }
+                    echoed.fetch_add(n as u64, Ordering::Relaxed);
+                }
+                if have != 0 {
+                    return Err(format!("a partial word after {expect} words"));
+                }
+                Ok(expect * 8)
+            })
+        };
+        EchoStream {
+            echoed,
+            stop,
+            writer,
+            reader,
+        }
+    }
+
+    /// Waits until `n` bytes have been echoed.
+    pub fn wait_echoed(&self, n: u64, within: Duration) {
+        let deadline = Instant::now() + within;
+        while self.echoed.load(Ordering::Relaxed) < n {
+            assert!(
+                Instant::now() < deadline,
+                "only {} of {n} bytes echoed within {within:?}",
+                self.echoed.load(Ordering::Relaxed)
+            );
+            thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Stops writing, waits for the last echo, and returns (sent, echoed).
+    pub fn finish(self) -> (u64, u64) {
+        self.stop.store(true, Ordering::Relaxed);
+        let sent = self.writer.join().expect("writer");
+        let echoed = self
+            .reader
+            .join()
+            .expect("reader")
+            .unwrap_or_else(|e| panic!("echo stream broken: {e}"));
+        (sent, echoed)
+    }
+
+    /// Bytes echoed back and verified so far.
+    pub fn echoed(&self) -> u64 {
+        self.echoed.load(Ordering::Relaxed)
+    }
+}
+
+/// Whether `pid` runs (a zombie counts as gone).
+pub fn alive(pid: i32) -> bool {
+    // A zombie still has /proc/PID: count it as gone.
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| !s.contains(") Z "))
+        .unwrap_or(false)
+}
