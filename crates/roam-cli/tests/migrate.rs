@@ -19,7 +19,7 @@ use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use roam_sim::echo::{alive, start_echo, EchoStream};
+use roam_sim::echo::{alive, start_echo_holding, EchoStream};
 use roam_sim::netns::{self, ChildGuard, Lan};
 
 const CLIENT: usize = 0;
@@ -92,11 +92,16 @@ struct Setup {
 impl Setup {
     /// `images_dir`: where B writes received images (default its temp dir).
     fn new(name: &str, images_dir: Option<&Path>) -> Setup {
+        Setup::holding(name, images_dir, 0)
+    }
+
+    /// [`Setup::new`], the server holding `ballast_mb` MB of memory.
+    fn holding(name: &str, images_dir: Option<&Path>, ballast_mb: u32) -> Setup {
         let lan = Lan::new(name, 4).expect("LAN");
         let service = lan.subnet_addr(100);
         lan.add_addr(A, service).expect("service address on A");
         let addr = SocketAddr::from((service, PORT));
-        let server = start_echo(lan.ns(A), PORT, || {
+        let server = start_echo_holding(lan.ns(A), PORT, ballast_mb, || {
             lan.tcp_connect(CLIENT, addr, Duration::from_secs(1))
         });
         let pid = i32::try_from(server.id()).expect("pid");
@@ -154,8 +159,8 @@ impl Setup {
         }
     }
 
-    /// Runs `roam migrate-process` on A (bounded: it is killed after 3 min).
-    fn migrate(&self, extra: &[&str]) -> Output {
+    /// `roam migrate-process` of the server to B, started.
+    fn start_migrate(&self, extra: &[&str]) -> Child {
         let mut cmd = roam_in(&self.lan, A, self.src_state.path());
         cmd.arg("migrate-process")
             .arg(self.pid.to_string())
@@ -164,7 +169,12 @@ impl Setup {
             .args(extra)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        let child = cmd.spawn().expect("roam migrate-process");
+        cmd.spawn().expect("roam migrate-process")
+    }
+
+    /// Runs `roam migrate-process` on A (bounded: it is killed after 3 min).
+    fn migrate(&self, extra: &[&str]) -> Output {
+        let child = self.start_migrate(extra);
         let pid = child.id();
         let watchdog = std::thread::spawn(move || {
             let deadline = Instant::now() + Duration::from_secs(180);
@@ -478,4 +488,137 @@ fn a_refused_move_freezes_nothing_and_says_why() {
     let at = s.stream.echoed();
     s.stream
         .wait_echoed(at + (1 << 20), Duration::from_secs(10));
+}
+
+/// A destination that cannot restore (another program holds the server's
+/// port there) after the images arrived and the server ended at A: the
+/// server is restored at A from the same images, with its pid, address and
+/// connection, every byte intact, and the error says what failed at B.
+#[test]
+fn a_restore_that_fails_at_the_destination_brings_the_server_back_at_the_source() {
+    if !can_run() {
+        return;
+    }
+    let received = tempfile::tempdir().expect("B's images dir");
+    let mut s = Setup::new("mig_back", Some(received.path()));
+    // Something else listens on the server's port on B.
+    let mut squatter = ChildGuard::spawn(
+        Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{}", s.lan.ns(B)))
+            .args(["--", "python3", "-c"])
+            .arg(format!(
+                "import socket, time\ns = socket.socket()\ns.bind(('0.0.0.0', {PORT}))\n\
+                 s.listen()\nprint('up', flush=True)\ntime.sleep(600)"
+            ))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped()),
+    )
+    .expect("squatter");
+    let mut up = String::new();
+    BufReader::new(squatter.child_mut().stdout.take().expect("stdout"))
+        .read_line(&mut up)
+        .expect("squatter's line");
+    assert_eq!(up.trim(), "up");
+    let out = s.migrate(&[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("could not restore it") && stderr.contains("Address already in use"),
+        "names B's failure: {stderr}"
+    );
+    assert!(
+        stderr.contains(&format!("runs on here again (pid {})", s.pid)),
+        "says the server is back here: {stderr}"
+    );
+    assert!(alive(s.pid), "the server is gone");
+    assert!(s.runs_on(A, s.pid) && !s.runs_on(B, s.pid));
+    assert!(s.has_service(A), "A lost the address");
+    assert!(!s.has_service(B), "B kept the address");
+    assert!(!s.has_lock(A) && !s.has_lock(B), "an address lock was left");
+    let at = s.stream.echoed();
+    s.stream
+        .wait_echoed(at + (2 << 20), Duration::from_secs(30));
+    let stream = std::mem::replace(
+        &mut s.stream,
+        EchoStream::start(
+            s.lan
+                .tcp_connect(
+                    CLIENT,
+                    SocketAddr::from((s.service, PORT)),
+                    Duration::from_secs(5),
+                )
+                .expect("connect again"),
+        ),
+    );
+    let (sent, echoed) = stream.finish();
+    assert_eq!(echoed, sent, "every byte sent came back once, in order");
+}
+
+/// SIGTERM while the images travel (the server holds 300 MB, so they take
+/// a while): the move is called off, the dump rolled back, the server runs
+/// on at A with its address and connection, every byte intact, no lock
+/// left, and the command says so and exits 1.
+#[test]
+fn a_signal_while_the_images_travel_calls_the_move_off() {
+    if !can_run() {
+        return;
+    }
+    let received = tempfile::tempdir().expect("B's images dir");
+    let mut s = Setup::holding("mig_signal", Some(received.path()), 300);
+    let mut child = s.start_migrate(&[]);
+    let mut err = BufReader::new(child.stderr.take().expect("stderr"));
+    let mut seen = String::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let mut line = String::new();
+        let n = err
+            .read_line(&mut line)
+            .expect("read migrate-process's stderr");
+        assert!(
+            n > 0 && Instant::now() < deadline,
+            "no sending phase: {seen}"
+        );
+        seen.push_str(&line);
+        if line.contains("sending") {
+            break;
+        }
+    }
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut err, &mut rest).expect("stderr");
+    seen.push_str(&rest);
+    let status = child.wait().expect("wait");
+    eprintln!("{seen}");
+    assert_eq!(status.code(), Some(1), "{seen}");
+    assert!(
+        seen.contains("runs on here with its connections") && seen.contains("interrupted"),
+        "{seen}"
+    );
+    assert!(alive(s.pid) && s.runs_on(A, s.pid) && !s.runs_on(B, s.pid));
+    assert!(s.has_service(A) && !s.has_service(B));
+    assert!(!s.has_lock(A) && !s.has_lock(B), "an address lock was left");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while std::fs::read_dir(received.path()).map_or(0, Iterator::count) > 0 {
+        assert!(Instant::now() < deadline, "B kept the images");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let at = s.stream.echoed();
+    s.stream
+        .wait_echoed(at + (2 << 20), Duration::from_secs(30));
+    let stream = std::mem::replace(
+        &mut s.stream,
+        EchoStream::start(
+            s.lan
+                .tcp_connect(
+                    CLIENT,
+                    SocketAddr::from((s.service, PORT)),
+                    Duration::from_secs(5),
+                )
+                .expect("connect again"),
+        ),
+    );
+    let (sent, echoed) = stream.finish();
+    assert_eq!(echoed, sent, "every byte sent came back once, in order");
 }

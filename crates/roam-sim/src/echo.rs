@@ -14,8 +14,11 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 /// The echo server: one connection at a time, every byte sent back.
+/// Arguments: the port, and optionally megabytes of memory to hold
+/// (written, so that a checkpoint has to copy them).
 pub const ECHO_SERVER: &str = r#"
 import socket, sys
+ballast = b"\x5a" * (int(sys.argv[2]) << 20) if len(sys.argv) > 2 else b""
 s = socket.socket()
 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind(("0.0.0.0", int(sys.argv[1])))
@@ -36,10 +39,22 @@ while True:
 /// reaped for its pid to be free for a restore. The namespace's owner (a
 /// `NetPair` or `Lan`) kills it when dropped.
 pub fn start_echo(ns: &str, port: u16, connect: impl Fn() -> std::io::Result<TcpStream>) -> Child {
+    start_echo_holding(ns, port, 0, connect)
+}
+
+/// [`start_echo`], the server holding `ballast_mb` megabytes of written
+/// memory.
+pub fn start_echo_holding(
+    ns: &str,
+    port: u16,
+    ballast_mb: u32,
+    connect: impl Fn() -> std::io::Result<TcpStream>,
+) -> Child {
     let child = Command::new("nsenter")
         .arg(format!("--net=/run/netns/{ns}"))
         .args(["--", "setsid", "python3", "-c", ECHO_SERVER])
         .arg(port.to_string())
+        .arg(ballast_mb.to_string())
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())

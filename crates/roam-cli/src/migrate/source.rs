@@ -71,6 +71,11 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
     progress.phase(&format!("{to} can host it ({ready})"));
 
     let images = ImagesDir::create(args.images_dir.as_deref(), args.pid)?;
+    // From the lock on, a signal must not kill roam (the address would
+    // stay locked): SIGINT, SIGTERM and SIGHUP call the move off while it
+    // can be (until the images are at the destination), and are ignored
+    // after that, while the hand-over completes.
+    let interrupt = Interrupt::install()?;
     let lock = AddressLock::new(None, address.addr).map_err(|e| {
         CliError(format!(
             "cannot lock {}: {e}; nothing was frozen",
@@ -111,7 +116,7 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
         let sent = Instant::now();
         let outcome = tokio::select! {
             r = send_images(&mut wr, &mut answers, &dir, &mut progress, &timings, &to) => r,
-            _ = crate::serve::shutdown_signal() => Err("interrupted by a signal".to_string()),
+            _ = interrupt.wait() => Err("interrupted by a signal".to_string()),
         };
         timings.transfer = sent.elapsed();
         let _ = verdict_tx.send(outcome);
@@ -124,16 +129,14 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
         Ok(d) => d,
         Err(e) => {
             let unlocked = lock.release();
-            let _ = wire::write_frame(
-                &mut wr,
-                &Frame::Abort {
-                    reason: e.to_string(),
-                },
-            )
-            .await;
-            if !matches!(e, roam_criu::Error::Aborted { .. }) {
-                images.keep_log("the dump");
-            }
+            let e = match e {
+                roam_criu::Error::Aborted { reason } => reason,
+                other => {
+                    images.keep_log("the dump");
+                    other.to_string()
+                }
+            };
+            let _ = wire::write_frame(&mut wr, &Frame::Abort { reason: e.clone() }).await;
             let mut msg = format!(
                 "{} was not moved and runs on here with its connections: {e}",
                 info.label()
@@ -231,6 +234,55 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
     Ok(if warnings.is_empty() { 0 } else { 1 })
 }
 
+/// SIGINT, SIGTERM and SIGHUP, caught: each sets a flag and wakes
+/// [`Interrupt::wait`].
+struct Interrupt {
+    /// A signal came.
+    flag: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Wakes the waiters.
+    notify: std::sync::Arc<tokio::sync::Notify>,
+}
+
+impl Interrupt {
+    /// Catches the three signals from now on.
+    fn install() -> Result<Interrupt, CliError> {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut sigs = Vec::new();
+        for kind in [
+            SignalKind::interrupt(),
+            SignalKind::terminate(),
+            SignalKind::hangup(),
+        ] {
+            sigs.push(signal(kind).map_err(|e| CliError(format!("cannot catch signals: {e}")))?);
+        }
+        let flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let notify = std::sync::Arc::new(tokio::sync::Notify::new());
+        for mut sig in sigs {
+            let (flag, notify) = (flag.clone(), notify.clone());
+            tokio::spawn(async move {
+                while sig.recv().await.is_some() {
+                    flag.store(true, std::sync::atomic::Ordering::SeqCst);
+                    notify.notify_waiters();
+                }
+            });
+        }
+        Ok(Interrupt { flag, notify })
+    }
+
+    /// Completes once a signal has come (at once if one already did).
+    async fn wait(&self) {
+        loop {
+            let notified = self.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.flag.load(std::sync::atomic::Ordering::SeqCst) {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
 /// Waits (up to 5 s) until `pid` is gone from this host — reaped by its
 /// parent — so that the destination can give it the same pid when both
 /// hosts share one pid space. Returns whether it went.
@@ -260,6 +312,9 @@ async fn restore_here(
     progress: &mut Progress,
 ) -> CliError {
     progress.phase(&format!("{why}; restoring {} here", info.label()));
+    // A failed restore at the destination may still hold the pid for a
+    // moment when both hosts share a pid space.
+    let gone = gone && wait_gone(info.pid);
     let dir = images.path.clone();
     let back = tokio::task::spawn_blocking(move || {
         criu.restore(
@@ -275,7 +330,8 @@ async fn restore_here(
     let unlocked = lock.release();
     let mut msg = match back {
         Ok(Ok(r)) => format!(
-            "{} was not moved: {why}; it runs on here (pid {}) with its connections",
+            "{} was not moved and runs on here again (pid {}) with its connections, restored \
+             from its images: {why}",
             info.label(),
             r.pid
         ),
@@ -284,21 +340,29 @@ async fn restore_here(
                 .keep
                 .store(true, std::sync::atomic::Ordering::Relaxed);
             format!(
-                "{} was not moved: {why}; AND restoring it here failed: {e}{}; its images are \
-                 kept in {} (`criu restore -D DIR --tcp-established` brings it back)",
+                "{} is NOT RUNNING: it was not moved, and restoring it here failed too; its \
+                 images are kept in {} (`criu restore -D DIR --tcp-established` brings it \
+                 back).\nThe move failed: {why}\nThe restore here failed: {e}{}",
                 info.label(),
+                images.path.display(),
                 if gone {
                     ""
                 } else {
                     " (its old pid was still taken: its parent had not reaped it)"
                 },
+            )
+        }
+        Err(e) => {
+            images
+                .keep
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            format!(
+                "{} is NOT RUNNING: it was not moved ({why}) and the restore here failed: {e}; \
+                 its images are kept in {}",
+                info.label(),
                 images.path.display()
             )
         }
-        Err(e) => format!(
-            "{} was not moved: {why}; the restore thread failed: {e}",
-            info.label()
-        ),
     };
     if let Err(u) = unlocked {
         msg.push_str(&format!(
