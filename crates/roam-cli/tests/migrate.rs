@@ -19,7 +19,7 @@ use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use roam_sim::echo::{alive, start_echo_holding, EchoStream};
+use roam_sim::echo::{alive, start_echo_holding, EchoStream, UdpEcho};
 use roam_sim::netns::{self, ChildGuard, Lan};
 
 const CLIENT: usize = 0;
@@ -306,6 +306,15 @@ fn a_running_server_moves_to_another_host_with_its_connection_and_address() {
     };
     neigh(WATCHER, s.service, &mac_a, "stale");
     neigh(B, s.lan.addr(CLIENT), &s.mac(CLIENT), "permanent");
+    let mut udp = UdpEcho::new(
+        s.lan
+            .in_ns(CLIENT, || std::net::UdpSocket::bind("0.0.0.0:0"))
+            .expect("client namespace")
+            .expect("UDP socket"),
+        SocketAddr::from((s.service, PORT)),
+    );
+    udp.rounds(20, Duration::from_secs(10))
+        .expect("UDP echo before the move");
     let out = s.migrate(&[]);
     let done = Instant::now();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -316,7 +325,8 @@ fn a_running_server_moves_to_another_host_with_its_connection_and_address() {
         "summary: {stdout}"
     );
     assert!(
-        stdout.contains(&format!("{}/24", s.service)) && stdout.contains("1 TCP connection"),
+        stdout.contains(&format!("{}/24", s.service))
+            && stdout.contains("1 TCP connection, 1 listening socket, 1 UDP socket"),
         "the summary names the address and the connection: {stdout}"
     );
     for phase in [
@@ -372,7 +382,14 @@ fn a_running_server_moves_to_another_host_with_its_connection_and_address() {
     let at = s.stream.echoed();
     s.stream
         .wait_echoed(at + (1 << 20), Duration::from_secs(10));
-    eprintln!("moved: {sent} bytes verified; stream flowing again {resumed:?} after the command");
+    // The UDP socket moved too: the same server answers datagrams at B.
+    let sends = udp
+        .rounds(20, Duration::from_secs(10))
+        .expect("UDP echo after the move");
+    eprintln!(
+        "moved: {sent} bytes verified; stream flowing again {resumed:?} after the command; \
+         20 UDP requests answered with {sends} sends"
+    );
 }
 
 /// A destination whose disk fills half-way through the images: the dump is

@@ -13,12 +13,20 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-/// The echo server: one connection at a time, every byte sent back.
-/// Arguments: the port, and optionally megabytes of memory to hold
-/// (written, so that a checkpoint has to copy them).
+/// The echo server: over TCP one connection at a time, every byte sent
+/// back; over UDP (same port, a thread of its own) every datagram sent back
+/// to its sender. Arguments: the port, and optionally megabytes of memory
+/// to hold (written, so that a checkpoint has to copy them).
 pub const ECHO_SERVER: &str = r#"
-import socket, sys
+import socket, sys, threading
 ballast = b"\x5a" * (int(sys.argv[2]) << 20) if len(sys.argv) > 2 else b""
+def udp():
+    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    u.bind(("0.0.0.0", int(sys.argv[1])))
+    while True:
+        d, a = u.recvfrom(65536)
+        u.sendto(d, a)
+threading.Thread(target=udp, daemon=True).start()
 s = socket.socket()
 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind(("0.0.0.0", int(sys.argv[1])))
@@ -199,4 +207,59 @@ pub fn alive(pid: i32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .map(|s| !s.contains(") Z "))
         .unwrap_or(false)
+}
+
+/// A UDP client of the echo server: numbered requests, each resent every
+/// 100 ms until its own answer comes back.
+pub struct UdpEcho {
+    /// The client's socket (made in the client's namespace).
+    sock: std::net::UdpSocket,
+    /// The server.
+    to: std::net::SocketAddr,
+    /// The next request's number.
+    next: u64,
+}
+
+impl UdpEcho {
+    /// A client of `to` on `sock`.
+    pub fn new(sock: std::net::UdpSocket, to: std::net::SocketAddr) -> UdpEcho {
+        UdpEcho { sock, to, next: 0 }
+    }
+
+    /// Sends `n` requests one after another, each until answered (at most
+    /// `within` for all); returns how many sends it took.
+    pub fn rounds(&mut self, n: u64, within: Duration) -> Result<u64, String> {
+        let deadline = Instant::now() + within;
+        let mut sends = 0;
+        self.sock
+            .set_read_timeout(Some(Duration::from_millis(100)))
+            .map_err(|e| e.to_string())?;
+        for _ in 0..n {
+            let want = self.next.to_le_bytes();
+            self.next += 1;
+            'answered: loop {
+                if Instant::now() >= deadline {
+                    return Err(format!(
+                        "request {} unanswered within {within:?}",
+                        self.next - 1
+                    ));
+                }
+                self.sock
+                    .send_to(&want, self.to)
+                    .map_err(|e| format!("send: {e}"))?;
+                sends += 1;
+                let sent = Instant::now();
+                let mut buf = [0u8; 64];
+                while sent.elapsed() < Duration::from_millis(100) {
+                    match self.sock.recv(&mut buf) {
+                        Ok(8) if buf[..8] == want => break 'answered,
+                        // An answer to an earlier send of an earlier request.
+                        Ok(_) => continue,
+                        Err(_) => break,
+                    }
+                }
+            }
+        }
+        Ok(sends)
+    }
 }
