@@ -208,9 +208,13 @@ process runs on here with its connections and address untouched, and the error
 says why. The address defaults to the one address the process's sockets are
 bound to; name it with --address when they use none (wildcards) or several.
 
-Not yet: lazy (post-copy) memory, queueing of packets that arrive during the
-freeze (they are dropped and retransmitted), a destination with a different
-address (use roam sessions for that).
+TCP packets that reach this host for the address during the freeze are
+captured (they are dropped here, before the process could see them) and
+delivered at the destination once the process runs there, so that peers do not
+wait for their retransmission timers; --no-reinject leaves them to TCP.
+
+Not yet: lazy (post-copy) memory (the freeze grows with the memory copied), a
+destination with a different address (use roam sessions for that).
 
 Exit status: 0 moved; 1 not moved (the process runs on here) or moved with a
 warning (printed); 2 bad arguments.")]
@@ -444,6 +448,10 @@ pub(crate) struct MigrateProcessArgs {
     /// Where the images are written before they travel [default: the temporary directory].
     #[arg(long, value_name = "DIR")]
     pub(crate) images_dir: Option<PathBuf>,
+    /// Do not capture the packets that arrive during the freeze for
+    /// re-injection at the destination (peers then retransmit them).
+    #[arg(long)]
+    pub(crate) no_reinject: bool,
     #[command(flatten)]
     pub(crate) client: ClientArgs,
 }

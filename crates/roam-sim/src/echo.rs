@@ -91,6 +91,9 @@ pub fn start_echo_holding(
 pub struct EchoStream {
     /// Bytes echoed back and verified so far.
     pub echoed: Arc<AtomicU64>,
+    /// The longest wait between two reads so far, in microseconds: the
+    /// pause the client saw.
+    longest_gap: Arc<AtomicU64>,
     /// Tells the writer to stop.
     stop: Arc<AtomicBool>,
     /// The writer: bytes it sent.
@@ -129,9 +132,12 @@ impl EchoStream {
                 sent
             })
         };
+        let longest_gap = Arc::new(AtomicU64::new(0));
         let reader = {
             let echoed = echoed.clone();
+            let longest_gap = longest_gap.clone();
             thread::spawn(move || {
+                let mut last = Instant::now();
                 let mut expect = 0u64;
                 let mut word = [0u8; 8];
                 let mut have = 0usize;
@@ -142,6 +148,9 @@ impl EchoStream {
                         Ok(n) => n,
                         Err(e) => return Err(format!("read after {expect} words: {e}")),
                     };
+                    let gap = u64::try_from(last.elapsed().as_micros()).unwrap_or(u64::MAX);
+                    longest_gap.fetch_max(gap, Ordering::Relaxed);
+                    last = Instant::now();
                     for &b in &buf[..n] {
                         word[have] = b;
                         have += 1;
@@ -164,6 +173,7 @@ impl EchoStream {
         };
         EchoStream {
             echoed,
+            longest_gap,
             stop,
             writer,
             reader,
@@ -193,6 +203,17 @@ impl EchoStream {
             .expect("reader")
             .unwrap_or_else(|e| panic!("echo stream broken: {e}"));
         (sent, echoed)
+    }
+
+    /// The longest pause between two reads so far: what the client saw of
+    /// a freeze.
+    pub fn longest_gap(&self) -> Duration {
+        Duration::from_micros(self.longest_gap.load(Ordering::Relaxed))
+    }
+
+    /// Forgets the pauses seen so far (to measure from now on).
+    pub fn reset_gap(&self) {
+        self.longest_gap.store(0, Ordering::Relaxed);
     }
 
     /// Bytes echoed back and verified so far.

@@ -229,22 +229,47 @@ async fn receive(
         wire::write_frame(wr, &Frame::Restored { pid, restore_us })
             .await
             .map_err(send)?;
-        match next(rd).await? {
-            Frame::Commit => Ok(()),
-            Frame::Abort { reason } => Err(format!("the source gave up: {reason}")),
-            other => Err(format!("expected the commit, got {other:?}")),
+        let mut captured = Vec::new();
+        loop {
+            match next(rd).await? {
+                Frame::Packets(ps) => captured.extend(ps),
+                Frame::Commit => return Ok(captured),
+                Frame::Abort { reason } => return Err(format!("the source gave up: {reason}")),
+                other => return Err(format!("expected the commit, got {other:?}")),
+            }
         }
     };
-    if let Err(e) = commit.await {
-        // The source still has the process: ours must go, silently (the
-        // lock drops its sockets' last packets).
-        kill_and_wait(pid);
-        undo_address(lock);
-        return Err(format!("{e}; the restored copy (pid {pid}) was killed"));
-    }
+    let captured = match commit.await {
+        Ok(c) => c,
+        Err(e) => {
+            // The source still has the process: ours must go, silently
+            // (the lock drops its sockets' last packets).
+            kill_and_wait(pid);
+            undo_address(lock);
+            return Err(format!("{e}; the restored copy (pid {pid}) was killed"));
+        }
+    };
     let _ = lock.release();
+    // What reached the source during the freeze, delivered here now.
+    let reinjected = match (target.addr, captured.is_empty()) {
+        (std::net::IpAddr::V4(v4), false) => match super::packets::reinject(&captured, v4) {
+            Ok(n) => n,
+            Err(e) => {
+                eprintln!("roam migrate-accept: warning: re-injecting captured packets: {e}");
+                0
+            }
+        },
+        _ => 0,
+    };
     let announcing = host::announce(&target);
-    wire::write_frame(wr, &Frame::Live).await.map_err(send)?;
+    wire::write_frame(
+        wr,
+        &Frame::Live {
+            reinjected: reinjected as u64,
+        },
+    )
+    .await
+    .map_err(send)?;
     drop(images);
     let announced = match announcing {
         Ok(Some(child)) => host::announced(child, &target).await,
@@ -255,7 +280,8 @@ async fn receive(
         eprintln!("roam migrate-accept: warning: {}", e.0);
     }
     Ok(format!(
-        "{process} runs here as pid {pid} with {} (restore {} ms)",
+        "{process} runs here as pid {pid} with {} (restore {} ms; {reinjected} packets \
+         captured at the source re-injected)",
         target.cidr(),
         restore_us / 1000
     ))

@@ -83,6 +83,21 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
         ))
     })?;
     let frozen_at = Instant::now();
+    // Packets for the address from now on are dropped here; a copy of each
+    // goes to the destination to be delivered there.
+    let capture = match (args.no_reinject, address.addr) {
+        (false, std::net::IpAddr::V4(v4)) => match super::packets::Capture::start(v4) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                progress.phase(&format!(
+                    "warning: cannot capture packets during the freeze ({e}); peers will \
+                     retransmit them"
+                ));
+                None
+            }
+        },
+        _ => None,
+    };
     progress.phase(&format!("freezing and dumping {}", info.label()));
 
     // CRIU runs on a thread of its own; its post-dump step (the process
@@ -187,10 +202,27 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
         ));
     }
     let committed = Instant::now();
-    let live = match wire::write_frame(&mut wr, &Frame::Commit).await {
+    let captured = capture
+        .map(super::packets::Capture::finish)
+        .unwrap_or_default();
+    let mut packets_sent = Ok(());
+    for payload in super::packets::pack(&captured, wire::MAX_PAYLOAD) {
+        let frame = super::packets::unpack(&payload).map(Frame::Packets);
+        if let Some(frame) = frame {
+            packets_sent = wire::write_frame(&mut wr, &frame).await;
+            if packets_sent.is_err() {
+                break;
+            }
+        }
+    }
+    let mut reinjected = 0;
+    let live = match packets_sent.and(wire::write_frame(&mut wr, &Frame::Commit).await) {
         Err(e) => Err(e.to_string()),
         Ok(()) => match answer(&mut answers).await {
-            Ok(Frame::Live) => Ok(()),
+            Ok(Frame::Live { reinjected: n }) => {
+                reinjected = n;
+                Ok(())
+            }
             Ok(Frame::Failed { reason }) => Err(reason),
             Ok(other) => Err(format!("it answered {other:?} to the commit")),
             Err(e) => Err(e),
@@ -216,6 +248,15 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
         info.label(),
         address.cidr(),
         info.sockets()
+    );
+    println!(
+        "  {} packets arrived during the freeze: {}",
+        captured.len(),
+        if args.no_reinject {
+            "left to retransmission (--no-reinject)".to_string()
+        } else {
+            format!("{reinjected} re-injected at the destination")
+        }
     );
     println!(
         "  freeze {} (dump {}, transfer {}, restore {}, waits {}, hand-over {}); {} of images; total {}",

@@ -66,12 +66,18 @@ pub(crate) enum Frame {
         /// How long CRIU's restore took, in microseconds.
         restore_us: u64,
     },
+    /// Source → destination: packets that arrived for the process at the
+    /// source during the freeze, to re-inject once the address is live.
+    Packets(Vec<Vec<u8>>),
     /// Source → destination: the source has let go of the process and its
     /// address; take the address live.
     Commit,
     /// Destination → source: the address is live at the destination (lock
-    /// lifted, neighbours told).
-    Live,
+    /// lifted, captured packets re-injected, neighbours told).
+    Live {
+        /// Packets re-injected.
+        reinjected: u64,
+    },
     /// Source → destination: the migration is called off; undo everything.
     Abort {
         /// Why.
@@ -93,6 +99,7 @@ const SENT: u8 = 4;
 const COMMIT: u8 = 5;
 const ABORT: u8 = 6;
 const RESTORE: u8 = 7;
+const PACKETS: u8 = 8;
 /// Kind bytes, destination → source.
 const READY: u8 = 16;
 const RESTORED: u8 = 17;
@@ -142,6 +149,7 @@ pub(crate) fn header(h: &[u8; HEADER]) -> Result<(u8, usize), WireError> {
             | COMMIT
             | ABORT
             | RESTORE
+            | PACKETS
             | READY
             | RESTORED
             | LIVE
@@ -255,8 +263,16 @@ pub(crate) fn decode(kind: u8, payload: &[u8]) -> Result<Frame, WireError> {
                 restore_us: f.u64()?,
             }
         }
+        PACKETS => {
+            return super::packets::unpack(payload)
+                .filter(|p| !p.is_empty())
+                .map(Frame::Packets)
+                .ok_or_else(|| f.bad("malformed packets"))
+        }
         COMMIT => Frame::Commit,
-        LIVE => Frame::Live,
+        LIVE => Frame::Live {
+            reinjected: f.u64()?,
+        },
         ABORT => Frame::Abort {
             reason: f.string()?,
         },
@@ -279,8 +295,10 @@ fn put_string(out: &mut Vec<u8>, s: &str) {
     out.extend_from_slice(&s.as_bytes()[..end]);
 }
 
-/// Encodes a frame, header included. (A [`Frame::Data`] longer than
-/// [`MAX_PAYLOAD`] is the caller's bug: senders cut their data to fit.)
+/// Encodes a frame, header included. (A [`Frame::Data`] or
+/// [`Frame::Packets`] longer than [`MAX_PAYLOAD`], or a packet longer than
+/// 65,535 bytes, is the caller's bug: senders cut them to fit, as
+/// [`super::packets::pack`] does.)
 pub(crate) fn encode(frame: &Frame) -> Vec<u8> {
     let mut p = Vec::new();
     let kind = match frame {
@@ -310,8 +328,18 @@ pub(crate) fn encode(frame: &Frame) -> Vec<u8> {
             p.extend_from_slice(&restore_us.to_be_bytes());
             RESTORED
         }
+        Frame::Packets(ps) => {
+            for q in ps {
+                p.extend_from_slice(&u16::try_from(q.len()).unwrap_or(0).to_be_bytes());
+                p.extend_from_slice(q);
+            }
+            PACKETS
+        }
         Frame::Commit => COMMIT,
-        Frame::Live => LIVE,
+        Frame::Live { reinjected } => {
+            p.extend_from_slice(&reinjected.to_be_bytes());
+            LIVE
+        }
         Frame::Abort { reason } => {
             put_string(&mut p, reason);
             ABORT
@@ -392,8 +420,9 @@ mod tests {
                 pid: 4321,
                 restore_us: 123_456,
             },
+            Frame::Packets(vec![vec![0x45; 40], vec![1, 2, 3]]),
             Frame::Commit,
-            Frame::Live,
+            Frame::Live { reinjected: 17 },
             Frame::Abort {
                 reason: "interrupted".into(),
             },
