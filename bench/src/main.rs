@@ -198,7 +198,7 @@ impl Plan {
             shell_keystrokes: 200,
             shell_rounds: 2,
             shell_parked: 100,
-            migrate_cases: vec![(10, 10), (100, 10)],
+            migrate_cases: vec![(10, 10), (100, 100)],
         }
     }
 

@@ -605,11 +605,11 @@ fn markdown(r: &Results, plots: &[io::Result<PathBuf>]) -> String {
     s
 }
 
-/// Section 10: a process moved to another host (CRIU, issue 12's engine).
+/// Section 10: a process moved to another host (CRIU, `roam migrate-process`).
 fn migrate_section(s: &mut String, o: &Outcome<crate::scenarios::migrate::Migrate>) {
     let _ = writeln!(
         s,
-        "\n## 10. A running process moved to another host (CRIU)\n"
+        "\n## 10. A running process moved to another host (CRIU; roam migrate-process)\n"
     );
     if let Some(x) = status_line(o) {
         *s += &x;
@@ -620,34 +620,42 @@ fn migrate_section(s: &mut String, o: &Outcome<crate::scenarios::migrate::Migrat
     let _ = writeln!(
         s,
         "Three network namespaces on one bridge: a client host, host A and host B. A Python \
-         server on A holds the memory shown and echoes on every connection from the client host. \
-         It is moved with {}: dumped on A (established connections), its service address moved \
-         from A to B, restored on B, the client host's neighbor entry for the address forgotten; \
-         TCP to and from the address is dropped on A from the dump until the address has left \
-         and on B until the restore is done (roam's address lock). Moved: from the dump's start until the address answers on B. Freeze: \
-         the longest 1-byte round trip of a probe connection across the move (it includes the \
-         client's TCP retransmission timeout: packets sent during the move are dropped, not yet \
-         queued and re-injected). Images go to a local directory: no transfer between machines, \
-         no lazy pages (`roam migrate-process` is not built yet). Targets (1 GB, 1,000 \
-         connections, full runs): freeze ≤ {} ms (the paper), goal ≤ {} ms.\n",
+         server on A holds the memory shown and echoes on every connection from the client host; \
+         it moves to B with its connections and its service address, three ways per case: \
+         `criu (reference)` drives {} directly (dump on A, images in a local directory, the \
+         address moved, restore on B, the client host's neighbour entry forgotten; roam's \
+         address lock on both sides); `roam migrate-process` runs the command on A against \
+         `roam migrate-accept` on B (images over an encrypted roam session, the address moved \
+         and announced with a gratuitous ARP, the packets that reached A during the freeze \
+         re-injected at B); `roam --no-reinject` is the command without the re-injection. \
+         Moved: from the move's start until the address answers on B (roam: the command's wall \
+         time). Freeze: the longest 1-byte round trip of a probe connection across the move, as \
+         the client sees it (without re-injection it includes the client's TCP retransmission \
+         timeout). No lazy pages yet: the memory is copied inside the freeze. Targets (1 GB, \
+         1,000 connections, `roam migrate-process`, full runs): freeze ≤ {} ms (the paper), goal \
+         ≤ {} ms.\n",
         m.criu,
         crate::scenarios::migrate::PAPER_FREEZE_MS,
         crate::scenarios::migrate::GOAL_FREEZE_MS
     );
     let _ = writeln!(
         s,
-        "| connections | memory (MB) | dump (ms) | restore (ms) | moved (ms) | freeze (ms) | probe RTT before (ms) | images (MB) | intact |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "| connections | memory (MB) | mover | dump (ms) | transfer (ms) | restore (ms) | moved (ms) | freeze (ms) | re-injected | probe RTT before (ms) | images (MB) | intact |\n|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     for r in &m.rows {
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} of {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} of {} |",
             r.connections,
             r.memory_mb,
+            r.mover.label(),
             f(r.dump_ms, 0),
+            r.transfer_ms.map_or_else(|| "–".to_string(), |t| f(t, 0)),
             f(r.restore_ms, 0),
             f(r.moved_ms, 0),
             f(r.freeze_ms, 0),
+            r.reinjected
+                .map_or_else(|| "–".to_string(), |n| n.to_string()),
             f(r.probe_rtt_ms, 2),
             f(r.image_bytes as f64 / 1e6, 1),
             r.intact,

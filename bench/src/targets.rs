@@ -191,9 +191,11 @@ fn migrate(sc: &Scenarios, v: &mut Vec<Target>) {
         .migrate
         .ok()
         .and_then(|m| {
-            m.rows
-                .iter()
-                .find(|r| r.connections == 1000 && r.memory_mb == 1000)
+            m.rows.iter().find(|r| {
+                r.mover == crate::scenarios::migrate::Mover::Roam
+                    && r.connections == 1000
+                    && r.memory_mb == 1000
+            })
         })
         .map_or(f64::NAN, |r| r.freeze_ms);
     for (goal, whose) in [
@@ -205,7 +207,7 @@ fn migrate(sc: &Scenarios, v: &mut Vec<Target>) {
             "<=",
             goal,
             freeze,
-            "CRIU dump + restore, images in a local directory (no transfer, no lazy pages): section 10",
+            "roam migrate-process (images over a roam session, packets re-injected; no lazy pages): section 10",
         ));
     }
 }

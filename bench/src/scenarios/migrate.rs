@@ -19,19 +19,30 @@
 //! CRIU's per-connection lock, which aborts CRIU past ~1,000 descriptors.
 //! Afterwards every connection must echo a token of its own.
 //!
-//! Reported per case: CRIU's dump and restore times, the time from the
-//! dump's start until the address answers on B ("moved"), the probe's
-//! longest round trip across the move ("freeze" as the peer sees it: it
-//! includes the client's TCP retransmission timeout, since packets sent
-//! during the move are dropped rather than queued), the images' size, and
-//! the connections intact. No `roam migrate-process` yet: no transfer of the
-//! images between machines (they are in a local directory), no lazy pages.
+//! Each case is moved three ways, one after another on fresh namespaces:
+//! - `criu`, the reference: CRIU's dump and restore driven directly (local
+//!   images directory, no transfer), roam's address lock, and the client
+//!   host told to forget the address's link-layer address (what a
+//!   gratuitous ARP does);
+//! - `roam`: `roam migrate-process` on A to `roam migrate-accept` on B —
+//!   images over an encrypted roam session, the address moved and
+//!   announced by the command, packets of the freeze re-injected at B;
+//! - `roam --no-reinject`: the same without the re-injection.
 //!
-//! Needs root, nftables, python3 and CRIU >= 4.1 (`$ROAM_CRIU` or `criu` on
+//! Reported per case and mover: dump and restore times, the transfer (roam
+//! only), the time from the start of the move until the address answers
+//! on B ("moved"; for roam, the command's wall time), the probe's longest
+//! round trip across the move ("freeze" as the peer sees it: with packets
+//! left to retransmission it includes the client's TCP retransmission
+//! timeout), the images' size, packets re-injected and the connections
+//! intact. No lazy pages yet: the memory is copied inside the freeze.
+//!
+//! Needs root, nftables, python3, arping and CRIU >= 4.1 (`$ROAM_CRIU` or `criu` on
 //! `PATH`); skipped with the reason otherwise.
 
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -103,9 +114,37 @@ const ECHO_TIMEOUT: Duration = Duration::from_secs(20);
 /// Probe round trips before the move, so the connection is warm.
 const PROBE_WARMUP: Duration = Duration::from_millis(300);
 
+/// How a case moves the server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum Mover {
+    /// CRIU driven directly, images in a local directory (the reference).
+    Criu,
+    /// `roam migrate-process`, packets of the freeze re-injected.
+    Roam,
+    /// `roam migrate-process --no-reinject`.
+    RoamNoReinject,
+}
+
+impl Mover {
+    /// Every mover, in the order each case runs them.
+    pub(crate) const ALL: [Mover; 3] = [Mover::Criu, Mover::Roam, Mover::RoamNoReinject];
+
+    /// The report's name for it.
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Mover::Criu => "criu (reference)",
+            Mover::Roam => "roam migrate-process",
+            Mover::RoamNoReinject => "roam --no-reinject",
+        }
+    }
+}
+
 /// One measured move.
 #[derive(Debug, Clone, Serialize)]
 pub(crate) struct Row {
+    /// How the server was moved.
+    pub(crate) mover: Mover,
     /// Connections the server holds (the probe among them).
     pub(crate) connections: usize,
     /// MB of touched memory the server holds.
@@ -114,6 +153,11 @@ pub(crate) struct Row {
     pub(crate) dump_ms: f64,
     /// CRIU's restore request, wall time.
     pub(crate) restore_ms: f64,
+    /// Sending the images to B (roam only).
+    pub(crate) transfer_ms: Option<f64>,
+    /// Packets that arrived at A during the freeze and were re-injected at B
+    /// (roam only).
+    pub(crate) reinjected: Option<u64>,
     /// From the dump's start until the address answers on B.
     pub(crate) moved_ms: f64,
     /// The probe's longest round trip across the move.
@@ -136,14 +180,15 @@ pub(crate) struct Migrate {
 
 pub(crate) async fn run(ctx: Arc<Ctx>, _lab: Arc<Lab>) -> io::Result<Migrate> {
     let cases = ctx.plan.migrate_cases.clone();
-    tokio::task::spawn_blocking(move || measure_all(&cases))
+    let roam = ctx.env.roam.clone();
+    tokio::task::spawn_blocking(move || measure_all(&cases, &roam))
         .await
         .map_err(|e| io::Error::other(format!("migrate scenario: {e}")))?
 }
 
-fn measure_all(cases: &[(usize, usize)]) -> io::Result<Migrate> {
+fn measure_all(cases: &[(usize, usize)], roam: &Path) -> io::Result<Migrate> {
     netns::available().map_err(skip)?;
-    for tool in ["nft", "python3", "nsenter"] {
+    for tool in ["nft", "python3", "nsenter", "arping"] {
         let found = Command::new("sh")
             .args(["-c", &format!("command -v {tool}")])
             .stdout(Stdio::null())
@@ -156,10 +201,12 @@ fn measure_all(cases: &[(usize, usize)]) -> io::Result<Migrate> {
     let criu = Criu::locate().map_err(|e| skip(e.to_string()))?;
     let mut rows = Vec::new();
     for &(n, mb) in cases {
-        let row = measure(&criu, n, mb)?;
-        progress(&format!(
-            "migrate {n} connections, {mb} MB: dump {:.0} ms, restore {:.0} ms, moved {:.0} ms, \
+        for mover in Mover::ALL {
+            let row = measure(&criu, roam, mover, n, mb)?;
+            progress(&format!(
+            "migrate {n} connections, {mb} MB, {}: dump {:.0} ms, restore {:.0} ms, moved {:.0} ms, \
              probe freeze {:.0} ms, {:.1} MB of images, {}/{n} intact",
+            mover.label(),
             row.dump_ms,
             row.restore_ms,
             row.moved_ms,
@@ -167,7 +214,8 @@ fn measure_all(cases: &[(usize, usize)]) -> io::Result<Migrate> {
             row.image_bytes as f64 / 1e6,
             row.intact
         ));
-        rows.push(row);
+            rows.push(row);
+        }
     }
     Ok(Migrate {
         criu: format!("{} ({})", criu.path().display(), criu.version()),
@@ -184,10 +232,9 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-fn measure(criu: &Criu, n: usize, mb: usize) -> io::Result<Row> {
+fn measure(criu: &Criu, roam: &Path, mover: Mover, n: usize, mb: usize) -> io::Result<Row> {
     const CLIENT: usize = 0;
     const A: usize = 1;
-    const B: usize = 2;
     let lan = Lan::new("bench_migrate", 3)?;
     let service = lan.subnet_addr(100);
     lan.add_addr(A, service)?;
@@ -209,45 +256,12 @@ fn measure(criu: &Criu, n: usize, mb: usize) -> io::Result<Row> {
         let probe = Probe::start(conns[0].try_clone()?);
         thread::sleep(PROBE_WARMUP);
 
-        let images = tempfile::tempdir()?;
-        // roam's own lock on the service address (one rule, whatever the
-        // number of connections), on A from before the dump until the
-        // address has left, on B from before it arrives until the restore.
-        let t0 = Instant::now();
-        let lock_a = AddressLock::new(Some(lan.ns(A)), service.into()).map_err(io::Error::other)?;
-        let dumped = criu
-            .clone()
-            .in_netns(lan.ns(A))
-            .dump(
-                pid,
-                images.path(),
-                &DumpOptions {
-                    tcp_established: true,
-                    network_lock: NetworkLock::Skip,
-                    ..DumpOptions::default()
-                },
-            )
-            .map_err(io::Error::other)?;
-        let _ = server.wait();
-        lan.del_addr(A, service)?;
-        lock_a.release().map_err(io::Error::other)?;
-        let lock_b = AddressLock::new(Some(lan.ns(B)), service.into()).map_err(io::Error::other)?;
-        lan.add_addr(B, service)?;
-        let restored = criu
-            .clone()
-            .in_netns(lan.ns(B))
-            .restore(
-                images.path(),
-                &RestoreOptions {
-                    tcp_established: true,
-                    network_lock: NetworkLock::Skip,
-                    ..RestoreOptions::default()
-                },
-            )
-            .map_err(io::Error::other)?;
-        lock_b.release().map_err(io::Error::other)?;
-        lan.forget_neighbor(service)?;
-        let moved = t0.elapsed();
+        let moved = match mover {
+            Mover::Criu => move_with_criu(criu, &lan, service, pid, &mut server)?,
+            Mover::Roam | Mover::RoamNoReinject => {
+                move_with_roam(roam, &lan, pid, &mut server, mover == Mover::RoamNoReinject)?
+            }
+        };
         // A few round trips after the move, then the probe's verdict.
         let after = probe.rounds();
         let deadline = Instant::now() + ECHO_TIMEOUT;
@@ -266,14 +280,17 @@ fn measure(criu: &Criu, n: usize, mb: usize) -> io::Result<Row> {
             intact += 1;
         }
         Ok(Row {
+            mover,
             connections: n,
             memory_mb: mb,
-            dump_ms: ms(dumped.elapsed),
-            restore_ms: ms(restored.elapsed),
-            moved_ms: ms(moved),
+            dump_ms: moved.dump_ms,
+            restore_ms: moved.restore_ms,
+            transfer_ms: moved.transfer_ms,
+            reinjected: moved.reinjected,
+            moved_ms: moved.moved_ms,
             freeze_ms: ms(freeze),
             probe_rtt_ms: ms(rtt),
-            image_bytes: dumped.image_bytes,
+            image_bytes: moved.image_bytes,
             intact,
         })
     })();
@@ -289,6 +306,203 @@ fn measure(criu: &Criu, n: usize, mb: usize) -> io::Result<Row> {
         )));
     }
     Ok(row)
+}
+
+/// What one move measured.
+struct Moved {
+    dump_ms: f64,
+    restore_ms: f64,
+    transfer_ms: Option<f64>,
+    reinjected: Option<u64>,
+    moved_ms: f64,
+    image_bytes: u64,
+}
+
+/// The reference move: CRIU driven directly, images in a local directory.
+fn move_with_criu(
+    criu: &Criu,
+    lan: &Lan,
+    service: std::net::Ipv4Addr,
+    pid: i32,
+    server: &mut Child,
+) -> io::Result<Moved> {
+    const A: usize = 1;
+    const B: usize = 2;
+    let images = tempfile::tempdir()?;
+    // roam's own lock on the service address (one rule, whatever the
+    // number of connections), on A from before the dump until the
+    // address has left, on B from before it arrives until the restore.
+    let t0 = Instant::now();
+    let lock_a = AddressLock::new(Some(lan.ns(A)), service.into()).map_err(io::Error::other)?;
+    let dumped = criu
+        .clone()
+        .in_netns(lan.ns(A))
+        .dump(
+            pid,
+            images.path(),
+            &DumpOptions {
+                tcp_established: true,
+                network_lock: NetworkLock::Skip,
+                ..DumpOptions::default()
+            },
+        )
+        .map_err(io::Error::other)?;
+    let _ = server.wait();
+    lan.del_addr(A, service)?;
+    lock_a.release().map_err(io::Error::other)?;
+    let lock_b = AddressLock::new(Some(lan.ns(B)), service.into()).map_err(io::Error::other)?;
+    lan.add_addr(B, service)?;
+    let restored = criu
+        .clone()
+        .in_netns(lan.ns(B))
+        .restore(
+            images.path(),
+            &RestoreOptions {
+                tcp_established: true,
+                network_lock: NetworkLock::Skip,
+                ..RestoreOptions::default()
+            },
+        )
+        .map_err(io::Error::other)?;
+    lock_b.release().map_err(io::Error::other)?;
+    lan.forget_neighbor(service)?;
+    let moved = t0.elapsed();
+    Ok(Moved {
+        dump_ms: ms(dumped.elapsed),
+        restore_ms: ms(restored.elapsed),
+        transfer_ms: None,
+        reinjected: None,
+        moved_ms: ms(moved),
+        image_bytes: dumped.image_bytes,
+    })
+}
+
+/// The move through `roam migrate-process` (on A) to `roam migrate-accept`
+/// (on B), with or without re-injection; the figures from its summary.
+fn move_with_roam(
+    roam: &Path,
+    lan: &Lan,
+    pid: i32,
+    server: &mut Child,
+    no_reinject: bool,
+) -> io::Result<Moved> {
+    const A: usize = 1;
+    const B: usize = 2;
+    let state = tempfile::tempdir()?;
+    let in_ns = |i: usize| {
+        let mut c = Command::new("nsenter");
+        c.arg(format!("--net=/run/netns/{}", lan.ns(i)))
+            .arg("--")
+            .arg(roam)
+            .env("ROAM_STATE_DIR", state.path())
+            .stdin(Stdio::null());
+        c
+    };
+    let key = in_ns(A).arg("keygen").output()?;
+    if !key.status.success() {
+        return Err(io::Error::other("roam keygen failed"));
+    }
+    let keys = state.path().join("migrate_keys");
+    std::fs::write(&keys, &key.stdout)?;
+    let listen = format!("{}:7448", lan.addr(B));
+    let mut accept = in_ns(B)
+        .arg("migrate-accept")
+        .arg("--listen")
+        .arg(&listen)
+        .arg("--authorized-keys")
+        .arg(&keys)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let result = (|| -> io::Result<Moved> {
+        let mut err = io::BufReader::new(
+            accept
+                .stderr
+                .take()
+                .ok_or_else(|| io::Error::other("no stderr"))?,
+        );
+        let mut first = String::new();
+        io::BufRead::read_line(&mut err, &mut first)?;
+        if !first.contains("listening on") {
+            return Err(io::Error::other(format!("migrate-accept: {first}")));
+        }
+        // Drained, so that its log never blocks it.
+        thread::spawn(move || io::copy(&mut err, &mut io::sink()));
+        let mut cmd = in_ns(A);
+        cmd.arg("migrate-process")
+            .arg(pid.to_string())
+            .arg("--to")
+            .arg(&listen)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if no_reinject {
+            cmd.arg("--no-reinject");
+        }
+        let t0 = Instant::now();
+        let child = cmd.spawn()?;
+        // The server is this process's child: reaped the moment CRIU ends
+        // it, its pid is free for the restore on B (both hosts share one
+        // pid space), as a real host's init would reap it.
+        let waiter = thread::spawn(move || child.wait_with_output());
+        let mut reaped = false;
+        while !waiter.is_finished() {
+            if !reaped {
+                reaped = server.try_wait()?.is_some();
+            }
+            thread::sleep(Duration::from_micros(200));
+        }
+        let out = waiter
+            .join()
+            .map_err(|_| io::Error::other("migrate-process waiter panicked"))??;
+        let moved = t0.elapsed();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        if !out.status.success() {
+            return Err(io::Error::other(format!(
+                "roam migrate-process failed: {}{}",
+                String::from_utf8_lossy(&out.stderr),
+                stdout
+            )));
+        }
+        let field = |name: &str| summary_ms(&stdout, name);
+        Ok(Moved {
+            dump_ms: field("dump").unwrap_or(f64::NAN),
+            restore_ms: field("restore").unwrap_or(f64::NAN),
+            transfer_ms: field("transfer"),
+            reinjected: stdout
+                .lines()
+                .find(|l| l.contains("packets arrived during the freeze"))
+                .and_then(|l| {
+                    if no_reinject {
+                        Some("0")
+                    } else {
+                        l.split(": ").nth(1)?.split_whitespace().next()
+                    }
+                })
+                .and_then(|n| n.parse().ok()),
+            moved_ms: ms(moved),
+            image_bytes: stdout
+                .split("; ")
+                .find(|p| p.ends_with("MB of images"))
+                .and_then(|p| p.split_whitespace().next()?.parse::<f64>().ok())
+                .map_or(0, |mb| (mb * 1e6) as u64),
+        })
+    })();
+    let _ = accept.kill();
+    let _ = accept.wait();
+    result
+}
+
+/// A duration of the summary's freeze line, `NAME 12 ms` or `NAME 1.32 s`,
+/// in ms.
+fn summary_ms(text: &str, name: &str) -> Option<f64> {
+    let at = text.find(&format!("{name} "))? + name.len() + 1;
+    let mut words = text[at..].split([' ', ',', ')', ';']);
+    let value: f64 = words.next()?.parse().ok()?;
+    match words.next()? {
+        "ms" => Some(value),
+        "s" => Some(value * 1e3),
+        _ => None,
+    }
 }
 
 /// Starts the server on `ns` (network namespace only, a session of its own)
