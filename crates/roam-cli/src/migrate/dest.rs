@@ -368,19 +368,21 @@ impl Received {
         name: &str,
         size: u64,
     ) -> Result<(), String> {
+        use std::io::Write;
         let path = self.path.join(name);
-        let mut f = tokio::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&path)
-            .await
-            .map_err(|e| format!("cannot create image {name} here: {e}"))?;
+        // Local files, written in place (most are a few hundred bytes).
+        let mut f = tokio::task::block_in_place(|| {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&path)
+        })
+        .map_err(|e| format!("cannot create image {name} here: {e}"))?;
         let mut left = size;
         while left > 0 {
             match next(rd).await? {
                 Frame::Data(d) if d.len() as u64 <= left => {
-                    f.write_all(&d)
-                        .await
+                    tokio::task::block_in_place(|| f.write_all(&d))
                         .map_err(|e| format!("cannot write image {name} here: {e}"))?;
                     left -= d.len() as u64;
                 }
@@ -389,9 +391,7 @@ impl Received {
                 other => return Err(format!("expected image data, got {other:?}")),
             }
         }
-        f.flush()
-            .await
-            .map_err(|e| format!("cannot write image {name} here: {e}"))
+        Ok(())
     }
 }
 

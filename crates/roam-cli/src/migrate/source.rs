@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use roam_criu::{AddressLock, Criu, DumpOptions, NetworkLock, RestoreOptions};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc;
 
 use super::host::{self, IfAddr, ProcessInfo};
@@ -46,20 +46,21 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
     let stream = session
         .open_stream(wire::STREAM_META)
         .map_err(|e| CliError(format!("cannot open a stream to {to}: {e}")))?;
-    let (rd, mut wr) = tokio::io::split(stream);
+    let (rd, wr) = tokio::io::split(stream);
+    // Frames go out through a task of their own, whole: cancelling a
+    // step (a signal, the destination's early refusal) never leaves half
+    // a frame on the stream ahead of the `ABORT` that follows.
+    let (mut wr, writer) = Outbox::spawn(wr);
     let mut answers = spawn_reader(rd);
     let refused = |why: String| {
         CliError(format!(
             "{to} cannot take the process: {why}; nothing was frozen"
         ))
     };
-    wire::write_frame(
-        &mut wr,
-        &Frame::Hello {
-            address: address.cidr(),
-            process: info.label(),
-        },
-    )
+    wr.send(&Frame::Hello {
+        address: address.cidr(),
+        process: info.label(),
+    })
     .await
     .map_err(|e| refused(e.to_string()))?;
     let ready = match answer(&mut answers).await {
@@ -151,7 +152,8 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
                     other.to_string()
                 }
             };
-            let _ = wire::write_frame(&mut wr, &Frame::Abort { reason: e.clone() }).await;
+            let _ = wr.send(&Frame::Abort { reason: e.clone() }).await;
+            wr.close(writer).await;
             let mut msg = format!(
                 "{} was not moved and runs on here with its connections: {e}",
                 info.label()
@@ -170,7 +172,7 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
     let gone = wait_gone(args.pid);
     progress.phase(&format!("process ended here; {to} restores it"));
     let restore_asked = Instant::now();
-    let restored = match wire::write_frame(&mut wr, &Frame::Restore).await {
+    let restored = match wr.send(&Frame::Restore).await {
         Err(e) => Err(format!("the stream to {to} failed: {e}")),
         Ok(()) => match answer(&mut answers).await {
             Ok(Frame::Restored { pid, restore_us }) => Ok((pid, restore_us)),
@@ -209,14 +211,14 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
     for payload in super::packets::pack(&captured, wire::MAX_PAYLOAD) {
         let frame = super::packets::unpack(&payload).map(Frame::Packets);
         if let Some(frame) = frame {
-            packets_sent = wire::write_frame(&mut wr, &frame).await;
+            packets_sent = wr.send(&frame).await;
             if packets_sent.is_err() {
                 break;
             }
         }
     }
     let mut reinjected = 0;
-    let live = match packets_sent.and(wire::write_frame(&mut wr, &Frame::Commit).await) {
+    let live = match packets_sent.and(wr.send(&Frame::Commit).await) {
         Err(e) => Err(e.to_string()),
         Ok(()) => match answer(&mut answers).await {
             Ok(Frame::Live { reinjected: n }) => {
@@ -240,6 +242,7 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
         ));
     }
     drop(images);
+    wr.close(writer).await;
     let _ = session.close(0, "moved").await;
     let total = progress.elapsed();
     drop(progress);
@@ -413,6 +416,48 @@ async fn restore_here(
     CliError(msg)
 }
 
+/// The sending half of the migration stream, behind a writer task that
+/// writes each frame whole, and flushes whenever no other frame waits.
+struct Outbox {
+    /// Encoded frames for the writer task.
+    tx: mpsc::Sender<Vec<u8>>,
+}
+
+impl Outbox {
+    /// Starts the writer task on `wr`.
+    fn spawn(
+        mut wr: tokio::io::WriteHalf<roam::RoamStream>,
+    ) -> (Outbox, tokio::task::JoinHandle<std::io::Result<()>>) {
+        let (tx, mut rx) = mpsc::channel::<Vec<u8>>(16);
+        let writer = tokio::spawn(async move {
+            while let Some(frame) = rx.recv().await {
+                wr.write_all(&frame).await?;
+                if rx.is_empty() {
+                    wr.flush().await?;
+                }
+            }
+            wr.flush().await
+        });
+        (Outbox { tx }, writer)
+    }
+
+    /// Queues one frame (waits while 16 are queued).
+    async fn send(&mut self, frame: &Frame) -> std::io::Result<()> {
+        self.tx.send(wire::encode(frame)).await.map_err(|_| {
+            std::io::Error::new(
+                std::io::ErrorKind::BrokenPipe,
+                "the stream to the destination broke",
+            )
+        })
+    }
+
+    /// Sends what is queued (at most 5 s) and stops the writer.
+    async fn close(self, writer: tokio::task::JoinHandle<std::io::Result<()>>) {
+        drop(self.tx);
+        let _ = tokio::time::timeout(Duration::from_secs(5), writer).await;
+    }
+}
+
 /// `1 process`, `3 processes`.
 fn plural(n: usize, one: &str, many: &str) -> String {
     format!("{n} {}", if n == 1 { one } else { many })
@@ -512,7 +557,7 @@ async fn answer(answers: &mut mpsc::Receiver<Result<Frame, String>>) -> Result<F
 /// The post-dump step: sends every image to the destination and waits
 /// until it has written them all. An error is the reason to roll back.
 async fn send_images(
-    wr: &mut tokio::io::WriteHalf<roam::RoamStream>,
+    wr: &mut Outbox,
     answers: &mut mpsc::Receiver<Result<Frame, String>>,
     dir: &Path,
     progress: &mut Progress,
@@ -530,26 +575,23 @@ async fn send_images(
     let send = async {
         let mut done = 0u64;
         let mut buf = vec![0u8; CHUNK];
+        // The images are local files, read in place (most are a few
+        // hundred bytes: one per socket).
         for (name, size) in &files {
-            wire::write_frame(
-                wr,
-                &Frame::File {
-                    name: name.clone(),
-                    size: *size,
-                },
-            )
+            wr.send(&Frame::File {
+                name: name.clone(),
+                size: *size,
+            })
             .await
             .map_err(|e| format!("sending the images failed: {e}"))?;
-            let mut f = tokio::fs::File::open(dir.join(name))
-                .await
+            let mut f = tokio::task::block_in_place(|| std::fs::File::open(dir.join(name)))
                 .map_err(|e| format!("cannot read image {name}: {e}"))?;
             let mut left = *size;
             while left > 0 {
                 let want = usize::try_from(left.min(CHUNK as u64)).unwrap_or(CHUNK);
-                f.read_exact(&mut buf[..want])
-                    .await
+                tokio::task::block_in_place(|| std::io::Read::read_exact(&mut f, &mut buf[..want]))
                     .map_err(|e| format!("cannot read image {name}: {e}"))?;
-                wr.write_all(&wire::encode(&Frame::Data(buf[..want].to_vec())))
+                wr.send(&Frame::Data(buf[..want].to_vec()))
                     .await
                     .map_err(|e| format!("sending the images failed: {e}"))?;
                 left -= want as u64;
@@ -557,7 +599,7 @@ async fn send_images(
                 progress.bytes(done, total);
             }
         }
-        wire::write_frame(wr, &Frame::Sent)
+        wr.send(&Frame::Sent)
             .await
             .map_err(|e| format!("sending the images failed: {e}"))
     };
