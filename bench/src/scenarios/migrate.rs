@@ -37,7 +37,7 @@
 //! timeout), the images' size, packets re-injected and the connections
 //! intact. No lazy pages yet: the memory is copied inside the freeze.
 //!
-//! Needs root, nftables, python3, arping and CRIU >= 4.1 (`$ROAM_CRIU` or `criu` on
+//! Needs root, nftables, python3 and CRIU >= 4.1 (`$ROAM_CRIU` or `criu` on
 //! `PATH`); skipped with the reason otherwise.
 
 use std::io::{self, Read, Write};
@@ -188,7 +188,7 @@ pub(crate) async fn run(ctx: Arc<Ctx>, _lab: Arc<Lab>) -> io::Result<Migrate> {
 
 fn measure_all(cases: &[(usize, usize)], roam: &Path) -> io::Result<Migrate> {
     netns::available().map_err(skip)?;
-    for tool in ["nft", "python3", "nsenter", "arping"] {
+    for tool in ["nft", "python3", "nsenter"] {
         let found = Command::new("sh")
             .args(["-c", &format!("command -v {tool}")])
             .stdout(Stdio::null())

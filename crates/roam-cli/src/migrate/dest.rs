@@ -168,14 +168,7 @@ async fn receive(
     .await
     .map_err(send)?;
     let images = Received::create(&host.images_dir)?;
-    loop {
-        match next(rd).await? {
-            Frame::File { name, size } => images.receive_file(rd, &name, size).await?,
-            Frame::Sent => break,
-            Frame::Abort { reason } => return Err(format!("the source gave up: {reason}")),
-            other => return Err(format!("expected an image, got {other:?}")),
-        }
-    }
+    images.receive_all(rd).await?;
     // Every image is here: the source lets its process go (its pid must be
     // free before ours can have it, when both hosts share a pid space) and
     // then asks for the restore.
@@ -250,7 +243,10 @@ async fn receive(
         }
     };
     let _ = lock.release();
-    // What reached the source during the freeze, delivered here now.
+    // The neighbours first (their next packets for the address come here),
+    // then what reached the source during the freeze: the peers' answers
+    // to it must not go to the old host.
+    let announced = host::announce(&target);
     let reinjected = match (target.addr, captured.is_empty()) {
         (std::net::IpAddr::V4(v4), false) => match super::packets::reinject(&captured, v4) {
             Ok(n) => n,
@@ -261,7 +257,6 @@ async fn receive(
         },
         _ => 0,
     };
-    let announcing = host::announce(&target);
     wire::write_frame(
         wr,
         &Frame::Live {
@@ -271,13 +266,17 @@ async fn receive(
     .await
     .map_err(send)?;
     drop(images);
-    let announced = match announcing {
-        Ok(Some(child)) => host::announced(child, &target).await,
-        Ok(None) => Ok(()),
-        Err(e) => Err(e),
-    };
-    if let Err(e) = announced {
-        eprintln!("roam migrate-accept: warning: {}", e.0);
+    match announced {
+        Err(e) => eprintln!("roam migrate-accept: warning: {}", e.0),
+        // A second announcement a second later, for a neighbour that missed
+        // the first.
+        Ok(()) => {
+            let again = target.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                let _ = host::announce(&again);
+            });
+        }
     }
     Ok(format!(
         "{process} runs here as pid {pid} with {} (restore {} ms; {reinjected} packets \
@@ -361,37 +360,82 @@ impl Received {
         );
     }
 
-    /// Receives one image file of `size` bytes.
-    async fn receive_file(
+    /// Receives every image file until [`Frame::Sent`]. A thread of its
+    /// own writes them (most are a few hundred bytes, one per socket: a
+    /// blocking-pool trip each would cost more than the write).
+    async fn receive_all(
         &self,
         rd: &mut tokio::io::ReadHalf<roam::RoamStream>,
-        name: &str,
-        size: u64,
     ) -> Result<(), String> {
-        use std::io::Write;
-        let path = self.path.join(name);
-        // Local files, written in place (most are a few hundred bytes).
-        let mut f = tokio::task::block_in_place(|| {
-            std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .open(&path)
-        })
-        .map_err(|e| format!("cannot create image {name} here: {e}"))?;
-        let mut left = size;
-        while left > 0 {
-            match next(rd).await? {
-                Frame::Data(d) if d.len() as u64 <= left => {
-                    tokio::task::block_in_place(|| f.write_all(&d))
-                        .map_err(|e| format!("cannot write image {name} here: {e}"))?;
-                    left -= d.len() as u64;
+        /// What the writer thread does next.
+        enum Op {
+            /// Create this file; the data that follows goes into it.
+            Open(String),
+            /// Append to the current file.
+            Data(Vec<u8>),
+        }
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<Op>(64);
+        let dir = self.path.clone();
+        let writer = std::thread::spawn(move || -> Result<(), String> {
+            use std::io::Write;
+            let mut cur: Option<(String, std::fs::File)> = None;
+            while let Some(op) = rx.blocking_recv() {
+                match op {
+                    Op::Open(name) => {
+                        let f = std::fs::OpenOptions::new()
+                            .write(true)
+                            .create_new(true)
+                            .open(dir.join(&name))
+                            .map_err(|e| format!("cannot create image {name} here: {e}"))?;
+                        cur = Some((name, f));
+                    }
+                    Op::Data(d) => {
+                        if let Some((name, f)) = cur.as_mut() {
+                            f.write_all(&d)
+                                .map_err(|e| format!("cannot write image {name} here: {e}"))?;
+                        }
+                    }
                 }
-                Frame::Data(_) => return Err(format!("image {name} is longer than announced")),
-                Frame::Abort { reason } => return Err(format!("the source gave up: {reason}")),
-                other => return Err(format!("expected image data, got {other:?}")),
+            }
+            Ok(())
+        });
+        let fed = async {
+            let gone = || "the image writer stopped".to_string();
+            loop {
+                match next(rd).await? {
+                    Frame::File { name, mut size } => {
+                        tx.send(Op::Open(name.clone())).await.map_err(|_| gone())?;
+                        while size > 0 {
+                            match next(rd).await? {
+                                Frame::Data(d) if d.len() as u64 <= size => {
+                                    size -= d.len() as u64;
+                                    tx.send(Op::Data(d)).await.map_err(|_| gone())?;
+                                }
+                                Frame::Data(_) => {
+                                    return Err(format!("image {name} is longer than announced"))
+                                }
+                                Frame::Abort { reason } => {
+                                    return Err(format!("the source gave up: {reason}"))
+                                }
+                                other => return Err(format!("expected image data, got {other:?}")),
+                            }
+                        }
+                    }
+                    Frame::Sent => return Ok(()),
+                    Frame::Abort { reason } => return Err(format!("the source gave up: {reason}")),
+                    other => return Err(format!("expected an image, got {other:?}")),
+                }
             }
         }
-        Ok(())
+        .await;
+        drop(tx);
+        let written = tokio::task::spawn_blocking(move || writer.join())
+            .await
+            .map_err(|e| format!("the image writer failed: {e}"))?
+            .map_err(|_| "the image writer panicked".to_string())?;
+        // The writer's own error (a full disk) explains a stop best.
+        written?;
+        fed
     }
 }
 

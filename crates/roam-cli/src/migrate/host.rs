@@ -1,7 +1,7 @@
 //! What a migration needs to know and change on a host: the process tree's
 //! sockets and addresses (`/proc`), the host's interface addresses, moving
 //! an address on and off (`ip`), and telling the neighbours where it went
-//! (a gratuitous ARP with `arping`).
+//! (a gratuitous ARP from a packet socket).
 
 use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -293,48 +293,64 @@ pub(crate) fn del_address(a: &IfAddr) -> Result<(), CliError> {
     ip(&["addr", "del", &a.cidr(), "dev", &a.dev]).map(|_| ())
 }
 
-/// Tells the neighbours on `a`'s link that its address is here now: two
-/// unsolicited ARP announcements a second apart (`arping -U`, iputils),
-/// the first at once. Without them the neighbours keep sending to the old
-/// host until their cache entry goes stale (tens of seconds). Returns the
-/// running `arping` (its exit says whether it could send; it exits 1 when
-/// nobody answers, which nobody does to an announcement), or `None` for
-/// IPv6, which is not announced (the neighbours re-resolve).
-pub(crate) fn announce(a: &IfAddr) -> Result<Option<tokio::process::Child>, CliError> {
+/// Tells the neighbours on `a`'s link that its address is here now: one
+/// gratuitous ARP request (sender and target both the address, from this
+/// host's link-layer address, broadcast), sent at once from this process
+/// through a packet socket. Without it the neighbours keep sending to the
+/// old host until their cache entry goes stale (tens of seconds). IPv6 is
+/// not announced (the neighbours re-resolve).
+pub(crate) fn announce(a: &IfAddr) -> Result<(), CliError> {
+    use nix::sys::socket::{self, AddressFamily, MsgFlags, SockFlag, SockProtocol, SockType};
+    use std::os::fd::AsRawFd;
     let IpAddr::V4(v4) = a.addr else {
-        return Ok(None);
+        return Ok(());
     };
-    tokio::process::Command::new("arping")
-        .args(["-q", "-U", "-c", "2", "-I", &a.dev])
-        .arg(v4.to_string())
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .map(Some)
-        .map_err(|e| {
-            CliError(format!(
-                "cannot run arping (iputils-arping) to announce {v4}: {e}; neighbours \
-                 will find the address within tens of seconds"
-            ))
-        })
+    let fail = |what: &str, e: nix::Error| {
+        CliError(format!(
+            "cannot announce {v4} on {} ({what}: {e}); neighbours will find the address \
+             within tens of seconds",
+            a.dev
+        ))
+    };
+    // The interface's own link-layer address, with its index.
+    let link = nix::ifaddrs::getifaddrs()
+        .map_err(|e| fail("listing interfaces", e))?
+        .filter(|i| i.interface_name == a.dev)
+        .find_map(|i| i.address.and_then(|s| s.as_link_addr().copied()))
+        .ok_or_else(|| CliError(format!("no link-layer address for {}", a.dev)))?;
+    let mac = link
+        .addr()
+        .ok_or_else(|| CliError(format!("{} has no Ethernet address", a.dev)))?;
+    let fd = socket::socket(
+        AddressFamily::Packet,
+        SockType::Raw,
+        SockFlag::SOCK_CLOEXEC,
+        SockProtocol::EthAll,
+    )
+    .map_err(|e| fail("opening a packet socket", e))?;
+    let frame = garp_frame(mac, v4);
+    socket::sendto(fd.as_raw_fd(), &frame, &link, MsgFlags::empty())
+        .map_err(|e| fail("sending", e))?;
+    Ok(())
 }
 
-/// Waits for an [`announce`]ment's `arping` and says whether it failed.
-pub(crate) async fn announced(child: tokio::process::Child, a: &IfAddr) -> Result<(), CliError> {
-    let out = child
-        .wait_with_output()
-        .await
-        .map_err(|e| CliError(format!("arping: {e}")))?;
-    match out.status.code() {
-        Some(0 | 1) => Ok(()),
-        _ => Err(CliError(format!(
-            "arping could not announce {} on {}: {}",
-            a.addr,
-            a.dev,
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))),
-    }
+/// An Ethernet frame carrying a gratuitous ARP request for `addr` from
+/// `mac`, padded to the 60-byte minimum.
+pub(crate) fn garp_frame(mac: [u8; 6], addr: Ipv4Addr) -> Vec<u8> {
+    let mut f = Vec::with_capacity(60);
+    f.extend_from_slice(&[0xff; 6]); // to everyone
+    f.extend_from_slice(&mac);
+    f.extend_from_slice(&0x0806u16.to_be_bytes()); // ARP
+    f.extend_from_slice(&1u16.to_be_bytes()); // Ethernet
+    f.extend_from_slice(&0x0800u16.to_be_bytes()); // IPv4
+    f.extend_from_slice(&[6, 4]);
+    f.extend_from_slice(&1u16.to_be_bytes()); // request
+    f.extend_from_slice(&mac);
+    f.extend_from_slice(&addr.octets());
+    f.extend_from_slice(&[0; 6]);
+    f.extend_from_slice(&addr.octets());
+    f.resize(60, 0);
+    f
 }
 
 #[cfg(test)]
@@ -386,6 +402,20 @@ mod tests {
         assert!(!a[1].covers("10.198.6.100".parse().unwrap()));
         assert!(!a[1].covers("fe80::1".parse().unwrap()));
         assert!(a[2].covers("fe80::2".parse().unwrap()));
+    }
+
+    #[test]
+    fn a_gratuitous_arp_names_the_address_twice_from_our_link_address() {
+        let mac = [2, 0, 0, 0, 0, 7];
+        let f = garp_frame(mac, Ipv4Addr::new(10, 1, 2, 3));
+        assert_eq!(f.len(), 60);
+        assert_eq!(&f[..6], &[0xff; 6]);
+        assert_eq!(&f[6..12], &mac);
+        assert_eq!(&f[12..14], &[0x08, 0x06]);
+        assert_eq!(&f[20..22], &[0, 1], "a request");
+        assert_eq!(&f[22..28], &mac, "sender hardware address");
+        assert_eq!(&f[28..32], &[10, 1, 2, 3], "sender protocol address");
+        assert_eq!(&f[38..42], &[10, 1, 2, 3], "target protocol address");
     }
 
     #[test]

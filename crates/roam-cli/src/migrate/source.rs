@@ -20,6 +20,10 @@ const ANSWER_TIMEOUT: Duration = Duration::from_secs(120);
 /// Bytes per data frame.
 const CHUNK: usize = 256 << 10;
 
+/// Image files up to this size are read without leaving the runtime's
+/// thread (a blocking-pool trip costs more than the read).
+const SMALL: u64 = 64 << 10;
+
 /// The source: moves process `args.pid` to `args.to`.
 pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliResult {
     let mut progress = Progress::new();
@@ -430,8 +434,15 @@ impl Outbox {
     ) -> (Outbox, tokio::task::JoinHandle<std::io::Result<()>>) {
         let (tx, mut rx) = mpsc::channel::<Vec<u8>>(16);
         let writer = tokio::spawn(async move {
-            while let Some(frame) = rx.recv().await {
-                wr.write_all(&frame).await?;
+            while let Some(mut batch) = rx.recv().await {
+                // Small frames (one image per socket) go out together.
+                while batch.len() < (1 << 20) {
+                    match rx.try_recv() {
+                        Ok(more) => batch.extend_from_slice(&more),
+                        Err(_) => break,
+                    }
+                }
+                wr.write_all(&batch).await?;
                 if rx.is_empty() {
                     wr.flush().await?;
                 }
@@ -584,13 +595,20 @@ async fn send_images(
             })
             .await
             .map_err(|e| format!("sending the images failed: {e}"))?;
-            let mut f = tokio::task::block_in_place(|| std::fs::File::open(dir.join(name)))
+            // Local files: a small one is read in place, a large one in
+            // chunks off the runtime's threads.
+            let mut f = std::fs::File::open(dir.join(name))
                 .map_err(|e| format!("cannot read image {name}: {e}"))?;
             let mut left = *size;
             while left > 0 {
                 let want = usize::try_from(left.min(CHUNK as u64)).unwrap_or(CHUNK);
-                tokio::task::block_in_place(|| std::io::Read::read_exact(&mut f, &mut buf[..want]))
-                    .map_err(|e| format!("cannot read image {name}: {e}"))?;
+                let read = |f: &mut std::fs::File, b: &mut [u8]| std::io::Read::read_exact(f, b);
+                if *size <= SMALL {
+                    read(&mut f, &mut buf[..want])
+                } else {
+                    tokio::task::block_in_place(|| read(&mut f, &mut buf[..want]))
+                }
+                .map_err(|e| format!("cannot read image {name}: {e}"))?;
                 wr.send(&Frame::Data(buf[..want].to_vec()))
                     .await
                     .map_err(|e| format!("sending the images failed: {e}"))?;
