@@ -964,3 +964,76 @@ fn redis_with_a_thousand_counting_clients_moves_without_a_lost_or_repeated_incre
         .unwrap_or_else(|e| panic!("{e}"));
     eprintln!("redis: {CLIENTS} clients x {done} INCRs each, every reply in sequence");
 }
+
+/// The destination killed (SIGKILL) while 300 MB of images travel: the
+/// source notices within seconds (the session to it is lost and does not
+/// come back), calls the move off, and the server runs on at A with its
+/// address and connection, every byte intact, no lock left.
+#[test]
+fn a_destination_killed_half_way_leaves_the_server_running_at_the_source() {
+    if !can_run() {
+        return;
+    }
+    let received = tempfile::tempdir().expect("B's images dir");
+    let mut s = Setup::holding("mig_kill", Some(received.path()), 300);
+    let mut child = s.start_migrate(&[]);
+    let mut err = BufReader::new(child.stderr.take().expect("stderr"));
+    let mut seen = String::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let mut line = String::new();
+        let n = err
+            .read_line(&mut line)
+            .expect("read migrate-process's stderr");
+        assert!(
+            n > 0 && Instant::now() < deadline,
+            "no sending phase: {seen}"
+        );
+        seen.push_str(&line);
+        if line.contains("sending") {
+            break;
+        }
+    }
+    let killed = Instant::now();
+    s.accept
+        .as_ref()
+        .expect("migrate-accept")
+        .signal(nix::sys::signal::Signal::SIGKILL)
+        .expect("kill migrate-accept");
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut err, &mut rest).expect("stderr");
+    seen.push_str(&rest);
+    let status = child.wait().expect("wait");
+    let noticed = killed.elapsed();
+    eprintln!("{seen}");
+    assert_eq!(status.code(), Some(1), "{seen}");
+    assert!(
+        seen.contains("runs on here with its connections") && seen.contains("unreachable"),
+        "{seen}"
+    );
+    assert!(
+        noticed < Duration::from_secs(20),
+        "the source took {noticed:?} to give up on a dead destination"
+    );
+    assert!(alive(s.pid) && s.runs_on(A, s.pid) && !s.runs_on(B, s.pid));
+    assert!(s.has_service(A) && !s.has_service(B));
+    assert!(!s.has_lock(A) && !s.has_lock(B), "an address lock was left");
+    let at = s.echo().echoed();
+    s.echo()
+        .wait_echoed(at + (2 << 20), Duration::from_secs(30));
+    let stream = std::mem::replace(
+        s.stream.as_mut().expect("an echo stream"),
+        EchoStream::start(
+            s.lan
+                .tcp_connect(
+                    CLIENT,
+                    SocketAddr::from((s.service, PORT)),
+                    Duration::from_secs(5),
+                )
+                .expect("connect again"),
+        ),
+    );
+    let (sent, echoed) = stream.finish();
+    assert_eq!(echoed, sent, "every byte sent came back once, in order");
+    eprintln!("a dead destination noticed in {noticed:?}");
+}

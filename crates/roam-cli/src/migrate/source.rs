@@ -55,7 +55,12 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
     // step (a signal, the destination's early refusal) never leaves half
     // a frame on the stream ahead of the `ABORT` that follows.
     let (mut wr, writer) = Outbox::spawn(wr);
-    let mut answers = spawn_reader(rd);
+    let (answers_tx, mut answers) = spawn_reader(rd);
+    // A destination that dies or drops off the network must not keep the
+    // process frozen while the session waits to resume: past a short grace
+    // the move is called off (or, after the process ended here, it is
+    // restored here).
+    watch_session(&session, answers_tx, wr.lost.clone());
     let refused = |why: String| {
         CliError(format!(
             "{to} cannot take the process: {why}; nothing was frozen"
@@ -425,6 +430,39 @@ async fn restore_here(
 struct Outbox {
     /// Encoded frames for the writer task.
     tx: mpsc::Sender<Vec<u8>>,
+    /// Set once the session to the destination is lost: a frame queued
+    /// then would wait forever behind the blocked writer.
+    lost: std::sync::Arc<Lost>,
+}
+
+/// A flag with a wake-up: the session to the destination is lost.
+#[derive(Default)]
+struct Lost {
+    /// Set.
+    flag: std::sync::atomic::AtomicBool,
+    /// Wakes senders waiting for room.
+    notify: tokio::sync::Notify,
+}
+
+impl Lost {
+    /// Sets the flag and wakes every waiter.
+    fn set(&self) {
+        self.flag.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.notify.notify_waiters();
+    }
+
+    /// Completes once set.
+    async fn wait(&self) {
+        loop {
+            let notified = self.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.flag.load(std::sync::atomic::Ordering::SeqCst) {
+                return;
+            }
+            notified.await;
+        }
+    }
 }
 
 impl Outbox {
@@ -449,23 +487,44 @@ impl Outbox {
             }
             wr.flush().await
         });
-        (Outbox { tx }, writer)
+        (
+            Outbox {
+                tx,
+                lost: std::sync::Arc::default(),
+            },
+            writer,
+        )
     }
 
     /// Queues one frame (waits while 16 are queued).
     async fn send(&mut self, frame: &Frame) -> std::io::Result<()> {
-        self.tx.send(wire::encode(frame)).await.map_err(|_| {
+        let broken = || {
             std::io::Error::new(
                 std::io::ErrorKind::BrokenPipe,
                 "the stream to the destination broke",
             )
-        })
+        };
+        tokio::select! {
+            r = self.tx.send(wire::encode(frame)) => r.map_err(|_| broken()),
+            _ = self.lost.wait() => Err(std::io::Error::new(
+                std::io::ErrorKind::BrokenPipe,
+                format!(
+                    "the destination became unreachable (its session was lost and did not \
+                     come back within {} s)",
+                    SUSPEND_GRACE.as_secs()
+                ),
+            )),
+        }
     }
 
-    /// Sends what is queued (at most 5 s) and stops the writer.
+    /// Sends what is queued (at most 5 s, nothing once the session is
+    /// lost) and stops the writer.
     async fn close(self, writer: tokio::task::JoinHandle<std::io::Result<()>>) {
         drop(self.tx);
-        let _ = tokio::time::timeout(Duration::from_secs(5), writer).await;
+        // Nothing more goes through a lost session.
+        if !self.lost.flag.load(std::sync::atomic::Ordering::SeqCst) {
+            let _ = tokio::time::timeout(Duration::from_secs(5), writer).await;
+        }
     }
 }
 
@@ -529,12 +588,68 @@ fn own_address(given: Option<&str>, info: &ProcessInfo) -> Result<IfAddr, CliErr
     })
 }
 
+/// One answer of the destination, or why none will come.
+type Answer = Result<Frame, String>;
+
+/// How long the session to the destination may stay suspended during a
+/// move before the move gives up on the destination.
+const SUSPEND_GRACE: Duration = Duration::from_secs(2);
+
+/// Reports (as an error among the destination's answers) a session to the
+/// destination that stays suspended for [`SUSPEND_GRACE`] or ends.
+fn watch_session(
+    session: &roam::SessionHandle,
+    tx: mpsc::Sender<Result<Frame, String>>,
+    lost_flag: std::sync::Arc<Lost>,
+) {
+    use roam::SessionEvent;
+    use tokio::sync::broadcast::error::RecvError;
+    let mut events = session.events();
+    tokio::spawn(async move {
+        let lost = loop {
+            match events.recv().await {
+                Ok(SessionEvent::Suspended { reason }) => {
+                    // Back within the grace: a blip, go on.
+                    let back = tokio::time::timeout(SUSPEND_GRACE, async {
+                        loop {
+                            match events.recv().await {
+                                Ok(SessionEvent::Resumed { .. }) => return true,
+                                Ok(SessionEvent::Closed { .. }) | Err(RecvError::Closed) => {
+                                    return false
+                                }
+                                _ => {}
+                            }
+                        }
+                    })
+                    .await;
+                    if back != Ok(true) {
+                        break format!(
+                            "the destination became unreachable (no answer for {} s after \
+                             the session was lost: {reason:?})",
+                            SUSPEND_GRACE.as_secs()
+                        );
+                    }
+                }
+                Ok(SessionEvent::Closed { reason }) => {
+                    break format!("the session to the destination ended: {reason:?}")
+                }
+                Err(RecvError::Closed) => return,
+                _ => {}
+            }
+        };
+        lost_flag.set();
+        let _ = tx.send(Err(lost)).await;
+    });
+}
+
 /// Reads the destination's frames on a task of its own, so that an early
-/// refusal is seen while images are still being sent.
+/// refusal is seen while images are still being sent. Returns a sender
+/// too, for other reasons to stop waiting for an answer.
 fn spawn_reader(
     mut rd: tokio::io::ReadHalf<roam::RoamStream>,
-) -> mpsc::Receiver<Result<Frame, String>> {
+) -> (mpsc::Sender<Answer>, mpsc::Receiver<Answer>) {
     let (tx, rx) = mpsc::channel(4);
+    let theirs = tx.clone();
     tokio::spawn(async move {
         loop {
             let r = wire::read_frame(&mut rd).await.map_err(|e| {
@@ -550,7 +665,7 @@ fn spawn_reader(
             }
         }
     });
-    rx
+    (theirs, rx)
 }
 
 /// The destination's next frame, within [`ANSWER_TIMEOUT`].
