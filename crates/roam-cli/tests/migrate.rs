@@ -175,6 +175,24 @@ impl Setup {
         }
     }
 
+    /// Ends the echo stream, checks that every byte it sent came back once
+    /// and in order, and starts a new one on a new connection (`what`
+    /// names it in the failure). Returns the bytes the old one sent.
+    fn finish_stream_and_reconnect(&mut self, what: &str) -> u64 {
+        let conn = self
+            .lan
+            .tcp_connect(
+                CLIENT,
+                SocketAddr::from((self.service, PORT)),
+                Duration::from_secs(5),
+            )
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let old = self.stream.replace(EchoStream::start(conn));
+        let (sent, echoed) = old.expect("an echo stream").finish();
+        assert_eq!(echoed, sent, "every byte sent came back once, in order");
+        sent
+    }
+
     /// The echo stream.
     fn echo(&self) -> &EchoStream {
         self.stream.as_ref().expect("an echo stream")
@@ -486,20 +504,8 @@ fn a_running_server_moves_to_another_host_with_its_connection_and_address() {
     );
     s.echo()
         .wait_echoed(at + (4 << 20), Duration::from_secs(30));
-    let stream = std::mem::replace(
-        s.stream.as_mut().expect("an echo stream"),
-        EchoStream::start(
-            s.lan
-                .tcp_connect(
-                    CLIENT,
-                    SocketAddr::from((s.service, PORT)),
-                    Duration::from_secs(5),
-                )
-                .expect("the moved server accepts new connections on its address"),
-        ),
-    );
-    let (sent, echoed) = stream.finish();
-    assert_eq!(echoed, sent, "every byte sent came back once, in order");
+    let sent =
+        s.finish_stream_and_reconnect("the moved server accepts new connections on its address");
     // The listening socket moved too: the new connection echoes.
     let at = s.echo().echoed();
     s.echo()
@@ -541,20 +547,7 @@ fn without_reinjection_the_move_still_delivers_every_byte() {
     s.echo()
         .wait_echoed(at + (2 << 20), Duration::from_secs(30));
     let pause = s.echo().longest_gap();
-    let stream = std::mem::replace(
-        s.stream.as_mut().expect("an echo stream"),
-        EchoStream::start(
-            s.lan
-                .tcp_connect(
-                    CLIENT,
-                    SocketAddr::from((s.service, PORT)),
-                    Duration::from_secs(5),
-                )
-                .expect("connect after the move"),
-        ),
-    );
-    let (sent, echoed) = stream.finish();
-    assert_eq!(echoed, sent, "every byte sent came back once, in order");
+    s.finish_stream_and_reconnect("connect after the move");
     eprintln!(
         "moved without re-injection: the client's longest pause {pause:?}; a connection \
          opened during the freeze took {syn_connect:?} (its SYN retransmitted)"
@@ -613,20 +606,7 @@ fn a_destination_that_runs_out_of_disk_leaves_the_server_running_at_the_source()
     let at = s.echo().echoed();
     s.echo()
         .wait_echoed(at + (2 << 20), Duration::from_secs(30));
-    let stream = std::mem::replace(
-        s.stream.as_mut().expect("an echo stream"),
-        EchoStream::start(
-            s.lan
-                .tcp_connect(
-                    CLIENT,
-                    SocketAddr::from((s.service, PORT)),
-                    Duration::from_secs(5),
-                )
-                .expect("connect again"),
-        ),
-    );
-    let (sent, echoed) = stream.finish();
-    assert_eq!(echoed, sent, "every byte sent came back once, in order");
+    s.finish_stream_and_reconnect("connect again");
 }
 
 /// Refusals before anything is frozen: an unknown client key, and a
@@ -724,20 +704,7 @@ fn a_restore_that_fails_at_the_destination_brings_the_server_back_at_the_source(
     let at = s.echo().echoed();
     s.echo()
         .wait_echoed(at + (2 << 20), Duration::from_secs(30));
-    let stream = std::mem::replace(
-        s.stream.as_mut().expect("an echo stream"),
-        EchoStream::start(
-            s.lan
-                .tcp_connect(
-                    CLIENT,
-                    SocketAddr::from((s.service, PORT)),
-                    Duration::from_secs(5),
-                )
-                .expect("connect again"),
-        ),
-    );
-    let (sent, echoed) = stream.finish();
-    assert_eq!(echoed, sent, "every byte sent came back once, in order");
+    s.finish_stream_and_reconnect("connect again");
 }
 
 /// SIGTERM while the images travel (the server holds 300 MB, so they take
@@ -793,20 +760,7 @@ fn a_signal_while_the_images_travel_calls_the_move_off() {
     let at = s.echo().echoed();
     s.echo()
         .wait_echoed(at + (2 << 20), Duration::from_secs(30));
-    let stream = std::mem::replace(
-        s.stream.as_mut().expect("an echo stream"),
-        EchoStream::start(
-            s.lan
-                .tcp_connect(
-                    CLIENT,
-                    SocketAddr::from((s.service, PORT)),
-                    Duration::from_secs(5),
-                )
-                .expect("connect again"),
-        ),
-    );
-    let (sent, echoed) = stream.finish();
-    assert_eq!(echoed, sent, "every byte sent came back once, in order");
+    s.finish_stream_and_reconnect("connect again");
 }
 
 /// redis-server with 1,000 clients, each INCR-ing a key of its own in a
@@ -1021,19 +975,6 @@ fn a_destination_killed_half_way_leaves_the_server_running_at_the_source() {
     let at = s.echo().echoed();
     s.echo()
         .wait_echoed(at + (2 << 20), Duration::from_secs(30));
-    let stream = std::mem::replace(
-        s.stream.as_mut().expect("an echo stream"),
-        EchoStream::start(
-            s.lan
-                .tcp_connect(
-                    CLIENT,
-                    SocketAddr::from((s.service, PORT)),
-                    Duration::from_secs(5),
-                )
-                .expect("connect again"),
-        ),
-    );
-    let (sent, echoed) = stream.finish();
-    assert_eq!(echoed, sent, "every byte sent came back once, in order");
+    s.finish_stream_and_reconnect("connect again");
     eprintln!("a dead destination noticed in {noticed:?}");
 }

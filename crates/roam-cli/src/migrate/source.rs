@@ -85,7 +85,7 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
     // stay locked): SIGINT, SIGTERM and SIGHUP call the move off while it
     // can be (until the images are at the destination), and are ignored
     // after that, while the hand-over completes.
-    let interrupt = Interrupt::install()?;
+    let interrupt = catch_signals()?;
     let lock = AddressLock::new(None, address.addr).map_err(|e| {
         CliError(format!(
             "cannot lock {}: {e}; nothing was frozen",
@@ -287,53 +287,25 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
     Ok(if warnings.is_empty() { 0 } else { 1 })
 }
 
-/// SIGINT, SIGTERM and SIGHUP, caught: each sets a flag and wakes
-/// [`Interrupt::wait`].
-struct Interrupt {
-    /// A signal came.
-    flag: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    /// Wakes the waiters.
-    notify: std::sync::Arc<tokio::sync::Notify>,
-}
-
-impl Interrupt {
-    /// Catches the three signals from now on.
-    fn install() -> Result<Interrupt, CliError> {
-        use tokio::signal::unix::{signal, SignalKind};
-        let mut sigs = Vec::new();
-        for kind in [
-            SignalKind::interrupt(),
-            SignalKind::terminate(),
-            SignalKind::hangup(),
-        ] {
-            sigs.push(signal(kind).map_err(|e| CliError(format!("cannot catch signals: {e}")))?);
-        }
-        let flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let notify = std::sync::Arc::new(tokio::sync::Notify::new());
-        for mut sig in sigs {
-            let (flag, notify) = (flag.clone(), notify.clone());
-            tokio::spawn(async move {
-                while sig.recv().await.is_some() {
-                    flag.store(true, std::sync::atomic::Ordering::SeqCst);
-                    notify.notify_waiters();
-                }
-            });
-        }
-        Ok(Interrupt { flag, notify })
-    }
-
-    /// Completes once a signal has come (at once if one already did).
-    async fn wait(&self) {
-        loop {
-            let notified = self.notify.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if self.flag.load(std::sync::atomic::Ordering::SeqCst) {
-                return;
+/// Catches SIGINT, SIGTERM and SIGHUP from now on: each sets the latch
+/// returned.
+fn catch_signals() -> Result<std::sync::Arc<Latch>, CliError> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let latch = std::sync::Arc::new(Latch::default());
+    for kind in [
+        SignalKind::interrupt(),
+        SignalKind::terminate(),
+        SignalKind::hangup(),
+    ] {
+        let mut sig = signal(kind).map_err(|e| CliError(format!("cannot catch signals: {e}")))?;
+        let latch = latch.clone();
+        tokio::spawn(async move {
+            while sig.recv().await.is_some() {
+                latch.set();
             }
-            notified.await;
-        }
+        });
     }
+    Ok(latch)
 }
 
 /// Waits (up to 5 s) until `pid` is gone from this host — reaped by its
@@ -432,32 +404,38 @@ struct Outbox {
     tx: mpsc::Sender<Vec<u8>>,
     /// Set once the session to the destination is lost: a frame queued
     /// then would wait forever behind the blocked writer.
-    lost: std::sync::Arc<Lost>,
+    lost: std::sync::Arc<Latch>,
 }
 
-/// A flag with a wake-up: the session to the destination is lost.
+/// A flag that is set once and wakes whoever waits for it (a signal came;
+/// the session to the destination is lost).
 #[derive(Default)]
-struct Lost {
+struct Latch {
     /// Set.
     flag: std::sync::atomic::AtomicBool,
-    /// Wakes senders waiting for room.
+    /// Wakes the waiters.
     notify: tokio::sync::Notify,
 }
 
-impl Lost {
+impl Latch {
     /// Sets the flag and wakes every waiter.
     fn set(&self) {
         self.flag.store(true, std::sync::atomic::Ordering::SeqCst);
         self.notify.notify_waiters();
     }
 
-    /// Completes once set.
+    /// Whether it is set.
+    fn is_set(&self) -> bool {
+        self.flag.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Completes once set (at once if it is).
     async fn wait(&self) {
         loop {
             let notified = self.notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if self.flag.load(std::sync::atomic::Ordering::SeqCst) {
+            if self.is_set() {
                 return;
             }
             notified.await;
@@ -522,7 +500,7 @@ impl Outbox {
     async fn close(self, writer: tokio::task::JoinHandle<std::io::Result<()>>) {
         drop(self.tx);
         // Nothing more goes through a lost session.
-        if !self.lost.flag.load(std::sync::atomic::Ordering::SeqCst) {
+        if !self.lost.is_set() {
             let _ = tokio::time::timeout(Duration::from_secs(5), writer).await;
         }
     }
@@ -600,7 +578,7 @@ const SUSPEND_GRACE: Duration = Duration::from_secs(2);
 fn watch_session(
     session: &roam::SessionHandle,
     tx: mpsc::Sender<Result<Frame, String>>,
-    lost_flag: std::sync::Arc<Lost>,
+    lost_flag: std::sync::Arc<Latch>,
 ) {
     use roam::SessionEvent;
     use tokio::sync::broadcast::error::RecvError;
