@@ -193,6 +193,31 @@ impl Setup {
         sent
     }
 
+    /// Starts `roam migrate-process` and reads its stderr until a line
+    /// containing `phase` (within a minute). Returns the command, the rest
+    /// of its stderr, and what it said so far.
+    fn migrate_until(&self, phase: &str) -> (Child, BufReader<std::process::ChildStderr>, String) {
+        let mut child = self.start_migrate(&[]);
+        let mut err = BufReader::new(child.stderr.take().expect("stderr"));
+        let mut seen = String::new();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let mut line = String::new();
+            let n = err
+                .read_line(&mut line)
+                .expect("read migrate-process's stderr");
+            assert!(
+                n > 0 && Instant::now() < deadline,
+                "no {phase:?} phase: {seen}"
+            );
+            seen.push_str(&line);
+            if line.contains(phase) {
+                break;
+            }
+        }
+        (child, err, seen)
+    }
+
     /// The echo stream.
     fn echo(&self) -> &EchoStream {
         self.stream.as_ref().expect("an echo stream")
@@ -718,24 +743,7 @@ fn a_signal_while_the_images_travel_calls_the_move_off() {
     }
     let received = tempfile::tempdir().expect("B's images dir");
     let mut s = Setup::holding("mig_signal", Some(received.path()), 300);
-    let mut child = s.start_migrate(&[]);
-    let mut err = BufReader::new(child.stderr.take().expect("stderr"));
-    let mut seen = String::new();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let mut line = String::new();
-        let n = err
-            .read_line(&mut line)
-            .expect("read migrate-process's stderr");
-        assert!(
-            n > 0 && Instant::now() < deadline,
-            "no sending phase: {seen}"
-        );
-        seen.push_str(&line);
-        if line.contains("sending") {
-            break;
-        }
-    }
+    let (mut child, mut err, mut seen) = s.migrate_until("sending");
     let _ = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status();
@@ -930,24 +938,7 @@ fn a_destination_killed_half_way_leaves_the_server_running_at_the_source() {
     }
     let received = tempfile::tempdir().expect("B's images dir");
     let mut s = Setup::holding("mig_kill", Some(received.path()), 300);
-    let mut child = s.start_migrate(&[]);
-    let mut err = BufReader::new(child.stderr.take().expect("stderr"));
-    let mut seen = String::new();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let mut line = String::new();
-        let n = err
-            .read_line(&mut line)
-            .expect("read migrate-process's stderr");
-        assert!(
-            n > 0 && Instant::now() < deadline,
-            "no sending phase: {seen}"
-        );
-        seen.push_str(&line);
-        if line.contains("sending") {
-            break;
-        }
-    }
+    let (mut child, mut err, mut seen) = s.migrate_until("sending");
     let killed = Instant::now();
     s.accept
         .as_ref()

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use roam_criu::{AddressLock, Criu, NetworkLock, RestoreOptions};
+use roam_criu::{AddressLock, Criu};
 use tokio::io::AsyncWriteExt;
 
 use super::host::{self, IfAddr};
@@ -189,31 +189,14 @@ async fn receive(
         let _ = host::del_address(&target);
         let _ = lock.release();
     };
-    let criu = host.criu.clone();
-    let dir = images.path.clone();
     let t = Instant::now();
-    let restored = tokio::task::spawn_blocking(move || {
-        criu.restore(
-            &dir,
-            &RestoreOptions {
-                tcp_established: true,
-                network_lock: NetworkLock::Skip,
-                ..RestoreOptions::default()
-            },
-        )
-    })
-    .await
-    .map_err(|e| format!("the restore thread failed: {e}"));
+    let restored = super::restore(host.criu.clone(), images.path.clone()).await;
     let restored = match restored {
-        Ok(Ok(r)) => r,
-        Ok(Err(e)) => {
+        Ok(r) => r,
+        Err(e) => {
             undo_address(lock);
             images.keep();
             return Err(format!("restore failed: {e}"));
-        }
-        Err(e) => {
-            undo_address(lock);
-            return Err(e);
         }
     };
     let restore_us = u64::try_from(t.elapsed().as_micros()).unwrap_or(u64::MAX);

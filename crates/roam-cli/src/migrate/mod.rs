@@ -125,6 +125,28 @@ impl Drop for Progress {
     }
 }
 
+/// Restores the process in `images` here with its established TCP
+/// connections, behind roam's address lock (not CRIU's), on a blocking
+/// thread.
+pub(crate) async fn restore(
+    criu: roam_criu::Criu,
+    images: std::path::PathBuf,
+) -> Result<roam_criu::Restored, String> {
+    tokio::task::spawn_blocking(move || {
+        criu.restore(
+            &images,
+            &roam_criu::RestoreOptions {
+                tcp_established: true,
+                network_lock: roam_criu::NetworkLock::Skip,
+                ..roam_criu::RestoreOptions::default()
+            },
+        )
+        .map_err(|e| e.to_string())
+    })
+    .await
+    .map_err(|e| format!("the restore thread failed: {e}"))?
+}
+
 /// Removes everything but CRIU's logs (`*.log`) from an images directory:
 /// what is kept of a failed dump or restore (the images can be as large as
 /// the process's memory).

@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use roam_criu::{AddressLock, Criu, DumpOptions, NetworkLock, RestoreOptions};
+use roam_criu::{AddressLock, Criu, DumpOptions, NetworkLock};
 use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc;
 
@@ -340,27 +340,16 @@ async fn restore_here(
     // A failed restore at the destination may still hold the pid for a
     // moment when both hosts share a pid space.
     let gone = gone && wait_gone(info.pid);
-    let dir = images.path.clone();
-    let back = tokio::task::spawn_blocking(move || {
-        criu.restore(
-            &dir,
-            &RestoreOptions {
-                tcp_established: true,
-                network_lock: NetworkLock::Skip,
-                ..RestoreOptions::default()
-            },
-        )
-    })
-    .await;
+    let back = super::restore(criu, images.path.clone()).await;
     let unlocked = lock.release();
     let mut msg = match back {
-        Ok(Ok(r)) => format!(
+        Ok(r) => format!(
             "{} was not moved and runs on here again (pid {}) with its connections, restored \
              from its images: {why}",
             info.label(),
             r.pid
         ),
-        Ok(Err(e)) => {
+        Err(e) => {
             images
                 .keep
                 .store(true, std::sync::atomic::Ordering::Relaxed);
@@ -375,17 +364,6 @@ async fn restore_here(
                 } else {
                     " (its old pid was still taken: its parent had not reaped it)"
                 },
-            )
-        }
-        Err(e) => {
-            images
-                .keep
-                .store(true, std::sync::atomic::Ordering::Relaxed);
-            format!(
-                "{} is NOT RUNNING: it was not moved ({why}) and the restore here failed: {e}; \
-                 its images are kept in {}",
-                info.label(),
-                images.path.display()
             )
         }
     };
