@@ -189,12 +189,7 @@ pub(crate) async fn run(ctx: Arc<Ctx>, _lab: Arc<Lab>) -> io::Result<Migrate> {
 fn measure_all(cases: &[(usize, usize)], roam: &Path) -> io::Result<Migrate> {
     netns::available().map_err(skip)?;
     for tool in ["nft", "python3", "nsenter"] {
-        let found = Command::new("sh")
-            .args(["-c", &format!("command -v {tool}")])
-            .stdout(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success());
-        if !found {
+        if !netns::installed(tool) {
             return Err(skip(format!("{tool} is not installed")));
         }
     }

@@ -47,12 +47,7 @@ fn can_run() -> bool {
         return skip(why);
     }
     for tool in ["nft", "python3", "nsenter"] {
-        if Command::new("sh")
-            .args(["-c", &format!("command -v {tool}")])
-            .stdout(Stdio::null())
-            .status()
-            .map_or(true, |s| !s.success())
-        {
+        if !netns::installed(tool) {
             return skip(format!("{tool} is not installed"));
         }
     }
@@ -216,6 +211,27 @@ impl Setup {
             }
         }
         (child, err, seen)
+    }
+
+    /// The move did not happen: the server runs on A (not B) with its
+    /// address, no lock is left on either host, and its connection carries
+    /// on (2 MB more) with every byte; a new one then echoes too.
+    fn assert_still_at_source(&mut self) {
+        assert!(alive(self.pid), "the server is gone");
+        assert!(
+            self.runs_on(A, self.pid) && !self.runs_on(B, self.pid),
+            "the server is not on A alone"
+        );
+        assert!(self.has_service(A), "A lost the address");
+        assert!(!self.has_service(B), "B kept the address");
+        assert!(
+            !self.has_lock(A) && !self.has_lock(B),
+            "an address lock was left"
+        );
+        let at = self.echo().echoed();
+        self.echo()
+            .wait_echoed(at + (2 << 20), Duration::from_secs(30));
+        self.finish_stream_and_reconnect("connect again");
     }
 
     /// The echo stream.
@@ -418,6 +434,15 @@ fn reinjection(stdout: &str) -> (u64, u64) {
     (num(Some(line)), num(line.split(": ").nth(1)))
 }
 
+/// Waits until `dir` is empty, at most `within`; fails with `what`.
+fn wait_empty(dir: &Path, within: Duration, what: &str) {
+    let deadline = Instant::now() + within;
+    while std::fs::read_dir(dir).map_or(0, Iterator::count) > 0 {
+        assert!(Instant::now() < deadline, "{what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Waits for `child` on a thread of its own.
 fn reap(mut child: Child) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
@@ -493,11 +518,11 @@ fn a_running_server_moves_to_another_host_with_its_connection_and_address() {
     assert!(!s.has_service(A), "the address stayed on A");
     assert!(s.has_service(B), "the address is not on B");
     assert!(!s.has_lock(A) && !s.has_lock(B), "an address lock was left");
-    let deadline = Instant::now() + Duration::from_secs(3);
-    while std::fs::read_dir(received.path()).map_or(0, Iterator::count) > 0 {
-        assert!(Instant::now() < deadline, "B kept the images of a move");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_empty(
+        received.path(),
+        Duration::from_secs(3),
+        "B kept the images of a move",
+    );
     // B announced the address: the idle watcher's cache moved to B.
     let deadline = Instant::now() + Duration::from_secs(3);
     while !s.neighbour(WATCHER).contains(&mac_b) {
@@ -615,11 +640,6 @@ fn a_destination_that_runs_out_of_disk_leaves_the_server_running_at_the_source()
         stderr.contains("runs on here with its connections"),
         "says where the process is: {stderr}"
     );
-    assert!(alive(s.pid), "the server died");
-    assert!(s.runs_on(A, s.pid) && !s.runs_on(B, s.pid));
-    assert!(s.has_service(A), "A lost the address");
-    assert!(!s.has_service(B), "B kept the address");
-    assert!(!s.has_lock(A) && !s.has_lock(B), "an address lock was left");
     let left: Vec<_> = std::fs::read_dir(disk.path())
         .expect("read the images disk")
         .collect();
@@ -628,10 +648,7 @@ fn a_destination_that_runs_out_of_disk_leaves_the_server_running_at_the_source()
         .expect("read the source's images dir")
         .collect();
     assert!(left.is_empty(), "A left images behind: {left:?}");
-    let at = s.echo().echoed();
-    s.echo()
-        .wait_echoed(at + (2 << 20), Duration::from_secs(30));
-    s.finish_stream_and_reconnect("connect again");
+    s.assert_still_at_source();
 }
 
 /// Refusals before anything is frozen: an unknown client key, and a
@@ -721,15 +738,7 @@ fn a_restore_that_fails_at_the_destination_brings_the_server_back_at_the_source(
         stderr.contains(&format!("runs on here again (pid {})", s.pid)),
         "says the server is back here: {stderr}"
     );
-    assert!(alive(s.pid), "the server is gone");
-    assert!(s.runs_on(A, s.pid) && !s.runs_on(B, s.pid));
-    assert!(s.has_service(A), "A lost the address");
-    assert!(!s.has_service(B), "B kept the address");
-    assert!(!s.has_lock(A) && !s.has_lock(B), "an address lock was left");
-    let at = s.echo().echoed();
-    s.echo()
-        .wait_echoed(at + (2 << 20), Duration::from_secs(30));
-    s.finish_stream_and_reconnect("connect again");
+    s.assert_still_at_source();
 }
 
 /// SIGTERM while the images travel (the server holds 300 MB, so they take
@@ -757,18 +766,8 @@ fn a_signal_while_the_images_travel_calls_the_move_off() {
         seen.contains("runs on here with its connections") && seen.contains("interrupted"),
         "{seen}"
     );
-    assert!(alive(s.pid) && s.runs_on(A, s.pid) && !s.runs_on(B, s.pid));
-    assert!(s.has_service(A) && !s.has_service(B));
-    assert!(!s.has_lock(A) && !s.has_lock(B), "an address lock was left");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while std::fs::read_dir(received.path()).map_or(0, Iterator::count) > 0 {
-        assert!(Instant::now() < deadline, "B kept the images");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let at = s.echo().echoed();
-    s.echo()
-        .wait_echoed(at + (2 << 20), Duration::from_secs(30));
-    s.finish_stream_and_reconnect("connect again");
+    wait_empty(received.path(), Duration::from_secs(5), "B kept the images");
+    s.assert_still_at_source();
 }
 
 /// redis-server with 1,000 clients, each INCR-ing a key of its own in a
@@ -782,12 +781,7 @@ fn redis_with_a_thousand_counting_clients_moves_without_a_lost_or_repeated_incre
     if !can_run() {
         return;
     }
-    if Command::new("sh")
-        .args(["-c", "command -v redis-server"])
-        .stdout(Stdio::null())
-        .status()
-        .map_or(true, |s| !s.success())
-    {
+    if !netns::installed("redis-server") {
         assert!(
             std::env::var_os("ROAM_CRIU").is_none(),
             "ROAM_CRIU is set but redis-server is not installed"
@@ -960,12 +954,6 @@ fn a_destination_killed_half_way_leaves_the_server_running_at_the_source() {
         noticed < Duration::from_secs(20),
         "the source took {noticed:?} to give up on a dead destination"
     );
-    assert!(alive(s.pid) && s.runs_on(A, s.pid) && !s.runs_on(B, s.pid));
-    assert!(s.has_service(A) && !s.has_service(B));
-    assert!(!s.has_lock(A) && !s.has_lock(B), "an address lock was left");
-    let at = s.echo().echoed();
-    s.echo()
-        .wait_echoed(at + (2 << 20), Duration::from_secs(30));
-    s.finish_stream_and_reconnect("connect again");
+    s.assert_still_at_source();
     eprintln!("a dead destination noticed in {noticed:?}");
 }

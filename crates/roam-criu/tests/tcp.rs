@@ -17,7 +17,7 @@
 
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::atomic::Ordering;
 use std::thread;
 use std::time::{Duration, Instant};
@@ -42,12 +42,7 @@ fn criu() -> Option<Criu> {
         return None;
     }
     for tool in ["nft", "python3", "nsenter"] {
-        if Command::new("sh")
-            .args(["-c", &format!("command -v {tool}")])
-            .stdout(Stdio::null())
-            .status()
-            .map_or(true, |s| !s.success())
-        {
+        if !netns::installed(tool) {
             skip(format!("{tool} is not installed"));
             return None;
         }

@@ -53,6 +53,16 @@ pub enum Side {
     Server,
 }
 
+/// Whether `program` is on `PATH` (`command -v`): for tests that need a
+/// tool to say why they skip.
+pub fn installed(program: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {program}")])
+        .stdout(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
 /// Checks that network namespaces can be made here: running as root, with
 /// iproute2's `ip`, and `ip netns add` actually working (it does not inside
 /// some unprivileged containers). The error says what is missing.
