@@ -957,3 +957,169 @@ fn a_destination_killed_half_way_leaves_the_server_running_at_the_source() {
     s.assert_still_at_source();
     eprintln!("a dead destination noticed in {noticed:?}");
 }
+
+/// nginx (a master and two workers: a process tree) serving 100 concurrent
+/// downloads of a 16 MiB file to slow readers moves to B in the middle of
+/// them: every download completes, each body's SHA-256 is the file's, and
+/// nginx serves new requests at B. (Needs nginx; CI installs it.)
+#[test]
+fn nginx_moves_in_the_middle_of_a_hundred_downloads_each_arriving_whole() {
+    use sha2::{Digest, Sha256};
+    use std::io::{Read, Write};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    if !can_run() {
+        return;
+    }
+    if !netns::installed("nginx") {
+        assert!(
+            std::env::var_os("ROAM_CRIU").is_none(),
+            "ROAM_CRIU is set but nginx is not installed"
+        );
+        eprintln!("skipped: nginx is not installed");
+        return;
+    }
+    const DOWNLOADS: usize = 100;
+    const SIZE: usize = 16 << 20;
+    const HTTP_PORT: u16 = 8080;
+    let site = tempfile::tempdir().expect("nginx prefix");
+    // A file no two 8-byte words of which are alike: a shifted or repeated
+    // piece would change the digest.
+    let body: Vec<u8> = (0..SIZE as u64 / 8)
+        .flat_map(|i| (i.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ i).to_le_bytes())
+        .collect();
+    let want = Sha256::digest(&body);
+    std::fs::create_dir(site.path().join("html")).expect("html dir");
+    std::fs::write(site.path().join("html/big.bin"), &body).expect("the file");
+    drop(body);
+    let s = Setup::with_server("mig_nginx", None, |lan, service| {
+        let conf = site.path().join("nginx.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "user root root;\nworker_processes 2;\npid {prefix}/nginx.pid;\n\
+                 error_log {prefix}/error.log;\n\
+                 events {{ worker_connections 1024; }}\n\
+                 http {{\n  access_log off;\n  sendfile on;\n\
+                 \x20 client_body_temp_path {prefix}/tmp;\n\
+                 \x20 server {{\n    listen {service}:{HTTP_PORT};\n\
+                 \x20   root {prefix}/html;\n  }}\n}}\n",
+                prefix = site.path().display()
+            ),
+        )
+        .expect("nginx.conf");
+        // The workers CRIU ends are orphans, reaped by pid 1 (on this
+        // machine about a second later): B can restore the tree only once
+        // their pids, and the group they share with the master, are free.
+        let server = Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{}", lan.ns(A)))
+            .args(["--", "setsid", "nginx", "-g", "daemon off;", "-c"])
+            .arg(&conf)
+            .arg("-p")
+            .arg(site.path())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start nginx");
+        let addr = SocketAddr::from((service, HTTP_PORT));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while lan
+            .tcp_connect(CLIENT, addr, Duration::from_secs(1))
+            .is_err()
+        {
+            assert!(Instant::now() < deadline, "nginx never listened");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        (server, None)
+    });
+    let addr = SocketAddr::from((s.service, HTTP_PORT));
+    // Each download reads 32 KiB every 16 ms (~2 MB/s): 16 MiB take ~8 s.
+    let progress = Arc::new(AtomicUsize::new(0));
+    let downloads: Vec<_> = (0..DOWNLOADS)
+        .map(|i| {
+            let mut c = s
+                .lan
+                .tcp_connect(CLIENT, addr, Duration::from_secs(5))
+                .expect("connect to nginx");
+            c.set_read_timeout(Some(Duration::from_secs(60)))
+                .expect("timeout");
+            let progress = progress.clone();
+            std::thread::spawn(move || -> Result<(usize, Vec<u8>), String> {
+                c.write_all(b"GET /big.bin HTTP/1.1\r\nHost: roam\r\nConnection: close\r\n\r\n")
+                    .map_err(|e| format!("download {i}: request: {e}"))?;
+                let mut all = Vec::with_capacity(SIZE + 1024);
+                let mut buf = vec![0u8; 32 << 10];
+                let mut counted = false;
+                loop {
+                    let n = c
+                        .read(&mut buf)
+                        .map_err(|e| format!("download {i}: read at {}: {e}", all.len()))?;
+                    if n == 0 {
+                        break;
+                    }
+                    all.extend_from_slice(&buf[..n]);
+                    if !counted && all.len() >= 1 << 20 {
+                        counted = true;
+                        progress.fetch_add(1, Ordering::Relaxed);
+                    }
+                    std::thread::sleep(Duration::from_millis(16));
+                }
+                let head = all
+                    .windows(4)
+                    .position(|w| w == b"\r\n\r\n")
+                    .ok_or_else(|| format!("download {i}: no header in {} bytes", all.len()))?;
+                if !all.starts_with(b"HTTP/1.1 200") {
+                    return Err(format!(
+                        "download {i}: {:?}",
+                        String::from_utf8_lossy(&all[..head])
+                    ));
+                }
+                Ok((i, all.split_off(head + 4)))
+            })
+        })
+        .collect();
+    // Every download under way (1 MiB in, ~15 to go) before the move.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while progress.load(Ordering::Relaxed) < DOWNLOADS {
+        assert!(Instant::now() < deadline, "the downloads never got going");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let out = s.migrate(&[]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("moved") && stdout.contains("(nginx)"),
+        "{stdout}"
+    );
+    assert!(s.runs_on(B, s.pid), "nginx is not on B");
+    let mut whole = 0;
+    for d in downloads {
+        let (i, got) = d
+            .join()
+            .expect("download thread")
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(got.len(), SIZE, "download {i}: body length");
+        assert!(
+            Sha256::digest(&got) == want,
+            "download {i}: the body differs from the file"
+        );
+        whole += 1;
+    }
+    // And a new download, at B.
+    let mut c = s
+        .lan
+        .tcp_connect(CLIENT, addr, Duration::from_secs(5))
+        .expect("connect to nginx at B");
+    c.write_all(b"HEAD /big.bin HTTP/1.1\r\nHost: roam\r\nConnection: close\r\n\r\n")
+        .expect("request");
+    let mut head = String::new();
+    c.read_to_string(&mut head).expect("response");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    eprintln!("nginx: {whole} of {DOWNLOADS} downloads of {SIZE} bytes whole across the move");
+}

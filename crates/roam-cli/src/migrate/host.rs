@@ -16,8 +16,10 @@ pub(crate) struct ProcessInfo {
     pub(crate) pid: i32,
     /// The root's command name (`/proc/PID/comm`).
     pub(crate) name: String,
-    /// Processes in the tree (the root and its descendants).
-    pub(crate) processes: usize,
+    /// The tree's processes (the root and its descendants): every one of
+    /// their pids must be free again before the tree can be restored where
+    /// these pids are visible.
+    pub(crate) pids: Vec<i32>,
     /// Established TCP connections.
     pub(crate) established: usize,
     /// Listening TCP sockets.
@@ -106,7 +108,7 @@ pub(crate) fn inspect(pid: i32) -> Result<ProcessInfo, CliError> {
     let mut info = ProcessInfo {
         pid,
         name: comm.trim().to_owned(),
-        processes: pids.len(),
+        pids: pids.clone(),
         ..ProcessInfo::default()
     };
     for table in ["tcp", "tcp6", "udp", "udp6"] {

@@ -37,7 +37,7 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
     progress.phase(&format!(
         "moving {} ({}; {}) with {} to {to}",
         info.label(),
-        plural(info.processes, "process", "processes"),
+        plural(info.pids.len(), "process", "processes"),
         info.sockets(),
         address.cidr()
     ));
@@ -146,6 +146,7 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
         timings.transfer = sent.elapsed();
         let _ = verdict_tx.send(outcome);
     }
+    let ending = Instant::now();
     drop(verdict_tx);
     let dumped = dump
         .await
@@ -178,7 +179,8 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
     // The images are at the destination and CRIU ended the process here
     // (its sockets in repair mode: without a packet). From here on a
     // failure brings the process back here from the same images.
-    let gone = wait_gone(args.pid);
+    let gone = wait_gone(&info.pids);
+    timings.end = ending.elapsed();
     progress.phase(&format!("process ended here; {to} restores it"));
     let restore_asked = Instant::now();
     let restored = match wr.send(&Frame::Restore).await {
@@ -271,10 +273,11 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
         }
     );
     println!(
-        "  freeze {} (dump {}, transfer {}, restore {}, waits {}, hand-over {}); {} of images; total {}",
+        "  freeze {} (dump {}, transfer {}, end at the source {}, restore {}, waits {}, hand-over {}); {} of images; total {}",
         ms(freeze),
         ms(timings.dump),
         ms(timings.transfer),
+        ms(timings.end),
         ms(timings.restore),
         ms(timings.wait),
         ms(timings.handover),
@@ -308,13 +311,20 @@ fn catch_signals() -> Result<std::sync::Arc<Latch>, CliError> {
     Ok(latch)
 }
 
-/// Waits (up to 5 s) until `pid` is gone from this host — reaped by its
-/// parent — so that the destination can give it the same pid when both
-/// hosts share one pid space. Returns whether it went.
-fn wait_gone(pid: i32) -> bool {
+/// Waits (up to 5 s) until every process of the dumped tree is gone from
+/// this host — reaped, the root by its parent, its descendants by whoever
+/// inherited them — so that a restore can give them their pids again where
+/// both hosts share one pid space, or here after a failed move. (A pid
+/// stays taken while any process still uses it as its process group or
+/// session: the root's stays taken until the last of its children that
+/// share its group is reaped.) Returns whether they went.
+fn wait_gone(pids: &[i32]) -> bool {
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        if !Path::new(&format!("/proc/{pid}")).exists() {
+        if pids
+            .iter()
+            .all(|p| !Path::new(&format!("/proc/{p}")).exists())
+        {
             return true;
         }
         if Instant::now() >= deadline {
@@ -339,7 +349,7 @@ async fn restore_here(
     progress.phase(&format!("{why}; restoring {} here", info.label()));
     // A failed restore at the destination may still hold the pid for a
     // moment when both hosts share a pid space.
-    let gone = gone && wait_gone(info.pid);
+    let gone = gone && wait_gone(&info.pids);
     let back = super::restore(criu, images.path.clone()).await;
     let unlocked = lock.release();
     let mut msg = match back {
@@ -362,7 +372,7 @@ async fn restore_here(
                 if gone {
                     ""
                 } else {
-                    " (its old pid was still taken: its parent had not reaped it)"
+                    " (its old pids were still taken: not every process of the tree had been reaped)"
                 },
             )
         }
@@ -498,8 +508,10 @@ struct Timings {
     transfer: Duration,
     /// The destination's restore (as it measured it).
     restore: Duration,
-    /// Waiting for the old process to end, and the round trip of the
-    /// restore request.
+    /// CRIU ending the process here (its sockets closed in repair mode)
+    /// until every process of the tree was reaped.
+    end: Duration,
+    /// The round trip of the restore request, less the restore.
     wait: Duration,
     /// Commit until the destination said the address is live.
     handover: Duration,
