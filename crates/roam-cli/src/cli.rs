@@ -158,6 +158,36 @@ the relay) and exits 128+signal. If the relay loses the session (it restarted,
 or reclaimed a session left without connections), the next local connection
 opens a new session.")]
     Forward(ForwardArgs),
+    /// Make this host's connections to chosen ports roam sessions wherever the peer runs a relay (root, nftables).
+    #[command(after_help = "\
+Examples:
+  roam intercept --port 5432 --port 6379        # until Ctrl-C
+  psql -h db.example                             # an ordinary program, unchanged
+  roam intercept --cleanup                       # remove rules a crash left
+
+Nothing in the programs changes. An nftables rule set (table ip
+roam_intercept_<pid>) redirects this host's new outgoing TCP connections to
+the ports to roam's agent on 127.0.0.1. For each one the agent asks the
+destination host, once, whether it runs `roam serve` on the relay port
+(--relay-port, default 7447):
+
+- yes: the connection becomes a stream of one roam session to that host,
+  shared by all connections to it, pinned to the relay's key on first use
+  as `roam pipe` does. It survives link loss, a new address at either end
+  and suspension; the program never sees them. The relay must allow the
+  destination (e.g. `roam serve --allow '*:5432'`); it connects from its own
+  host, so the server sees the relay's address, not this host's.
+- no (refused, or silent for --probe-timeout): the connection goes straight
+  to the destination, byte for byte what it would have been, and the host
+  is asked again after --recheck.
+
+Loopback, this host's own addresses and roam's own sockets are never
+redirected. IPv4 only; UDP is not carried. The rules are removed when roam
+intercept exits (SIGINT, SIGTERM, SIGHUP); after a crash, the next roam
+intercept or `roam intercept --cleanup` removes them.
+
+Exit status: 128+signal after a signal; 1 an error (e.g. not root, no nft).")]
+    Intercept(InterceptArgs),
     /// A persistent interactive shell on HOST: it keeps running, with its screen, when you detach or lose the client.
     #[command(after_help = "\
 Examples:
@@ -510,6 +540,27 @@ pub(crate) struct ForwardArgs {
 }
 
 #[derive(Debug, Args)]
+pub(crate) struct InterceptArgs {
+    /// Destination TCP port whose connections to go through roam (repeatable).
+    #[arg(long = "port", value_name = "PORT")]
+    pub(crate) ports: Vec<u16>,
+    /// The port enhanced hosts run `roam serve` on.
+    #[arg(long, default_value_t = 7447, value_name = "PORT")]
+    pub(crate) relay_port: u16,
+    /// How long the relay port may stay silent before a host counts as ordinary.
+    #[arg(long, default_value = "1s", value_name = "DURATION")]
+    pub(crate) probe_timeout: String,
+    /// How long a host stays ordinary before it is asked again.
+    #[arg(long, default_value = "60s", value_name = "DURATION")]
+    pub(crate) recheck: String,
+    /// Remove every rule set `roam intercept` installed on this host (e.g. after a crash), then exit.
+    #[arg(long)]
+    pub(crate) cleanup: bool,
+    #[command(flatten)]
+    pub(crate) client: ClientArgs,
+}
+
+#[derive(Debug, Args)]
 pub(crate) struct StatusArgs {
     /// Machine-readable output: `{"processes": [...], "detached": [...]}`.
     #[arg(long)]
@@ -628,6 +679,7 @@ pub(crate) fn run(cli: Cli) -> i32 {
             Command::Serve(a) => crate::serve::run(*a, &config).await,
             Command::Pipe(a) => crate::pipe::run(a, &config).await,
             Command::Forward(a) => crate::forward::run(a, &config).await,
+            Command::Intercept(a) => crate::intercept::run(a, &config).await,
             Command::Status(a) => crate::control::status(a, &config).await,
             Command::Detach(a) => crate::pipe::detach(a, &config).await,
             Command::Shell(a) => crate::shell::client::run(a, &config).await,

@@ -6,7 +6,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 /// Everything the file may set.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct FileConfig {
     /// Overrides the state directory (keys, known_servers, control sockets).
@@ -18,7 +18,7 @@ pub(crate) struct FileConfig {
 }
 
 /// `[serve]`: defaults for `roam serve`.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct ServeConfig {
     pub(crate) listen: Option<String>,
@@ -40,7 +40,7 @@ pub(crate) struct ServeConfig {
 }
 
 /// `[client]`: defaults for `roam pipe` and `roam forward`.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct ClientFileConfig {
     pub(crate) key: Option<PathBuf>,

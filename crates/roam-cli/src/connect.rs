@@ -113,12 +113,27 @@ pub(crate) async fn connect_relay(
     key: Option<&Path>,
     config: &FileConfig,
 ) -> Result<roam::SessionHandle, ConnectFailure> {
+    connect_relay_over(relay, key, config, None).await
+}
+
+/// [`connect_relay`] over `first`, a connection to the relay the caller
+/// already made (`None`: dial `relay`); re-dials go to `relay`.
+pub(crate) async fn connect_relay_over(
+    relay: &str,
+    key: Option<&Path>,
+    config: &FileConfig,
+    first: Option<roam::Transport>,
+) -> Result<roam::SessionHandle, ConnectFailure> {
     let state = crate::paths::state_dir(config);
     let known = KnownServers::new(&state);
     let pinned = pinned_key(relay, &known).await?;
     let proto = client_proto(key, config, pinned.as_ref().map(|p| p.key))?;
     let public = proto.keypair.public();
-    match roam::connect(relay, roam::ClientConfig::new(proto)).await {
+    let connected = match first {
+        Some(t) => roam::connect_over(t, relay, roam::ClientConfig::new(proto)).await,
+        None => roam::connect(relay, roam::ClientConfig::new(proto)).await,
+    };
+    match connected {
         Ok(session) => {
             if let Some(k) = session.peer_key() {
                 let addr = session.stats().peer_addr.map(|a| a.to_string());

@@ -24,6 +24,7 @@ mod connect;
 mod control;
 mod demo;
 mod forward;
+mod intercept;
 mod keys;
 mod limits;
 mod metrics;

@@ -1,0 +1,508 @@
+//! `roam intercept`: every TCP connection this host opens to chosen ports
+//! becomes a roam stream when the other end runs a roam relay, with nothing
+//! inside the programs (issue 13, racks: reliable network connections by
+//! packet filter).
+//!
+//! An nftables rule set (one table, `ip roam_intercept_<pid>`) redirects
+//! outgoing connections to the ports to this process's agent socket on
+//! loopback. For each connection the agent reads the destination the program
+//! asked for (`SO_ORIGINAL_DST`) and looks its host up:
+//!
+//! - *enhanced* — `roam serve` answers on the relay port there: the
+//!   connection becomes a stream (target: the original destination) of one
+//!   session to that host, shared by every connection to it. The session
+//!   survives link loss, address changes and suspension; the program's own
+//!   connection is to loopback and never sees them.
+//! - *ordinary* — nothing answers there: the agent connects to the original
+//!   destination itself (its socket marked so the rules let it pass) and
+//!   copies bytes both ways, so the peer gets exactly what it would have.
+//!
+//! Detection is one TCP connect to the relay port (refused or silent for
+//! `--probe-timeout`: ordinary), reused as the session's first transport
+//! when it succeeds; answers are kept per host (ordinary ones for
+//! `--recheck`, enhanced ones while the session lives). The rules skip
+//! loopback and this host's own addresses (a relay here reaching its
+//! targets) and the agent's marked sockets. They are removed on exit; rule
+//! sets left by a process that died are removed by the next `roam
+//! intercept`, or by `roam intercept --cleanup`.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr, SocketAddrV4};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::cli::{CliError, CliResult, InterceptArgs};
+use crate::config::FileConfig;
+use crate::connect::{connect_relay_over, explain_stream_error};
+use crate::control::Registry;
+
+/// The firewall mark of the agent's own direct connections (`roam` in
+/// ASCII): the rules let them pass instead of redirecting them again.
+const MARK: u32 = 0x726f_616d;
+/// The prefix of the rule sets' table names (`roam_intercept_<pid>`).
+const TABLE_PREFIX: &str = "roam_intercept_";
+
+/// `roam intercept`.
+pub(crate) async fn run(args: InterceptArgs, config: &FileConfig) -> CliResult {
+    if args.cleanup {
+        let removed = remove_tables(|_| true)?;
+        eprintln!(
+            "roam intercept: removed {} rule set{}{}",
+            removed.len(),
+            if removed.len() == 1 { "" } else { "s" },
+            if removed.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", removed.join(", "))
+            }
+        );
+        return Ok(0);
+    }
+    if args.ports.is_empty() {
+        return Err(CliError(
+            "name at least one port to intercept (--port PORT, repeatable), or --cleanup".into(),
+        ));
+    }
+    if args.ports.contains(&args.relay_port) {
+        return Err(CliError(format!(
+            "port {} is the relay port (--relay-port): its own connections cannot be intercepted",
+            args.relay_port
+        )));
+    }
+    if args.ports.contains(&0) {
+        return Err(CliError("port 0 cannot be intercepted".into()));
+    }
+    let recheck = crate::config::parse_duration(&args.recheck)
+        .map_err(|e| CliError(format!("--recheck: {e}")))?;
+    let probe_timeout = crate::config::parse_duration(&args.probe_timeout)
+        .map_err(|e| CliError(format!("--probe-timeout: {e}")))?;
+    if !nix::unistd::Uid::effective().is_root() {
+        return Err(CliError(
+            "roam intercept must run as root: it installs nftables rules and marks its sockets"
+                .into(),
+        ));
+    }
+    crate::limits::raise_fd_limit();
+    let stale = remove_tables(|pid| !std::path::Path::new(&format!("/proc/{pid}")).exists())?;
+    if !stale.is_empty() {
+        eprintln!(
+            "roam intercept: removed rule sets left by processes that are gone: {}",
+            stale.join(", ")
+        );
+    }
+    let listener = TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .await
+        .map_err(|e| CliError(format!("cannot listen on 127.0.0.1: {e}")))?;
+    let agent = listener
+        .local_addr()
+        .map_err(|e| CliError(format!("agent socket: {e}")))?
+        .port();
+    let rules = Rules::install(&args.ports, agent)?;
+    let registry = Registry::default();
+    let ports = args
+        .ports
+        .iter()
+        .map(u16::to_string)
+        .collect::<Vec<_>>()
+        .join(", ");
+    let _control =
+        crate::control::start(config, format!("intercept ports {ports}"), registry.clone());
+    eprintln!(
+        "roam intercept: connections to port{} {ports} go through roam where the peer runs a \
+         relay on port {} (agent 127.0.0.1:{agent}, rules: table ip {})",
+        if args.ports.len() == 1 { "" } else { "s" },
+        args.relay_port,
+        rules.table
+    );
+    let ctx = Arc::new(Ctx {
+        peers: Mutex::new(HashMap::new()),
+        probing: Mutex::new(HashMap::new()),
+        relay_port: args.relay_port,
+        key: args.client.key.clone(),
+        config: config.clone(),
+        recheck,
+        probe_timeout,
+        registry,
+    });
+    let mut accept_log = roam::LogThrottle::new(Duration::from_secs(10));
+    let code = loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((tcp, _)) => {
+                    tokio::spawn(carry(ctx.clone(), tcp));
+                }
+                Err(e) => {
+                    if let Some(n) = accept_log.allow(Instant::now()) {
+                        tracing::warn!("accept failed: {e}; retrying ({n} more not logged)");
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            },
+            sig = crate::signals::exit_signal() => break 128 + sig,
+        }
+    };
+    // New connections to the ports are plain again from here on.
+    rules.remove()?;
+    let sessions: Vec<roam::SessionHandle> = {
+        let peers = ctx.peers.lock().unwrap_or_else(|e| e.into_inner());
+        peers
+            .values()
+            .filter_map(|p| match p {
+                Peer::Enhanced(s) => Some(s.clone()),
+                Peer::Ordinary { .. } => None,
+            })
+            .collect()
+    };
+    for s in sessions {
+        let _ = tokio::time::timeout(
+            Duration::from_secs(3),
+            s.close(roam_proto::code::NO_ERROR, ""),
+        )
+        .await;
+    }
+    Ok(code)
+}
+
+/// What the agent knows of a destination host.
+#[derive(Clone)]
+enum Peer {
+    /// It runs a relay: the session every connection to it rides on.
+    Enhanced(roam::SessionHandle),
+    /// It does not (as of `since`): connections to it stay plain TCP.
+    Ordinary { since: Instant },
+}
+
+/// The agent's shared state.
+struct Ctx {
+    /// What is known of each destination host.
+    peers: Mutex<HashMap<IpAddr, Peer>>,
+    /// Held while a host is being probed.
+    probing: Mutex<HashMap<IpAddr, Arc<tokio::sync::Mutex<()>>>>,
+    /// Where enhanced hosts run their relay.
+    relay_port: u16,
+    /// The client key (`--key`), default the state directory's.
+    key: Option<std::path::PathBuf>,
+    /// The configuration (state directory, known servers).
+    config: FileConfig,
+    /// How long an ordinary host stays ordinary before it is asked again.
+    recheck: Duration,
+    /// How long the relay port may stay silent before a host is ordinary.
+    probe_timeout: Duration,
+    /// Sessions for `roam status`.
+    registry: Registry,
+}
+
+/// How one connection is carried.
+enum Route {
+    /// As a stream of this session.
+    Stream(roam::SessionHandle),
+    /// Plain, straight to the destination.
+    Direct,
+}
+
+/// Carries one redirected connection: as a roam stream or plain.
+async fn carry(ctx: Arc<Ctx>, mut tcp: TcpStream) {
+    let dest = match original_destination(&tcp) {
+        Ok(d) => d,
+        Err(e) => {
+            tracing::warn!("a redirected connection without its destination: {e}");
+            return;
+        }
+    };
+    let _ = tcp.set_nodelay(true);
+    let target = dest.to_string();
+    let route = route(&ctx, IpAddr::V4(*dest.ip())).await;
+    if let Route::Stream(session) = &route {
+        match session.open_stream(target.as_bytes()) {
+            Ok(mut stream) => {
+                if let Err(e) = crate::pump::pump(&mut tcp, &mut stream).await {
+                    eprintln!(
+                        "roam intercept: connection to {target}: {}",
+                        explain_stream_error(&e, &target)
+                    );
+                }
+                return;
+            }
+            Err(e) => {
+                // The session ended (its relay lost it or went away): the
+                // next connection asks again; this one is plain.
+                forget(&ctx, IpAddr::V4(*dest.ip()), session);
+                eprintln!(
+                    "roam intercept: {}: the session ended ({e}); this connection goes direct",
+                    dest.ip()
+                );
+            }
+        }
+    }
+    if let Err(e) = direct(&mut tcp, dest).await {
+        tracing::debug!("direct connection to {target}: {e}");
+    }
+}
+
+/// How connections to `host` go: the known answer, else a fresh probe
+/// (connections to a host being probed wait for its answer).
+async fn route(ctx: &Ctx, host: IpAddr) -> Route {
+    if let Some(r) = known_route(ctx, host) {
+        return r;
+    }
+    // One probe per host at a time: the others wait for its answer.
+    let gate = ctx
+        .probing
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .entry(host)
+        .or_default()
+        .clone();
+    let _probing = gate.lock().await;
+    if let Some(r) = known_route(ctx, host) {
+        return r;
+    }
+    let relay = SocketAddr::new(host, ctx.relay_port).to_string();
+    let answer = match detect(ctx, &relay).await {
+        Ok(session) => {
+            eprintln!(
+                "roam intercept: {host} runs a roam relay (port {}): its connections are roam \
+                 sessions",
+                ctx.relay_port
+            );
+            ctx.registry
+                .add(format!("intercept -> {relay}"), session.clone());
+            tokio::spawn(crate::notices::watch(session.clone(), relay.clone()));
+            Peer::Enhanced(session)
+        }
+        Err(why) => {
+            eprintln!(
+                "roam intercept: {host} is an ordinary host ({why}): its connections stay plain \
+                 TCP (asked again in {})",
+                crate::control::human_secs(ctx.recheck.as_secs_f64())
+            );
+            Peer::Ordinary {
+                since: Instant::now(),
+            }
+        }
+    };
+    let route = match &answer {
+        Peer::Enhanced(s) => Route::Stream(s.clone()),
+        Peer::Ordinary { .. } => Route::Direct,
+    };
+    ctx.peers
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(host, answer);
+    route
+}
+
+/// The route the last answer about `host` gives, while it holds: its
+/// session until that ends, plain until the recheck is due.
+fn known_route(ctx: &Ctx, host: IpAddr) -> Option<Route> {
+    match ctx
+        .peers
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&host)?
+    {
+        Peer::Enhanced(s) if !s.is_closed() => Some(Route::Stream(s.clone())),
+        Peer::Ordinary { since } if since.elapsed() < ctx.recheck => Some(Route::Direct),
+        _ => None,
+    }
+}
+
+/// Whether a roam relay answers at `relay`: one TCP connect (bounded by the
+/// probe timeout), then the session's handshake over that connection.
+async fn detect(ctx: &Ctx, relay: &str) -> Result<roam::SessionHandle, String> {
+    let tcp = match tokio::time::timeout(ctx.probe_timeout, TcpStream::connect(relay)).await {
+        Err(_) => {
+            return Err(format!(
+                "port {} silent for {}",
+                ctx.relay_port,
+                crate::control::human_secs(ctx.probe_timeout.as_secs_f64())
+            ))
+        }
+        Ok(Err(e)) => return Err(format!("port {}: {e}", ctx.relay_port)),
+        Ok(Ok(tcp)) => tcp,
+    };
+    // A handshake with something that is not a relay may hang: bounded too.
+    let handshake = connect_relay_over(
+        relay,
+        ctx.key.as_deref(),
+        &ctx.config,
+        Some(roam::Transport::from(tcp)),
+    );
+    match tokio::time::timeout(ctx.probe_timeout + Duration::from_secs(5), handshake).await {
+        Err(_) => Err(format!(
+            "port {} accepted but no roam handshake came back",
+            ctx.relay_port
+        )),
+        Ok(Err(e)) => Err(format!("no roam session: {}", e.into_cli().0)),
+        Ok(Ok(s)) => Ok(s),
+    }
+}
+
+/// Drops `session` as `host`'s route, if it still is.
+fn forget(ctx: &Ctx, host: IpAddr, session: &roam::SessionHandle) {
+    let mut peers = ctx.peers.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(Peer::Enhanced(s)) = peers.get(&host) {
+        if s.id() == session.id() {
+            peers.remove(&host);
+        }
+    }
+}
+
+/// Connects to `dest` with a marked socket (the rules let it pass) and
+/// copies bytes both ways until both sides are done; a refused or failed
+/// connect resets the program's connection, as the peer would have.
+async fn direct(tcp: &mut TcpStream, dest: SocketAddrV4) -> std::io::Result<()> {
+    let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+    sock.set_mark(MARK)?;
+    sock.set_nonblocking(true)?;
+    sock.set_cloexec(true)?;
+    let sock = tokio::net::TcpSocket::from_std_stream(std::net::TcpStream::from(sock));
+    let mut out = match sock.connect(SocketAddr::V4(dest)).await {
+        Ok(s) => s,
+        Err(e) => {
+            // Tell the program as the peer would have: a reset.
+            let _ = socket2::SockRef::from(&*tcp).set_linger(Some(Duration::ZERO));
+            return Err(e);
+        }
+    };
+    let _ = out.set_nodelay(true);
+    tokio::io::copy_bidirectional(tcp, &mut out)
+        .await
+        .map(|_| ())
+}
+
+/// The destination the program connected to, before the redirect.
+fn original_destination(tcp: &TcpStream) -> std::io::Result<SocketAddrV4> {
+    socket2::SockRef::from(tcp)
+        .original_dst_v4()?
+        .as_socket_ipv4()
+        .ok_or_else(|| std::io::Error::other("not an IPv4 destination"))
+}
+
+/// This process's rule set; removed when dropped.
+struct Rules {
+    /// The table's name.
+    table: String,
+    /// Already removed.
+    removed: bool,
+}
+
+impl Rules {
+    /// Redirects new outgoing TCP connections to `ports` (other than to
+    /// loopback or this host's own addresses, and other than the agent's
+    /// marked sockets) to 127.0.0.1:`agent`.
+    fn install(ports: &[u16], agent: u16) -> Result<Rules, CliError> {
+        let table = format!("{TABLE_PREFIX}{}", std::process::id());
+        let set = ports
+            .iter()
+            .map(u16::to_string)
+            .collect::<Vec<_>>()
+            .join(", ");
+        nft(&format!(
+            "table ip {table} {{\n\
+             \tchain output {{\n\
+             \t\ttype nat hook output priority -100; policy accept;\n\
+             \t\tmeta mark {MARK:#x} return\n\
+             \t\tip daddr 127.0.0.0/8 return\n\
+             \t\tfib daddr type local return\n\
+             \t\ttcp dport {{ {set} }} redirect to :{agent}\n\
+             \t}}\n}}\n"
+        ))?;
+        Ok(Rules {
+            table,
+            removed: false,
+        })
+    }
+
+    /// Removes the rule set now.
+    fn remove(mut self) -> Result<(), CliError> {
+        self.removed = true;
+        nft(&format!("delete table ip {}\n", self.table))
+    }
+}
+
+impl Drop for Rules {
+    fn drop(&mut self) {
+        if !self.removed {
+            let _ = nft(&format!("delete table ip {}\n", self.table));
+        }
+    }
+}
+
+/// Removes the intercept rule sets whose owner pid `which` accepts; returns
+/// their names.
+fn remove_tables(which: impl Fn(u32) -> bool) -> Result<Vec<String>, CliError> {
+    let out = std::process::Command::new("nft")
+        .args(["list", "tables", "ip"])
+        .output()
+        .map_err(|e| CliError(format!("cannot run nft: {e} (install nftables)")))?;
+    if !out.status.success() {
+        return Err(CliError(format!(
+            "nft list tables failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    let mut removed = Vec::new();
+    for name in intercept_tables(&String::from_utf8_lossy(&out.stdout)) {
+        let owner = name[TABLE_PREFIX.len()..].parse::<u32>().unwrap_or(0);
+        if which(owner) {
+            nft(&format!("delete table ip {name}\n"))?;
+            removed.push(name);
+        }
+    }
+    Ok(removed)
+}
+
+/// The intercept tables named in `nft list tables` output.
+fn intercept_tables(listing: &str) -> Vec<String> {
+    listing
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("table ip "))
+        .filter(|n| n.starts_with(TABLE_PREFIX))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Runs `nft -f -` with `script`.
+fn nft(script: &str) -> Result<(), CliError> {
+    use std::io::Write;
+    let mut child = std::process::Command::new("nft")
+        .args(["-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| CliError(format!("cannot run nft: {e} (install nftables)")))?;
+    if let Some(mut stdin) = child.stdin.take() {
+        stdin
+            .write_all(script.as_bytes())
+            .map_err(|e| CliError(format!("writing to nft: {e}")))?;
+    }
+    let out = child
+        .wait_with_output()
+        .map_err(|e| CliError(format!("waiting for nft: {e}")))?;
+    if !out.status.success() {
+        return Err(CliError(format!(
+            "nft failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_intercept_tables_are_listed() {
+        let listing = "table ip nat\ntable ip roam_intercept_42\ntable ip roam_lock_1_0\n\
+                       table ip roam_intercept_7\n";
+        assert_eq!(
+            intercept_tables(listing),
+            vec!["roam_intercept_42", "roam_intercept_7"]
+        );
+    }
+}

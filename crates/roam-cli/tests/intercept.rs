@@ -1,0 +1,343 @@
+//! `roam intercept` (issue 13, racks): an unmodified client's TCP
+//! connections to a chosen port become roam sessions when the peer host runs
+//! `roam serve`, and stay plain TCP when it does not.
+//!
+//! Topology: a LAN (roam-sim's `Lan`: a bridge and three hosts, each a
+//! network namespace): the client host running `roam intercept`, an
+//! *enhanced* host running `roam serve` and an echo server, and an
+//! *ordinary* host running only the echo server. The client streams 64-bit
+//! sequence numbers through the echo server and checks every echoed word.
+//!
+//! Needs root, iproute2, nftables and python3; without them the tests say
+//! why and pass.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use roam_sim::echo::{start_echo, EchoStream};
+use roam_sim::netns::{self, ChildGuard, Lan};
+
+const CLIENT: usize = 0;
+const ENHANCED: usize = 1;
+const ORDINARY: usize = 2;
+/// The echo servers' port, the one intercepted.
+const PORT: u16 = 5001;
+
+/// Whether the tests can run here.
+fn can_run() -> bool {
+    if let Err(why) = netns::available() {
+        eprintln!("skipped: {why}");
+        return false;
+    }
+    for tool in ["nft", "python3", "nsenter"] {
+        if !netns::installed(tool) {
+            eprintln!("skipped: {tool} is not installed");
+            return false;
+        }
+    }
+    true
+}
+
+/// `roam ARGS` inside host `i`'s network namespace, with its own state dir.
+fn roam_in(lan: &Lan, i: usize, state: &Path) -> Command {
+    let mut c = Command::new("nsenter");
+    c.arg(format!("--net=/run/netns/{}", lan.ns(i)))
+        .arg("--")
+        .arg(env!("CARGO_BIN_EXE_roam"))
+        .env("ROAM_STATE_DIR", state)
+        .stdin(Stdio::null());
+    c
+}
+
+/// A started `roam` process whose stderr lines arrive on a channel.
+struct Logged {
+    child: ChildGuard,
+    lines: mpsc::Receiver<String>,
+    seen: String,
+}
+
+impl Logged {
+    fn spawn(mut cmd: Command, name: &'static str) -> Logged {
+        cmd.stdout(Stdio::null()).stderr(Stdio::piped());
+        let mut child = ChildGuard::spawn(&mut cmd).expect("start roam");
+        let err = child.child_mut().stderr.take().expect("stderr");
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                eprintln!("[{name}] {line}");
+                let _ = tx.send(line);
+            }
+        });
+        Logged {
+            child,
+            lines,
+            seen: String::new(),
+        }
+    }
+
+    /// Waits (at most `within`) for a line containing `needle`.
+    fn wait_for(&mut self, needle: &str, within: Duration) -> String {
+        let deadline = Instant::now() + within;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    self.seen.push_str(&line);
+                    self.seen.push('\n');
+                    if line.contains(needle) {
+                        return line;
+                    }
+                }
+                Err(_) => panic!(
+                    "no line with {needle:?} within {within:?}; so far:\n{}",
+                    self.seen
+                ),
+            }
+        }
+    }
+}
+
+/// The LAN, an echo server on the enhanced and the ordinary host, `roam
+/// serve` on the enhanced one, and `roam intercept --port PORT` on the
+/// client host.
+struct Setup {
+    lan: Lan,
+    intercept: Logged,
+    _relay: Logged,
+    _echoes: Vec<ChildGuard>,
+    client_state: tempfile::TempDir,
+    _relay_state: tempfile::TempDir,
+}
+
+impl Setup {
+    fn new(name: &str) -> Setup {
+        let lan = Lan::new(name, 3).expect("LAN");
+        let mut echoes = Vec::new();
+        for host in [ENHANCED, ORDINARY] {
+            let addr = SocketAddr::from((lan.addr(host), PORT));
+            echoes.push(ChildGuard::new(start_echo(lan.ns(host), PORT, || {
+                lan.tcp_connect(host, addr, Duration::from_secs(1))
+            })));
+        }
+        let relay_state = tempfile::tempdir().expect("state dir");
+        let mut cmd = roam_in(&lan, ENHANCED, relay_state.path());
+        cmd.args(["serve", "--listen", "0.0.0.0:7447", "--allow"])
+            .arg(format!("*:{PORT}"));
+        let mut relay = Logged::spawn(cmd, "serve");
+        relay.wait_for("listening on", Duration::from_secs(20));
+        let client_state = tempfile::tempdir().expect("state dir");
+        let mut cmd = roam_in(&lan, CLIENT, client_state.path());
+        cmd.args(["intercept", "--port", &PORT.to_string()]);
+        let mut intercept = Logged::spawn(cmd, "intercept");
+        intercept.wait_for("go through roam", Duration::from_secs(20));
+        Setup {
+            lan,
+            intercept,
+            _relay: relay,
+            _echoes: echoes,
+            client_state,
+            _relay_state: relay_state,
+        }
+    }
+
+    /// A verified echo stream from the client host to `host`'s echo server,
+    /// connected as an ordinary program would: straight to its address.
+    fn echo_to(&self, host: usize) -> EchoStream {
+        let sock = self
+            .lan
+            .tcp_connect(
+                CLIENT,
+                SocketAddr::from((self.lan.addr(host), PORT)),
+                Duration::from_secs(10),
+            )
+            .expect("connect");
+        EchoStream::start(sock)
+    }
+
+    /// The client host's `roam intercept` rule sets (table names).
+    fn tables(&self) -> Vec<String> {
+        let out = Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{}", self.lan.ns(CLIENT)))
+            .args(["--", "nft", "list", "tables"])
+            .output()
+            .expect("nft list tables");
+        String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .filter(|w| w.starts_with("roam_intercept_"))
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// `roam status --json` on the client host: the intercept's sessions.
+    fn sessions(&self) -> Vec<serde_json::Value> {
+        let out = roam_in(&self.lan, CLIENT, self.client_state.path())
+            .args(["status", "--json"])
+            .output()
+            .expect("roam status");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("status: {e}: {}", String::from_utf8_lossy(&out.stdout)));
+        v["processes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|p| p["command"].as_str().unwrap_or("").starts_with("intercept"))
+            .flat_map(|p| p["sessions"].as_array().cloned().unwrap_or_default())
+            .collect()
+    }
+
+    /// Destroys every TCP connection host `i` has with the client host
+    /// (`ss -K`: an RST goes to the client); returns how many.
+    fn kill_connections(&self, i: usize) -> usize {
+        let out = Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{}", self.lan.ns(i)))
+            .args(["--", "ss", "-K", "-t", "dst"])
+            .arg(self.lan.addr(CLIENT).to_string())
+            .output()
+            .expect("ss -K");
+        assert!(out.status.success(), "ss -K: {out:?}");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| l.starts_with("ESTAB"))
+            .count()
+    }
+
+    fn ip(&self, i: usize, args: &[&str]) {
+        let out = Command::new("ip")
+            .args(["-n", self.lan.ns(i)])
+            .args(args)
+            .output()
+            .expect("ip");
+        assert!(out.status.success(), "ip {args:?}: {out:?}");
+    }
+}
+
+/// A connection to the enhanced host is carried by a roam session: the
+/// client host's link goes down for 3 s, then the network resets the
+/// session's TCP connection (the enhanced host's kernel destroys it, as a
+/// middlebox dropping its state would: `ss -K`), and the unmodified
+/// client's stream goes on with every byte, once and in order. (The same
+/// reset ends a plain TCP connection, as the ordinary-host test shows.)
+#[test]
+fn a_connection_to_an_enhanced_host_survives_a_link_cut_and_a_reset_connection() {
+    if !can_run() {
+        return;
+    }
+    let mut s = Setup::new("icpt_enh");
+    let echo = s.echo_to(ENHANCED);
+    echo.wait_echoed(2 << 20, Duration::from_secs(30));
+    s.intercept
+        .wait_for("runs a roam relay", Duration::from_secs(5));
+    let sessions = s.sessions();
+    assert_eq!(
+        sessions.len(),
+        1,
+        "one session to the enhanced host: {sessions:?}"
+    );
+    assert!(sessions[0]["streams"].as_u64() >= Some(1), "{sessions:?}");
+
+    // The link goes down for 3 s.
+    s.ip(CLIENT, &["link", "set", "roam0", "down"]);
+    std::thread::sleep(Duration::from_secs(3));
+    s.ip(CLIENT, &["link", "set", "roam0", "up"]);
+    let at = echo.echoed();
+    echo.wait_echoed(at + (2 << 20), Duration::from_secs(60));
+
+    // The enhanced host's kernel destroys every TCP connection from the
+    // client host (RST to the client).
+    let killed = s.kill_connections(ENHANCED);
+    assert!(killed >= 1, "no connection from the client host to kill");
+    let at = echo.echoed();
+    echo.wait_echoed(at + (2 << 20), Duration::from_secs(60));
+    let resumes = s.sessions()[0]["resumes"].as_u64().unwrap_or(0);
+    assert!(resumes >= 1, "the session resumed on a new connection");
+    let (sent, echoed) = echo.finish();
+    assert_eq!(echoed, sent, "every byte sent came back once, in order");
+    eprintln!(
+        "{echoed} bytes through the enhanced host across a link cut and a reset ({resumes} resumes)"
+    );
+}
+
+/// A connection to an ordinary host (no relay) stays plain TCP, with every
+/// byte; then a crash (SIGKILL) leaves the rule set behind, and `roam
+/// intercept --cleanup` removes it.
+#[test]
+fn a_connection_to_an_ordinary_host_stays_plain_and_cleanup_removes_a_crashed_rule_set() {
+    if !can_run() {
+        return;
+    }
+    let mut s = Setup::new("icpt_ord");
+    let t = Instant::now();
+    let echo = s.echo_to(ORDINARY);
+    echo.wait_echoed(4 << 20, Duration::from_secs(30));
+    let took = t.elapsed();
+    let line = s
+        .intercept
+        .wait_for("is an ordinary host", Duration::from_secs(5));
+    assert!(line.contains("refused"), "{line}");
+    assert!(
+        s.sessions().is_empty(),
+        "no roam session to an ordinary host"
+    );
+    // Plain TCP, as without roam: a reset by the network ends it.
+    assert!(s.kill_connections(ORDINARY) >= 1);
+    // The program sees the reset (its reader fails: `finish` panics) or an
+    // early end of its stream.
+    let ended = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| echo.finish()));
+    if let Ok((sent, echoed)) = ended {
+        assert!(
+            echoed < sent,
+            "a plain connection survived a reset: {echoed} of {sent}"
+        );
+    }
+    eprintln!("ordinary host: first 4 MiB verified in {took:?}, then the reset ended it");
+
+    assert_eq!(s.tables().len(), 1, "{:?}", s.tables());
+    s.intercept
+        .child
+        .signal(nix::sys::signal::Signal::SIGKILL)
+        .expect("kill roam intercept");
+    let _ = s.intercept.child.wait_timeout(Duration::from_secs(10));
+    assert_eq!(s.tables().len(), 1, "a killed intercept leaves its rules");
+    let out = roam_in(&s.lan, CLIENT, s.client_state.path())
+        .args(["intercept", "--cleanup"])
+        .output()
+        .expect("roam intercept --cleanup");
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("removed 1 rule set"),
+        "{out:?}"
+    );
+    assert!(s.tables().is_empty(), "{:?}", s.tables());
+    // Plain connections work again without the agent (to the enhanced
+    // host: the reset above ended the ordinary host's echo server too).
+    let echo = s.echo_to(ENHANCED);
+    echo.wait_echoed(1 << 20, Duration::from_secs(30));
+    let (sent, echoed) = echo.finish();
+    assert_eq!(echoed, sent);
+}
+
+/// A clean exit (SIGTERM) removes the rule set.
+#[test]
+fn a_signal_ends_the_intercept_and_removes_its_rules() {
+    if !can_run() {
+        return;
+    }
+    let mut s = Setup::new("icpt_sig");
+    assert_eq!(s.tables().len(), 1);
+    s.intercept
+        .child
+        .signal(nix::sys::signal::Signal::SIGTERM)
+        .expect("SIGTERM");
+    let status = s
+        .intercept
+        .child
+        .wait_timeout(Duration::from_secs(10))
+        .expect("wait")
+        .expect("roam intercept exited");
+    assert_eq!(status.code(), Some(128 + 15));
+    assert!(s.tables().is_empty(), "{:?}", s.tables());
+}
