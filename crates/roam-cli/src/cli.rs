@@ -158,6 +158,34 @@ the relay) and exits 128+signal. If the relay loses the session (it restarted,
 or reclaimed a session left without connections), the next local connection
 opens a new session.")]
     Forward(ForwardArgs),
+    /// Run a program whose outgoing TCP connections are roam sessions wherever the peer runs a relay.
+    #[command(after_help = "\
+Examples:
+  roam run -- curl -O http://files.example/big.iso
+  roam run --port 5432 -- psql -h db.example
+
+The program runs unchanged, with roam's preload library in LD_PRELOAD (no
+root needed). Each outgoing IPv4 TCP connect to a non-loopback address (on
+the --port ports, default all) is bound to 127.0.0.1 and handed to roam's
+agent in this process, which asks the destination host once whether it runs
+`roam serve` on the relay port (--relay-port, default 7447):
+
+- yes: the connection is a stream of one roam session to that host (its key
+  pinned on first use, as `roam pipe` does). A link cut, a new address at
+  this end, a reset by the network or a suspension of this machine pass
+  unnoticed by the program. The relay must allow the destination (e.g.
+  `roam serve --allow '*:80'`); it connects from its own host.
+- no: the agent connects to the destination itself: the bytes are exactly
+  the program's.
+
+The program keeps ordinary descriptors (epoll, poll, select, fork, exec and
+dup work as before; children inherit the library). Not carried: IPv6, UDP,
+statically linked programs (they ignore LD_PRELOAD), incoming connections.
+getpeername() on a carried socket names the agent (127.0.0.1).
+
+Exit status: the program's (128+signal if a signal ended it). SIGINT, SIGTERM
+and SIGHUP are passed to the program.")]
+    Run(RunArgs),
     /// Make this host's connections to chosen ports roam sessions wherever the peer runs a relay (root, nftables).
     #[command(after_help = "\
 Examples:
@@ -540,6 +568,32 @@ pub(crate) struct ForwardArgs {
 }
 
 #[derive(Debug, Args)]
+pub(crate) struct RunArgs {
+    /// Destination TCP port to carry (repeatable) [default: every port].
+    #[arg(long = "port", value_name = "PORT")]
+    pub(crate) ports: Vec<u16>,
+    /// The port enhanced hosts run `roam serve` on.
+    #[arg(long, default_value_t = 7447, value_name = "PORT")]
+    pub(crate) relay_port: u16,
+    /// How long the relay port may stay silent before a host counts as ordinary.
+    #[arg(long, default_value = "1s", value_name = "DURATION")]
+    pub(crate) probe_timeout: String,
+    /// How long a host stays ordinary before it is asked again.
+    #[arg(long, default_value = "60s", value_name = "DURATION")]
+    pub(crate) recheck: String,
+    #[command(flatten)]
+    pub(crate) client: ClientArgs,
+    /// The program and its arguments (after `--`).
+    #[arg(
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        required = true,
+        value_name = "CMD"
+    )]
+    pub(crate) command: Vec<std::ffi::OsString>,
+}
+
+#[derive(Debug, Args)]
 pub(crate) struct InterceptArgs {
     /// Destination TCP port whose connections to go through roam (repeatable).
     #[arg(long = "port", value_name = "PORT")]
@@ -680,6 +734,7 @@ pub(crate) fn run(cli: Cli) -> i32 {
             Command::Pipe(a) => crate::pipe::run(a, &config).await,
             Command::Forward(a) => crate::forward::run(a, &config).await,
             Command::Intercept(a) => crate::intercept::run(a, &config).await,
+            Command::Run(a) => crate::run::run(a, &config).await,
             Command::Status(a) => crate::control::status(a, &config).await,
             Command::Detach(a) => crate::pipe::detach(a, &config).await,
             Command::Shell(a) => crate::shell::client::run(a, &config).await,

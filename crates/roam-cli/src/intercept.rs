@@ -74,10 +74,7 @@ pub(crate) async fn run(args: InterceptArgs, config: &FileConfig) -> CliResult {
     if args.ports.contains(&0) {
         return Err(CliError("port 0 cannot be intercepted".into()));
     }
-    let recheck = crate::config::parse_duration(&args.recheck)
-        .map_err(|e| CliError(format!("--recheck: {e}")))?;
-    let probe_timeout = crate::config::parse_duration(&args.probe_timeout)
-        .map_err(|e| CliError(format!("--probe-timeout: {e}")))?;
+    let probe = Probe::parse(args.relay_port, &args.recheck, &args.probe_timeout)?;
     if !nix::unistd::Uid::effective().is_root() {
         return Err(CliError(
             "roam intercept must run as root: it installs nftables rules and marks its sockets"
@@ -116,23 +113,24 @@ pub(crate) async fn run(args: InterceptArgs, config: &FileConfig) -> CliResult {
         args.relay_port,
         rules.table
     );
-    let ctx = Arc::new(Ctx {
-        peers: Mutex::new(HashMap::new()),
-        probing: Mutex::new(HashMap::new()),
-        relay_port: args.relay_port,
-        key: args.client.key.clone(),
-        config: config.clone(),
-        recheck,
-        probe_timeout,
+    let ctx = Arc::new(Ctx::new(
+        config,
+        args.client.key.clone(),
+        probe,
         registry,
-    });
+        true,
+        "intercept",
+    ));
     let mut accept_log = roam::LogThrottle::new(Duration::from_secs(10));
     let code = loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((tcp, _)) => {
-                    tokio::spawn(carry(ctx.clone(), tcp));
-                }
+                Ok((tcp, _)) => match original_destination(&tcp) {
+                    Ok(dest) => {
+                        tokio::spawn(carry(ctx.clone(), tcp, dest));
+                    }
+                    Err(e) => tracing::warn!("a redirected connection without its destination: {e}"),
+                },
                 Err(e) => {
                     if let Some(n) = accept_log.allow(Instant::now()) {
                         tracing::warn!("accept failed: {e}; retrying ({n} more not logged)");
@@ -145,23 +143,7 @@ pub(crate) async fn run(args: InterceptArgs, config: &FileConfig) -> CliResult {
     };
     // New connections to the ports are plain again from here on.
     rules.remove()?;
-    let sessions: Vec<roam::SessionHandle> = {
-        let peers = ctx.peers.lock().unwrap_or_else(|e| e.into_inner());
-        peers
-            .values()
-            .filter_map(|p| match p {
-                Peer::Enhanced(s) => Some(s.clone()),
-                Peer::Ordinary { .. } => None,
-            })
-            .collect()
-    };
-    for s in sessions {
-        let _ = tokio::time::timeout(
-            Duration::from_secs(3),
-            s.close(roam_proto::code::NO_ERROR, ""),
-        )
-        .await;
-    }
+    ctx.close_all().await;
     Ok(code)
 }
 
@@ -174,8 +156,33 @@ enum Peer {
     Ordinary { since: Instant },
 }
 
-/// The agent's shared state.
-struct Ctx {
+/// How hosts are asked whether they run a relay.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Probe {
+    /// Where enhanced hosts run their relay.
+    pub(crate) relay_port: u16,
+    /// How long an ordinary host stays ordinary.
+    pub(crate) recheck: Duration,
+    /// How long the relay port may stay silent.
+    pub(crate) timeout: Duration,
+}
+
+impl Probe {
+    /// From the command line's `--relay-port`, `--recheck` and
+    /// `--probe-timeout`.
+    pub(crate) fn parse(relay_port: u16, recheck: &str, timeout: &str) -> Result<Probe, CliError> {
+        Ok(Probe {
+            relay_port,
+            recheck: crate::config::parse_duration(recheck)
+                .map_err(|e| CliError(format!("--recheck: {e}")))?,
+            timeout: crate::config::parse_duration(timeout)
+                .map_err(|e| CliError(format!("--probe-timeout: {e}")))?,
+        })
+    }
+}
+
+/// The agent's shared state (also `roam run`'s).
+pub(crate) struct Ctx {
     /// What is known of each destination host.
     peers: Mutex<HashMap<IpAddr, Peer>>,
     /// Held while a host is being probed.
@@ -192,6 +199,68 @@ struct Ctx {
     probe_timeout: Duration,
     /// Sessions for `roam status`.
     registry: Registry,
+    /// Mark direct connections (`roam intercept`: its rules skip them).
+    mark: bool,
+    /// The command, for messages (`intercept`, `run`).
+    name: &'static str,
+    /// Connections being carried.
+    active: std::sync::atomic::AtomicUsize,
+}
+
+impl Ctx {
+    /// The agent's state: hosts asked as `probe` says, direct connections
+    /// marked if `mark`, messages signed `roam NAME`.
+    pub(crate) fn new(
+        config: &FileConfig,
+        key: Option<std::path::PathBuf>,
+        probe: Probe,
+        registry: Registry,
+        mark: bool,
+        name: &'static str,
+    ) -> Ctx {
+        Ctx {
+            peers: Mutex::new(HashMap::new()),
+            probing: Mutex::new(HashMap::new()),
+            relay_port: probe.relay_port,
+            key,
+            config: config.clone(),
+            recheck: probe.recheck,
+            probe_timeout: probe.timeout,
+            registry,
+            mark,
+            name,
+            active: std::sync::atomic::AtomicUsize::new(0),
+        }
+    }
+
+    /// Waits (at most 3 s) for the connections being carried to end, then
+    /// closes every session (each waits at most 3 s to deliver what it
+    /// holds).
+    pub(crate) async fn close_all(&self) {
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while self.active.load(std::sync::atomic::Ordering::Relaxed) > 0
+            && Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let sessions: Vec<roam::SessionHandle> = {
+            let peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+            peers
+                .values()
+                .filter_map(|p| match p {
+                    Peer::Enhanced(s) => Some(s.clone()),
+                    Peer::Ordinary { .. } => None,
+                })
+                .collect()
+        };
+        for s in sessions {
+            let _ = tokio::time::timeout(
+                Duration::from_secs(3),
+                s.close(roam_proto::code::NO_ERROR, ""),
+            )
+            .await;
+        }
+    }
 }
 
 /// How one connection is carried.
@@ -202,24 +271,25 @@ enum Route {
     Direct,
 }
 
-/// Carries one redirected connection: as a roam stream or plain.
-async fn carry(ctx: Arc<Ctx>, mut tcp: TcpStream) {
-    let dest = match original_destination(&tcp) {
-        Ok(d) => d,
-        Err(e) => {
-            tracing::warn!("a redirected connection without its destination: {e}");
-            return;
-        }
-    };
+/// Carries one redirected connection, for `dest`: as a roam stream or plain.
+pub(crate) async fn carry(ctx: Arc<Ctx>, tcp: TcpStream, dest: SocketAddrV4) {
+    use std::sync::atomic::Ordering;
+    ctx.active.fetch_add(1, Ordering::Relaxed);
+    carry_one(&ctx, tcp, dest).await;
+    ctx.active.fetch_sub(1, Ordering::Relaxed);
+}
+
+async fn carry_one(ctx: &Arc<Ctx>, mut tcp: TcpStream, dest: SocketAddrV4) {
     let _ = tcp.set_nodelay(true);
     let target = dest.to_string();
-    let route = route(&ctx, IpAddr::V4(*dest.ip())).await;
+    let route = route(ctx, IpAddr::V4(*dest.ip())).await;
     if let Route::Stream(session) = &route {
         match session.open_stream(target.as_bytes()) {
             Ok(mut stream) => {
                 if let Err(e) = crate::pump::pump(&mut tcp, &mut stream).await {
                     eprintln!(
-                        "roam intercept: connection to {target}: {}",
+                        "roam {}: connection to {target}: {}",
+                        ctx.name,
                         explain_stream_error(&e, &target)
                     );
                 }
@@ -228,15 +298,16 @@ async fn carry(ctx: Arc<Ctx>, mut tcp: TcpStream) {
             Err(e) => {
                 // The session ended (its relay lost it or went away): the
                 // next connection asks again; this one is plain.
-                forget(&ctx, IpAddr::V4(*dest.ip()), session);
+                forget(ctx, IpAddr::V4(*dest.ip()), session);
                 eprintln!(
-                    "roam intercept: {}: the session ended ({e}); this connection goes direct",
+                    "roam {}: {}: the session ended ({e}); this connection goes direct",
+                    ctx.name,
                     dest.ip()
                 );
             }
         }
     }
-    if let Err(e) = direct(&mut tcp, dest).await {
+    if let Err(e) = direct(&mut tcp, dest, ctx.mark).await {
         tracing::debug!("direct connection to {target}: {e}");
     }
 }
@@ -263,9 +334,9 @@ async fn route(ctx: &Ctx, host: IpAddr) -> Route {
     let answer = match detect(ctx, &relay).await {
         Ok(session) => {
             eprintln!(
-                "roam intercept: {host} runs a roam relay (port {}): its connections are roam \
+                "roam {}: {host} runs a roam relay (port {}): its connections are roam \
                  sessions",
-                ctx.relay_port
+                ctx.name, ctx.relay_port
             );
             ctx.registry
                 .add(format!("intercept -> {relay}"), session.clone());
@@ -274,8 +345,9 @@ async fn route(ctx: &Ctx, host: IpAddr) -> Route {
         }
         Err(why) => {
             eprintln!(
-                "roam intercept: {host} is an ordinary host ({why}): its connections stay plain \
+                "roam {}: {host} is an ordinary host ({why}): its connections stay plain \
                  TCP (asked again in {})",
+                ctx.name,
                 crate::control::human_secs(ctx.recheck.as_secs_f64())
             );
             Peer::Ordinary {
@@ -350,12 +422,14 @@ fn forget(ctx: &Ctx, host: IpAddr, session: &roam::SessionHandle) {
     }
 }
 
-/// Connects to `dest` with a marked socket (the rules let it pass) and
-/// copies bytes both ways until both sides are done; a refused or failed
-/// connect resets the program's connection, as the peer would have.
-async fn direct(tcp: &mut TcpStream, dest: SocketAddrV4) -> std::io::Result<()> {
+/// Connects to `dest` (with a marked socket if `mark`: the rules let it
+/// pass) and copies bytes both ways until both sides are done; a refused or
+/// failed connect resets the program's connection, as the peer would have.
+async fn direct(tcp: &mut TcpStream, dest: SocketAddrV4, mark: bool) -> std::io::Result<()> {
     let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
-    sock.set_mark(MARK)?;
+    if mark {
+        sock.set_mark(MARK)?;
+    }
     sock.set_nonblocking(true)?;
     sock.set_cloexec(true)?;
     let sock = tokio::net::TcpSocket::from_std_stream(std::net::TcpStream::from(sock));

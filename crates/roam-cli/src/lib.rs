@@ -34,6 +34,7 @@ mod notices;
 mod paths;
 mod pipe;
 mod pump;
+mod run;
 mod sdnotify;
 mod serve;
 mod shell;

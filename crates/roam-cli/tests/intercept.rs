@@ -26,6 +26,8 @@ const ENHANCED: usize = 1;
 const ORDINARY: usize = 2;
 /// The echo servers' port, the one intercepted.
 const PORT: u16 = 5001;
+/// The HTTP servers' port (`roam run` tests).
+const HTTP_PORT: u16 = 8000;
 
 /// Whether the tests can run here.
 fn can_run() -> bool {
@@ -106,6 +108,7 @@ impl Logged {
 /// client host.
 struct Setup {
     lan: Lan,
+    /// `roam intercept` on the client host (a stand-in for tests of `roam run`).
     intercept: Logged,
     _relay: Logged,
     _echoes: Vec<ChildGuard>,
@@ -115,6 +118,12 @@ struct Setup {
 
 impl Setup {
     fn new(name: &str) -> Setup {
+        Setup::start(name, true)
+    }
+
+    /// The LAN, the echo servers and the relay; `roam intercept` only if
+    /// `intercept` (else a `sleep` stands in for it).
+    fn start(name: &str, intercept: bool) -> Setup {
         let lan = Lan::new(name, 3).expect("LAN");
         let mut echoes = Vec::new();
         for host in [ENHANCED, ORDINARY] {
@@ -126,14 +135,23 @@ impl Setup {
         let relay_state = tempfile::tempdir().expect("state dir");
         let mut cmd = roam_in(&lan, ENHANCED, relay_state.path());
         cmd.args(["serve", "--listen", "0.0.0.0:7447", "--allow"])
-            .arg(format!("*:{PORT}"));
+            .arg(format!("*:{PORT}"))
+            .arg("--allow")
+            .arg(format!("*:{HTTP_PORT}"));
         let mut relay = Logged::spawn(cmd, "serve");
         relay.wait_for("listening on", Duration::from_secs(20));
         let client_state = tempfile::tempdir().expect("state dir");
-        let mut cmd = roam_in(&lan, CLIENT, client_state.path());
-        cmd.args(["intercept", "--port", &PORT.to_string()]);
-        let mut intercept = Logged::spawn(cmd, "intercept");
-        intercept.wait_for("go through roam", Duration::from_secs(20));
+        let intercept = if intercept {
+            let mut cmd = roam_in(&lan, CLIENT, client_state.path());
+            cmd.args(["intercept", "--port", &PORT.to_string()]);
+            let mut intercept = Logged::spawn(cmd, "intercept");
+            intercept.wait_for("go through roam", Duration::from_secs(20));
+            intercept
+        } else {
+            let mut sleep = Command::new("sleep");
+            sleep.arg("600");
+            Logged::spawn(sleep, "sleep")
+        };
         Setup {
             lan,
             intercept,
@@ -340,4 +358,151 @@ fn a_signal_ends_the_intercept_and_removes_its_rules() {
         .expect("roam intercept exited");
     assert_eq!(status.code(), Some(128 + 15));
     assert!(s.tables().is_empty(), "{:?}", s.tables());
+}
+
+/// An HTTP server (python3 -m http.server) on `host`, serving `dir`.
+fn http_server(lan: &Lan, host: usize, dir: &Path) -> ChildGuard {
+    let mut cmd = Command::new("nsenter");
+    cmd.arg(format!("--net=/run/netns/{}", lan.ns(host)))
+        .args([
+            "--",
+            "python3",
+            "-m",
+            "http.server",
+            &HTTP_PORT.to_string(),
+            "--bind",
+        ])
+        .arg(lan.addr(host).to_string())
+        .arg("--directory")
+        .arg(dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    let server = ChildGuard::spawn(&mut cmd).expect("http.server");
+    let addr = SocketAddr::from((lan.addr(host), HTTP_PORT));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while lan.tcp_connect(host, addr, Duration::from_secs(1)).is_err() {
+        assert!(Instant::now() < deadline, "http.server never listened");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    server
+}
+
+/// A file no two 8-byte words of which are alike, and its SHA-256.
+fn pattern_file(path: &Path, len: usize) -> Vec<u8> {
+    use sha2::Digest;
+    let body: Vec<u8> = (0..len as u64 / 8)
+        .flat_map(|i| (i.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ i).to_le_bytes())
+        .collect();
+    std::fs::write(path, &body).expect("write the file");
+    sha2::Sha256::digest(&body).to_vec()
+}
+
+/// `roam run -- curl` downloads from the enhanced host: a plain curl, its
+/// connection carried by a session, goes on across a 2 s link cut and a new
+/// address for the client host (the old one gone for good), and the file
+/// arrives whole (SHA-256). Without roam, curl's connection, bound to the old
+/// address, could not survive that.
+#[test]
+fn roam_run_curl_survives_a_link_cut_and_a_new_client_address() {
+    use sha2::Digest;
+    if !can_run() || !netns::installed("curl") {
+        eprintln!("skipped: needs curl too");
+        return;
+    }
+    let s = Setup::start("run_curl", false);
+    let site = tempfile::tempdir().expect("site");
+    let want = pattern_file(&site.path().join("big.bin"), 24 << 20);
+    let _http = http_server(&s.lan, ENHANCED, site.path());
+    let got = tempfile::tempdir().expect("download dir");
+    let out = got.path().join("big.bin");
+    let mut cmd = roam_in(&s.lan, CLIENT, s.client_state.path());
+    cmd.args([
+        "run",
+        "--",
+        "curl",
+        "--silent",
+        "--show-error",
+        "--fail",
+        "--limit-rate",
+        "4M",
+        "-o",
+    ])
+    .arg(&out)
+    .arg(format!(
+        "http://{}:{HTTP_PORT}/big.bin",
+        s.lan.addr(ENHANCED)
+    ));
+    let mut run = Logged::spawn(cmd, "run");
+    run.wait_for("runs a roam relay", Duration::from_secs(20));
+    let size = || std::fs::metadata(&out).map_or(0, |m| m.len());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while size() < 2 << 20 {
+        assert!(Instant::now() < deadline, "the download never got going");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    s.ip(CLIENT, &["link", "set", "roam0", "down"]);
+    std::thread::sleep(Duration::from_secs(2));
+    s.ip(CLIENT, &["link", "set", "roam0", "up"]);
+    let old = s.lan.addr(CLIENT);
+    s.lan.del_addr(CLIENT, old).expect("remove the old address");
+    s.lan
+        .add_addr(CLIENT, s.lan.subnet_addr(77))
+        .expect("add the new address");
+    let at = size();
+    let status = run
+        .child
+        .wait_timeout(Duration::from_secs(90))
+        .expect("wait")
+        .unwrap_or_else(|| panic!("curl did not finish; {at} bytes at the address change"));
+    assert!(status.success(), "roam run -- curl: {status}\n{}", run.seen);
+    let body = std::fs::read(&out).expect("the download");
+    assert_eq!(body.len(), 24 << 20, "length");
+    assert!(
+        sha2::Sha256::digest(&body).to_vec() == want,
+        "the file differs"
+    );
+    eprintln!("curl: 24 MiB whole across a link cut and an address change ({at} bytes before it)");
+}
+
+/// `roam run -- curl` against an ordinary host (no relay): plain TCP, the
+/// file whole, and the host named ordinary.
+#[test]
+fn roam_run_curl_against_an_ordinary_host_is_plain() {
+    use sha2::Digest;
+    if !can_run() || !netns::installed("curl") {
+        eprintln!("skipped: needs curl too");
+        return;
+    }
+    let s = Setup::start("run_plain", false);
+    let site = tempfile::tempdir().expect("site");
+    let want = pattern_file(&site.path().join("f.bin"), 4 << 20);
+    let _http = http_server(&s.lan, ORDINARY, site.path());
+    let got = tempfile::tempdir().expect("download dir");
+    let out = got.path().join("f.bin");
+    let mut cmd = roam_in(&s.lan, CLIENT, s.client_state.path());
+    cmd.args([
+        "run",
+        "--",
+        "curl",
+        "--silent",
+        "--show-error",
+        "--fail",
+        "-o",
+    ])
+    .arg(&out)
+    .arg(format!("http://{}:{HTTP_PORT}/f.bin", s.lan.addr(ORDINARY)));
+    let mut run = Logged::spawn(cmd, "run");
+    run.wait_for("is an ordinary host", Duration::from_secs(20));
+    let status = run
+        .child
+        .wait_timeout(Duration::from_secs(60))
+        .expect("wait")
+        .expect("curl finished");
+    assert!(status.success(), "{status}\n{}", run.seen);
+    let body = std::fs::read(&out).expect("the download");
+    assert!(
+        sha2::Sha256::digest(&body).to_vec() == want,
+        "the file differs"
+    );
 }
