@@ -28,6 +28,8 @@ const ORDINARY: usize = 2;
 const PORT: u16 = 5001;
 /// The HTTP servers' port (`roam run` tests).
 const HTTP_PORT: u16 = 8000;
+/// redis-server's port (`roam run` test).
+const REDIS_PORT: u16 = 6379;
 
 /// Whether the tests can run here.
 fn can_run() -> bool {
@@ -137,7 +139,9 @@ impl Setup {
         cmd.args(["serve", "--listen", "0.0.0.0:7447", "--allow"])
             .arg(format!("*:{PORT}"))
             .arg("--allow")
-            .arg(format!("*:{HTTP_PORT}"));
+            .arg(format!("*:{HTTP_PORT}"))
+            .arg("--allow")
+            .arg(format!("*:{REDIS_PORT}"));
         let mut relay = Logged::spawn(cmd, "serve");
         relay.wait_for("listening on", Duration::from_secs(20));
         let client_state = tempfile::tempdir().expect("state dir");
@@ -505,4 +509,176 @@ fn roam_run_curl_against_an_ordinary_host_is_plain() {
         sha2::Sha256::digest(&body).to_vec() == want,
         "the file differs"
     );
+}
+
+/// `roam run -- redis-cli` against redis-server on the enhanced host:
+/// redis-cli (hiredis: a non-blocking connect, then poll) works through the
+/// preload, its replies in order across a link cut. (Needs redis-server
+/// and redis-cli.)
+#[test]
+fn roam_run_redis_cli_counts_through_a_link_cut() {
+    if !can_run() || !netns::installed("redis-server") || !netns::installed("redis-cli") {
+        eprintln!("skipped: needs redis-server and redis-cli too");
+        return;
+    }
+    let s = Setup::start("run_redis", false);
+    let mut cmd = Command::new("nsenter");
+    cmd.arg(format!("--net=/run/netns/{}", s.lan.ns(ENHANCED)))
+        .args(["--", "redis-server", "--bind"])
+        .arg(s.lan.addr(ENHANCED).to_string())
+        .args(["--port", &REDIS_PORT.to_string()])
+        .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
+        .args(["--dir", "/tmp", "--logfile", ""])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    let _redis = ChildGuard::spawn(&mut cmd).expect("redis-server");
+    let addr = SocketAddr::from((s.lan.addr(ENHANCED), REDIS_PORT));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while s
+        .lan
+        .tcp_connect(ENHANCED, addr, Duration::from_secs(1))
+        .is_err()
+    {
+        assert!(Instant::now() < deadline, "redis never listened");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // redis-cli reads commands from stdin: 200 INCRs, then (after the link
+    // cut) 200 more.
+    let (tx, rx) = mpsc::channel::<()>();
+    let mut cmd = roam_in(&s.lan, CLIENT, s.client_state.path());
+    cmd.args([
+        "run",
+        "--port",
+        &REDIS_PORT.to_string(),
+        "--",
+        "redis-cli",
+        "-h",
+    ])
+    .arg(s.lan.addr(ENHANCED).to_string())
+    .args(["-p", &REDIS_PORT.to_string()])
+    .stdin(Stdio::piped())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    let mut child = cmd.spawn().expect("roam run -- redis-cli");
+    let mut stdin = child.stdin.take().expect("stdin");
+    let feeder = std::thread::spawn(move || {
+        use std::io::Write;
+        for _ in 0..200 {
+            writeln!(stdin, "INCR roam:run").expect("write");
+        }
+        stdin.flush().expect("flush");
+        let _ = rx.recv_timeout(Duration::from_secs(60));
+        for _ in 0..200 {
+            writeln!(stdin, "INCR roam:run").expect("write");
+        }
+    });
+    let (line_tx, replies) = mpsc::channel::<String>();
+    let out = child.stdout.take().expect("stdout");
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            let _ = line_tx.send(line);
+        }
+    });
+    let next = |n: u64| {
+        let line = replies
+            .recv_timeout(Duration::from_secs(30))
+            .unwrap_or_else(|e| panic!("no reply {n} within 30 s: {e}"));
+        assert_eq!(line.trim(), n.to_string(), "reply {n}");
+    };
+    for n in 1..=200 {
+        next(n);
+    }
+    s.ip(CLIENT, &["link", "set", "roam0", "down"]);
+    std::thread::sleep(Duration::from_secs(2));
+    s.ip(CLIENT, &["link", "set", "roam0", "up"]);
+    tx.send(()).expect("feeder");
+    for n in 201..=400 {
+        next(n);
+    }
+    feeder.join().expect("feeder");
+    let out = child.wait_with_output().expect("roam run");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}: {err}", out.status);
+    assert!(err.contains("runs a roam relay"), "carried by roam: {err}");
+}
+
+/// The client of [`roam_run_connection_survives_fork_and_exec`]: connects,
+/// echoes 1,000 lines, forks; the child execs a new Python that takes the
+/// inherited descriptor, echoes 1,000 lines, says so (a file), waits for
+/// the link to heal (another file) and echoes 1,000 more. Every line must
+/// come back exactly.
+const FORK_EXEC_CLIENT: &str = r#"
+import os, socket, sys, time
+addr, port, cut, healed = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+def echo(s, f, first, n):
+    for i in range(first, first + n):
+        line = b"line %d\n" % i
+        s.sendall(line)
+        got = f.readline()
+        assert got == line, (got, line)
+s = socket.create_connection((addr, port))
+echo(s, s.makefile("rb"), 0, 1000)
+fd = s.detach()
+os.set_inheritable(fd, True)
+pid = os.fork()
+if pid == 0:
+    child = (
+        "import os, socket, sys, time\n"
+        "s = socket.socket(fileno=int(sys.argv[1]))\n"
+        "f = s.makefile('rb')\n"
+        "def echo(first, n):\n"
+        "    for i in range(first, first + n):\n"
+        "        line = b'line %d\\n' % i\n"
+        "        s.sendall(line)\n"
+        "        got = f.readline()\n"
+        "        assert got == line, (got, line)\n"
+        "echo(1000, 1000)\n"
+        "open(sys.argv[2], 'w').close()\n"
+        "while not os.path.exists(sys.argv[3]):\n"
+        "    time.sleep(0.01)\n"
+        "echo(2000, 1000)\n"
+    )
+    os.execv(sys.executable, [sys.executable, "-c", child, str(fd), cut, healed])
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"#;
+
+/// A Python client under `roam run` connects to the enhanced host's echo
+/// server, then forks, and the child execs a new Python that goes on with
+/// the inherited connection across a link cut: every echoed line checked.
+/// The connection survives fork and exec, as in rocks.
+#[test]
+fn roam_run_connection_survives_fork_and_exec() {
+    if !can_run() {
+        return;
+    }
+    let s = Setup::start("run_fork", false);
+    let flags = tempfile::tempdir().expect("flag dir");
+    let cut = flags.path().join("cut");
+    let healed = flags.path().join("healed");
+    let mut cmd = roam_in(&s.lan, CLIENT, s.client_state.path());
+    cmd.args(["run", "--port", &PORT.to_string(), "--"])
+        .args(["python3", "-c", FORK_EXEC_CLIENT])
+        .arg(s.lan.addr(ENHANCED).to_string())
+        .arg(PORT.to_string())
+        .arg(&cut)
+        .arg(&healed);
+    let mut run = Logged::spawn(cmd, "run");
+    run.wait_for("runs a roam relay", Duration::from_secs(20));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !cut.exists() {
+        assert!(Instant::now() < deadline, "the child never got going");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    s.ip(CLIENT, &["link", "set", "roam0", "down"]);
+    std::thread::sleep(Duration::from_secs(2));
+    s.ip(CLIENT, &["link", "set", "roam0", "up"]);
+    std::fs::write(&healed, b"").expect("flag");
+    let status = run
+        .child
+        .wait_timeout(Duration::from_secs(60))
+        .expect("wait")
+        .expect("the client finished");
+    assert!(status.success(), "{status}: {}", run.seen);
 }
