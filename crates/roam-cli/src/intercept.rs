@@ -125,7 +125,15 @@ pub(crate) async fn run(args: InterceptArgs, config: &FileConfig) -> CliResult {
     let code = loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((tcp, _)) => match original_destination(&tcp) {
+                Ok((tcp, from)) => match original_destination(&tcp) {
+                    // The rules never redirect to loopback: such a
+                    // "destination" is a connection made straight to the
+                    // agent's port (by any local user), which must not be
+                    // carried (carried plainly, it would connect to the
+                    // agent again, and again).
+                    Ok(dest) if dest.ip().is_loopback() || dest.ip().is_unspecified() => {
+                        tracing::warn!("refused a connection from {from} made straight to the agent");
+                    }
                     Ok(dest) => {
                         tokio::spawn(carry(ctx.clone(), tcp, dest));
                     }

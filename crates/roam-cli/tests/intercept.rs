@@ -112,6 +112,8 @@ struct Setup {
     lan: Lan,
     /// `roam intercept` on the client host (a stand-in for tests of `roam run`).
     intercept: Logged,
+    /// Its agent's port on the client host's 127.0.0.1 (0 without it).
+    agent_port: u16,
     _relay: Logged,
     _echoes: Vec<ChildGuard>,
     client_state: tempfile::TempDir,
@@ -145,11 +147,18 @@ impl Setup {
         let mut relay = Logged::spawn(cmd, "serve");
         relay.wait_for("listening on", Duration::from_secs(20));
         let client_state = tempfile::tempdir().expect("state dir");
+        let mut agent_port = 0;
         let intercept = if intercept {
             let mut cmd = roam_in(&lan, CLIENT, client_state.path());
             cmd.args(["intercept", "--port", &PORT.to_string()]);
             let mut intercept = Logged::spawn(cmd, "intercept");
-            intercept.wait_for("go through roam", Duration::from_secs(20));
+            let line = intercept.wait_for("go through roam", Duration::from_secs(20));
+            agent_port = line
+                .split("agent 127.0.0.1:")
+                .nth(1)
+                .and_then(|r| r.split(|c: char| !c.is_ascii_digit()).next())
+                .and_then(|p| p.parse().ok())
+                .unwrap_or_else(|| panic!("no agent port in {line:?}"));
             intercept
         } else {
             let mut sleep = Command::new("sleep");
@@ -159,6 +168,7 @@ impl Setup {
         Setup {
             lan,
             intercept,
+            agent_port,
             _relay: relay,
             _echoes: echoes,
             client_state,
@@ -316,6 +326,43 @@ fn a_connection_to_an_ordinary_host_stays_plain_and_cleanup_removes_a_crashed_ru
         );
     }
     eprintln!("ordinary host: first 4 MiB verified in {took:?}, then the reset ended it");
+
+    // A connection made straight to the agent's port (any local user can)
+    // is refused, not carried: carried plainly it would reach the agent
+    // again, without end.
+    let mut straight = s
+        .lan
+        .tcp_connect(
+            CLIENT,
+            SocketAddr::from(([127, 0, 0, 1], s.agent_port)),
+            Duration::from_secs(5),
+        )
+        .expect("connect to the agent");
+    straight
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    std::thread::sleep(Duration::from_secs(1));
+    let established = Command::new("nsenter")
+        .arg(format!("--net=/run/netns/{}", s.lan.ns(CLIENT)))
+        .args(["--", "ss", "-tnH", "state", "established"])
+        .output()
+        .expect("ss");
+    let n = String::from_utf8_lossy(&established.stdout).lines().count();
+    assert!(n < 10, "{n} connections on the client host: a loop?");
+    let mut byte = [0u8; 1];
+    let ended = std::io::Read::read(&mut straight, &mut byte);
+    assert!(
+        match &ended {
+            Ok(n) => *n == 0,
+            Err(e) => !matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ),
+        },
+        "the agent did not close a straight connection: {ended:?}"
+    );
+    s.intercept
+        .wait_for("made straight to the agent", Duration::from_secs(5));
 
     assert_eq!(s.tables().len(), 1, "{:?}", s.tables());
     s.intercept
