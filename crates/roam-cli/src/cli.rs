@@ -183,6 +183,9 @@ dup work as before; children inherit the library). Not carried: IPv6, UDP,
 statically linked programs (they ignore LD_PRELOAD), incoming connections.
 getpeername() on a carried socket names the agent (127.0.0.1).
 
+roam run ends when the program does (after delivering what it wrote); the
+connections of any children it left running end then too.
+
 Exit status: the program's (128+signal if a signal ended it). SIGINT, SIGTERM
 and SIGHUP are passed to the program.")]
     Run(RunArgs),

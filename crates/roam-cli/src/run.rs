@@ -107,8 +107,11 @@ pub(crate) async fn run(args: RunArgs, config: &FileConfig) -> CliResult {
                         p.retain(|_, (_, at)| at.elapsed() < REGISTRATION_TTL);
                         p.remove(&from.port()).map(|(d, _)| d)
                     };
+                    // (A socket the program had bound to another local
+                    // address reaches the agent from that address: the
+                    // registration, not the source, says it is ours.)
                     match dest {
-                        Some(dest) if from.ip().is_loopback() => {
+                        Some(dest) => {
                             tokio::spawn(carry(ctx.clone(), tcp, dest));
                         }
                         // Not registered by the preload: someone else's.
