@@ -347,7 +347,7 @@ async fn route(ctx: &Ctx, host: IpAddr) -> Route {
                 ctx.name, ctx.relay_port
             );
             ctx.registry
-                .add(format!("intercept -> {relay}"), session.clone());
+                .add(format!("{} -> {relay}", ctx.name), session.clone());
             tokio::spawn(crate::notices::watch(session.clone(), relay.clone()));
             Peer::Enhanced(session)
         }

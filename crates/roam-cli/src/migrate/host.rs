@@ -108,7 +108,7 @@ pub(crate) fn inspect(pid: i32) -> Result<ProcessInfo, CliError> {
     let mut info = ProcessInfo {
         pid,
         name: comm.trim().to_owned(),
-        pids: pids.clone(),
+        pids,
         ..ProcessInfo::default()
     };
     for table in ["tcp", "tcp6", "udp", "udp6"] {
