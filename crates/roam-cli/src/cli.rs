@@ -570,11 +570,9 @@ pub(crate) struct ForwardArgs {
     pub(crate) client: ClientArgs,
 }
 
+/// How `roam run` and `roam intercept` find out whether a host runs a relay.
 #[derive(Debug, Args)]
-pub(crate) struct RunArgs {
-    /// Destination TCP port to carry (repeatable) [default: every port].
-    #[arg(long = "port", value_name = "PORT")]
-    pub(crate) ports: Vec<u16>,
+pub(crate) struct ProbeArgs {
     /// The port enhanced hosts run `roam serve` on.
     #[arg(long, default_value_t = 7447, value_name = "PORT")]
     pub(crate) relay_port: u16,
@@ -584,6 +582,15 @@ pub(crate) struct RunArgs {
     /// How long a host stays ordinary before it is asked again.
     #[arg(long, default_value = "60s", value_name = "DURATION")]
     pub(crate) recheck: String,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct RunArgs {
+    /// Destination TCP port to carry (repeatable) [default: every port].
+    #[arg(long = "port", value_name = "PORT")]
+    pub(crate) ports: Vec<u16>,
+    #[command(flatten)]
+    pub(crate) probe: ProbeArgs,
     #[command(flatten)]
     pub(crate) client: ClientArgs,
     /// The program and its arguments (after `--`).
@@ -601,15 +608,8 @@ pub(crate) struct InterceptArgs {
     /// Destination TCP port whose connections to go through roam (repeatable).
     #[arg(long = "port", value_name = "PORT")]
     pub(crate) ports: Vec<u16>,
-    /// The port enhanced hosts run `roam serve` on.
-    #[arg(long, default_value_t = 7447, value_name = "PORT")]
-    pub(crate) relay_port: u16,
-    /// How long the relay port may stay silent before a host counts as ordinary.
-    #[arg(long, default_value = "1s", value_name = "DURATION")]
-    pub(crate) probe_timeout: String,
-    /// How long a host stays ordinary before it is asked again.
-    #[arg(long, default_value = "60s", value_name = "DURATION")]
-    pub(crate) recheck: String,
+    #[command(flatten)]
+    pub(crate) probe: ProbeArgs,
     /// Remove every rule set `roam intercept` installed on this host (e.g. after a crash), then exit.
     #[arg(long)]
     pub(crate) cleanup: bool,

@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::cli::{CliError, CliResult, InterceptArgs};
+use crate::cli::{CliError, CliResult, InterceptArgs, ProbeArgs};
 use crate::config::FileConfig;
 use crate::connect::{connect_relay_over, explain_stream_error};
 use crate::control::Registry;
@@ -65,16 +65,16 @@ pub(crate) async fn run(args: InterceptArgs, config: &FileConfig) -> CliResult {
             "name at least one port to intercept (--port PORT, repeatable), or --cleanup".into(),
         ));
     }
-    if args.ports.contains(&args.relay_port) {
+    if args.ports.contains(&args.probe.relay_port) {
         return Err(CliError(format!(
             "port {} is the relay port (--relay-port): its own connections cannot be intercepted",
-            args.relay_port
+            args.probe.relay_port
         )));
     }
     if args.ports.contains(&0) {
         return Err(CliError("port 0 cannot be intercepted".into()));
     }
-    let probe = Probe::parse(args.relay_port, &args.recheck, &args.probe_timeout)?;
+    let probe = Probe::parse(&args.probe)?;
     if !nix::unistd::Uid::effective().is_root() {
         return Err(CliError(
             "roam intercept must run as root: it installs nftables rules and marks its sockets"
@@ -110,7 +110,7 @@ pub(crate) async fn run(args: InterceptArgs, config: &FileConfig) -> CliResult {
         "roam intercept: connections to port{} {ports} go through roam where the peer runs a \
          relay on port {} (agent 127.0.0.1:{agent}, rules: table ip {})",
         if args.ports.len() == 1 { "" } else { "s" },
-        args.relay_port,
+        probe.relay_port,
         rules.table
     );
     let ctx = Arc::new(Ctx::new(
@@ -178,12 +178,12 @@ pub(crate) struct Probe {
 impl Probe {
     /// From the command line's `--relay-port`, `--recheck` and
     /// `--probe-timeout`.
-    pub(crate) fn parse(relay_port: u16, recheck: &str, timeout: &str) -> Result<Probe, CliError> {
+    pub(crate) fn parse(args: &ProbeArgs) -> Result<Probe, CliError> {
         Ok(Probe {
-            relay_port,
-            recheck: crate::config::parse_duration(recheck)
+            relay_port: args.relay_port,
+            recheck: crate::config::parse_duration(&args.recheck)
                 .map_err(|e| CliError(format!("--recheck: {e}")))?,
-            timeout: crate::config::parse_duration(timeout)
+            timeout: crate::config::parse_duration(&args.probe_timeout)
                 .map_err(|e| CliError(format!("--probe-timeout: {e}")))?,
         })
     }

@@ -43,7 +43,7 @@ pub(crate) async fn run(args: RunArgs, config: &FileConfig) -> CliResult {
             "name the program to run after `--`, e.g. `roam run -- curl URL`".into(),
         ));
     };
-    let probe = Probe::parse(args.relay_port, &args.recheck, &args.probe_timeout)?;
+    let probe = Probe::parse(&args.probe)?;
     let dir = crate::paths::state_dir(config).join("run");
     crate::paths::ensure_private_dir(&dir)
         .map_err(|e| CliError(format!("cannot use {}: {e}", dir.display())))?;

@@ -449,6 +449,42 @@ fn pattern_file(path: &Path, len: usize) -> Vec<u8> {
     sha2::Sha256::digest(&body).to_vec()
 }
 
+/// A `roam run -- curl` download of a pattern file of `len` bytes from
+/// `host`'s HTTP server (started here), with curl's `extra` options.
+struct Download {
+    /// Where curl writes the file.
+    out: std::path::PathBuf,
+    /// The file's SHA-256.
+    want: Vec<u8>,
+    /// `roam run -- curl`, running.
+    run: Logged,
+    _http: ChildGuard,
+    _dirs: (tempfile::TempDir, tempfile::TempDir),
+}
+
+impl Download {
+    fn start(s: &Setup, host: usize, len: usize, extra: &[&str]) -> Download {
+        let site = tempfile::tempdir().expect("site");
+        let want = pattern_file(&site.path().join("f.bin"), len);
+        let http = http_server(&s.lan, host, site.path());
+        let got = tempfile::tempdir().expect("download dir");
+        let out = got.path().join("f.bin");
+        let mut cmd = roam_in(&s.lan, CLIENT, s.client_state.path());
+        cmd.args(["run", "--", "curl", "--silent", "--show-error", "--fail"])
+            .args(extra)
+            .arg("-o")
+            .arg(&out)
+            .arg(format!("http://{}:{HTTP_PORT}/f.bin", s.lan.addr(host)));
+        Download {
+            out,
+            want,
+            run: Logged::spawn(cmd, "run"),
+            _http: http,
+            _dirs: (site, got),
+        }
+    }
+}
+
 /// `roam run -- curl` downloads from the enhanced host: a plain curl, its
 /// connection carried by a session, goes on across a 2 s link cut and a new
 /// address for the client host (the old one gone for good), and the file
@@ -462,29 +498,14 @@ fn roam_run_curl_survives_a_link_cut_and_a_new_client_address() {
         return;
     }
     let s = Setup::start("run_curl", false);
-    let site = tempfile::tempdir().expect("site");
-    let want = pattern_file(&site.path().join("big.bin"), 24 << 20);
-    let _http = http_server(&s.lan, ENHANCED, site.path());
-    let got = tempfile::tempdir().expect("download dir");
-    let out = got.path().join("big.bin");
-    let mut cmd = roam_in(&s.lan, CLIENT, s.client_state.path());
-    cmd.args([
-        "run",
-        "--",
-        "curl",
-        "--silent",
-        "--show-error",
-        "--fail",
-        "--limit-rate",
-        "4M",
-        "-o",
-    ])
-    .arg(&out)
-    .arg(format!(
-        "http://{}:{HTTP_PORT}/big.bin",
-        s.lan.addr(ENHANCED)
-    ));
-    let mut run = Logged::spawn(cmd, "run");
+    // (The server and directories live as long as these bindings.)
+    let Download {
+        out,
+        want,
+        mut run,
+        _http,
+        _dirs,
+    } = Download::start(&s, ENHANCED, 24 << 20, &["--limit-rate", "4M"]);
     run.wait_for("runs a roam relay", Duration::from_secs(20));
     let size = || std::fs::metadata(&out).map_or(0, |m| m.len());
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -526,24 +547,13 @@ fn roam_run_curl_against_an_ordinary_host_is_plain() {
         return;
     }
     let s = Setup::start("run_plain", false);
-    let site = tempfile::tempdir().expect("site");
-    let want = pattern_file(&site.path().join("f.bin"), 4 << 20);
-    let _http = http_server(&s.lan, ORDINARY, site.path());
-    let got = tempfile::tempdir().expect("download dir");
-    let out = got.path().join("f.bin");
-    let mut cmd = roam_in(&s.lan, CLIENT, s.client_state.path());
-    cmd.args([
-        "run",
-        "--",
-        "curl",
-        "--silent",
-        "--show-error",
-        "--fail",
-        "-o",
-    ])
-    .arg(&out)
-    .arg(format!("http://{}:{HTTP_PORT}/f.bin", s.lan.addr(ORDINARY)));
-    let mut run = Logged::spawn(cmd, "run");
+    let Download {
+        out,
+        want,
+        mut run,
+        _http,
+        _dirs,
+    } = Download::start(&s, ORDINARY, 4 << 20, &[]);
     run.wait_for("is an ordinary host", Duration::from_secs(20));
     let status = run
         .child

@@ -57,6 +57,36 @@ fn can_run() -> bool {
     true
 }
 
+/// [`can_run`], and `tool` (a real server a test moves) is installed;
+/// panics when `$ROAM_CRIU` is set and it is not.
+fn can_run_with(tool: &str) -> bool {
+    if !can_run() {
+        return false;
+    }
+    if !netns::installed(tool) {
+        assert!(
+            std::env::var_os("ROAM_CRIU").is_none(),
+            "ROAM_CRIU is set but {tool} is not installed"
+        );
+        eprintln!("skipped: {tool} is not installed");
+        return false;
+    }
+    true
+}
+
+/// Waits (at most 10 s) until `addr` accepts connections from the client
+/// host; `what` names the server in the failure.
+fn wait_listening(lan: &Lan, addr: SocketAddr, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while lan
+        .tcp_connect(CLIENT, addr, Duration::from_secs(1))
+        .is_err()
+    {
+        assert!(Instant::now() < deadline, "{what} never listened");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// `roam ARGS` inside host `i`'s network namespace, with its own state dir.
 fn roam_in(lan: &Lan, i: usize, state: &Path) -> Command {
     let mut c = Command::new("nsenter");
@@ -778,15 +808,7 @@ fn a_signal_while_the_images_travel_calls_the_move_off() {
 /// installs it.)
 #[test]
 fn redis_with_a_thousand_counting_clients_moves_without_a_lost_or_repeated_increment() {
-    if !can_run() {
-        return;
-    }
-    if !netns::installed("redis-server") {
-        assert!(
-            std::env::var_os("ROAM_CRIU").is_none(),
-            "ROAM_CRIU is set but redis-server is not installed"
-        );
-        eprintln!("skipped: redis-server is not installed");
+    if !can_run_with("redis-server") {
         return;
     }
     const CLIENTS: usize = 1000;
@@ -830,14 +852,7 @@ fn redis_with_a_thousand_counting_clients_moves_without_a_lost_or_repeated_incre
             .spawn()
             .expect("start redis-server");
         let addr = SocketAddr::from((service, REDIS_PORT));
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while lan
-            .tcp_connect(CLIENT, addr, Duration::from_secs(1))
-            .is_err()
-        {
-            assert!(Instant::now() < deadline, "redis never listened");
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        wait_listening(lan, addr, "redis");
         (server, None)
     });
     let addr = SocketAddr::from((s.service, REDIS_PORT));
@@ -969,15 +984,7 @@ fn nginx_moves_in_the_middle_of_a_hundred_downloads_each_arriving_whole() {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
 
-    if !can_run() {
-        return;
-    }
-    if !netns::installed("nginx") {
-        assert!(
-            std::env::var_os("ROAM_CRIU").is_none(),
-            "ROAM_CRIU is set but nginx is not installed"
-        );
-        eprintln!("skipped: nginx is not installed");
+    if !can_run_with("nginx") {
         return;
     }
     const DOWNLOADS: usize = 100;
@@ -1024,14 +1031,7 @@ fn nginx_moves_in_the_middle_of_a_hundred_downloads_each_arriving_whole() {
             .spawn()
             .expect("start nginx");
         let addr = SocketAddr::from((service, HTTP_PORT));
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while lan
-            .tcp_connect(CLIENT, addr, Duration::from_secs(1))
-            .is_err()
-        {
-            assert!(Instant::now() < deadline, "nginx never listened");
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        wait_listening(lan, addr, "nginx");
         (server, None)
     });
     let addr = SocketAddr::from((s.service, HTTP_PORT));
