@@ -1,6 +1,7 @@
 //! The `roam` command's text parsers (`roam_cli::parsers`): config file,
 //! authorized keys, known servers, allow rules, durations, control replies,
-//! the record a detached named session leaves (`roam pipe --name`),
+//! the record a detached named session leaves (`roam pipe --name`) and
+//! its journal's slot files,
 //! `roam shell`'s stream frames and request, the control frames between
 //! the relay and a shell's worker process, and `roam migrate-process`'s
 //! stream frames.
@@ -57,6 +58,10 @@ fuzz_target!(|data: &[u8]| {
             // or spacing; its re-encoding is canonical and stable.
             if let Ok(again) = parsers::detached_record(rest) {
                 assert_eq!(parsers::detached_record(&again), Ok(again.clone()));
+            }
+            // The same bytes as a journal slot (its record is the same format).
+            if let Ok(Some(again)) = parsers::journal_slot(rest) {
+                assert_eq!(parsers::journal_slot(&again), Ok(Some(again.clone())));
             }
         }
         7 => {

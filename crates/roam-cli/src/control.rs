@@ -555,12 +555,23 @@ fn print_detached(detached: &[crate::named::DetachedStatus]) {
     for d in detached {
         match &d.error {
             None => println!(
-                "detached {:<16} {} -> {}  for {}  {} pending  (re-attach: roam pipe --name {} {} {})",
+                "detached {:<16} {} -> {}  {} {}  {} pending{}  (re-attach: roam pipe --name {} {} {})",
                 d.name,
                 d.relay,
                 d.target,
+                if d.killed {
+                    "client killed, last journaled"
+                } else {
+                    "for"
+                },
                 human_secs(d.detached_for_secs as f64),
                 human_bytes(d.pending_bytes),
+                match (d.input_taken, d.output_printed) {
+                    (Some(i), Some(o)) => format!(
+                        "  input taken {i} B, output printed {o} B"
+                    ),
+                    _ => String::new(),
+                },
                 d.name,
                 d.relay,
                 d.target

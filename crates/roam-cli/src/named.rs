@@ -67,6 +67,19 @@ pub(crate) struct Header {
     pub(crate) unaccepted: Vec<u64>,
     /// `roam::Detached::orphans`.
     pub(crate) orphans: Vec<u64>,
+    /// Written by the journal of a client that was still attached (it was
+    /// killed or crashed before it could detach), not by a detach.
+    #[serde(default)]
+    pub(crate) journal: bool,
+    /// Bytes of input the session's clients had taken from their stdin so
+    /// far, `upload` included; the next client's stdin follows them.
+    /// `None` in records of an older roam.
+    #[serde(default)]
+    pub(crate) input_taken: Option<u64>,
+    /// Bytes of the target's output the session's clients had printed, not
+    /// counting `download`; the next client's stdout follows them.
+    #[serde(default)]
+    pub(crate) output_printed: Option<u64>,
 }
 
 /// A detached session as it sits in its record.
@@ -84,18 +97,14 @@ pub(crate) struct Record {
 impl Record {
     /// The record's bytes.
     pub(crate) fn encode(&self) -> Vec<u8> {
-        let header = serde_json::to_vec(&self.header).expect("a header always serializes");
-        let mut out = Vec::with_capacity(
-            32 + header.len() + self.continuation.len() + self.upload.len() + self.download.len(),
+        let mut out = Vec::new();
+        encode_parts(
+            &self.header,
+            &self.continuation,
+            &self.upload,
+            &self.download,
+            &mut out,
         );
-        out.extend_from_slice(&MAGIC);
-        out.push(VERSION);
-        out.extend_from_slice(&(header.len() as u32).to_le_bytes());
-        out.extend_from_slice(&header);
-        for section in [&self.continuation, &self.upload, &self.download] {
-            out.extend_from_slice(&(section.len() as u64).to_le_bytes());
-            out.extend_from_slice(section);
-        }
         out
     }
 
@@ -144,6 +153,28 @@ impl Record {
     }
 }
 
+/// A record's bytes from its parts, into `out` (cleared first; a journal
+/// reuses one buffer for every copy).
+pub(crate) fn encode_parts(
+    header: &Header,
+    continuation: &[u8],
+    upload: &[u8],
+    download: &[u8],
+    out: &mut Vec<u8>,
+) {
+    let header = serde_json::to_vec(header).expect("a header always serializes");
+    out.clear();
+    out.reserve(32 + header.len() + continuation.len() + upload.len() + download.len());
+    out.extend_from_slice(&MAGIC);
+    out.push(VERSION);
+    out.extend_from_slice(&(header.len() as u32).to_le_bytes());
+    out.extend_from_slice(&header);
+    for section in [continuation, upload, download] {
+        out.extend_from_slice(&(section.len() as u64).to_le_bytes());
+        out.extend_from_slice(section);
+    }
+}
+
 /// Takes `n` bytes off the front of `r`.
 fn take<'a>(r: &mut &'a [u8], n: usize, what: &str) -> Result<&'a [u8], String> {
     if r.len() < n {
@@ -183,16 +214,180 @@ pub(crate) fn record_path(dir: &Path, name: &str) -> PathBuf {
     dir.join(format!("{name}.detached"))
 }
 
-/// Writes `record` atomically, readable by its owner only.
-pub(crate) fn save(dir: &Path, record: &Record) -> std::io::Result<PathBuf> {
-    crate::paths::ensure_private_dir(dir)?;
-    let path = record_path(dir, &record.header.name);
-    crate::paths::write_atomic(&path, &record.encode(), 0o600, true)?;
-    Ok(path)
+/// Magic of a journal slot file.
+const SLOT_MAGIC: [u8; 4] = *b"RMJ1";
+/// Bytes before a slot's record: magic, sequence number, record length.
+const SLOT_HEADER: u64 = 20;
+
+/// The two slot files of `name`'s journal.
+fn slot_paths(dir: &Path, name: &str) -> [PathBuf; 2] {
+    [0, 1].map(|i| dir.join(format!("{name}.journal-{i}")))
 }
 
-/// Reads the record of `name`, if there is one.
+/// A named session's records, while a client holds it: two slot files
+/// written in turn, each `"RMJ1" | seq u64 | len u64 | record` (little-
+/// endian). A copy is written in three steps — the slot's seq is zeroed,
+/// the record written, then seq and length set in one 16-byte write — so a
+/// process killed mid-copy leaves that slot unusable and the other one,
+/// the previous copy, whole. The previous copy is still good then: a
+/// journal copy is written before the bytes it covers leave (see
+/// `roam::JournalEntry`). The newest usable slot is the record. No file is
+/// created, renamed or removed per copy.
+pub(crate) struct JournalFile {
+    files: [std::fs::File; 2],
+    /// The slot the next copy goes to (the older one).
+    next: usize,
+    /// The next copy's sequence number.
+    seq: u64,
+}
+
+impl JournalFile {
+    /// Opens (creating, mode 0600) `name`'s slots, continuing their numbering.
+    pub(crate) fn open(dir: &Path, name: &str) -> std::io::Result<Self> {
+        use std::os::unix::fs::{FileExt, OpenOptionsExt};
+        crate::paths::ensure_private_dir(dir)?;
+        let open = |p: &PathBuf| -> std::io::Result<std::fs::File> {
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .mode(0o600)
+                .open(p)?;
+            if f.metadata()?.len() < SLOT_HEADER {
+                let mut head = [0u8; SLOT_HEADER as usize];
+                head[..4].copy_from_slice(&SLOT_MAGIC);
+                f.write_all_at(&head, 0)?;
+            }
+            Ok(f)
+        };
+        let [a, b] = slot_paths(dir, name);
+        let files = [open(&a)?, open(&b)?];
+        let seqs = [slot_seq(&files[0]), slot_seq(&files[1])];
+        Ok(Self {
+            next: usize::from(seqs[1] < seqs[0]),
+            seq: seqs[0].max(seqs[1]) + 1,
+            files,
+        })
+    }
+
+    /// Writes `record` (encoded) as the newest copy; `sync` also flushes it
+    /// to disk (a detach: the record must survive a power cut too).
+    pub(crate) fn write(&mut self, record: &[u8], sync: bool) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        let f = &self.files[self.next];
+        f.write_all_at(&[0u8; 16], 4)?;
+        f.write_all_at(record, SLOT_HEADER)?;
+        if sync {
+            f.sync_data()?;
+        }
+        let mut head = [0u8; 16];
+        head[..8].copy_from_slice(&self.seq.to_le_bytes());
+        head[8..].copy_from_slice(&(record.len() as u64).to_le_bytes());
+        f.write_all_at(&head, 4)?;
+        if sync {
+            f.sync_data()?;
+        }
+        self.seq += 1;
+        self.next ^= 1;
+        Ok(())
+    }
+}
+
+/// A slot file's sequence number (0: empty, damaged or mid-write).
+fn slot_seq(f: &std::fs::File) -> u64 {
+    use std::os::unix::fs::FileExt;
+    let mut head = [0u8; SLOT_HEADER as usize];
+    match f.read_exact_at(&mut head, 0) {
+        Ok(()) if head[..4] == SLOT_MAGIC => u64::from_le_bytes(head[4..12].try_into().unwrap()),
+        _ => 0,
+    }
+}
+
+/// Reads a journal slot file: its sequence number and record, `Ok(None)`
+/// for an empty slot (or one whose copy was cut off: the other slot has
+/// the previous copy). Bytes after the record (an older, longer copy's
+/// tail) are ignored.
+pub(crate) fn parse_slot(bytes: &[u8]) -> Result<Option<(u64, Record)>, String> {
+    if bytes.len() < SLOT_HEADER as usize || bytes[..4] != SLOT_MAGIC {
+        return Err("not a roam journal slot".to_string());
+    }
+    let seq = u64::from_le_bytes(bytes[4..12].try_into().unwrap());
+    let len = u64::from_le_bytes(bytes[12..20].try_into().unwrap());
+    if seq == 0 {
+        return Ok(None);
+    }
+    let body = usize::try_from(len)
+        .ok()
+        .and_then(|len| bytes.get(SLOT_HEADER as usize..(SLOT_HEADER as usize).checked_add(len)?))
+        .ok_or("shorter than its length")?;
+    Ok(Some((seq, Record::decode(body)?)))
+}
+
+/// A journal slot file's bytes holding `record` as copy `seq`.
+pub(crate) fn encode_slot(seq: u64, record: &Record) -> Vec<u8> {
+    let body = record.encode();
+    let mut out = Vec::with_capacity(SLOT_HEADER as usize + body.len());
+    out.extend_from_slice(&SLOT_MAGIC);
+    out.extend_from_slice(&seq.to_le_bytes());
+    out.extend_from_slice(&(body.len() as u64).to_le_bytes());
+    out.extend_from_slice(&body);
+    out
+}
+
+/// The newest usable copy in `name`'s journal: `Ok(None)` if it has no
+/// slots; an error naming the damage if none of its slots is usable.
+fn load_journal(dir: &Path, name: &str) -> Result<Option<Record>, String> {
+    let mut best: Option<(u64, Record)> = None;
+    let mut seen = Vec::new();
+    for path in slot_paths(dir, name) {
+        let bytes = match std::fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(format!("{}: {e}", path.display())),
+        };
+        match parse_slot(&bytes) {
+            Ok(Some((seq, r))) if best.as_ref().is_none_or(|(b, _)| seq > *b) => {
+                best = Some((seq, r))
+            }
+            Ok(_) => {}
+            Err(e) => seen.push(format!("{}: {e}", path.display())),
+        }
+    }
+    match best {
+        Some((_, r)) => Ok(Some(r)),
+        None if seen.len() == 2 => Err(seen.join("; ")),
+        None => Ok(None),
+    }
+}
+
+/// Where a named pipe's stdout writer marks how much it printed (see
+/// `stdio::Mark`).
+pub(crate) fn mark_path(dir: &Path, name: &str) -> PathBuf {
+    dir.join(format!("{name}.printed"))
+}
+
+/// Removes every record of `name` (its journal slots, a record of an
+/// older roam) and its output mark.
+pub(crate) fn remove_all(dir: &Path, name: &str) {
+    remove(dir, name);
+    for p in slot_paths(dir, name) {
+        let _ = std::fs::remove_file(p);
+    }
+    let _ = std::fs::remove_file(mark_path(dir, name));
+}
+
+/// Whether `name` has a record a client could re-attach from.
+pub(crate) fn has_record(dir: &Path, name: &str) -> bool {
+    matches!(load(dir, name), Ok(Some(_)))
+}
+
+/// Reads the record of `name`, if there is one: the newest copy in its
+/// journal, else a record an older roam left.
 pub(crate) fn load(dir: &Path, name: &str) -> Result<Option<Record>, String> {
+    if let Some(r) = load_journal(dir, name)? {
+        return Ok(Some(r));
+    }
     let path = record_path(dir, name);
     match std::fs::read(&path) {
         Ok(bytes) => Record::decode(&bytes)
@@ -258,7 +453,7 @@ impl NameLock {
         // ending the session (kill -9, a crash, a power cut): say so, rather
         // than silently starting a new session.
         let died = before.trim().parse::<u32>().ok();
-        if let (Some(pid), false) = (died, record_path(dir, name).exists()) {
+        if let (Some(pid), false) = (died, has_record(dir, name)) {
             crate::notices::notice(&format!(
                 "the previous client of session {name:?} (pid {pid}) ended without detaching it (killed?): that session cannot be re-attached; starting a new one"
             ));
@@ -298,6 +493,15 @@ pub(crate) struct DetachedStatus {
     pub(crate) pending_bytes: u64,
     /// Why the record cannot be used, if it cannot.
     pub(crate) error: Option<String>,
+    /// Left by a client that was killed (its journal), not detached.
+    #[serde(default)]
+    pub(crate) killed: bool,
+    /// Bytes of input the session took; the next client's stdin follows.
+    #[serde(default)]
+    pub(crate) input_taken: Option<u64>,
+    /// Bytes of output printed; the next client's stdout follows.
+    #[serde(default)]
+    pub(crate) output_printed: Option<u64>,
 }
 
 /// Every detached session in `dir`, by name.
@@ -308,16 +512,28 @@ pub(crate) fn list(dir: &Path) -> Vec<DetachedStatus> {
     let now = unix_now();
     let mut out: Vec<DetachedStatus> = rd
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "detached"))
-        .map(|p| {
-            let name = p
-                .file_stem()
-                .map(|s| s.to_string_lossy().into_owned())
-                .unwrap_or_default();
-            match std::fs::read(&p)
-                .map_err(|e| e.to_string())
-                .and_then(|b| Record::decode(&b))
-            {
+        .filter_map(|p| {
+            // A record of an older roam, or a journal's slot.
+            let file = p.file_name()?.to_str()?;
+            let name = file
+                .strip_suffix(".detached")
+                .or_else(|| file.strip_suffix(".journal-0"))
+                .or_else(|| file.strip_suffix(".journal-1"))?;
+            Some(name.to_string())
+        })
+        .collect::<std::collections::BTreeSet<String>>()
+        .into_iter()
+        // The journal of a session whose client is attached: a live
+        // session, listed with the others.
+        .filter(|name| attached_pid(dir, name).is_none())
+        .filter_map(|name| {
+            let mark = mark_path(dir, &name);
+            let loaded = match load(dir, &name) {
+                Ok(Some(r)) => Ok(r),
+                Ok(None) => return None,
+                Err(e) => Err(e),
+            };
+            Some(match loaded {
                 Ok(r) => DetachedStatus {
                     name,
                     relay: r.header.relay,
@@ -326,6 +542,15 @@ pub(crate) fn list(dir: &Path) -> Vec<DetachedStatus> {
                     detached_for_secs: now.saturating_sub(r.header.detached_at),
                     pending_bytes: (r.upload.len() + r.download.len()) as u64,
                     error: None,
+                    killed: r.header.journal,
+                    input_taken: r.header.input_taken,
+                    // A killed client's mark is ahead of its journal.
+                    output_printed: match (r.header.journal, r.header.output_printed) {
+                        (true, Some(o)) => {
+                            Some(crate::stdio::Mark::read(&mark).map_or(o, |m| m.max(o)))
+                        }
+                        (_, o) => o,
+                    },
                 },
                 Err(e) => DetachedStatus {
                     name,
@@ -335,8 +560,11 @@ pub(crate) fn list(dir: &Path) -> Vec<DetachedStatus> {
                     detached_for_secs: 0,
                     pending_bytes: 0,
                     error: Some(e),
+                    killed: false,
+                    input_taken: None,
+                    output_printed: None,
                 },
-            }
+            })
         })
         .collect();
     out.sort_by(|a, b| a.name.cmp(&b.name));
@@ -368,6 +596,9 @@ mod tests {
                 stdout_done: true,
                 unaccepted: vec![8],
                 orphans: vec![],
+                journal: true,
+                input_taken: Some(12),
+                output_printed: None,
             },
             continuation: vec![1, 2, 3],
             upload: b"up".to_vec(),
@@ -395,6 +626,60 @@ mod tests {
         assert!(Record::decode(b"RMSC....")
             .unwrap_err()
             .contains("not a roam"));
+    }
+
+    /// The journal's slots: the newest whole copy is the record; a copy
+    /// cut off mid-write leaves the previous one; numbering goes on in a
+    /// new process; the seed a fuzzer starts from parses.
+    #[test]
+    fn the_journal_keeps_the_newest_whole_copy() {
+        let dir = tempfile::tempdir().unwrap();
+        let copy = |n: u64| {
+            let mut r = sample();
+            r.header.input_taken = Some(n);
+            r
+        };
+        let mut j = JournalFile::open(dir.path(), "backup-1").unwrap();
+        assert_eq!(load(dir.path(), "backup-1"), Ok(None), "no copy yet");
+        for n in 1..=3 {
+            j.write(&copy(n).encode(), false).unwrap();
+            assert_eq!(load(dir.path(), "backup-1"), Ok(Some(copy(n))));
+        }
+        // Copy 4 goes to the slot of copy 2; cut off after its first step.
+        use std::os::unix::fs::FileExt;
+        let [a, b] = slot_paths(dir.path(), "backup-1");
+        let older = if slot_seq(&std::fs::File::open(&a).unwrap()) == 2 {
+            &a
+        } else {
+            &b
+        };
+        let f = std::fs::OpenOptions::new().write(true).open(older).unwrap();
+        f.write_all_at(&[0u8; 16], 4).unwrap();
+        f.write_all_at(b"half a record", SLOT_HEADER).unwrap();
+        assert_eq!(
+            load(dir.path(), "backup-1"),
+            Ok(Some(copy(3))),
+            "the previous copy"
+        );
+        // A new process continues after copy 3 and keeps it until its own is whole.
+        drop(j);
+        let mut j = JournalFile::open(dir.path(), "backup-1").unwrap();
+        j.write(&copy(5).encode(), false).unwrap();
+        assert_eq!(load(dir.path(), "backup-1"), Ok(Some(copy(5))));
+        j.write(&copy(6).encode(), true).unwrap();
+        assert_eq!(load(dir.path(), "backup-1"), Ok(Some(copy(6))));
+        assert!(list(dir.path())[0].input_taken == Some(6));
+        // Both slots damaged: the error names them.
+        for p in [&a, &b] {
+            std::fs::write(p, b"garbage").unwrap();
+        }
+        let e = load(dir.path(), "backup-1").unwrap_err();
+        assert!(e.contains("journal-0") && e.contains("journal-1"), "{e}");
+        remove_all(dir.path(), "backup-1");
+        assert_eq!(load(dir.path(), "backup-1"), Ok(None));
+        // The fuzzer's seed is a slot holding copy 7.
+        let seed = include_bytes!("../../../fuzz/seeds/cli_parsers/journal_slot");
+        assert!(matches!(parse_slot(&seed[1..]), Ok(Some((7, _)))));
     }
 
     #[test]

@@ -65,6 +65,13 @@ pub fn detached_record(bytes: &[u8]) -> Result<Vec<u8>, String> {
     crate::named::Record::decode(bytes).map(|r| r.encode())
 }
 
+/// Decodes a named session's journal slot file (`roam pipe --name`); `Ok`
+/// carries its canonical re-encoding (decoding that gives it again), `None`
+/// for an empty slot.
+pub fn journal_slot(bytes: &[u8]) -> Result<Option<Vec<u8>>, String> {
+    crate::named::parse_slot(bytes).map(|s| s.map(|(seq, r)| crate::named::encode_slot(seq, &r)))
+}
+
 /// Decodes `roam shell` stream frames; `Ok` carries their re-encoding
 /// (decoding that gives the same frames again).
 pub fn shell_frames(bytes: &[u8]) -> Result<Vec<u8>, String> {

@@ -3,7 +3,9 @@
 
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
 
-use tokio::io::AsyncReadExt;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use crate::cli::{CliError, CliResult, DetachArgs, Fallback, PipeArgs};
 use crate::config::FileConfig;
@@ -201,7 +203,9 @@ async fn direct_pipe(addr: &str) -> CliResult {
 
 /// `roam pipe --name NAME`: re-attaches the session saved under `name`, or
 /// opens a new one; a signal detaches it (saved for the next process)
-/// instead of closing it.
+/// instead of closing it. While attached, the session's record is kept
+/// current by its journal, so a client killed outright (`kill -9`, a crash)
+/// leaves it re-attachable too.
 async fn run_named(
     name: &str,
     relay: &str,
@@ -212,7 +216,27 @@ async fn run_named(
     named::check_name(name).map_err(CliError)?;
     let dir = named::dir(config);
     let mut lock = NameLock::take(&dir, name).map_err(CliError)?;
+    let journal = Arc::new(std::sync::Mutex::new(
+        named::JournalFile::open(&dir, name)
+            .map_err(|e| CliError(format!("{}: {e}", dir.display())))?,
+    ));
     let label = format!("pipe {name}: {relay} -> {target}");
+    let base = Header {
+        name: name.to_string(),
+        relay: relay.to_string(),
+        target: target.to_string(),
+        stream: 0,
+        detached_at: 0,
+        pid: std::process::id(),
+        stdin_done: false,
+        finished: false,
+        stdout_done: false,
+        unaccepted: Vec::new(),
+        orphans: Vec::new(),
+        journal: true,
+        input_taken: None,
+        output_printed: None,
+    };
     let mut link = match named::load(&dir, name).map_err(CliError)? {
         Some(record) => {
             if record.header.relay != relay || record.header.target != target {
@@ -221,15 +245,13 @@ async fn run_named(
                     record.header.target, record.header.relay
                 )));
             }
-            match reattach(name, record, args, config).await? {
-                Ok(link) => {
-                    // The record is stale from the first byte on: it must
-                    // not be resumed again (a stale copy is refused anyway).
-                    named::remove(&dir, name);
-                    link
-                }
+            match reattach(name, record, base, &dir, journal.clone(), args, config).await? {
+                // The journal has already replaced the record: the old one
+                // is stale from the first byte on (a stale copy is refused
+                // anyway).
+                Ok(link) => link,
                 Err(code) => {
-                    named::remove(&dir, name);
+                    named::remove_all(&dir, name);
                     lock.mark("ended");
                     return Ok(code);
                 }
@@ -242,7 +264,19 @@ async fn run_named(
             let stream = session
                 .open_stream(target.as_bytes())
                 .map_err(|e| CliError(e.to_string()))?;
-            Link::new(session, stream)
+            // A mark left by an earlier session of this name means nothing now.
+            let _ = std::fs::remove_file(named::mark_path(&dir, name));
+            let carry = Arc::new(Carry::default());
+            session.set_journal(journal_writer(
+                dir.clone(),
+                journal.clone(),
+                Header {
+                    stream: stream.id().0,
+                    ..base
+                },
+                carry.clone(),
+            ));
+            Link::new(session, stream, carry, named::mark_path(&dir, name))
         }
     };
     let registry = Registry::default();
@@ -265,24 +299,37 @@ async fn run_named(
                 link.session.close(roam_proto::code::NO_ERROR, ""),
             )
             .await;
+            link.session.clear_journal();
+            named::remove_all(&dir, name);
             Ok(0)
         }
         Ended::Signal(sig) => {
             let record = link.detach(name, relay, target, sig).await?;
-            let path = named::save(&dir, &record).map_err(|e| {
+            // The record is exact: the next client needs no mark.
+            let _ = std::fs::remove_file(named::mark_path(&dir, name));
+            // Opened afresh: if the journal failed and its slots were
+            // removed, the record goes to new ones.
+            drop(journal);
+            let saved = named::JournalFile::open(&dir, name)
+                .and_then(|mut f| f.write(&record.encode(), true));
+            saved.map_err(|e| {
                 CliError(format!(
-                    "session {name:?} was detached but its state could not be saved ({e}): it is lost"
+                    "session {name:?} was detached but its state could not be saved in {} ({e}): it is lost",
+                    dir.display()
                 ))
             })?;
             eprintln!(
                 "roam: session {name:?} detached (saved in {}); re-attach with `roam pipe --name {name} {relay} {target}`",
-                path.display()
+                dir.display()
             );
             Ok(0)
         }
         Ended::Failed(e) => {
             let closed = std::time::Duration::from_millis(200);
-            match tokio::time::timeout(closed, link.session.closed()).await {
+            let reason = tokio::time::timeout(closed, link.session.closed()).await;
+            link.session.clear_journal();
+            named::remove_all(&dir, name);
+            match reason {
                 Ok(reason) if crate::notices::is_session_lost(&reason) => {
                     crate::notices::notice(&crate::notices::lost_message(&reason, relay));
                     Ok(crate::notices::EXIT_SESSION_LOST)
@@ -293,17 +340,102 @@ async fn run_named(
     }
 }
 
-/// Restores a saved session and resumes it at its relay. `Ok(Err(code))`:
-/// the session is lost (the message is printed), exit with `code`.
+/// Bytes a re-attached client took over from its record (what the previous
+/// client held outside the session), and how many of them are gone: the
+/// journal keeps the rest in every copy until they are.
+#[derive(Default)]
+struct Carry {
+    /// Input the previous client had taken from its stdin but not written
+    /// to the stream; written first.
+    upload: Vec<u8>,
+    /// Output the previous client had taken from the stream but not
+    /// printed; printed first.
+    download: Vec<u8>,
+    /// How much of `download` has been printed.
+    printed: AtomicUsize,
+}
+
+/// The journal of a named pipe: its record, rewritten whole (atomically,
+/// mode 0600) before any byte that would make the previous one stale leaves
+/// for the relay. Such a record says `journal` and how far input and output
+/// had come, so the next client can say where its stdin and stdout go on.
+fn journal_writer(
+    dir: PathBuf,
+    file: Arc<std::sync::Mutex<named::JournalFile>>,
+    base: Header,
+    carry: Arc<Carry>,
+) -> roam::JournalWriter {
+    let id = roam_proto::StreamId(base.stream);
+    // The stream's write count when the journal started: the carried
+    // upload is the first thing written after it.
+    let mut start: Option<u64> = None;
+    let mut last: Option<roam_proto::StreamProgress> = None;
+    let mut bytes = Vec::new();
+    Box::new(move |entry: &roam::JournalEntry<'_>| {
+        // A stream the session forgot is complete both ways: keep its last
+        // figures.
+        let progress = entry
+            .stream_progress(id)
+            .or(last)
+            .unwrap_or(roam_proto::StreamProgress {
+                written: 0,
+                read: 0,
+                finished: true,
+                peer_finished: true,
+            });
+        last = Some(progress);
+        let start = *start.get_or_insert(progress.written);
+        let sent = usize::try_from(progress.written - start).unwrap_or(usize::MAX);
+        let upload = &carry.upload[sent.min(carry.upload.len())..];
+        let printed = carry
+            .printed
+            .load(Ordering::SeqCst)
+            .min(carry.download.len());
+        let download = &carry.download[printed..];
+        let header = Header {
+            detached_at: named::unix_now(),
+            stdin_done: progress.finished,
+            finished: progress.finished,
+            input_taken: Some(progress.written + upload.len() as u64),
+            output_printed: Some(progress.read.saturating_sub(download.len() as u64)),
+            ..base.clone()
+        };
+        named::encode_parts(&header, entry.blob, upload, download, &mut bytes);
+        // Not synced: a killed process's writes survive in the page cache;
+        // a power cut is what a detach (which syncs) is for.
+        let written = file
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .write(&bytes, false);
+        written.inspect_err(|e| {
+            named::remove_all(&dir, &base.name);
+            crate::notices::notice(&format!(
+                "session {:?}: its journal cannot be written ({e}): if this process is killed now, the session is lost (a detach still saves it)",
+                base.name
+            ));
+        })
+    })
+}
+
+/// Restores a saved session and resumes it at its relay, journaled from
+/// the start. `Ok(Err(code))`: the session is lost (the message is
+/// printed), exit with `code`.
 async fn reattach(
     name: &str,
     record: Record,
+    base: Header,
+    dir: &std::path::Path,
+    file: Arc<std::sync::Mutex<named::JournalFile>>,
     args: &PipeArgs,
     config: &FileConfig,
 ) -> Result<Result<Link, i32>, CliError> {
     let h = &record.header;
     let proto = crate::connect::client_proto(args.client.key.as_deref(), config, None)?;
-    let offline = std::time::Duration::from_secs(named::unix_now().saturating_sub(h.detached_at));
+    let since = named::unix_now().saturating_sub(h.detached_at);
+    // A journal is written only when the session sends something: an idle
+    // session's last copy can be old without the session having been
+    // suspended. The relay knows whether it expired.
+    let offline = std::time::Duration::from_secs(if h.journal { 0 } else { since });
     let detached = roam::Detached::new(
         record.continuation,
         h.unaccepted
@@ -312,39 +444,112 @@ async fn reattach(
             .collect(),
         h.orphans.iter().map(|&i| roam_proto::StreamId(i)).collect(),
     );
-    eprintln!(
-        "roam: re-attaching session {name:?} (detached {} ago) at {}...",
-        crate::control::human_secs(offline.as_secs_f64()),
-        h.relay
+    let when = crate::control::human_secs(since as f64);
+    if h.journal {
+        eprintln!(
+            "roam: session {name:?} was not detached: its client (pid {}) was killed or crashed; re-attaching from its journal (last written {when} ago) at {}...",
+            h.pid, h.relay
+        );
+    } else {
+        eprintln!(
+            "roam: re-attaching session {name:?} (detached {when} ago) at {}...",
+            h.relay
+        );
+    }
+    let carry = Arc::new(Carry {
+        upload: record.upload,
+        download: record.download,
+        printed: AtomicUsize::new(0),
+    });
+    let journal = journal_writer(
+        dir.to_path_buf(),
+        file,
+        Header {
+            stream: h.stream,
+            ..base
+        },
+        carry.clone(),
     );
-    let session =
-        match roam::resume(&h.relay, roam::ClientConfig::new(proto), detached, offline).await {
-            Ok(s) => s,
-            Err(e) => {
-                crate::notices::notice(&format!(
-                    "session {name:?} (detached {} ago) cannot be re-attached and is lost: {e}",
-                    crate::control::human_secs(offline.as_secs_f64())
-                ));
-                return Ok(Err(crate::notices::EXIT_SESSION_LOST));
-            }
-        };
-    let stream = session
-        .stream(roam_proto::StreamId(h.stream))
-        .map_err(|e| {
-            CliError(format!(
+    let session = match roam::resume_journaled(
+        &h.relay,
+        roam::ClientConfig::new(proto),
+        detached,
+        offline,
+        Some(journal),
+    )
+    .await
+    {
+        Ok(s) => s,
+        Err(e) => {
+            crate::notices::notice(&format!(
+                "session {name:?} (left {when} ago) cannot be re-attached and is lost: {e}"
+            ));
+            return Ok(Err(crate::notices::EXIT_SESSION_LOST));
+        }
+    };
+    let stream = match session.stream(roam_proto::StreamId(h.stream)) {
+        Ok(s) => s,
+        Err(_) if h.journal && carry.download.is_empty() => {
+            // Complete both ways and forgotten: the killed client had
+            // finished; only the session's close was missing.
+            eprintln!("roam: session {name:?} had already finished; closing it");
+            let _ = tokio::time::timeout(CLOSE_WAIT, session.close(roam_proto::code::NO_ERROR, ""))
+                .await;
+            session.clear_journal();
+            return Ok(Err(0));
+        }
+        Err(e) => {
+            return Err(CliError(format!(
                 "session {name:?} re-attached without its stream: {e}"
-            ))
-        })?;
-    let mut link = Link::new(session, stream);
-    link.upload = record.upload;
+            )))
+        }
+    };
+    // Where this client's output starts: after what earlier clients
+    // printed. A killed client's journal can lag behind its prints; its
+    // mark, written after each write to stdout, does not.
+    let carried = carry.download.len();
+    let base = session
+        .stream_progress(roam_proto::StreamId(h.stream))
+        .map_or(0, |p| p.read)
+        .saturating_sub(carried as u64);
+    let marked = if h.journal {
+        crate::stdio::Mark::read(&named::mark_path(dir, name))
+    } else {
+        None
+    };
+    let start = marked.map_or(base, |m| m.max(base));
+    let mut skip = start - base;
+    let from_carry = usize::try_from(skip).unwrap_or(usize::MAX).min(carried);
+    carry.printed.fetch_add(from_carry, Ordering::SeqCst);
+    skip -= from_carry as u64;
+    let stdin = if h.stdin_done {
+        "its input had ended (this process reads no stdin)".to_string()
+    } else {
+        match h.input_taken {
+            Some(input) => format!(
+                "it had taken {input} bytes of input: this process's stdin follows byte {input}"
+            ),
+            None => "this process's stdin follows what the previous client took".to_string(),
+        }
+    };
+    let caveat = if h.journal {
+        " (if the kill fell between a write to stdout and its mark, that write, at most 4 KiB, appears again)"
+    } else {
+        ""
+    };
+    eprintln!(
+        "roam: session {name:?}: {stdin}; output goes on after byte {start} of the target's output{caveat}"
+    );
+    let mut link = Link::new(session, stream, carry.clone(), named::mark_path(dir, name));
+    link.upload = carry.upload.clone();
     link.stdin_done = h.stdin_done;
     link.finished = h.finished;
-    link.download = record.download;
+    link.download = carry.download[from_carry..].to_vec();
+    link.carried = carried - from_carry;
+    link.skip = skip;
+    link.output_start = start;
     link.remote_done = h.stdout_done;
-    eprintln!(
-        "roam: session {name:?} re-attached after {}",
-        crate::control::human_secs(offline.as_secs_f64())
-    );
+    eprintln!("roam: session {name:?} re-attached after {when}");
     Ok(Ok(link))
 }
 
@@ -363,17 +568,18 @@ enum Step {
     Signal(i32),
     Input(Option<Input>),
     Wrote(std::io::Result<usize>),
-    Read(std::io::Result<usize>),
-    Printed(Result<(), ()>),
+    Peeked(Result<usize, roam::Error>),
+    Queued(Result<(), ()>),
+    Printed(u64),
 }
 
 /// A named session's stream and its copies to and from stdin and stdout,
-/// with every byte in between accounted for, so that a detach can save it.
+/// with every byte in between accounted for, so that a detach can save it
+/// and the journal never counts a byte as printed before it was.
 struct Link {
     session: roam::SessionHandle,
     id: roam_proto::StreamId,
-    rd: tokio::io::ReadHalf<roam::RoamStream>,
-    wr: tokio::io::WriteHalf<roam::RoamStream>,
+    wr: roam::RoamStream,
     /// Bytes from stdin (or from the previous client's record) not yet
     /// accepted by the stream.
     upload: Vec<u8>,
@@ -381,41 +587,85 @@ struct Link {
     stdin_done: bool,
     /// The stream is finished on our side.
     finished: bool,
-    /// Bytes from the stream not yet queued for stdout.
+    /// Bytes to queue for stdout: carried over from the record (the first
+    /// `carried` of them) or peeked from the stream.
     download: Vec<u8>,
+    /// Bytes at the front of `download` that came from the record.
+    carried: usize,
+    /// Bytes queued for stdout and not yet known to be written, oldest
+    /// first: (length, whether they are still in the stream).
+    unprinted: std::collections::VecDeque<(usize, bool)>,
+    /// The stdout thread's write count already accounted for.
+    printed: u64,
     /// The remote finished sending.
     remote_done: bool,
     reader: Option<StdinReader>,
     writer: Option<StdoutWriter>,
+    /// Shared with the journal: how much of the record's output is printed.
+    carry: Arc<Carry>,
+    /// Output a killed client had printed beyond its journal's copy: taken
+    /// from the stream without printing it again.
+    skip: u64,
+    /// The output position of the first byte this client prints.
+    output_start: u64,
+    /// Where the stdout writer marks how far it got.
+    mark: PathBuf,
 }
 
 impl Link {
-    fn new(session: roam::SessionHandle, stream: roam::RoamStream) -> Self {
+    fn new(
+        session: roam::SessionHandle,
+        stream: roam::RoamStream,
+        carry: Arc<Carry>,
+        mark: PathBuf,
+    ) -> Self {
         let id = stream.id();
-        let (rd, wr) = tokio::io::split(stream);
         Self {
             session,
             id,
-            rd,
-            wr,
+            wr: stream,
             upload: Vec::new(),
             stdin_done: false,
             finished: false,
             download: Vec::new(),
+            carried: 0,
+            unprinted: Default::default(),
+            printed: 0,
             remote_done: false,
             reader: None,
             writer: None,
+            carry,
+            skip: 0,
+            output_start: 0,
+            mark,
         }
     }
 
     /// Copies until both directions are done, a signal asks to detach, or
     /// something fails. Every wait is cancel-safe: a signal finds each byte
     /// in `upload`, `download`, the stream or the stdio threads.
+    ///
+    /// Output is peeked, not read: bytes leave the stream (and with it the
+    /// journal's copies) only once the stdout thread has written them, so
+    /// a client killed at any instant loses none of them.
     async fn run(&mut self) -> Ended {
         if !self.stdin_done {
             self.reader = Some(StdinReader::start());
         }
-        self.writer = Some(StdoutWriter::start());
+        let mark = match open_mark(&self.mark) {
+            Ok(file) => Some(crate::stdio::Mark {
+                file,
+                base: self.output_start,
+            }),
+            Err(e) => {
+                crate::notices::notice(&format!(
+                    "{}: {e}: if this process is killed, up to a stream window of output may be printed again",
+                    self.mark.display()
+                ));
+                None
+            }
+        };
+        self.writer = Some(StdoutWriter::start(mark));
         let mut buf = vec![0u8; COPY_BUF];
         let signal = crate::signals::detach_signal();
         tokio::pin!(signal);
@@ -426,7 +676,7 @@ impl Link {
                 }
                 self.finished = true;
             }
-            if self.remote_done && self.download.is_empty() {
+            if self.remote_done && self.download.is_empty() && self.unprinted.is_empty() {
                 if let Some(w) = self.writer.take() {
                     // Everything is printed: give stdout's reader its end,
                     // as a TCP half-close would.
@@ -440,13 +690,17 @@ impl Link {
                 }
             }
             let reading = !self.stdin_done && self.upload.is_empty();
-            let downloading = !self.remote_done && self.download.is_empty();
+            let peeking =
+                !self.remote_done && self.download.is_empty() && self.unprinted.is_empty();
+            let id = self.id;
+            let written = self.writer.as_ref().map(|w| w.written.clone());
             let step = tokio::select! {
                 sig = &mut signal => Step::Signal(sig),
                 input = recv_input(self.reader.as_mut()), if reading => Step::Input(input),
                 r = self.wr.write(&self.upload), if !self.upload.is_empty() => Step::Wrote(r),
-                r = self.rd.read(&mut buf), if downloading => Step::Read(r),
-                r = print(self.writer.as_ref(), &self.download), if !self.download.is_empty() => Step::Printed(r),
+                r = self.session.peek(id, &mut buf), if peeking => Step::Peeked(r),
+                r = print(self.writer.as_ref(), &self.download), if !self.download.is_empty() => Step::Queued(r),
+                n = printed_past(written, self.printed), if !self.unprinted.is_empty() => Step::Printed(n),
             };
             match step {
                 Step::Signal(sig) => return Ended::Signal(sig),
@@ -455,21 +709,76 @@ impl Link {
                 Step::Wrote(Ok(n)) => {
                     self.upload.drain(..n);
                 }
-                Step::Wrote(Err(e)) | Step::Read(Err(e)) => {
+                Step::Wrote(Err(e)) => {
                     return Ended::Failed(explain_stream_error(&e, "the target"))
                 }
-                Step::Read(Ok(0)) => self.remote_done = true,
-                Step::Read(Ok(n)) => self.download.extend_from_slice(&buf[..n]),
-                Step::Printed(Ok(())) => self.download.clear(),
-                Step::Printed(Err(())) => {
+                Step::Peeked(Ok(0)) => {
+                    if let Err(e) = self.session.consume(id, 0) {
+                        return Ended::Failed(format!("the target: {e}"));
+                    }
+                    self.remote_done = true;
+                }
+                Step::Peeked(Ok(n)) => {
+                    let skipped = usize::try_from(self.skip).unwrap_or(usize::MAX).min(n);
+                    if skipped > 0 {
+                        if let Err(e) = self.session.consume(id, skipped) {
+                            return Ended::Failed(format!("the target: {e}"));
+                        }
+                        self.skip -= skipped as u64;
+                    }
+                    self.download.extend_from_slice(&buf[skipped..n]);
+                }
+                Step::Peeked(Err(e)) => return Ended::Failed(format!("the target: {e}")),
+                Step::Queued(Ok(())) => {
+                    let carried = std::mem::take(&mut self.carried);
+                    if carried > 0 {
+                        self.unprinted.push_back((carried, false));
+                    }
+                    if self.download.len() > carried {
+                        self.unprinted
+                            .push_back((self.download.len() - carried, true));
+                    }
+                    self.download.clear();
+                }
+                Step::Queued(Err(())) | Step::Printed(u64::MAX) => {
                     let e = match self.writer.take() {
                         Some(w) => w.finish().await.err(),
                         None => None,
                     };
                     return Ended::Failed(e.unwrap_or_else(|| "stdout failed".into()));
                 }
+                Step::Printed(total) => {
+                    if let Err(e) = self.take_printed(total) {
+                        return Ended::Failed(format!("the target: {e}"));
+                    }
+                }
             }
         }
+    }
+
+    /// The stdout thread has written `total` bytes in all: takes those of
+    /// them that were peeked out of the stream, and counts those carried
+    /// from the record as printed.
+    fn take_printed(&mut self, total: u64) -> Result<(), roam::Error> {
+        let mut done = usize::try_from(total - self.printed).unwrap_or(usize::MAX);
+        self.printed = total;
+        while done > 0 {
+            let Some((len, in_stream)) = self.unprinted.front_mut() else {
+                break;
+            };
+            let k = done.min(*len);
+            if *in_stream {
+                self.session.consume(self.id, k)?;
+            } else {
+                self.carry.printed.fetch_add(k, Ordering::SeqCst);
+            }
+            *len -= k;
+            done -= k;
+            if *len == 0 {
+                self.unprinted.pop_front();
+            }
+        }
+        Ok(())
     }
 
     /// Stops the copies and takes the session out as a continuation, with
@@ -486,17 +795,42 @@ impl Link {
             self.upload.extend_from_slice(&rest);
             self.stdin_done |= eof;
         }
+        // Queued for stdout but not written: printed first next time. What
+        // the stdout thread did write is taken from the stream (or the
+        // carried bytes) first; the rest it hands back is, in order, the
+        // rest of what was queued.
+        let mut download = Vec::new();
         if let Some(w) = self.writer.take() {
-            // Queued for stdout but not written: printed first next time.
-            let mut unprinted = w.stop().await;
-            unprinted.extend_from_slice(&self.download);
-            self.download = unprinted;
+            let counter = w.written.clone();
+            let unprinted = w.stop().await;
+            let total = *counter.borrow();
+            if let Err(e) = self.take_printed(total) {
+                tracing::debug!("taking printed bytes: {e}");
+            }
+            download = unprinted;
         }
+        // Still in the stream after the bytes the thread handed back: those
+        // are taken now, since the record holds them.
+        let in_stream: usize = self
+            .unprinted
+            .iter()
+            .filter(|(_, s)| *s)
+            .map(|(n, _)| n)
+            .sum();
+        if in_stream > 0 {
+            if let Err(e) = self.session.consume(self.id, in_stream) {
+                tracing::debug!("taking unprinted bytes: {e}");
+            }
+        }
+        self.unprinted.clear();
+        download.extend_from_slice(&self.download);
+        self.download = download;
         tracing::info!(
             "detaching: {} upload bytes and {} download bytes held outside the session",
             self.upload.len(),
             self.download.len()
         );
+        let progress = self.session.stream_progress(self.id);
         let detached = self.session.detach().await.map_err(|e| {
             CliError(format!(
                 "signal {sig}: session {name:?} could not be detached ({e}); it is lost"
@@ -515,12 +849,26 @@ impl Link {
                 stdout_done: self.remote_done,
                 unaccepted: detached.unaccepted.iter().map(|s| s.0).collect(),
                 orphans: detached.orphans.iter().map(|s| s.0).collect(),
+                journal: false,
+                input_taken: progress.map(|p| p.written + self.upload.len() as u64),
+                output_printed: progress.map(|p| p.read.saturating_sub(self.download.len() as u64)),
             },
             continuation: detached.blob,
             upload: self.upload,
             download: self.download,
         })
     }
+}
+
+/// Opens (creates, mode 0600) a named pipe's output mark.
+fn open_mark(path: &std::path::Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(path)
 }
 
 /// The stdin thread's next chunk (never, without a thread).
@@ -536,6 +884,27 @@ async fn print(writer: Option<&StdoutWriter>, data: &[u8]) -> Result<(), ()> {
     match writer {
         Some(w) => w.write(data.to_vec()).await,
         None => Err(()),
+    }
+}
+
+/// Waits until the stdout thread has written more than `seen` bytes in all
+/// and returns its count; `u64::MAX` if the thread is gone (stdout failed).
+async fn printed_past(written: Option<tokio::sync::watch::Receiver<u64>>, seen: u64) -> u64 {
+    let Some(mut w) = written else {
+        return u64::MAX;
+    };
+    let waited = w.wait_for(|n| *n > seen).await.map(|n| *n);
+    match waited {
+        Ok(n) => n,
+        Err(_) => {
+            // The thread ended: whatever it wrote last still counts.
+            let n = *w.borrow();
+            if n > seen {
+                n
+            } else {
+                u64::MAX
+            }
+        }
     }
 }
 

@@ -122,7 +122,39 @@ fn read_loop(stop: &AtomicBool, tx: &mpsc::Sender<Input>) {
 }
 
 /// A stdout writer thread that can be stopped.
+/// Where a [`StdoutWriter`] records, right after each write, how far the
+/// output has come: a process killed between two writes leaves in it the
+/// exact count of bytes it printed (a named pipe's journal lags behind).
+pub(crate) struct Mark {
+    /// The mark file: 8 bytes, little-endian, at offset 0.
+    pub(crate) file: std::fs::File,
+    /// The output position of the first byte this writer writes.
+    pub(crate) base: u64,
+}
+
+impl Mark {
+    /// Records that `written` bytes of this writer are out. One 8-byte
+    /// `pwrite`: a kill lands before or after it, never inside.
+    fn record(&self, written: u64) {
+        use std::os::unix::fs::FileExt;
+        if let Err(e) = self
+            .file
+            .write_all_at(&(self.base + written).to_le_bytes(), 0)
+        {
+            tracing::debug!("recording the output position: {e}");
+        }
+    }
+
+    /// The position a mark file holds, if it holds one.
+    pub(crate) fn read(path: &std::path::Path) -> Option<u64> {
+        let bytes = std::fs::read(path).ok()?;
+        Some(u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?))
+    }
+}
+
 pub(crate) struct StdoutWriter {
+    /// Bytes written to stdout so far (updated after each write).
+    pub(crate) written: tokio::sync::watch::Receiver<u64>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<Result<Vec<u8>, String>>>,
     tx: Option<mpsc::Sender<Vec<u8>>>,
@@ -130,15 +162,17 @@ pub(crate) struct StdoutWriter {
 
 impl StdoutWriter {
     /// Starts writing to fd 1.
-    pub(crate) fn start() -> Self {
+    pub(crate) fn start(mark: Option<Mark>) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
         let (tx, rx) = mpsc::channel(4);
+        let (count, written) = tokio::sync::watch::channel(0u64);
         let flag = stop.clone();
         let thread = std::thread::Builder::new()
             .name("roam-stdout".into())
-            .spawn(move || write_loop(&flag, rx))
+            .spawn(move || write_loop(&flag, rx, &count, mark.as_ref()))
             .expect("spawning the stdout thread");
         Self {
+            written,
             stop,
             thread: Some(thread),
             tx: Some(tx),
@@ -188,7 +222,13 @@ impl StdoutWriter {
 
 /// Writes chunks until the channel closes. Returns the bytes not written
 /// when stopped (empty otherwise), or why stdout failed.
-fn write_loop(stop: &AtomicBool, mut rx: mpsc::Receiver<Vec<u8>>) -> Result<Vec<u8>, String> {
+fn write_loop(
+    stop: &AtomicBool,
+    mut rx: mpsc::Receiver<Vec<u8>>,
+    count: &tokio::sync::watch::Sender<u64>,
+    mark: Option<&Mark>,
+) -> Result<Vec<u8>, String> {
+    let mut total = 0u64;
     let stdout = std::io::stdout();
     let fd = stdout.as_fd();
     let mut left = Vec::new();
@@ -224,6 +264,11 @@ fn write_loop(stop: &AtomicBool, mut rx: mpsc::Receiver<Vec<u8>>) -> Result<Vec<
         match nix::unistd::write(fd, &left[..n]) {
             Ok(w) => {
                 left.drain(..w);
+                total += w as u64;
+                if let Some(m) = mark {
+                    m.record(total);
+                }
+                count.send_replace(total);
             }
             Err(nix::errno::Errno::EINTR | nix::errno::Errno::EAGAIN) => {}
             Err(e) => return Err(format!("writing stdout: {e}")),

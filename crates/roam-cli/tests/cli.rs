@@ -614,7 +614,7 @@ fn a_named_pipe_detaches_and_reattaches_with_every_byte_once() {
         format!("127.0.0.1:{}", target.port),
         "{v}"
     );
-    let record = state.path().join("sessions/job.detached");
+    let record = state.path().join("sessions/job.journal-0");
     use std::os::unix::fs::PermissionsExt;
     assert_eq!(
         std::fs::metadata(&record).unwrap().permissions().mode() & 0o777,
@@ -672,6 +672,162 @@ fn a_named_pipe_detaches_and_reattaches_with_every_byte_once() {
         .unwrap();
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["detached"], serde_json::json!([]), "{v}");
+}
+
+/// `roam pipe --name`, killed outright (SIGKILL) mid-transfer both ways:
+/// its journal leaves the session re-attachable. `roam status` lists it as
+/// left by a killed client with how much input the session took and how
+/// much output was printed; a new process fed the upload from that byte on
+/// re-attaches: the target receives every byte of the upload exactly once,
+/// and the first process's output up to the printed count followed by the
+/// second's is exactly what the target sent (any bytes the first printed
+/// past the count, at most one 4 KiB write, are the same bytes again).
+#[test]
+fn a_named_pipe_killed_with_sigkill_reattaches_from_its_journal_with_every_byte_once() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let state = tempfile::tempdir().unwrap();
+    let down_total: u64 = 4 << 20;
+    let target = PatternTarget::start(down_total);
+    let relay = Relay::start(state.path(), &[format!("127.0.0.1:{}", target.port)]);
+    let relay_addr = format!("127.0.0.1:{}", relay.port);
+    let target_arg = target.port.to_string();
+    let upload = random_bytes(16 << 20);
+
+    let mut first = Guard(
+        roam(state.path())
+            .args(["pipe", "--name", "job", &relay_addr, &target_arg])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let feeder = {
+        let mut w = first.0.stdin.take().unwrap();
+        let (stop, upload) = (stop.clone(), upload.clone());
+        std::thread::spawn(move || {
+            for chunk in upload.chunks(8 * 1024) {
+                if stop.load(Ordering::SeqCst) || w.write_all(chunk).is_err() {
+                    return;
+                }
+            }
+            // Stays open: the first client must not see the end of its stdin.
+            while !stop.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        })
+    };
+    // Read slower than the target sends: the client holds output it has
+    // not printed, and prints between the journal's copies.
+    let mut out1 = first.0.stdout.take().unwrap();
+    let reader1 = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        let mut buf = [0u8; 4096];
+        while let Ok(n @ 1..) = out1.read(&mut buf) {
+            v.extend_from_slice(&buf[..n]);
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        v
+    });
+    let end = Instant::now() + Duration::from_secs(30);
+    while target.received.load(Ordering::SeqCst) < 1 << 20 {
+        assert!(Instant::now() < end, "the upload never started");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    first.0.kill().unwrap();
+    let status = first.0.wait().unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(status.signal(), Some(9), "killed by SIGKILL");
+    stop.store(true, Ordering::SeqCst);
+    feeder.join().unwrap();
+    let got1 = reader1.join().unwrap();
+    assert!(
+        (got1.len() as u64) < down_total,
+        "the kill must come mid-download ({} bytes printed)",
+        got1.len()
+    );
+
+    // Listed as left by a killed client, with where input and output stand.
+    let out = roam(state.path())
+        .args(["status", "--json"])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let d = &v["detached"][0];
+    assert_eq!(d["name"], "job", "{v}");
+    assert_eq!(d["killed"], true, "{v}");
+    let taken = d["input_taken"].as_u64().expect("input_taken") as usize;
+    let printed = d["output_printed"].as_u64().expect("output_printed") as usize;
+    assert!(
+        taken > 0 && taken < upload.len(),
+        "mid-upload: {taken} of {}",
+        upload.len()
+    );
+    assert!(
+        printed <= got1.len() && got1.len() - printed <= 4096,
+        "printed {printed}, the first client wrote {}",
+        got1.len()
+    );
+    let record = state.path().join("sessions/job.journal-0");
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(
+        std::fs::metadata(&record).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+
+    let mut cmd = roam(state.path());
+    cmd.args(["pipe", "--name", "job", &relay_addr, &target_arg]);
+    let (code, got2, err2) = run_with_input(cmd, upload[taken..].to_vec(), Duration::from_secs(60));
+    assert_eq!(code, 0, "{err2}");
+    assert!(err2.contains("journal"), "{err2}");
+    assert!(
+        err2.contains(&format!("follows byte {taken}")),
+        "the new client says where its stdin goes on: {err2}"
+    );
+    let left: Vec<String> = std::fs::read_dir(state.path().join("sessions"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n != "job.lock")
+        .collect();
+    assert!(
+        left.is_empty(),
+        "the journal and the output mark are gone with the session: {left:?}"
+    );
+
+    let (sha, n) = target
+        .report
+        .recv_timeout(Duration::from_secs(30))
+        .expect("target report");
+    assert_eq!(
+        n,
+        upload.len() as u64,
+        "upload length at the target: {err2}"
+    );
+    assert_eq!(
+        sha,
+        hex(&Sha256::digest(&upload)),
+        "upload bytes at the target"
+    );
+    let repeated = &got1[printed..];
+    assert_eq!(
+        &got2[..repeated.len().min(got2.len())],
+        &repeated[..repeated.len().min(got2.len())],
+        "bytes printed past the count come again, the same"
+    );
+    let mut got = got1[..printed].to_vec();
+    got.extend_from_slice(&got2);
+    assert_eq!(
+        got.len() as u64,
+        down_total,
+        "download length ({printed} + {})",
+        got2.len()
+    );
+    assert!(
+        got.iter().enumerate().all(|(i, b)| *b == pattern(i as u64)),
+        "download bytes in order, once"
+    );
 }
 
 /// A target that reads slower than the client sends gets every byte: the

@@ -7,66 +7,12 @@
 
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::{numbered, opening, pair, pump, read_all, server_config};
 use roam_proto::{
-    route_opening, ClientConfig, Config, Event, Keypair, Opening, ServerConfig, ServerTrust,
-    Session, State, StreamId, TransportId,
+    route_opening, ClientConfig, Config, Event, Keypair, Opening, ServerTrust, Session, State,
 };
-
-fn server_config(key: &Keypair) -> ServerConfig {
-    ServerConfig {
-        keypair: key.clone(),
-        authorized_keys: None,
-        addresses: Vec::new(),
-        session: Config::default(),
-    }
-}
-
-/// Moves everything the two sides have to send, until quiet.
-fn pump(now: Instant, c: &mut Session, ct: TransportId, s: &mut Session, st: TransportId) {
-    for _ in 0..1000 {
-        let mut moved = false;
-        let mut out = Vec::new();
-        while s.poll_transmit(now, &mut out).is_some() {}
-        if !out.is_empty() {
-            moved = true;
-            c.handle_input(now, ct, &out).expect("client input");
-        }
-        out.clear();
-        while c.poll_transmit(now, &mut out).is_some() {}
-        if !out.is_empty() {
-            moved = true;
-            s.handle_input(now, st, &out).expect("server input");
-        }
-        if !moved {
-            return;
-        }
-    }
-    panic!("the pair never went quiet");
-}
-
-/// The client's opening bytes on transport `t`.
-fn opening(now: Instant, c: &mut Session) -> Vec<u8> {
-    let mut out = Vec::new();
-    while c.poll_transmit(now, &mut out).is_some() {}
-    out
-}
-
-/// Reads everything readable on `id`.
-fn read_all(s: &mut Session, id: StreamId) -> Vec<u8> {
-    let mut got = Vec::new();
-    let mut buf = [0u8; 4096];
-    while let Ok(Some(n)) = s.read(id, &mut buf) {
-        if n == 0 {
-            break;
-        }
-        got.extend_from_slice(&buf[..n]);
-    }
-    got
-}
-
-fn numbered(from: u32, to: u32) -> Vec<u8> {
-    (from..to).flat_map(|i| i.to_be_bytes()).collect()
-}
 
 #[test]
 fn a_resume_at_the_old_host_is_redirected_and_nothing_is_lost() {
@@ -195,29 +141,6 @@ fn a_first_connect_redirected_fails_with_the_address() {
         .unwrap_err();
     assert_eq!(err, roam_proto::Error::Moved("10.0.0.2:7447".into()));
     assert_eq!(c.state(), State::Closed);
-}
-
-/// Opens a session between a fresh client and a server on `cfg`.
-fn pair(
-    cfg: &ServerConfig,
-    service_key: &Keypair,
-    now: Instant,
-) -> (Session, TransportId, Session, TransportId) {
-    let mut client = Session::client(ClientConfig {
-        keypair: Keypair::generate().unwrap(),
-        server_trust: ServerTrust::Pinned(service_key.public()),
-        session: Config::default(),
-    });
-    let ct = client.connect(now, None).unwrap();
-    let bytes = opening(now, &mut client);
-    let Opening::New { hello, used } = route_opening(&bytes) else {
-        panic!("expected a new session");
-    };
-    let (mut s, st) = Session::accept(cfg, now, &hello, None).unwrap();
-    s.handle_input(now, st, &bytes[used..]).unwrap();
-    pump(now, &mut client, ct, &mut s, st);
-    assert_eq!(client.state(), State::Active);
-    (client, ct, s, st)
 }
 
 fn asked(s: &mut Session) -> Vec<String> {

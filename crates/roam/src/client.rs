@@ -103,6 +103,20 @@ pub async fn resume(
     detached: crate::Detached,
     offline: std::time::Duration,
 ) -> Result<SessionHandle, Error> {
+    resume_journaled(addr, config, detached, offline, None).await
+}
+
+/// [`resume`], journaling the session from its first byte on (see
+/// [`SessionHandle::set_journal`](crate::SessionHandle::set_journal)): the
+/// resume itself already acknowledges what the server replays, so a journal
+/// set only once `resume` returned could be behind what the server saw.
+pub async fn resume_journaled(
+    addr: &str,
+    config: ClientConfig,
+    detached: crate::Detached,
+    offline: std::time::Duration,
+    journal: Option<crate::JournalWriter>,
+) -> Result<SessionHandle, Error> {
     let session = Session::restore_client(
         config.proto.clone(),
         Instant::now().into_std(),
@@ -118,6 +132,7 @@ pub async fn resume(
         sh.connected = true;
         sh.incoming.extend(detached.unaccepted);
         sh.orphans.extend(detached.orphans);
+        sh.journal = journal.map(crate::journal::Journal::new);
     }
     let mut events = inner.events.subscribe();
     let handle = SessionHandle::new(inner.clone());

@@ -166,6 +166,9 @@ pub(crate) struct Shared {
     /// byte now, so stream reads and writes fail (a read would deliver bytes
     /// the continuation delivers again; a write would go nowhere).
     pub(crate) detached: bool,
+    /// The session's journal ([`SessionHandle::set_journal`]), kept by the
+    /// driver after each transmit.
+    pub(crate) journal: Option<crate::journal::Journal>,
 }
 
 impl Shared {
@@ -187,6 +190,7 @@ impl Shared {
             detach: None,
             driver_wakeups: 0,
             detached: false,
+            journal: None,
         }
     }
 
@@ -497,6 +501,91 @@ impl SessionHandle {
         rx.await.unwrap_or(Err(ExportError::Closed))
     }
 
+    /// Keeps a journal of the session from now on: a copy of its
+    /// continuation handed to `writer` before any byte that would make an
+    /// older copy unresumable leaves for the peer (see [`JournalEntry`](crate::JournalEntry)), so that
+    /// the latest copy can be restored (`resume`) after this process is
+    /// killed. The first copy is written at once. A writer that fails ends
+    /// the journal (later copies would be stale): it should remove what it
+    /// wrote and say so. Replaces an earlier journal.
+    pub fn set_journal(&self, writer: crate::JournalWriter) {
+        self.inner().lock().journal = Some(crate::journal::Journal::new(writer));
+        self.inner().notify.notify_one();
+    }
+
+    /// How far stream `id` has come (bytes written and read by the
+    /// application, ends), `None` for a stream the session does not know.
+    pub fn stream_progress(&self, id: StreamId) -> Option<roam_proto::StreamProgress> {
+        self.inner().lock().session.stream_progress(id)
+    }
+
+    /// Stops the journal ([`set_journal`](Self::set_journal)), if any: no
+    /// copy is written after this returns.
+    pub fn clear_journal(&self) {
+        self.inner().lock().journal = None;
+    }
+
+    /// Copies bytes that arrived on stream `id` into `buf` without taking
+    /// them (waits until there are some): they stay in the session, so in
+    /// its continuation and its journal, until [`consume`](Self::consume)
+    /// takes them. `Ok(0)` is end-of-stream. Use it, rather than the
+    /// stream's `read`, to take bytes only once they are somewhere safe
+    /// (written out, say). Do not read the stream's handle meanwhile.
+    pub async fn peek(&self, id: StreamId, buf: &mut [u8]) -> Result<usize, Error> {
+        poll_fn(|cx| {
+            let mut sh = self.inner().lock();
+            if sh.detached {
+                return Poll::Ready(Err(Error::Stream(StreamError::SessionClosed)));
+            }
+            match sh.session.peek(id, buf) {
+                Ok(Some(n)) => Poll::Ready(Ok(n)),
+                Ok(None) => {
+                    sh.read_wakers.insert(id, cx.waker().clone());
+                    Poll::Pending
+                }
+                Err(e) => Poll::Ready(Err(stream_failure(&sh, id, e))),
+            }
+        })
+        .await
+    }
+
+    /// Takes the first `n` bytes [`peek`](Self::peek) showed on stream `id`
+    /// (their window is granted back to the peer); `n == 0` takes a peeked
+    /// end-of-stream.
+    pub fn consume(&self, id: StreamId, n: usize) -> Result<(), Error> {
+        let inner = self.inner();
+        let mut sh = inner.lock();
+        if sh.detached {
+            return Err(Error::Stream(StreamError::SessionClosed));
+        }
+        let log_before = sh.session.unacked_frames();
+        let mut scratch = [0u8; 4096];
+        let mut left = n;
+        loop {
+            let want = left.clamp(1, scratch.len());
+            match sh.session.read(id, &mut scratch[..want]) {
+                Ok(Some(k)) if k > 0 && k <= left => left -= k,
+                Ok(Some(0)) if left == 0 => break,
+                Ok(_) => {
+                    return Err(Error::Io(std::io::Error::other(format!(
+                        "consume: {left} of {n} bytes were not there to take"
+                    ))))
+                }
+                Err(e) => return Err(stream_failure(&sh, id, e)),
+            }
+            if left == 0 && n > 0 {
+                break;
+            }
+        }
+        // Taking bytes may have queued a window update: let the driver send it.
+        let wake = sh.session.unacked_frames() > log_before;
+        drop(sh);
+        if wake {
+            inner.notify.notify_one();
+        }
+        Ok(())
+    }
+
     /// A handle to a stream the session already holds, e.g. after a restore
     /// (the continuation records stream ids, not handles). Takes the stream
     /// out of the `accept_stream` queue if it was waiting there and stops
@@ -514,5 +603,18 @@ impl SessionHandle {
         sh.orphans.remove(&id);
         drop(sh);
         Ok(RoamStream::new(self.guard.clone(), id))
+    }
+}
+
+/// The error of a stream operation made through the session handle.
+fn stream_failure(sh: &Shared, id: StreamId, e: StreamError) -> Error {
+    if let (StreamError::UnknownStream, Some(code)) = (e, sh.resets.get(&id)) {
+        return Error::Stream(StreamError::Reset(*code));
+    }
+    match (&sh.closed, e) {
+        (Some(reason), StreamError::SessionClosed | StreamError::UnknownStream) => {
+            Error::Closed(reason.clone())
+        }
+        (_, e) => Error::Stream(e),
     }
 }

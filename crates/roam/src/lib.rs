@@ -60,6 +60,7 @@ mod detach;
 mod driver;
 mod error;
 mod handle;
+mod journal;
 mod limits;
 mod netwatch;
 mod server;
@@ -68,7 +69,7 @@ mod stream;
 mod tcpmem;
 mod transport;
 
-pub use client::{connect, connect_over, resume};
+pub use client::{connect, connect_over, resume, resume_journaled};
 pub use config::{ClientConfig, MovePolicy, ServerConfig};
 pub use detach::{
     adoption_queue, Adopter, Adoption, Adoptions, Detached, Directory, LiveTransport, Locating,
@@ -76,6 +77,7 @@ pub use detach::{
 };
 pub use error::Error;
 pub use handle::{SessionEvent, SessionHandle, SessionStats};
+pub use journal::{JournalEntry, JournalWriter};
 pub use limits::{LogThrottle, ServerStats, ServerUsage};
 pub use netwatch::NetworkChanges;
 pub use server::{serve, serve_with_directory, serve_with_restore};

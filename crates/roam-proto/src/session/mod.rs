@@ -72,6 +72,21 @@ pub enum State {
     Closed,
 }
 
+/// One stream's progress as its application sees it
+/// ([`Session::stream_progress`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamProgress {
+    /// Bytes the application wrote (accepted by the session).
+    pub written: u64,
+    /// Bytes the application read (taken with `read`).
+    pub read: u64,
+    /// The application finished its direction (`finish_stream`).
+    pub finished: bool,
+    /// The peer finished its direction (end-of-stream received; it may
+    /// not have been read yet).
+    pub peer_finished: bool,
+}
+
 /// Counters for status displays and benchmarks.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Stats {
@@ -525,6 +540,26 @@ impl Session {
     pub fn readable_len(&self, id: StreamId) -> usize {
         self.streams.get(&id.0).map_or(0, |s| s.recv_buf.len())
     }
+    /// What the peer may have seen of this session: one past the highest
+    /// reliable frame ever transmitted, and the last received count sent in
+    /// an ACK or SYNC. A copy of the session that must survive its process
+    /// being killed (a journal) has to be exported again, before the bytes
+    /// leave, whenever `poll_transmit` grows either: a copy older than what
+    /// the peer saw cannot be resumed (§13.2).
+    pub fn peer_exposure(&self) -> (u64, u64) {
+        (self.high_sent, self.ack_sent)
+    }
+    /// How far a stream has come, as its application sees it; `None` for a
+    /// stream the session does not know (never opened, or complete and
+    /// forgotten).
+    pub fn stream_progress(&self, id: StreamId) -> Option<StreamProgress> {
+        self.streams.get(&id.0).map(|s| StreamProgress {
+            written: s.written(),
+            read: s.received - s.recv_buf.len() as u64,
+            finished: s.fin_requested,
+            peer_finished: s.fin_received,
+        })
+    }
 
     // ------------------------------------------------------------ polling
 
@@ -968,6 +1003,35 @@ impl Session {
                 .push_back(Entry::MaxStreamData { stream: id.0, max });
         }
         self.consume(n as u64);
+        Ok(Some(n))
+    }
+
+    /// Copies received bytes into `buf` without taking them: they stay
+    /// readable (and counted against the stream's window) until `read`
+    /// takes them. Answers as `read` would (`Ok(Some(0))` is end-of-stream,
+    /// `Ok(None)` nothing yet) but changes nothing, so an application can
+    /// take bytes only once it has put them somewhere safe.
+    pub fn peek(&self, id: StreamId, buf: &mut [u8]) -> Result<Option<usize>, StreamError> {
+        let s = match self.streams.get(&id.0) {
+            Some(s) => s,
+            None if self.state == State::Closed => return Err(StreamError::SessionClosed),
+            None => return Err(StreamError::UnknownStream),
+        };
+        if let Some(code) = s.reset {
+            return Err(StreamError::Reset(code));
+        }
+        if s.recv_buf.is_empty() {
+            return match (s.fin_received, self.state == State::Closed) {
+                (true, _) => Ok(Some(0)),
+                (false, true) => Err(StreamError::SessionClosed),
+                (false, false) => Ok(None),
+            };
+        }
+        let n = buf.len().min(s.recv_buf.len());
+        let (a, b) = s.recv_buf.as_slices();
+        let na = n.min(a.len());
+        buf[..na].copy_from_slice(&a[..na]);
+        buf[na..n].copy_from_slice(&b[..n - na]);
         Ok(Some(n))
     }
 

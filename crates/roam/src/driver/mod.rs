@@ -296,6 +296,7 @@ impl Driver {
                 .close(roam_proto::code::NO_ERROR, "handshake not completed");
         }
         let backed_up = self.transmit(&mut sh, std_now);
+        self.keep_journal(&mut sh, std_now);
         let mut new_session = None;
         while let Some(ev) = sh.session.poll_event() {
             if let Some(h) = self.on_event(&mut sh, ev, now) {
@@ -388,6 +389,26 @@ impl Driver {
             match self.conns.iter_mut().find(|c| c.tid == tid) {
                 Some(c) => c.queue(&mut self.scratch),
                 None => tracing::trace!("dropping output for unknown transport {tid:?}"),
+            }
+        }
+    }
+
+    /// Journals the session ([`SessionHandle::set_journal`]) after a
+    /// transmit, while what it queued is still in the connections' buffers:
+    /// nothing it covers has reached a socket yet.
+    fn keep_journal(&mut self, sh: &mut Shared, now: std::time::Instant) {
+        let Some(journal) = sh.journal.as_mut() else {
+            return;
+        };
+        match journal.keep(&sh.session, now) {
+            Ok(true) => {}
+            Ok(false) => sh.journal = None,
+            Err(e) => {
+                tracing::warn!(
+                    "session {}: journal stopped ({e}); the session no longer survives this process being killed",
+                    id_text(sh)
+                );
+                sh.journal = None;
             }
         }
     }
