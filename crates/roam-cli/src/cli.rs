@@ -140,8 +140,20 @@ mode 0600) and exits 0. `roam pipe --name N HOST TARGET` run again, from any
 address and also after a reboot, re-attaches: what the target sent meanwhile
 is printed, what the old stdin gave is sent, each byte once. Re-attach
 within the relay's suspend timeout. `roam status` lists detached sessions.
-Killed with -9, a named session is not saved (re-attach then reports it
-lost). A named session needs a relay: it never falls back to direct TCP.
+While attached, a named session also keeps a journal there: a copy of its
+state written before each byte that would make the last copy stale leaves.
+So a client killed outright (kill -9, a crash, a power-off of the laptop
+once the page cache reached the disk) leaves it re-attachable too:
+`roam status` lists it as left by a killed client, with how many bytes of
+input the session had taken and of output had been printed, and the next
+`roam pipe --name` says the same. Bytes the killed process had read from its
+stdin but not yet handed to the session are gone with it: feed the new
+process its stdin from that byte on (e.g. `tail -c +$((N+1)) file`). Output
+goes on exactly after the last byte the killed process printed, except that
+a kill falling between a write to stdout and its 8-byte mark repeats that
+write (at most 4 KiB). The journal costs throughput: about 330-360 MB/s
+named against 500-690 MB/s unnamed on loopback. A named session needs a
+relay: it never falls back to direct TCP.
 
 Exit status: 0 done (or detached); 1 an error (message on stderr); 2 bad
 arguments or configuration; 3 the session was lost (the relay restarted
