@@ -168,7 +168,18 @@ Examples:
 On SIGHUP, SIGINT or SIGTERM roam closes the session (waiting at most 3 s for
 the relay) and exits 128+signal. If the relay loses the session (it restarted,
 or reclaimed a session left without connections), the next local connection
-opens a new session.")]
+opens a new session.
+
+With --name N the session outlives the process, as a named `roam pipe`'s
+does: those signals and `roam detach N` detach it (saved to the state
+directory, exit 0), a journal keeps it re-attachable if the process is
+killed outright, and the same command run again re-attaches it, from any
+address, within the relay's suspend timeout (`roam status` lists it
+meanwhile). The local connections cannot outlive the process that accepted
+them: their streams are reset when the session is re-attached (the relay
+then closes their target connections, code 0x105), and every new local
+connection is a new stream of the same session. If the relay lost the
+session, the re-attach says so and starts a new one.")]
     Forward(ForwardArgs),
     /// Run a program whose outgoing TCP connections are roam sessions wherever the peer runs a relay.
     #[command(after_help = "\
@@ -307,7 +318,7 @@ migration that fails here is undone (address, lock, restored copy) and the
 source is told why; CRIU's log of a failed restore is kept and named. One
 migration runs at a time. Stops on SIGINT or SIGTERM.")]
     MigrateAccept(MigrateAcceptArgs),
-    /// Detach a named session from the `roam pipe --name` process attached to it.
+    /// Detach a named session from the `roam pipe --name` or `roam forward --name` process attached to it.
     #[command(after_help = "\
 Examples:
   roam detach backup      # the attached process saves the session and exits 0
@@ -315,7 +326,8 @@ Examples:
 
 The process saves the session's client state to the state directory and
 exits; the relay keeps the session suspended until a client re-attaches or
-its suspend timeout passes. Waits (up to 10 s) until the record is written.")]
+its suspend timeout passes. Waits (up to 10 s) until the record is written.
+Works for `roam forward --name` too (re-attach with the same forward command).")]
     Detach(DetachArgs),
     /// List this user's live sessions (from running pipe, forward and serve processes).
     #[command(after_help = "\
@@ -578,6 +590,11 @@ pub(crate) struct ForwardArgs {
     /// Target as seen from the relay, e.g. 127.0.0.1:5432.
     #[arg(value_name = "TARGET:PORT")]
     pub(crate) target: String,
+    /// Name the session, so that it outlives this process: a signal detaches
+    /// it (saved to the state directory) instead of closing it, and the same
+    /// command with the same name re-attaches.
+    #[arg(long, value_name = "NAME")]
+    pub(crate) name: Option<String>,
     #[command(flatten)]
     pub(crate) client: ClientArgs,
 }

@@ -555,8 +555,11 @@ fn print_detached(detached: &[crate::named::DetachedStatus]) {
     for d in detached {
         match &d.error {
             None => println!(
-                "detached {:<16} {} -> {}  {} {}  {} pending{}  (re-attach: roam pipe --name {} {} {})",
+                "detached {:<16} {}{} -> {}  {} {}  {} pending{}  (re-attach: roam {} --name {} {} {})",
                 d.name,
+                d.listen
+                    .as_ref()
+                    .map_or(String::new(), |l| format!("{l} -> ")),
                 d.relay,
                 d.target,
                 if d.killed {
@@ -572,9 +575,13 @@ fn print_detached(detached: &[crate::named::DetachedStatus]) {
                     ),
                     _ => String::new(),
                 },
+                if d.listen.is_some() { "forward" } else { "pipe" },
                 d.name,
                 d.relay,
-                d.target
+                match &d.listen {
+                    Some(l) => format!("{l} {}", d.target),
+                    None => d.target.clone(),
+                }
             ),
             Some(e) => println!("detached {:<16} unreadable: {e}", d.name),
         }

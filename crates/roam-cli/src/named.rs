@@ -80,6 +80,10 @@ pub(crate) struct Header {
     /// counting `download`; the next client's stdout follows them.
     #[serde(default)]
     pub(crate) output_printed: Option<u64>,
+    /// For `roam forward --name`: the local address it listens on (a
+    /// forward's record has no stream of its own).
+    #[serde(default)]
+    pub(crate) listen: Option<String>,
 }
 
 /// A detached session as it sits in its record.
@@ -294,6 +298,35 @@ impl JournalFile {
     }
 }
 
+/// A session's journal writer (`roam::SessionHandle::set_journal`) that
+/// stores each copy in `file`: `encode` turns the copy into the record's
+/// bytes (in a buffer reused for every copy). Copies are not synced: a
+/// killed process's writes survive in the page cache, and a power cut is
+/// what a detach (which syncs) is for. If a copy cannot be written, the
+/// journal's files are removed (a stale copy could not be resumed) and the
+/// user is told.
+pub(crate) fn journal_writer(
+    dir: PathBuf,
+    name: String,
+    file: std::sync::Arc<std::sync::Mutex<JournalFile>>,
+    mut encode: impl FnMut(&roam::JournalEntry<'_>, &mut Vec<u8>) + Send + 'static,
+) -> roam::JournalWriter {
+    let mut bytes = Vec::new();
+    Box::new(move |entry: &roam::JournalEntry<'_>| {
+        encode(entry, &mut bytes);
+        let written = file
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .write(&bytes, false);
+        written.inspect_err(|e| {
+            remove_all(&dir, &name);
+            crate::notices::notice(&format!(
+                "session {name:?}: its journal cannot be written ({e}): if this process is killed now, the session is lost (a detach still saves it)"
+            ));
+        })
+    })
+}
+
 /// A slot file's sequence number (0: empty, damaged or mid-write).
 fn slot_seq(f: &std::fs::File) -> u64 {
     use std::os::unix::fs::FileExt;
@@ -502,6 +535,9 @@ pub(crate) struct DetachedStatus {
     /// Bytes of output printed; the next client's stdout follows.
     #[serde(default)]
     pub(crate) output_printed: Option<u64>,
+    /// A `roam forward --name` session: its local address.
+    #[serde(default)]
+    pub(crate) listen: Option<String>,
 }
 
 /// Every detached session in `dir`, by name.
@@ -544,6 +580,7 @@ pub(crate) fn list(dir: &Path) -> Vec<DetachedStatus> {
                     error: None,
                     killed: r.header.journal,
                     input_taken: r.header.input_taken,
+                    listen: r.header.listen,
                     // A killed client's mark is ahead of its journal.
                     output_printed: match (r.header.journal, r.header.output_printed) {
                         (true, Some(o)) => {
@@ -563,6 +600,7 @@ pub(crate) fn list(dir: &Path) -> Vec<DetachedStatus> {
                     killed: false,
                     input_taken: None,
                     output_printed: None,
+                    listen: None,
                 },
             })
         })
@@ -599,6 +637,7 @@ mod tests {
                 journal: true,
                 input_taken: Some(12),
                 output_printed: None,
+                listen: None,
             },
             continuation: vec![1, 2, 3],
             upload: b"up".to_vec(),

@@ -236,9 +236,16 @@ async fn run_named(
         journal: true,
         input_taken: None,
         output_printed: None,
+        listen: None,
     };
     let mut link = match named::load(&dir, name).map_err(CliError)? {
         Some(record) => {
+            if let Some(listen) = &record.header.listen {
+                return Err(CliError(format!(
+                    "session {name:?} is a `roam forward` session (listening on {listen}): re-attach it with `roam forward --name {name} {} {listen} {}`",
+                    record.header.relay, record.header.target
+                )));
+            }
             if record.header.relay != relay || record.header.target != target {
                 return Err(CliError(format!(
                     "session {name:?} goes to {} through relay {}, not to {target} through {relay}: give those, or choose another name",
@@ -370,8 +377,8 @@ fn journal_writer(
     // upload is the first thing written after it.
     let mut start: Option<u64> = None;
     let mut last: Option<roam_proto::StreamProgress> = None;
-    let mut bytes = Vec::new();
-    Box::new(move |entry: &roam::JournalEntry<'_>| {
+    let name = base.name.clone();
+    named::journal_writer(dir, name, file, move |entry, bytes| {
         // A stream the session forgot is complete both ways: keep its last
         // figures.
         let progress = entry
@@ -400,20 +407,7 @@ fn journal_writer(
             output_printed: Some(progress.read.saturating_sub(download.len() as u64)),
             ..base.clone()
         };
-        named::encode_parts(&header, entry.blob, upload, download, &mut bytes);
-        // Not synced: a killed process's writes survive in the page cache;
-        // a power cut is what a detach (which syncs) is for.
-        let written = file
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .write(&bytes, false);
-        written.inspect_err(|e| {
-            named::remove_all(&dir, &base.name);
-            crate::notices::notice(&format!(
-                "session {:?}: its journal cannot be written ({e}): if this process is killed now, the session is lost (a detach still saves it)",
-                base.name
-            ));
-        })
+        named::encode_parts(&header, entry.blob, upload, download, bytes);
     })
 }
 
@@ -852,6 +846,7 @@ impl Link {
                 journal: false,
                 input_taken: progress.map(|p| p.written + self.upload.len() as u64),
                 output_printed: progress.map(|p| p.read.saturating_sub(self.download.len() as u64)),
+                listen: None,
             },
             continuation: detached.blob,
             upload: self.upload,

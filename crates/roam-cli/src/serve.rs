@@ -40,6 +40,10 @@ pub(crate) mod reset {
     pub(crate) const BAD_TARGET: u64 = roam_proto::code::APPLICATION_BASE + 3;
     /// The relay is at its target-connection limit (per session or overall).
     pub(crate) const TARGET_LIMIT: u64 = roam_proto::code::APPLICATION_BASE + 4;
+    /// The client's end of the stream is gone: its local connection ended
+    /// with the process that held it (a named `roam forward` re-attached
+    /// without it).
+    pub(crate) const CLIENT_GONE: u64 = roam_proto::code::APPLICATION_BASE + 5;
 }
 
 /// What a client tells its user when the relay reset its stream.
@@ -1720,6 +1724,10 @@ async fn relay_stream(
         PumpEnd::Finished(Err(e)) => {
             tracing::info!("stream from {peer} to {target} ended: {e}");
             stream.reset(roam_proto::code::NO_ERROR);
+            // Not a clean end (the client reset its stream, say, because
+            // its own connection died): the target gets a reset too, not
+            // an end-of-stream that would pass a cut-off request as whole.
+            let _ = socket2::SockRef::from(&tcp).set_linger(Some(std::time::Duration::ZERO));
             None
         }
         PumpEnd::Stopped(up, down) => {

@@ -89,11 +89,13 @@ impl Relay {
     }
 }
 
-/// An echo target that counts connections opened and closed by the relay.
+/// An echo target that counts connections opened and closed by the relay,
+/// and of those closed, the ones that ended with a reset.
 struct Target {
     port: u16,
     opened: Arc<AtomicU64>,
     closed: Arc<AtomicU64>,
+    aborted: Arc<AtomicU64>,
 }
 
 fn start_target() -> Target {
@@ -101,15 +103,18 @@ fn start_target() -> Target {
     let port = l.local_addr().unwrap().port();
     let opened = Arc::new(AtomicU64::new(0));
     let closed = Arc::new(AtomicU64::new(0));
-    let (o, c) = (opened.clone(), closed.clone());
+    let aborted = Arc::new(AtomicU64::new(0));
+    let (o, c, a) = (opened.clone(), closed.clone(), aborted.clone());
     std::thread::spawn(move || {
         for conn in l.incoming() {
             let Ok(mut conn) = conn else { return };
             o.fetch_add(1, Ordering::SeqCst);
-            let c = c.clone();
+            let (c, a) = (c.clone(), a.clone());
             std::thread::spawn(move || {
                 let mut w = conn.try_clone().unwrap();
-                let _ = std::io::copy(&mut conn, &mut w);
+                if std::io::copy(&mut conn, &mut w).is_err() {
+                    a.fetch_add(1, Ordering::SeqCst);
+                }
                 c.fetch_add(1, Ordering::SeqCst);
             });
         }
@@ -118,6 +123,7 @@ fn start_target() -> Target {
         port,
         opened,
         closed,
+        aborted,
     }
 }
 
@@ -708,4 +714,138 @@ fn forward_opens_a_new_session_after_the_relay_lost_its_own() {
     wait_line(&lines, "new session", Duration::from_secs(5)).expect("new session announced");
     forward.signal("TERM");
     assert_eq!(forward.wait_exit(Duration::from_secs(6)), Some(143));
+}
+
+/// The session ids a relay (state dir `state`) lists.
+fn relay_session_ids(state: &Path) -> Vec<String> {
+    let out = roam(state).args(["status", "--json"]).output().unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    v["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|p| p["sessions"].as_array().cloned().unwrap_or_default())
+        .filter_map(|s| s["session_id"].as_str().map(str::to_string))
+        .collect()
+}
+
+/// `roam forward --name`: killed with SIGKILL while a local connection is
+/// open, it leaves its session re-attachable (`roam status` lists it as
+/// left by a killed client). The same command re-attaches the same relay
+/// session; the connection the old process carried is reset (the relay
+/// closes its target connection) and new local connections work. `roam
+/// detach` then detaches it cleanly (exit 0), and a third process
+/// re-attaches it again: still the one session at the relay.
+#[test]
+fn a_named_forward_outlives_kill_9_and_detach_with_its_session() {
+    let state = tempfile::tempdir().unwrap();
+    let relay_state = tempfile::tempdir().unwrap();
+    let target = start_target();
+    let port = free_port();
+    let allow = format!("127.0.0.1:{}", target.port);
+    let _relay = Relay::start(relay_state.path(), port, &allow);
+    let local = free_port();
+    let listen = format!("127.0.0.1:{local}");
+    let start = |what: &str| {
+        let mut child = roam(state.path())
+            .args([
+                "forward",
+                "--name",
+                "fw",
+                &format!("127.0.0.1:{port}"),
+                &listen,
+                &allow,
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let lines = lines_of(&mut child);
+        let line = wait_line(&lines, what, Duration::from_secs(20))
+            .unwrap_or_else(|seen| panic!("no {what:?} from forward:\n{seen}"));
+        (Guard(child), lines, line)
+    };
+    let echo = |c: &mut std::net::TcpStream, tag: &[u8]| {
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        c.write_all(tag).unwrap();
+        let mut buf = vec![0u8; tag.len()];
+        c.read_exact(&mut buf).unwrap();
+        assert_eq!(buf, tag);
+    };
+    let connect = || {
+        let end = Instant::now() + Duration::from_secs(10);
+        loop {
+            match std::net::TcpStream::connect(("127.0.0.1", local)) {
+                Ok(c) => return c,
+                Err(e) if Instant::now() > end => panic!("connecting to the forward: {e}"),
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+    };
+
+    let (mut first, _l1, _) = start("roam forward: 127.0.0.1");
+    let mut c1 = connect();
+    echo(&mut c1, b"one\n");
+    let ids = relay_session_ids(relay_state.path());
+    assert_eq!(ids.len(), 1, "{ids:?}");
+    first.0.kill().unwrap();
+    first.0.wait().unwrap();
+    // The local connection ended with the process.
+    c1.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut buf = [0u8; 16];
+    assert!(matches!(c1.read(&mut buf), Ok(0) | Err(_)));
+    let out = roam(state.path())
+        .args(["status", "--json"])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let d = &v["detached"][0];
+    assert_eq!(d["name"], "fw", "{v}");
+    assert_eq!(d["killed"], true, "{v}");
+    assert_eq!(d["listen"], listen.as_str(), "{v}");
+
+    let (second, _l2, line) = start("re-attached");
+    assert!(line.contains("1 connection(s)"), "{line}");
+    assert!(
+        wait_until(Duration::from_secs(10), || target
+            .closed
+            .load(Ordering::SeqCst)
+            == 1),
+        "the relay closes the old connection's target connection"
+    );
+    assert_eq!(
+        target.aborted.load(Ordering::SeqCst),
+        1,
+        "with a reset: the target must not take the cut-off connection as complete"
+    );
+    let mut c2 = connect();
+    echo(&mut c2, b"two\n");
+    assert_eq!(
+        relay_session_ids(relay_state.path()),
+        ids,
+        "the same session"
+    );
+
+    let out = roam(state.path()).args(["detach", "fw"]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut second = second;
+    assert_eq!(second.wait_exit(Duration::from_secs(10)), Some(0));
+    let out = roam(state.path())
+        .args(["status", "--json"])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["detached"][0]["name"], "fw", "{v}");
+    assert_eq!(v["detached"][0]["killed"], false, "{v}");
+
+    let (_third, _l3, _) = start("re-attached");
+    let mut c3 = connect();
+    echo(&mut c3, b"three\n");
+    assert_eq!(relay_session_ids(relay_state.path()), ids);
+    assert_eq!(target.opened.load(Ordering::SeqCst), 3);
 }

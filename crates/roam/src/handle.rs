@@ -513,6 +513,12 @@ impl SessionHandle {
         self.inner().notify.notify_one();
     }
 
+    /// The ids of the streams the session holds (e.g. after a restore),
+    /// in id order.
+    pub fn stream_ids(&self) -> Vec<StreamId> {
+        self.inner().lock().session.stream_ids()
+    }
+
     /// How far stream `id` has come (bytes written and read by the
     /// application, ends), `None` for a stream the session does not know.
     pub fn stream_progress(&self, id: StreamId) -> Option<roam_proto::StreamProgress> {

@@ -524,6 +524,10 @@ impl Session {
     pub fn stream_count(&self) -> usize {
         self.streams.len()
     }
+    /// The ids of the streams currently known, in id order.
+    pub fn stream_ids(&self) -> Vec<StreamId> {
+        self.streams.keys().map(|&i| StreamId(i)).collect()
+    }
     /// Reliable frames sent but not yet acknowledged.
     pub fn unacked_frames(&self) -> usize {
         self.log.len()
