@@ -362,3 +362,163 @@ fn ssh_streams_across_outage_and_address_change() {
     );
     assert!(live > 0, "nothing streamed after the outage");
 }
+
+/// Stream `seed` from byte `from` to `len`, written to `w` at `rate`
+/// bytes/s; stops quietly when the reader is gone (a killed client).
+fn feed_pattern(mut w: impl std::io::Write, seed: u64, from: u64, len: u64, rate: u64) {
+    let t0 = Instant::now();
+    let mut buf = vec![0u8; 1 << 14];
+    let mut off = from;
+    while off < len {
+        let n = (len - off).min(buf.len() as u64) as usize;
+        pattern_fill(seed, off, &mut buf[..n]);
+        if w.write_all(&buf[..n]).is_err() {
+            return;
+        }
+        off += n as u64;
+        let due = t0 + Duration::from_secs_f64((off - from) as f64 / rate as f64);
+        if let Some(wait) = due.checked_duration_since(Instant::now()) {
+            thread::sleep(wait);
+        }
+    }
+}
+
+/// Everything `r` gives until its end, counted into `got` as it comes.
+fn collect(mut r: impl std::io::Read, got: Progress) -> Vec<u8> {
+    let mut v = Vec::new();
+    let mut buf = vec![0u8; 1 << 14];
+    while let Ok(n @ 1..) = r.read(&mut buf) {
+        v.extend_from_slice(&buf[..n]);
+        got.0
+            .store(v.len() as u64, std::sync::atomic::Ordering::Relaxed);
+    }
+    v
+}
+
+/// `roam pipe --name`, killed with SIGKILL mid-transfer both ways; the
+/// client host's address changes; a new process re-attaches the session by
+/// name from the new address. The target's one connection (never
+/// re-made) receives the client's stream whole and once, the input fed to
+/// the second process from the byte the journal names; the first
+/// process's output up to its printed count followed by the second's is the
+/// target's stream, whole and once.
+#[test]
+fn a_named_pipe_killed_reattaches_from_a_new_address() {
+    require_netns!();
+    let wd = Watchdog::new(
+        "a_named_pipe_killed_reattaches_from_a_new_address",
+        Duration::from_secs(180),
+    );
+    const LEN: u64 = 4 << 20;
+    let pair = NetPair::new("namedkill").expect("create namespaces");
+    let dir = tempfile::tempdir().unwrap();
+    let target_listener = pair
+        .tcp_listen(Side::Server, "127.0.0.1:0".parse().unwrap())
+        .unwrap();
+    let target_addr = target_listener.local_addr().unwrap().to_string();
+    let target = Target::start(target_listener, UP_SEED, DOWN_SEED, LEN, Some(RATE), false);
+    let (relay, _) = start_relay(
+        Some((&pair, Side::Server)),
+        dir.path(),
+        &format!("0.0.0.0:{RELAY_PORT}"),
+        &target_addr,
+        &[],
+    );
+    wd.watch(&relay);
+    let relay_host = format!("{}:{RELAY_PORT}", pair.server_addr());
+    let named = || {
+        let mut c = roam_command(
+            Some((&pair, Side::Client)),
+            &dir.path().join("client-state"),
+        );
+        c.args(["pipe", "-v", "--name", "job", &relay_host, &target_addr])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped());
+        c
+    };
+
+    let mut first = Proc::spawn("pipe-1", &mut named());
+    wd.watch(&first);
+    let stdin = first.child.stdin.take().unwrap();
+    let stdout = first.child.stdout.take().unwrap();
+    let feeder = thread::spawn(move || feed_pattern(stdin, UP_SEED, 0, LEN, RATE));
+    let got1 = Progress::default();
+    let g = got1.clone();
+    let reader = thread::spawn(move || collect(stdout, g));
+    assert!(
+        target.up.wait_for(1 << 20, Duration::from_secs(60))
+            && got1.wait_for(1 << 20, Duration::from_secs(60)),
+        "the transfer did not get going:\n{}",
+        first.log()
+    );
+    first.child.kill().unwrap();
+    first.child.wait().unwrap();
+    feeder.join().unwrap();
+    let out1 = reader.join().unwrap();
+
+    let new = pair.subnet_addr(11);
+    pair.change_client_addr(new).unwrap();
+    let status = roam_command(None, &dir.path().join("client-state"))
+        .args(["status", "--json"])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    let d = &v["detached"][0];
+    assert_eq!(d["killed"], true, "{v}");
+    let taken = d["input_taken"].as_u64().expect("input_taken");
+    let printed = d["output_printed"].as_u64().expect("output_printed") as usize;
+    assert!(taken < LEN && printed < LEN as usize, "mid-transfer: {v}");
+    assert!(
+        printed <= out1.len() && out1.len() - printed <= 4096,
+        "printed {printed} of the {} bytes the first process wrote",
+        out1.len()
+    );
+
+    let mut second = Proc::spawn("pipe-2", &mut named());
+    wd.watch(&second);
+    let stdin = second.child.stdin.take().unwrap();
+    let stdout = second.child.stdout.take().unwrap();
+    let feeder = thread::spawn(move || feed_pattern(stdin, UP_SEED, taken, LEN, 4 * RATE));
+    let reader = thread::spawn(move || collect(stdout, Progress::default()));
+    let exit = second.wait_timeout(Duration::from_secs(120));
+    feeder.join().unwrap();
+    let out2 = reader.join().unwrap();
+    assert!(
+        exit.is_some_and(|s| s.success()),
+        "the second process: {exit:?}\n{}",
+        second.log()
+    );
+    assert!(second.log().contains("journal"), "{}", second.log());
+    assert!(
+        wait_until(Duration::from_secs(10), || relay
+            .log()
+            .contains(&format!("to Some({new}:"))),
+        "relay did not see the client at {new}:\n{}",
+        relay.log()
+    );
+    let (got_up, sent_down) = target
+        .result
+        .join()
+        .expect("target thread")
+        .expect("target side");
+    assert_eq!(
+        got_up,
+        pattern_sha256(UP_SEED, LEN),
+        "client->target stream"
+    );
+    assert_eq!(sent_down, pattern_sha256(DOWN_SEED, LEN));
+    assert_eq!(
+        target.accepted.load(std::sync::atomic::Ordering::Relaxed),
+        1,
+        "one target connection: the session survived the kill as one"
+    );
+    let mut down = out1[..printed].to_vec();
+    down.extend_from_slice(&out2);
+    assert_eq!(down.len() as u64, LEN, "target->client length");
+    let mut want = vec![0u8; LEN as usize];
+    pattern_fill(DOWN_SEED, 0, &mut want);
+    assert!(down == want, "target->client stream, once and in order");
+    eprintln!(
+        "killed after {taken} bytes up and {printed} printed; re-attached from {new}; both streams whole"
+    );
+}
