@@ -9,6 +9,7 @@
 //! | `ssh-L` | client → `ssh -L` → private `sshd` → target |
 //! | `roam-forward` | client → `roam forward` → `roam serve` → target |
 //! | `roam-pipe` | client → `roam pipe` (stdin/stdout) → `roam serve` → target |
+//! | `roam-pipe-named` | as `roam-pipe`, with `--name` (the session journaled to survive `kill -9`) |
 //! | `roam-session` | a stream of a library session in the harness → `roam serve` → target |
 //!
 //! `socat`, `roam-session` and `direct`'s neighbours differ in hops on
@@ -43,6 +44,7 @@ pub(crate) const SOCAT: &str = "socat";
 pub(crate) const SSH: &str = "ssh-L";
 pub(crate) const ROAM_FORWARD: &str = "roam-forward";
 pub(crate) const ROAM_PIPE: &str = "roam-pipe";
+pub(crate) const ROAM_PIPE_NAMED: &str = "roam-pipe-named";
 pub(crate) const SOCAT2: &str = "socat2";
 pub(crate) const ROAM_SESSION: &str = "roam-session";
 
@@ -459,6 +461,35 @@ impl RoamServe {
             },
         }
     }
+
+    /// `roam pipe --name` through this relay to `target`, one process per
+    /// connection, each under a name of its own (its pid): a named session
+    /// keeps its journal, whose cost this peer shows against `roam-pipe`.
+    pub(crate) fn named_pipe_peer(
+        &self,
+        env: &Env,
+        name: &'static str,
+        target: SocketAddr,
+    ) -> Peer {
+        Peer {
+            name,
+            dial: Dial::Process {
+                program: "/bin/sh".into(),
+                args: vec![
+                    "-c".into(),
+                    "exec \"$0\" pipe --name \"bench-$$\" \"$1\" \"$2\"".into(),
+                    env.roam.to_string_lossy().into_owned(),
+                    self.addr.to_string(),
+                    target.to_string(),
+                ],
+                envs: vec![
+                    ("ROAM_STATE_DIR".into(), env.client_state()),
+                    ("XDG_CONFIG_HOME".into(), env.dir.join("xdg-config")),
+                ],
+                log: env.log("roam-pipe-named"),
+            },
+        }
+    }
 }
 
 /// `roam forward` through a relay.
@@ -560,6 +591,8 @@ impl Lab {
                 dial: Dial::Tcp(self.forward.addr),
             },
             self.serve.pipe_peer(env, ROAM_PIPE, self.targets.addr),
+            self.serve
+                .named_pipe_peer(env, ROAM_PIPE_NAMED, self.targets.addr),
             Peer {
                 name: ROAM_SESSION,
                 dial: Dial::Session {
@@ -593,7 +626,7 @@ impl Lab {
                 v
             }
             ROAM_FORWARD => vec![self.forward.proc.pid(), self.serve.proc.pid()],
-            ROAM_PIPE | ROAM_SESSION => vec![self.serve.proc.pid()],
+            ROAM_PIPE | ROAM_PIPE_NAMED | ROAM_SESSION => vec![self.serve.proc.pid()],
             _ => Vec::new(),
         }
     }

@@ -332,12 +332,12 @@ fn markdown(r: &Results, plots: &[io::Result<PathBuf>]) -> String {
             let _ = writeln!(s, "**{dir}**\n");
             let _ = writeln!(
                 s,
-                "| block | {} | roam-forward/socat | roam-forward/socat2 | roam-forward/ssh-L | roam-session/socat |",
+                "| block | {} | roam-forward/socat | roam-forward/socat2 | roam-forward/ssh-L | roam-session/socat | roam-pipe-named/roam-pipe |",
                 peers.join(" | ")
             );
             let _ = writeln!(
                 s,
-                "|---|{}---:|---:|---:|---:|",
+                "|---|{}---:|---:|---:|---:|---:|",
                 "---:|".repeat(peers.len())
             );
             let blocks: Vec<usize> = dedup(t.rows.iter().map(|r| r.block_bytes));
@@ -352,13 +352,14 @@ fn markdown(r: &Results, plots: &[io::Result<PathBuf>]) -> String {
                 let ratio = |a: &str, b: &str| f(crate::stats::ratio(get(a), get(b)), 2);
                 let _ = writeln!(
                     s,
-                    "| {} | {} | {} | {} | {} | {} |",
+                    "| {} | {} | {} | {} | {} | {} | {} |",
                     block_label(b),
                     cells.join(" | "),
                     ratio("roam-forward", "socat"),
                     ratio("roam-forward", "socat2"),
                     ratio("roam-forward", "ssh-L"),
                     ratio("roam-session", "socat"),
+                    ratio("roam-pipe-named", "roam-pipe"),
                 );
             }
             s += "\n";

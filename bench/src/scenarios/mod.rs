@@ -14,10 +14,10 @@ pub(crate) mod shell;
 pub(crate) mod takeover;
 pub(crate) mod throughput;
 
-use crate::peers::{ROAM_FORWARD, ROAM_PIPE, ROAM_SESSION};
+use crate::peers::{ROAM_FORWARD, ROAM_PIPE, ROAM_PIPE_NAMED, ROAM_SESSION};
 
 /// The roam peers whose ratios the report shows.
-pub(crate) const ROAM_PEERS: &[&str] = &[ROAM_FORWARD, ROAM_PIPE, ROAM_SESSION];
+pub(crate) const ROAM_PEERS: &[&str] = &[ROAM_FORWARD, ROAM_PIPE, ROAM_PIPE_NAMED, ROAM_SESSION];
 
 /// One ratio of medians measured in the same run.
 #[derive(Debug, Clone, Serialize)]

@@ -66,6 +66,7 @@ pub(crate) const CPU_COUNTED: &[(&str, &str)] = &[
     (SSH, "the ssh -L client and the private sshd with every process it forked (the session's privilege-separated processes)"),
     ("roam-forward", "roam forward and roam serve"),
     ("roam-pipe", "the roam pipe process of the sample (start-up and handshake included) and roam serve"),
+    ("roam-pipe-named", "as roam-pipe (the named process writes its journal, in the page cache)"),
     (ROAM_SESSION, "roam serve, plus the harness process's CPU per byte minus that of direct in the same cell (the library session's share)"),
 ];
 

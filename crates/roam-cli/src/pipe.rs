@@ -17,6 +17,9 @@ use crate::target::{is_loopback_host, join, pipe_target, relay_addr, split_host_
 
 /// Copy buffer (bytes).
 const COPY_BUF: usize = 64 * 1024;
+/// Most bytes a named pipe has peeked from its stream and not yet seen
+/// printed (they stay in the session until they are).
+const LOOKAHEAD: usize = 4 * COPY_BUF;
 /// How long to wait for the relay to acknowledge our close on exit.
 const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
 
@@ -591,8 +594,13 @@ struct Link {
     unprinted: std::collections::VecDeque<(usize, bool)>,
     /// The stdout thread's write count already accounted for.
     printed: u64,
-    /// The remote finished sending.
+    /// The remote finished sending (its end was peeked).
     remote_done: bool,
+    /// The end was taken from the stream (once everything before it was).
+    eof_taken: bool,
+    /// Bytes peeked from the stream and not yet taken (queued for stdout
+    /// or in `download`): the next peek looks past them.
+    ahead: usize,
     reader: Option<StdinReader>,
     writer: Option<StdoutWriter>,
     /// Shared with the journal: how much of the record's output is printed.
@@ -626,6 +634,8 @@ impl Link {
             unprinted: Default::default(),
             printed: 0,
             remote_done: false,
+            eof_taken: false,
+            ahead: 0,
             reader: None,
             writer: None,
             carry,
@@ -671,6 +681,13 @@ impl Link {
                 self.finished = true;
             }
             if self.remote_done && self.download.is_empty() && self.unprinted.is_empty() {
+                if !self.eof_taken {
+                    // Every byte before the end is out: take the end too.
+                    if let Err(e) = self.session.consume(self.id, 0) {
+                        return Ended::Failed(format!("the target: {e}"));
+                    }
+                    self.eof_taken = true;
+                }
                 if let Some(w) = self.writer.take() {
                     // Everything is printed: give stdout's reader its end,
                     // as a TCP half-close would.
@@ -684,15 +701,15 @@ impl Link {
                 }
             }
             let reading = !self.stdin_done && self.upload.is_empty();
-            let peeking =
-                !self.remote_done && self.download.is_empty() && self.unprinted.is_empty();
+            let peeking = !self.remote_done && self.download.is_empty() && self.ahead < LOOKAHEAD;
+            let ahead = self.ahead;
             let id = self.id;
             let written = self.writer.as_ref().map(|w| w.written.clone());
             let step = tokio::select! {
                 sig = &mut signal => Step::Signal(sig),
                 input = recv_input(self.reader.as_mut()), if reading => Step::Input(input),
                 r = self.wr.write(&self.upload), if !self.upload.is_empty() => Step::Wrote(r),
-                r = self.session.peek(id, &mut buf), if peeking => Step::Peeked(r),
+                r = self.session.peek(id, ahead, &mut buf), if peeking => Step::Peeked(r),
                 r = print(self.writer.as_ref(), &self.download), if !self.download.is_empty() => Step::Queued(r),
                 n = printed_past(written, self.printed), if !self.unprinted.is_empty() => Step::Printed(n),
             };
@@ -706,12 +723,7 @@ impl Link {
                 Step::Wrote(Err(e)) => {
                     return Ended::Failed(explain_stream_error(&e, "the target"))
                 }
-                Step::Peeked(Ok(0)) => {
-                    if let Err(e) = self.session.consume(id, 0) {
-                        return Ended::Failed(format!("the target: {e}"));
-                    }
-                    self.remote_done = true;
-                }
+                Step::Peeked(Ok(0)) => self.remote_done = true,
                 Step::Peeked(Ok(n)) => {
                     let skipped = usize::try_from(self.skip).unwrap_or(usize::MAX).min(n);
                     if skipped > 0 {
@@ -721,6 +733,7 @@ impl Link {
                         self.skip -= skipped as u64;
                     }
                     self.download.extend_from_slice(&buf[skipped..n]);
+                    self.ahead += n - skipped;
                 }
                 Step::Peeked(Err(e)) => return Ended::Failed(format!("the target: {e}")),
                 Step::Queued(Ok(())) => {
@@ -763,6 +776,7 @@ impl Link {
             let k = done.min(*len);
             if *in_stream {
                 self.session.consume(self.id, k)?;
+                self.ahead -= k;
             } else {
                 self.carry.printed.fetch_add(k, Ordering::SeqCst);
             }
@@ -803,18 +817,13 @@ impl Link {
             }
             download = unprinted;
         }
-        // Still in the stream after the bytes the thread handed back: those
-        // are taken now, since the record holds them.
-        let in_stream: usize = self
-            .unprinted
-            .iter()
-            .filter(|(_, s)| *s)
-            .map(|(n, _)| n)
-            .sum();
-        if in_stream > 0 {
-            if let Err(e) = self.session.consume(self.id, in_stream) {
+        // Peeked and still in the stream (handed back by the thread, or
+        // never queued): taken now, since the record holds them.
+        if self.ahead > 0 {
+            if let Err(e) = self.session.consume(self.id, self.ahead) {
                 tracing::debug!("taking unprinted bytes: {e}");
             }
+            self.ahead = 0;
         }
         self.unprinted.clear();
         download.extend_from_slice(&self.download);

@@ -163,23 +163,31 @@ fn peek_shows_bytes_without_taking_them() {
     let cs = client.open_stream(b"peek").unwrap();
     pump(now, &mut client, ct, &mut server, st);
     let mut buf = [0u8; 4];
-    assert_eq!(client.peek(cs, &mut buf), Ok(None), "nothing yet");
+    assert_eq!(client.peek(cs, 0, &mut buf), Ok(None), "nothing yet");
     server.write(cs, b"hello world").unwrap();
     server.finish_stream(cs).unwrap();
     pump(now, &mut client, ct, &mut server, st);
     for _ in 0..2 {
-        assert_eq!(client.peek(cs, &mut buf), Ok(Some(4)));
+        assert_eq!(client.peek(cs, 0, &mut buf), Ok(Some(4)));
         assert_eq!(&buf, b"hell");
         assert_eq!(client.readable_len(cs), 11, "peek took nothing");
     }
+    assert_eq!(client.peek(cs, 6, &mut buf), Ok(Some(4)), "looking ahead");
+    assert_eq!(&buf, b"worl");
+    assert_eq!(client.peek(cs, 10, &mut buf), Ok(Some(1)));
+    assert_eq!(
+        client.peek(cs, 11, &mut buf),
+        Ok(Some(0)),
+        "nothing past the end, which came"
+    );
     let before = client.stream_progress(cs).unwrap();
     assert_eq!(before.read, 0);
     assert!(before.peer_finished);
     assert_eq!(read_all(&mut client, cs), b"hello world");
     assert_eq!(client.stream_progress(cs).map(|p| p.read), Some(11));
-    assert_eq!(client.peek(cs, &mut buf), Ok(Some(0)), "end of stream");
+    assert_eq!(client.peek(cs, 0, &mut buf), Ok(Some(0)), "end of stream");
     assert_eq!(
-        client.peek(StreamId(999), &mut buf),
+        client.peek(StreamId(999), 0, &mut buf),
         Err(roam_proto::StreamError::UnknownStream)
     );
 }

@@ -531,19 +531,21 @@ impl SessionHandle {
         self.inner().lock().journal = None;
     }
 
-    /// Copies bytes that arrived on stream `id` into `buf` without taking
-    /// them (waits until there are some): they stay in the session, so in
-    /// its continuation and its journal, until [`consume`](Self::consume)
-    /// takes them. `Ok(0)` is end-of-stream. Use it, rather than the
-    /// stream's `read`, to take bytes only once they are somewhere safe
-    /// (written out, say). Do not read the stream's handle meanwhile.
-    pub async fn peek(&self, id: StreamId, buf: &mut [u8]) -> Result<usize, Error> {
+    /// Copies bytes that arrived on stream `id`, from the `skip`-th unread
+    /// one on, into `buf` without taking them (waits until there are
+    /// some): they stay in the session, so in its continuation and its
+    /// journal, until [`consume`](Self::consume) takes them. `Ok(0)` is
+    /// end-of-stream (nothing past `skip`, and the peer finished). Use it,
+    /// rather than the stream's `read`, to take bytes only once they are
+    /// somewhere safe (written out, say); `skip` looks past bytes already
+    /// on their way. Do not read the stream's handle meanwhile.
+    pub async fn peek(&self, id: StreamId, skip: usize, buf: &mut [u8]) -> Result<usize, Error> {
         poll_fn(|cx| {
             let mut sh = self.inner().lock();
             if sh.detached {
                 return Poll::Ready(Err(Error::Stream(StreamError::SessionClosed)));
             }
-            match sh.session.peek(id, buf) {
+            match sh.session.peek(id, skip, buf) {
                 Ok(Some(n)) => Poll::Ready(Ok(n)),
                 Ok(None) => {
                     sh.read_wakers.insert(id, cx.waker().clone());

@@ -1010,12 +1010,20 @@ impl Session {
         Ok(Some(n))
     }
 
-    /// Copies received bytes into `buf` without taking them: they stay
-    /// readable (and counted against the stream's window) until `read`
-    /// takes them. Answers as `read` would (`Ok(Some(0))` is end-of-stream,
-    /// `Ok(None)` nothing yet) but changes nothing, so an application can
-    /// take bytes only once it has put them somewhere safe.
-    pub fn peek(&self, id: StreamId, buf: &mut [u8]) -> Result<Option<usize>, StreamError> {
+    /// Copies received bytes, from the `skip`-th unread one on, into `buf`
+    /// without taking them: they stay readable (and counted against the
+    /// stream's window) until `read` takes them. Answers as `read` would
+    /// for what lies past `skip` (`Ok(Some(0))`: end-of-stream, nothing
+    /// past `skip` and the peer finished; `Ok(None)`: nothing yet) but
+    /// changes nothing, so an application can take bytes only once it has
+    /// put them somewhere safe, and look ahead while earlier ones are on
+    /// their way.
+    pub fn peek(
+        &self,
+        id: StreamId,
+        skip: usize,
+        buf: &mut [u8],
+    ) -> Result<Option<usize>, StreamError> {
         let s = match self.streams.get(&id.0) {
             Some(s) => s,
             None if self.state == State::Closed => return Err(StreamError::SessionClosed),
@@ -1024,18 +1032,18 @@ impl Session {
         if let Some(code) = s.reset {
             return Err(StreamError::Reset(code));
         }
-        if s.recv_buf.is_empty() {
+        let have = s.recv_buf.len().saturating_sub(skip);
+        if have == 0 {
             return match (s.fin_received, self.state == State::Closed) {
                 (true, _) => Ok(Some(0)),
                 (false, true) => Err(StreamError::SessionClosed),
                 (false, false) => Ok(None),
             };
         }
-        let n = buf.len().min(s.recv_buf.len());
-        let (a, b) = s.recv_buf.as_slices();
-        let na = n.min(a.len());
-        buf[..na].copy_from_slice(&a[..na]);
-        buf[na..n].copy_from_slice(&b[..n - na]);
+        let n = buf.len().min(have);
+        for (d, b) in buf[..n].iter_mut().zip(s.recv_buf.range(skip..skip + n)) {
+            *d = *b;
+        }
         Ok(Some(n))
     }
 
