@@ -538,10 +538,16 @@ fn a_named_pipe_detaches_and_reattaches_with_every_byte_once() {
             }
         })
     };
+    // Read slower than the target sends: at the detach the client holds
+    // output it has taken from the session and not printed.
     let mut out1 = first.0.stdout.take().unwrap();
     let reader1 = std::thread::spawn(move || {
         let mut v = Vec::new();
-        let _ = out1.read_to_end(&mut v);
+        let mut buf = [0u8; 4096];
+        while let Ok(n @ 1..) = out1.read(&mut buf) {
+            v.extend_from_slice(&buf[..n]);
+            std::thread::sleep(Duration::from_millis(2));
+        }
         v
     });
     // Detach once the target has part of the upload, mid-stream both ways.
