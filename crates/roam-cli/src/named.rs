@@ -719,6 +719,14 @@ mod tests {
         // The fuzzer's seed is a slot holding copy 7.
         let seed = include_bytes!("../../../fuzz/seeds/cli_parsers/journal_slot");
         assert!(matches!(parse_slot(&seed[1..]), Ok(Some((7, _)))));
+        // The fuzz target's round trip: the canonical form (without the
+        // older copy's tail) parses to itself.
+        let again = crate::parsers::journal_slot(&seed[1..]).unwrap().unwrap();
+        assert!(!again.ends_with(b"tail of an older copy"));
+        assert_eq!(crate::parsers::journal_slot(&again), Ok(Some(again.clone())));
+        let mut cut = again.clone();
+        cut.truncate(again.len() - 1);
+        assert!(crate::parsers::journal_slot(&cut).unwrap_err().contains("shorter"));
     }
 
     #[test]
