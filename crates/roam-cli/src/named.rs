@@ -723,10 +723,15 @@ mod tests {
         // older copy's tail) parses to itself.
         let again = crate::parsers::journal_slot(&seed[1..]).unwrap().unwrap();
         assert!(!again.ends_with(b"tail of an older copy"));
-        assert_eq!(crate::parsers::journal_slot(&again), Ok(Some(again.clone())));
+        assert_eq!(
+            crate::parsers::journal_slot(&again),
+            Ok(Some(again.clone()))
+        );
         let mut cut = again.clone();
         cut.truncate(again.len() - 1);
-        assert!(crate::parsers::journal_slot(&cut).unwrap_err().contains("shorter"));
+        assert!(crate::parsers::journal_slot(&cut)
+            .unwrap_err()
+            .contains("shorter"));
     }
 
     #[test]
