@@ -166,23 +166,7 @@ impl Named {
             dir,
             _lock: lock,
             file: Arc::new(Mutex::new(file)),
-            base: Header {
-                name: name.to_string(),
-                relay: relay.to_string(),
-                target: args.target.clone(),
-                stream: 0,
-                detached_at: 0,
-                pid: std::process::id(),
-                stdin_done: false,
-                finished: false,
-                stdout_done: false,
-                unaccepted: Vec::new(),
-                orphans: Vec::new(),
-                journal: true,
-                input_taken: None,
-                output_printed: None,
-                listen: Some(args.listen.clone()),
-            },
+            base: Header::new(name, relay, &args.target, Some(args.listen.clone())),
         })
     }
 

@@ -98,6 +98,31 @@ pub(crate) struct Record {
     pub(crate) download: Vec<u8>,
 }
 
+impl Header {
+    /// The header of a journal copy of session `name` (relay, target, and
+    /// for a forward its local address) written by this process; the
+    /// journal fills in the rest.
+    pub(crate) fn new(name: &str, relay: &str, target: &str, listen: Option<String>) -> Self {
+        Self {
+            name: name.to_string(),
+            relay: relay.to_string(),
+            target: target.to_string(),
+            stream: 0,
+            detached_at: 0,
+            pid: std::process::id(),
+            stdin_done: false,
+            finished: false,
+            stdout_done: false,
+            unaccepted: Vec::new(),
+            orphans: Vec::new(),
+            journal: true,
+            input_taken: None,
+            output_printed: None,
+            listen,
+        }
+    }
+}
+
 impl Record {
     /// The record's bytes.
     pub(crate) fn encode(&self) -> Vec<u8> {

@@ -224,23 +224,7 @@ async fn run_named(
             .map_err(|e| CliError(format!("{}: {e}", dir.display())))?,
     ));
     let label = format!("pipe {name}: {relay} -> {target}");
-    let base = Header {
-        name: name.to_string(),
-        relay: relay.to_string(),
-        target: target.to_string(),
-        stream: 0,
-        detached_at: 0,
-        pid: std::process::id(),
-        stdin_done: false,
-        finished: false,
-        stdout_done: false,
-        unaccepted: Vec::new(),
-        orphans: Vec::new(),
-        journal: true,
-        input_taken: None,
-        output_printed: None,
-        listen: None,
-    };
+    let base = Header::new(name, relay, target, None);
     let mut link = match named::load(&dir, name).map_err(CliError)? {
         Some(record) => {
             if let Some(listen) = &record.header.listen {
@@ -841,12 +825,8 @@ impl Link {
         })?;
         Ok(Record {
             header: Header {
-                name: name.to_string(),
-                relay: relay.to_string(),
-                target: target.to_string(),
                 stream: self.id.0,
                 detached_at: named::unix_now(),
-                pid: std::process::id(),
                 stdin_done: self.stdin_done,
                 finished: self.finished,
                 stdout_done: self.remote_done,
@@ -855,7 +835,7 @@ impl Link {
                 journal: false,
                 input_taken: progress.map(|p| p.written + self.upload.len() as u64),
                 output_printed: progress.map(|p| p.read.saturating_sub(self.download.len() as u64)),
-                listen: None,
+                ..Header::new(name, relay, target, None)
             },
             continuation: detached.blob,
             upload: self.upload,

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use common::{free_port, roam, Guard};
+use common::{free_port, roam, status_json, Guard};
 
 /// Collects a child's stderr lines.
 fn lines_of(child: &mut Child) -> mpsc::Receiver<String> {
@@ -795,11 +795,7 @@ fn a_named_forward_outlives_kill_9_and_detach_with_its_session() {
     c1.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let mut buf = [0u8; 16];
     assert!(matches!(c1.read(&mut buf), Ok(0) | Err(_)));
-    let out = roam(state.path())
-        .args(["status", "--json"])
-        .output()
-        .unwrap();
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = status_json(state.path());
     let d = &v["detached"][0];
     assert_eq!(d["name"], "fw", "{v}");
     assert_eq!(d["killed"], true, "{v}");
@@ -835,11 +831,7 @@ fn a_named_forward_outlives_kill_9_and_detach_with_its_session() {
     );
     let mut second = second;
     assert_eq!(second.wait_exit(Duration::from_secs(10)), Some(0));
-    let out = roam(state.path())
-        .args(["status", "--json"])
-        .output()
-        .unwrap();
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = status_json(state.path());
     assert_eq!(v["detached"][0]["name"], "fw", "{v}");
     assert_eq!(v["detached"][0]["killed"], false, "{v}");
 

@@ -12,7 +12,7 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::{free_port, http_get, roam, sample, Guard, BIN};
+use common::{free_port, http_get, roam, sample, slow_reader, status_json, Guard, BIN};
 use sha2::{Digest, Sha256};
 
 /// A target that hashes everything it receives and answers `"<sha256> <len>\n"`.
@@ -540,16 +540,7 @@ fn a_named_pipe_detaches_and_reattaches_with_every_byte_once() {
     };
     // Read slower than the target sends: at the detach the client holds
     // output it has taken from the session and not printed.
-    let mut out1 = first.0.stdout.take().unwrap();
-    let reader1 = std::thread::spawn(move || {
-        let mut v = Vec::new();
-        let mut buf = [0u8; 4096];
-        while let Ok(n @ 1..) = out1.read(&mut buf) {
-            v.extend_from_slice(&buf[..n]);
-            std::thread::sleep(Duration::from_millis(2));
-        }
-        v
-    });
+    let reader1 = slow_reader(first.0.stdout.take().unwrap());
     // Detach once the target has part of the upload, mid-stream both ways.
     let end = Instant::now() + Duration::from_secs(30);
     while target.received.load(Ordering::SeqCst) < 512 << 10 {
@@ -609,11 +600,7 @@ fn a_named_pipe_detaches_and_reattaches_with_every_byte_once() {
     );
 
     // Listed while detached.
-    let out = roam(state.path())
-        .args(["status", "--json"])
-        .output()
-        .unwrap();
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = status_json(state.path());
     assert_eq!(v["detached"][0]["name"], "job", "{v}");
     assert_eq!(
         v["detached"][0]["target"],
@@ -672,11 +659,7 @@ fn a_named_pipe_detaches_and_reattaches_with_every_byte_once() {
     );
 
     // The name is free again and nothing is left detached.
-    let out = roam(state.path())
-        .args(["status", "--json"])
-        .output()
-        .unwrap();
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = status_json(state.path());
     assert_eq!(v["detached"], serde_json::json!([]), "{v}");
 }
 
@@ -727,16 +710,7 @@ fn a_named_pipe_killed_with_sigkill_reattaches_from_its_journal_with_every_byte_
     };
     // Read slower than the target sends: the client holds output it has
     // not printed, and prints between the journal's copies.
-    let mut out1 = first.0.stdout.take().unwrap();
-    let reader1 = std::thread::spawn(move || {
-        let mut v = Vec::new();
-        let mut buf = [0u8; 4096];
-        while let Ok(n @ 1..) = out1.read(&mut buf) {
-            v.extend_from_slice(&buf[..n]);
-            std::thread::sleep(Duration::from_millis(2));
-        }
-        v
-    });
+    let reader1 = slow_reader(first.0.stdout.take().unwrap());
     let end = Instant::now() + Duration::from_secs(30);
     while target.received.load(Ordering::SeqCst) < 1 << 20 {
         assert!(Instant::now() < end, "the upload never started");
@@ -756,11 +730,7 @@ fn a_named_pipe_killed_with_sigkill_reattaches_from_its_journal_with_every_byte_
     );
 
     // Listed as left by a killed client, with where input and output stand.
-    let out = roam(state.path())
-        .args(["status", "--json"])
-        .output()
-        .unwrap();
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = status_json(state.path());
     let d = &v["detached"][0];
     assert_eq!(d["name"], "job", "{v}");
     assert_eq!(d["killed"], true, "{v}");

@@ -114,3 +114,32 @@ pub(crate) fn sample(text: &str, name: &str) -> Option<u64> {
     text.lines()
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
 }
+
+/// `roam status --json` of the state directory `state`, parsed.
+#[allow(dead_code)]
+pub(crate) fn status_json(state: &Path) -> serde_json::Value {
+    let out = roam(state).args(["status", "--json"]).output().unwrap();
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "roam status --json: {e}: {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
+/// Reads `r` to its end slower than a bulk sender writes (4 KiB every
+/// 2 ms), so a roam client writing to it holds output it has not printed.
+#[allow(dead_code)]
+pub(crate) fn slow_reader(
+    mut r: impl std::io::Read + Send + 'static,
+) -> std::thread::JoinHandle<Vec<u8>> {
+    std::thread::spawn(move || {
+        let mut v = Vec::new();
+        let mut buf = [0u8; 4096];
+        while let Ok(n @ 1..) = r.read(&mut buf) {
+            v.extend_from_slice(&buf[..n]);
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        v
+    })
+}
