@@ -11,6 +11,8 @@
 //! Needs root, iproute2, nftables and python3; without them the tests say
 //! why and pass.
 
+mod common;
+
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::Path;
@@ -18,6 +20,7 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use common::roam_in;
 use roam_sim::echo::{start_echo, EchoStream};
 use roam_sim::netns::{self, ChildGuard, Lan};
 
@@ -44,17 +47,6 @@ fn can_run() -> bool {
         }
     }
     true
-}
-
-/// `roam ARGS` inside host `i`'s network namespace, with its own state dir.
-fn roam_in(lan: &Lan, i: usize, state: &Path) -> Command {
-    let mut c = Command::new("nsenter");
-    c.arg(format!("--net=/run/netns/{}", lan.ns(i)))
-        .arg("--")
-        .arg(env!("CARGO_BIN_EXE_roam"))
-        .env("ROAM_STATE_DIR", state)
-        .stdin(Stdio::null());
-    c
 }
 
 /// A started `roam` process whose stderr lines arrive on a channel.

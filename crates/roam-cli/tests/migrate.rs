@@ -14,12 +14,15 @@
 //! (`$ROAM_CRIU` or `criu` on `PATH`). Without them the tests say why and
 //! pass, except when `$ROAM_CRIU` is set (CI sets it).
 
+mod common;
+
 use std::io::{BufRead, BufReader};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use common::roam_in;
 use roam_sim::echo::{alive, start_echo_holding, EchoStream, UdpEcho};
 use roam_sim::netns::{self, ChildGuard, Lan};
 
@@ -85,17 +88,6 @@ fn wait_listening(lan: &Lan, addr: SocketAddr, what: &str) {
         assert!(Instant::now() < deadline, "{what} never listened");
         std::thread::sleep(Duration::from_millis(50));
     }
-}
-
-/// `roam ARGS` inside host `i`'s network namespace, with its own state dir.
-fn roam_in(lan: &Lan, i: usize, state: &Path) -> Command {
-    let mut c = Command::new("nsenter");
-    c.arg(format!("--net=/run/netns/{}", lan.ns(i)))
-        .arg("--")
-        .arg(env!("CARGO_BIN_EXE_roam"))
-        .env("ROAM_STATE_DIR", state)
-        .stdin(Stdio::null());
-    c
 }
 
 /// A LAN with the echo server on A's service address, a verified stream

@@ -1,7 +1,7 @@
 //! Helpers shared by the end-to-end tests of the `roam` binary (`cli`,
-//! `shell`, `takeover`, `abuse_client`, `abuse_relay`): the binary's path, a child process killed when its
+//! `shell`, `takeover`, `abuse_client`, `abuse_relay`, `intercept`, `migrate`): the binary's path, a child process killed when its
 //! guard drops, a free loopback port, a `roam` command in a private state
-//! directory, a client key, a metrics scrape. Included with `mod common;` (a directory, so
+//! directory (also inside a test LAN's host), a client key, a metrics scrape. Included with `mod common;` (a directory, so
 //! cargo does not build it as a test of its own; the `faults_*` tests share
 //! `faults_common` the same way).
 
@@ -142,4 +142,17 @@ pub(crate) fn slow_reader(
         }
         v
     })
+}
+
+/// `roam` run inside host `i` of `lan` (its network namespace) with its own
+/// state directory `state`.
+#[allow(dead_code)]
+pub(crate) fn roam_in(lan: &roam_sim::netns::Lan, i: usize, state: &Path) -> Command {
+    let mut c = Command::new("nsenter");
+    c.arg(format!("--net=/run/netns/{}", lan.ns(i)))
+        .arg("--")
+        .arg(BIN)
+        .env("ROAM_STATE_DIR", state)
+        .stdin(std::process::Stdio::null());
+    c
 }
