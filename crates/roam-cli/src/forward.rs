@@ -230,14 +230,7 @@ impl Named {
             );
         }
         let proto = crate::connect::client_proto(args.client.key.as_deref(), config, None)?;
-        let detached = roam::Detached::new(
-            record.continuation,
-            h.unaccepted
-                .iter()
-                .map(|&i| roam_proto::StreamId(i))
-                .collect(),
-            h.orphans.iter().map(|&i| roam_proto::StreamId(i)).collect(),
-        );
+        let detached = h.detached(record.continuation);
         match roam::resume_journaled(
             relay,
             roam::ClientConfig::new(proto),

@@ -99,6 +99,13 @@ pub(crate) struct Record {
 }
 
 impl Header {
+    /// A record's `continuation` with this header's stream lists, as
+    /// `roam::resume` takes it.
+    pub(crate) fn detached(&self, continuation: Vec<u8>) -> roam::Detached {
+        let ids = |v: &[u64]| v.iter().map(|&i| roam_proto::StreamId(i)).collect();
+        roam::Detached::new(continuation, ids(&self.unaccepted), ids(&self.orphans))
+    }
+
     /// The header of a journal copy of session `name` (relay, target, and
     /// for a forward its local address) written by this process; the
     /// journal fills in the rest.

@@ -417,14 +417,7 @@ async fn reattach(
     // session's last copy can be old without the session having been
     // suspended. The relay knows whether it expired.
     let offline = std::time::Duration::from_secs(if h.journal { 0 } else { since });
-    let detached = roam::Detached::new(
-        record.continuation,
-        h.unaccepted
-            .iter()
-            .map(|&i| roam_proto::StreamId(i))
-            .collect(),
-        h.orphans.iter().map(|&i| roam_proto::StreamId(i)).collect(),
-    );
+    let detached = h.detached(record.continuation);
     let when = crate::control::human_secs(since as f64);
     if h.journal {
         eprintln!(
