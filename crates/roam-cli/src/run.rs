@@ -1,19 +1,38 @@
-//! `roam run -- CMD`: CMD's outgoing TCP connections become roam sessions
-//! wherever the peer runs a relay, by interposition (issue 13, rocks).
+//! `roam run -- CMD`: CMD's TCP connections become roam sessions wherever
+//! the other host runs roam, by interposition (issue 13, rocks), both ways.
 //!
 //! CMD starts with roam's preload library (crates/roam-preload, embedded in
-//! this binary and written once to the state directory) in `LD_PRELOAD`. Its
-//! `connect` binds an IPv4 TCP socket headed for a non-loopback address to
-//! 127.0.0.1, registers "local port → destination" with this process over a
-//! private Unix socket, and connects to this process's agent port instead.
-//! The agent carries each accepted connection exactly as `roam intercept`
-//! does ([`crate::intercept::carry`]): a stream of one session per enhanced
-//! host, plain TCP to an ordinary one. Connections the preload did not
-//! register are refused (the agent port is reachable by any local user; the
-//! registration socket is not).
+//! this binary and written once to the state directory) in `LD_PRELOAD`.
+//! The library talks to this process (the agent) over a private Unix socket
+//! (`run/<pid>.sock` in the state directory). One message per connection,
+//! the first byte saying which:
+//!
+//! | message | bytes after the first | answer |
+//! |---|---|---|
+//! | `C` connect | the program's loopback port, the destination's IPv4 address and port | `+` |
+//! | `L` listen | the listener's IPv4 address (0: any) and port | `+` |
+//! | `Q` who is the peer | the socket's local address and port, its (loopback) peer's address and port | `+`, address, port; or `-` |
+//!
+//! **Outgoing.** The library's `connect` binds an IPv4 TCP socket headed for
+//! a non-loopback address to 127.0.0.1, registers it (`C`) and connects to
+//! the agent's TCP port instead. The agent carries each accepted connection
+//! exactly as `roam intercept` does ([`crate::intercept::carry`]): a stream
+//! of one session per enhanced host, plain TCP to an ordinary one.
+//! Connections the library did not register are refused (the agent port is
+//! reachable by any local user; the registration socket is not).
+//!
+//! **Incoming.** When the program first listens on a non-loopback address
+//! (`L`), the agent becomes this host's relay: it listens on the relay port
+//! (`--relay-port`) for roam sessions and connects each of their streams,
+//! from loopback, to the program's listener for the stream's port (other
+//! ports are refused). The library's `accept` asks (`Q`) who such a
+//! connection is for and returns the roam client's address, so the program
+//! logs and checks the real client. When the relay port is taken (a `roam
+//! serve` already runs here), that relay serves this host and the program
+//! sees its connections as coming from it.
 //!
 //! The program's descriptors are ordinary sockets to loopback, so a link cut
-//! or a new address at this end never reaches them. No root is needed.
+//! or a new address at either end never reaches them. No root is needed.
 
 use std::collections::HashMap;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
@@ -61,6 +80,7 @@ pub(crate) async fn run(args: RunArgs, config: &FileConfig) -> CliResult {
         .map_err(|e| CliError(format!("agent socket: {e}")))?
         .port();
     let registry = Registry::default();
+    let ctx_registry = registry.clone();
     let label = format!("run {}", program.to_string_lossy());
     let _control = crate::control::start(config, label, registry.clone());
     let ctx = Arc::new(Ctx::new(
@@ -71,7 +91,18 @@ pub(crate) async fn run(args: RunArgs, config: &FileConfig) -> CliResult {
         false,
         "run",
     ));
-    let pending: Arc<Mutex<HashMap<u16, (SocketAddrV4, Instant)>>> = Arc::default();
+    let agent_state = Arc::new(Agent {
+        agent_port,
+        relay_port: probe.relay_port,
+        state: crate::paths::state_dir(config),
+        registry: ctx_registry,
+        pending: Mutex::default(),
+        carried: Arc::default(),
+        listeners: Mutex::default(),
+        dialed: Arc::default(),
+        relay: Mutex::new(RelayState::NotStarted),
+        stop: tokio::sync::watch::channel(false).0,
+    });
 
     let mut preload = std::ffi::OsString::from(&library);
     if let Some(old) = std::env::var_os("LD_PRELOAD").filter(|v| !v.is_empty()) {
@@ -97,13 +128,13 @@ pub(crate) async fn run(args: RunArgs, config: &FileConfig) -> CliResult {
         tokio::select! {
             r = register.accept() => {
                 if let Ok((conn, _)) = r {
-                    tokio::spawn(registration(conn, pending.clone()));
+                    tokio::spawn(registration(conn, agent_state.clone()));
                 }
             }
             r = agent.accept() => {
                 if let Ok((tcp, from)) = r {
                     let dest = {
-                        let mut p = pending.lock().unwrap_or_else(|e| e.into_inner());
+                        let mut p = agent_state.pending.lock().unwrap_or_else(|e| e.into_inner());
                         p.retain(|_, (_, at)| at.elapsed() < REGISTRATION_TTL);
                         p.remove(&from.port()).map(|(d, _)| d)
                     };
@@ -112,7 +143,12 @@ pub(crate) async fn run(args: RunArgs, config: &FileConfig) -> CliResult {
                     // registration, not the source, says it is ours.)
                     match dest {
                         Some(dest) => {
-                            tokio::spawn(carry(ctx.clone(), tcp, dest));
+                            let keep = Entry::insert(&agent_state.carried, from.port(), dest);
+                            let ctx = ctx.clone();
+                            tokio::spawn(async move {
+                                carry(ctx, tcp, dest).await;
+                                drop(keep);
+                            });
                         }
                         // Not registered by the preload: someone else's.
                         _ => tracing::warn!("refused an unregistered connection from {from}"),
@@ -132,6 +168,8 @@ pub(crate) async fn run(args: RunArgs, config: &FileConfig) -> CliResult {
         }
     };
     let status = status.map_err(|e| CliError(format!("waiting for the program: {e}")))?;
+    // The relay (if the program listened) takes no more sessions.
+    let _ = agent_state.stop.send(true);
     // What the program wrote before it ended is delivered before the
     // sessions close.
     ctx.close_all().await;
@@ -147,31 +185,314 @@ fn exit_code(status: std::process::ExitStatus) -> i32 {
         .unwrap_or(1)
 }
 
-/// Serves one registration: 8 bytes (the program's loopback port, the
-/// destination address and port, network order), answered `+`.
-async fn registration(
-    mut conn: tokio::net::UnixStream,
-    pending: Arc<Mutex<HashMap<u16, (SocketAddrV4, Instant)>>>,
-) {
-    let mut msg = [0u8; 8];
-    let read = tokio::time::timeout(Duration::from_secs(5), conn.read_exact(&mut msg)).await;
+/// What the agent knows of the program's connections and listeners.
+struct Agent {
+    /// The agent's TCP port on 127.0.0.1 (outgoing connections' peer).
+    agent_port: u16,
+    /// Where this host's relay listens, once the program listens.
+    relay_port: u16,
+    /// The state directory (the relay's server key).
+    state: PathBuf,
+    /// Sessions for `roam status`.
+    registry: Registry,
+    /// Registered outgoing connections not yet at the agent: the program's
+    /// loopback port → (destination, registered when).
+    pending: Mutex<HashMap<u16, (SocketAddrV4, Instant)>>,
+    /// Outgoing connections being carried: the program's loopback port →
+    /// the destination it asked for.
+    carried: Arc<Mutex<HashMap<u16, SocketAddrV4>>>,
+    /// The program's listeners: port → the address it listens on
+    /// (unspecified: every address).
+    listeners: Mutex<HashMap<u16, Ipv4Addr>>,
+    /// Incoming connections the relay made to the program: the agent's
+    /// loopback source port → the roam client's address.
+    dialed: Arc<Mutex<HashMap<u16, SocketAddrV4>>>,
+    /// This host's relay for the program's listeners.
+    relay: Mutex<RelayState>,
+    /// Set when the program has ended: the relay stops.
+    stop: tokio::sync::watch::Sender<bool>,
+}
+
+/// Whether `roam run` serves the program's listeners on the relay port.
+enum RelayState {
+    /// The program has not listened yet.
+    NotStarted,
+    /// Listening on the relay port.
+    Running,
+    /// The relay port was taken (said once): another relay serves this host.
+    Unavailable,
+}
+
+/// An entry of one of the agent's port maps, removed when dropped (when
+/// its connection ends).
+struct Entry {
+    map: Arc<Mutex<HashMap<u16, SocketAddrV4>>>,
+    port: u16,
+}
+
+impl Entry {
+    /// Maps `port` to `addr` in `map` until the entry is dropped.
+    fn insert(
+        map: &Arc<Mutex<HashMap<u16, SocketAddrV4>>>,
+        port: u16,
+        addr: SocketAddrV4,
+    ) -> Entry {
+        map.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(port, addr);
+        Entry {
+            map: map.clone(),
+            port,
+        }
+    }
+}
+
+impl Drop for Entry {
+    fn drop(&mut self) {
+        self.map
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.port);
+    }
+}
+
+/// Serves one message of the preload library (the table in the module
+/// documentation); anything malformed is dropped without an answer.
+async fn registration(mut conn: tokio::net::UnixStream, agent: Arc<Agent>) {
+    let mut msg = [0u8; 13];
+    let read = tokio::time::timeout(Duration::from_secs(5), async {
+        conn.read_exact(&mut msg[..1]).await?;
+        let len = match msg[0] {
+            b'C' => 8,
+            b'L' => 6,
+            b'Q' => 12,
+            _ => return Err(std::io::ErrorKind::InvalidData.into()),
+        };
+        conn.read_exact(&mut msg[1..=len]).await
+    })
+    .await;
     if !matches!(read, Ok(Ok(_))) {
         return;
     }
-    let (port, dest) = decode_registration(&msg);
-    pending
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert(port, (dest, Instant::now()));
-    let _ = conn.write_all(b"+").await;
+    let answer = match Message::decode(&msg) {
+        Some(Message::Connect { port, dest }) => {
+            agent
+                .pending
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(port, (dest, Instant::now()));
+            b"+".to_vec()
+        }
+        Some(Message::Listen { addr }) => {
+            agent
+                .listeners
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(addr.port(), *addr.ip());
+            start_relay(&agent, addr.port()).await;
+            b"+".to_vec()
+        }
+        Some(Message::Query { local, peer }) => match agent.peer_of(local, peer) {
+            Some(a) => {
+                let mut r = vec![b'+'];
+                r.extend_from_slice(&a.ip().octets());
+                r.extend_from_slice(&a.port().to_be_bytes());
+                r
+            }
+            None => b"-".to_vec(),
+        },
+        None => return,
+    };
+    let _ = conn.write_all(&answer).await;
 }
 
-/// Decodes a registration: (the program's loopback port, its destination).
-fn decode_registration(msg: &[u8; 8]) -> (u16, SocketAddrV4) {
-    let port = u16::from_be_bytes([msg[0], msg[1]]);
-    let ip = Ipv4Addr::new(msg[2], msg[3], msg[4], msg[5]);
-    let dport = u16::from_be_bytes([msg[6], msg[7]]);
-    (port, SocketAddrV4::new(ip, dport))
+impl Agent {
+    /// The peer a program's socket between `local` and its loopback `peer`
+    /// stands for: the destination of an outgoing connection (its peer is
+    /// the agent), or the roam client of an incoming one (its peer is the
+    /// relay's loopback source).
+    fn peer_of(&self, local: SocketAddrV4, peer: SocketAddrV4) -> Option<SocketAddrV4> {
+        if !peer.ip().is_loopback() {
+            return None;
+        }
+        if peer.port() != self.agent_port {
+            return lookup(&self.dialed, peer.port());
+        }
+        // Not yet accepted by the agent (the program's connect returns as
+        // soon as the kernel has the connection): still registered.
+        lookup(&self.carried, local.port()).or_else(|| {
+            self.pending
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&local.port())
+                .map(|(dest, _)| *dest)
+        })
+    }
+}
+
+/// `port`'s address in one of the agent's port maps.
+fn lookup(map: &Mutex<HashMap<u16, SocketAddrV4>>, port: u16) -> Option<SocketAddrV4> {
+    map.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&port)
+        .copied()
+}
+
+/// A message of the preload library.
+#[derive(Debug, PartialEq, Eq)]
+enum Message {
+    /// `C`: the connection from 127.0.0.1:`port` is for `dest`.
+    Connect { port: u16, dest: SocketAddrV4 },
+    /// `L`: the program listens on `addr` (unspecified: every address).
+    Listen { addr: SocketAddrV4 },
+    /// `Q`: who is the peer of the program's socket `local` ↔ `peer`?
+    Query {
+        local: SocketAddrV4,
+        peer: SocketAddrV4,
+    },
+}
+
+impl Message {
+    /// Decodes a message (its type byte first); `None` if malformed.
+    fn decode(msg: &[u8]) -> Option<Message> {
+        let addr = |b: &[u8]| -> Option<SocketAddrV4> {
+            let b: &[u8; 6] = b.get(..6)?.try_into().ok()?;
+            Some(SocketAddrV4::new(
+                Ipv4Addr::new(b[0], b[1], b[2], b[3]),
+                u16::from_be_bytes([b[4], b[5]]),
+            ))
+        };
+        let (kind, rest) = msg.split_first()?;
+        match kind {
+            b'C' => {
+                let port = u16::from_be_bytes(rest.get(..2)?.try_into().ok()?);
+                Some(Message::Connect {
+                    port,
+                    dest: addr(rest.get(2..)?)?,
+                })
+            }
+            b'L' => Some(Message::Listen { addr: addr(rest)? }),
+            b'Q' => Some(Message::Query {
+                local: addr(rest)?,
+                peer: addr(rest.get(6..)?)?,
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// Makes this process the host's relay for the program's listeners, the
+/// first time the program listens (`port`, for the message). A taken relay
+/// port is said once: the relay already there serves this host.
+async fn start_relay(agent: &Arc<Agent>, port: u16) {
+    {
+        let mut state = agent.relay.lock().unwrap_or_else(|e| e.into_inner());
+        if !matches!(*state, RelayState::NotStarted) {
+            return;
+        }
+        // Claimed before the await: one start only.
+        *state = RelayState::Running;
+    }
+    match relay(agent).await {
+        Ok(key) => eprintln!(
+            "roam run: the program listens on port {port}: roam clients reach it through the \
+             relay on port {} (server key {key}); other clients connect as before",
+            agent.relay_port
+        ),
+        Err(why) => {
+            *agent.relay.lock().unwrap_or_else(|e| e.into_inner()) = RelayState::Unavailable;
+            eprintln!(
+                "roam run: the program listens on port {port}, but {why}: roam clients reach it \
+                 only through a relay already on this host (and the program sees that relay's \
+                 address), others connect as before"
+            );
+        }
+    }
+}
+
+/// Starts the relay on the relay port (every address) with this state
+/// directory's server key; returns that key.
+async fn relay(agent: &Arc<Agent>) -> Result<roam_proto::PublicKey, String> {
+    let at = format!("0.0.0.0:{}", agent.relay_port);
+    let listener = crate::limits::listen(&at)
+        .await
+        .map_err(|e| format!("cannot listen on {at} ({e})"))?;
+    let keypair = crate::keys::load_or_create(&agent.state.join("server.key"))
+        .map_err(|e| format!("has no server key ({})", e.0))?;
+    let public = keypair.public();
+    let config = roam::ServerConfig::new(roam_proto::ServerConfig {
+        keypair,
+        authorized_keys: None,
+        addresses: Vec::new(),
+        session: roam_proto::Config::default(),
+    });
+    let rules = Arc::new(vec![crate::target::AllowRule::parse("*:*")
+        .map_err(|e| format!("cannot allow targets ({e})"))?]);
+    let relay = crate::serve::Relay::new(
+        rules,
+        crate::limits::TargetCaps::new(1024, crate::limits::DEFAULT_TARGETS_PER_SESSION),
+        Some(agent.registry.clone()),
+        config.proto.clone(),
+        Arc::default(),
+    );
+    relay.set_dialer(Arc::new(ToProgram(agent.clone())));
+    let mut stop = agent.stop.subscribe();
+    tokio::spawn(async move {
+        let shutdown = async move {
+            let _ = stop.wait_for(|s| *s).await;
+        };
+        if let Err(e) = crate::serve::serve_relay(listener, config, relay, shutdown).await {
+            eprintln!("roam run: the relay stopped: {e}");
+        }
+    });
+    Ok(public)
+}
+
+/// The relay's way to its targets: the program's listeners, from loopback,
+/// each connection remembered with its roam client until it ends.
+struct ToProgram(Arc<Agent>);
+
+impl crate::serve::Dialer for ToProgram {
+    fn dial<'a>(
+        &'a self,
+        _host: &'a str,
+        port: u16,
+        client: Option<SocketAddr>,
+    ) -> std::pin::Pin<
+        Box<dyn std::future::Future<Output = std::io::Result<crate::serve::Dialed>> + Send + 'a>,
+    > {
+        Box::pin(async move {
+            let bound = self
+                .0
+                .listeners
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&port)
+                .copied()
+                .ok_or_else(|| {
+                    std::io::Error::new(
+                        std::io::ErrorKind::ConnectionRefused,
+                        format!("the program does not listen on port {port}"),
+                    )
+                })?;
+            let to = if bound.is_unspecified() {
+                Ipv4Addr::LOCALHOST
+            } else {
+                bound
+            };
+            // Bound first, remembered before the connect: the program's
+            // accept may ask who it is before the connect returns here.
+            let sock = tokio::net::TcpSocket::new_v4()?;
+            sock.bind(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))?;
+            let source = sock.local_addr()?.port();
+            let keep = match client {
+                Some(SocketAddr::V4(c)) => Some(Entry::insert(&self.0.dialed, source, c)),
+                _ => None,
+            };
+            let tcp = sock.connect(SocketAddr::from((to, port))).await?;
+            Ok((tcp, Box::new(keep) as Box<dyn Send>))
+        })
+    }
 }
 
 /// Writes the preload library into `dir` (once per version, named by its
@@ -206,10 +527,30 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_registration_names_the_port_and_the_destination() {
-        let (port, dest) = decode_registration(&[0x9c, 0x40, 10, 0, 0, 7, 0x1f, 0x90]);
-        assert_eq!(port, 40_000);
-        assert_eq!(dest, SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 7), 8080));
+    fn the_library_messages_decode_and_malformed_ones_are_refused() {
+        assert_eq!(
+            Message::decode(&[b'C', 0x9c, 0x40, 10, 0, 0, 7, 0x1f, 0x90]),
+            Some(Message::Connect {
+                port: 40_000,
+                dest: SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 7), 8080)
+            })
+        );
+        assert_eq!(
+            Message::decode(&[b'L', 0, 0, 0, 0, 0x1f, 0x90]),
+            Some(Message::Listen {
+                addr: SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 8080)
+            })
+        );
+        assert_eq!(
+            Message::decode(&[b'Q', 127, 0, 0, 1, 0x1f, 0x90, 127, 0, 0, 1, 0x9c, 0x40]),
+            Some(Message::Query {
+                local: SocketAddrV4::new(Ipv4Addr::LOCALHOST, 8080),
+                peer: SocketAddrV4::new(Ipv4Addr::LOCALHOST, 40_000)
+            })
+        );
+        assert_eq!(Message::decode(&[b'C', 1, 2, 3]), None);
+        assert_eq!(Message::decode(&[b'X', 0, 0, 0, 0, 0, 0]), None);
+        assert_eq!(Message::decode(&[]), None);
     }
 
     #[test]
@@ -219,5 +560,12 @@ mod tests {
             PRELOAD.windows(8).any(|w| w == b"connect\0"),
             "no connect symbol"
         );
+        for symbol in [&b"accept4\0"[..], b"listen\0", b"getpeername\0"] {
+            assert!(
+                PRELOAD.windows(symbol.len()).any(|w| w == symbol),
+                "no {} symbol",
+                String::from_utf8_lossy(symbol)
+            );
+        }
     }
 }

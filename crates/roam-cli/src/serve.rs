@@ -807,6 +807,28 @@ pub(crate) struct Relay {
     adopter: roam::Adopter,
     /// The server's end of `adopter` (its config takes it).
     adoptions: roam::Adoptions,
+    /// How streams reach their targets when not by a plain TCP connect
+    /// (`roam run` reaches its program's listeners this way).
+    dialer: std::sync::OnceLock<Arc<dyn Dialer>>,
+}
+
+/// A connection a [`Dialer`] made, with what it must keep alive as long as
+/// the connection is relayed.
+pub(crate) type Dialed = (TcpStream, Box<dyn Send>);
+
+/// How a relay reaches a stream's target instead of a TCP connect to it:
+/// the seam `roam run` uses to hand incoming sessions to the program it
+/// runs (and to tell it who the client is).
+pub(crate) trait Dialer: Send + Sync {
+    /// Connects to the target `host:port` of a stream whose session comes
+    /// from `client`. The error is logged and the stream reset as an
+    /// unreachable target.
+    fn dial<'a>(
+        &'a self,
+        host: &'a str,
+        port: u16,
+        client: Option<SocketAddr>,
+    ) -> std::pin::Pin<Box<dyn Future<Output = std::io::Result<Dialed>> + Send + 'a>>;
 }
 
 impl Relay {
@@ -839,7 +861,14 @@ impl Relay {
             shells: std::sync::OnceLock::new(),
             adopter,
             adoptions,
+            dialer: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Reaches targets through `dialer` from now on, instead of a TCP
+    /// connect (set once; later calls are ignored).
+    pub(crate) fn set_dialer(&self, dialer: Arc<dyn Dialer>) {
+        let _ = self.dialer.set(dialer);
     }
 
     /// Parks sessions suspended for `d` from now on.
@@ -1635,6 +1664,8 @@ async fn relay_stream(
         Some(st) => (st.tcp, st.up, st.down),
         None => (None, HalfState::default(), HalfState::default()),
     };
+    // What the dialer keeps alive while the target connection is relayed.
+    let mut _dial_keep: Option<Box<dyn Send>> = None;
     let mut tcp = match adopted {
         Some(fd) => {
             let std_tcp = std::net::TcpStream::from(fd);
@@ -1653,8 +1684,19 @@ async fn relay_stream(
             }
         }
         None => {
+            let connect = async {
+                match relay.dialer.get() {
+                    Some(d) => d
+                        .dial(&host, port, session.stats().peer_addr)
+                        .await
+                        .map(|(t, keep)| (t, Some(keep))),
+                    None => TcpStream::connect((host.as_str(), port))
+                        .await
+                        .map(|t| (t, None)),
+                }
+            };
             let dial = tokio::select! {
-                d = tokio::time::timeout(TARGET_CONNECT_TIMEOUT, TcpStream::connect((host.as_str(), port))) => d,
+                d = tokio::time::timeout(TARGET_CONNECT_TIMEOUT, connect) => d,
                 // Handing over while dialing: the new relay dials again.
                 _ = stop_asked(&mut stop) => {
                     let id = stream.id().0;
@@ -1662,7 +1704,10 @@ async fn relay_stream(
                 }
             };
             let t = match dial {
-                Ok(Ok(t)) => t,
+                Ok(Ok((t, keep))) => {
+                    _dial_keep = keep;
+                    t
+                }
                 Ok(Err(e)) => {
                     tracing::warn!("stream from {peer}: cannot connect to {target}: {e}");
                     targets.note_refused("unreachable");

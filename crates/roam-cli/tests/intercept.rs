@@ -731,3 +731,127 @@ fn roam_run_connection_survives_fork_and_exec() {
         .expect("the client finished");
     assert!(status.success(), "{status}: {}", run.seen);
 }
+
+/// Both ends under `roam run` (rocks both ways, no relay installed
+/// anywhere): `python3 -m http.server` run with `roam run` on a host makes
+/// that host enhanced (the agent takes roam sessions on the relay port as
+/// soon as the server listens), and `roam run -- curl` from another host
+/// downloads through a session across a 2 s link cut and a new client
+/// address, the file whole (SHA-256). The server, unmodified, logs the real
+/// client's address, not the agent's loopback one; a plain curl (not under
+/// roam) still reaches it directly; and a carried socket's `getpeername`
+/// names the server, not the agent.
+#[test]
+fn roam_run_on_both_ends_carries_a_download_and_the_server_sees_the_real_client() {
+    use sha2::Digest;
+    if !can_run() || !netns::installed("curl") {
+        eprintln!("skipped: needs curl too");
+        return;
+    }
+    const C: usize = 0;
+    const S: usize = 1;
+    let lan = Lan::new("run_both", 2).expect("LAN");
+    let site = tempfile::tempdir().expect("site");
+    let want = pattern_file(&site.path().join("f.bin"), 24 << 20);
+    let server_state = tempfile::tempdir().expect("state dir");
+    let mut cmd = roam_in(&lan, S, server_state.path());
+    // The stock module, on `::` (IPv4 clients included, as IPv4-mapped
+    // addresses): it logs each request's client address.
+    cmd.args(["run", "--", "python3", "-u", "-m", "http.server"])
+        .arg(HTTP_PORT.to_string())
+        .args(["--bind", "::"])
+        .arg("--directory")
+        .arg(site.path());
+    let mut server = Logged::spawn(cmd, "run server");
+    server.wait_for(
+        "roam clients reach it through the relay",
+        Duration::from_secs(20),
+    );
+    let client_addr = lan.addr(C);
+
+    let client_state = tempfile::tempdir().expect("state dir");
+    let got = tempfile::tempdir().expect("download dir");
+    let out = got.path().join("f.bin");
+    let url = format!("http://{}:{HTTP_PORT}/f.bin", lan.addr(S));
+    let mut cmd = roam_in(&lan, C, client_state.path());
+    cmd.args(["run", "--", "curl", "--silent", "--show-error", "--fail"])
+        .args(["--limit-rate", "4M", "-o"])
+        .arg(&out)
+        .arg(&url);
+    let mut run = Logged::spawn(cmd, "run curl");
+    run.wait_for("runs a roam relay", Duration::from_secs(20));
+    let line = server.wait_for("GET /f.bin", Duration::from_secs(20));
+    assert!(
+        line.starts_with(&format!("::ffff:{client_addr} ")),
+        "the server should log the client's address {client_addr}, not the agent's: {line:?}"
+    );
+    let size = || std::fs::metadata(&out).map_or(0, |m| m.len());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while size() < 2 << 20 {
+        assert!(Instant::now() < deadline, "the download never got going");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let ip = |args: &[&str]| {
+        let o = Command::new("ip")
+            .args(["-n", lan.ns(C)])
+            .args(args)
+            .output()
+            .expect("ip");
+        assert!(o.status.success(), "ip {args:?}: {o:?}");
+    };
+    ip(&["link", "set", "roam0", "down"]);
+    std::thread::sleep(Duration::from_secs(2));
+    ip(&["link", "set", "roam0", "up"]);
+    lan.del_addr(C, client_addr)
+        .expect("remove the old address");
+    let new_addr = lan.subnet_addr(77);
+    lan.add_addr(C, new_addr).expect("add the new address");
+    let at = size();
+    let status = run
+        .child
+        .wait_timeout(Duration::from_secs(90))
+        .expect("wait")
+        .unwrap_or_else(|| panic!("curl did not finish; {at} bytes at the address change"));
+    assert!(status.success(), "roam run -- curl: {status}\n{}", run.seen);
+    let body = std::fs::read(&out).expect("the download");
+    assert_eq!(body.len(), 24 << 20, "length");
+    assert!(
+        sha2::Sha256::digest(&body).to_vec() == want,
+        "the file differs"
+    );
+
+    // An ordinary client (no roam) connects straight to the listener.
+    let plain = Command::new("nsenter")
+        .arg(format!("--net=/run/netns/{}", lan.ns(C)))
+        .args(["--", "curl", "--silent", "--show-error", "--fail", "-o"])
+        .arg(got.path().join("plain.bin"))
+        .arg(&url)
+        .output()
+        .expect("curl");
+    assert!(plain.status.success(), "plain curl: {plain:?}");
+    let plain_body = std::fs::read(got.path().join("plain.bin")).expect("plain download");
+    assert!(sha2::Sha256::digest(&plain_body).to_vec() == want);
+    let line = server.wait_for("GET /f.bin", Duration::from_secs(20));
+    assert!(
+        line.starts_with(&format!("::ffff:{new_addr} ")),
+        "a plain client is logged with its own address {new_addr}: {line:?}"
+    );
+
+    // A carried socket names its real peer.
+    let mut cmd = roam_in(&lan, C, client_state.path());
+    cmd.args(["run", "--", "python3", "-c"]).arg(format!(
+        "import socket; s = socket.create_connection(('{}', {HTTP_PORT})); \
+             print('%s:%d' % s.getpeername())",
+        lan.addr(S)
+    ));
+    let peer = cmd.output().expect("python getpeername");
+    assert_eq!(
+        String::from_utf8_lossy(&peer.stdout).trim(),
+        format!("{}:{HTTP_PORT}", lan.addr(S)),
+        "getpeername on a carried socket: {peer:?}"
+    );
+    eprintln!(
+        "both ends under roam run: 24 MiB whole across a link cut and an address change \
+         ({at} bytes before it); the server saw {client_addr}"
+    );
+}

@@ -4,9 +4,10 @@
 //! `roam run -- CMD` starts CMD with this library preloaded and three
 //! variables set: `ROAM_RUN_AGENT` (the agent's TCP port on 127.0.0.1),
 //! `ROAM_RUN_REGISTER` (the agent's private Unix socket) and optionally
-//! `ROAM_RUN_PORTS` (comma-separated destination ports; empty: every port).
-//! The library replaces one call, `connect`. For an IPv4 TCP socket heading
-//! for a non-loopback address (on a chosen port) it:
+//! `ROAM_RUN_PORTS` (comma-separated ports; empty: every port).
+//!
+//! **Outgoing** (`connect`). For an IPv4 TCP socket heading for a
+//! non-loopback address (on a chosen port) the library:
 //!
 //! 1. binds the socket to 127.0.0.1 (port chosen by the kernel) unless the
 //!    program bound it already;
@@ -14,19 +15,31 @@
 //!    L is for A:P", and waits for its acknowledgement;
 //! 3. connects the socket to the agent instead.
 //!
-//! The program keeps an ordinary TCP descriptor (blocking or not, in epoll,
-//! poll or select, dup'ed, inherited across fork and exec): only its peer is
-//! the agent, which carries the bytes as a roam stream when A runs a relay
-//! and as plain TCP when it does not. Bound to loopback, the descriptor never
-//! sees the network: a link cut or a new address at this end is the
-//! session's business. Anything else (other families, UDP, loopback, an
-//! unset environment, a failed registration) goes to the real `connect`
-//! untouched; a failed registration is reported once on stderr.
+//! **Incoming** (`listen`, `accept`, `accept4`). A TCP socket that listens
+//! on a non-loopback IPv4 address (or on `::` accepting IPv4 too), on a
+//! chosen port, is announced to the agent, which then takes roam sessions
+//! for it on the relay port and connects each of their streams to the
+//! listener from loopback. `accept` returns those connections with the
+//! roam client's address, not the agent's.
 //!
-//! Everything here runs inside foreign programs: no allocation on the
-//! connect path beyond the environment read at load, no panic (every
-//! failure falls back to the real call), errno preserved as the real call
-//! leaves it.
+//! **Peer addresses** (`getpeername`, and `accept`'s address). A socket
+//! whose real peer is on loopback may be one the agent carries; the agent is
+//! asked, and its answer (the destination the program connected to, or the
+//! roam client that connected to it) replaces the loopback address.
+//!
+//! The program keeps ordinary TCP descriptors (blocking or not, in epoll,
+//! poll or select, dup'ed, inherited across fork and exec): only their peer
+//! is the agent, which carries the bytes as a roam stream when the other
+//! host runs roam and as plain TCP when it does not. Bound to loopback, the
+//! descriptors never see the network: a link cut or a new address at this
+//! end is the session's business. Anything else (other families, UDP,
+//! loopback, an unset environment, a failed registration) goes to the real
+//! call untouched; a failed registration is reported once on stderr.
+//!
+//! Everything here runs inside foreign programs: no allocation on these
+//! paths beyond the environment read at load, no panic (every failure falls
+//! back to the real call's result), errno preserved as the real call leaves
+//! it.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
@@ -235,7 +248,7 @@ fn local_port(fd: c_int) -> Option<u16> {
 }
 
 /// Tells the agent that the connection from 127.0.0.1:`local_port` is for
-/// `dest`, and waits for its one-byte acknowledgement (8 bytes out: the
+/// `dest`, and waits for its one-byte acknowledgement (9 bytes out: `C`, the
 /// local port, the destination address and port, all in network order).
 fn register(
     real: ConnectFn,
@@ -243,12 +256,34 @@ fn register(
     local_port: u16,
     dest: &sockaddr_in,
 ) -> Result<(), &'static str> {
+    let saved = errno();
+    let result = (|| {
+        let mut msg = [0u8; 9];
+        msg[0] = b'C';
+        msg[1..3].copy_from_slice(&local_port.to_be_bytes());
+        msg[3..7].copy_from_slice(&u32::from_be(dest.sin_addr.s_addr).to_be_bytes());
+        msg[7..9].copy_from_slice(&u16::from_be(dest.sin_port).to_be_bytes());
+        let mut ack = [0u8; 1];
+        if ask(real, setup, &msg, &mut ack) != Some(1) || ack[0] != b'+' {
+            return Err("the agent did not acknowledge the registration");
+        }
+        Ok(())
+    })();
+    set_errno(saved);
+    result
+}
+
+/// Sends `msg` to the agent over a new connection to its Unix socket and
+/// reads its answer into `reply` until that is full or the agent closes;
+/// returns how many bytes came (`None`: no agent). Leaves errno alone.
+fn ask(real: ConnectFn, setup: &Setup, msg: &[u8], reply: &mut [u8]) -> Option<usize> {
+    let saved = errno();
     // SAFETY: plain socket(2) call.
     let s = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
     if s < 0 {
-        return Err("no socket for the agent");
+        set_errno(saved);
+        return None;
     }
-    let saved = errno();
     let result = (|| {
         // SAFETY: `setup.register` is a valid sockaddr_un and
         // `register_len` covers its family and path.
@@ -260,29 +295,360 @@ fn register(
             )
         };
         if r != 0 {
-            return Err("the agent's socket refused the registration");
+            return None;
         }
-        let mut msg = [0u8; 8];
-        msg[0..2].copy_from_slice(&local_port.to_be_bytes());
-        msg[2..6].copy_from_slice(&u32::from_be(dest.sin_addr.s_addr).to_be_bytes());
-        msg[6..8].copy_from_slice(&u16::from_be(dest.sin_port).to_be_bytes());
         // SAFETY: `msg` is readable for its length.
         let n = unsafe { libc::write(s, msg.as_ptr() as *const c_void, msg.len()) };
         if n != msg.len() as isize {
-            return Err("writing to the agent failed");
+            return None;
         }
-        let mut ack = [0u8; 1];
-        // SAFETY: `ack` is writable for its length.
-        let n = unsafe { libc::read(s, ack.as_mut_ptr() as *mut c_void, 1) };
-        if n != 1 || ack[0] != b'+' {
-            return Err("the agent did not acknowledge the registration");
+        let mut got = 0;
+        while got < reply.len() {
+            // SAFETY: `reply[got..]` is writable for its length.
+            let n = unsafe {
+                libc::read(
+                    s,
+                    reply[got..].as_mut_ptr() as *mut c_void,
+                    reply.len() - got,
+                )
+            };
+            match n {
+                n if n > 0 => got += n as usize,
+                0 => break,
+                _ if errno() == libc::EINTR => continue,
+                _ => return None,
+            }
         }
-        Ok(())
+        Some(got)
     })();
     // SAFETY: `s` is our descriptor, closed once.
     unsafe { libc::close(s) };
     set_errno(saved);
     result
+}
+
+/// The real `listen`'s type.
+type ListenFn = unsafe extern "C" fn(c_int, c_int) -> c_int;
+/// The real `accept4`'s type (`accept` is `accept4` with no flags).
+type Accept4Fn = unsafe extern "C" fn(c_int, *mut sockaddr, *mut socklen_t, c_int) -> c_int;
+/// The real `getpeername`'s type.
+type GetpeernameFn = unsafe extern "C" fn(c_int, *mut sockaddr, *mut socklen_t) -> c_int;
+
+/// The address of the next definition of `name` in the lookup order
+/// (libc's), looked up once into `slot`; 0 if there is none.
+fn next_symbol(slot: &OnceLock<usize>, name: &std::ffi::CStr) -> usize {
+    *slot.get_or_init(|| {
+        // SAFETY: dlsym with RTLD_NEXT and a NUL-terminated name has no
+        // preconditions; it returns null when there is no such symbol.
+        unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) as usize }
+    })
+}
+
+fn real_listen() -> Option<ListenFn> {
+    static REAL: OnceLock<usize> = OnceLock::new();
+    let p = next_symbol(&REAL, c"listen");
+    // SAFETY: a non-zero `p` is libc's `listen`, whose C signature is
+    // exactly `ListenFn`.
+    (p != 0).then(|| unsafe { std::mem::transmute::<usize, ListenFn>(p) })
+}
+
+fn real_accept4() -> Option<Accept4Fn> {
+    static REAL: OnceLock<usize> = OnceLock::new();
+    let p = next_symbol(&REAL, c"accept4");
+    // SAFETY: a non-zero `p` is libc's `accept4`, whose C signature is
+    // exactly `Accept4Fn`.
+    (p != 0).then(|| unsafe { std::mem::transmute::<usize, Accept4Fn>(p) })
+}
+
+fn real_getpeername() -> Option<GetpeernameFn> {
+    static REAL: OnceLock<usize> = OnceLock::new();
+    let p = next_symbol(&REAL, c"getpeername");
+    // SAFETY: a non-zero `p` is libc's `getpeername`, whose C signature is
+    // exactly `GetpeernameFn`.
+    (p != 0).then(|| unsafe { std::mem::transmute::<usize, GetpeernameFn>(p) })
+}
+
+/// Set once a listener's announcement failed and was reported.
+static LISTEN_REPORTED: AtomicBool = AtomicBool::new(false);
+
+/// `listen(2)`, interposed: a TCP socket listening on a non-loopback IPv4
+/// address (or on `::`, IPv4 included), on a chosen port, is announced to
+/// the agent (`L`, its address and port), which then takes roam sessions
+/// for it. The real call's result is returned either way.
+///
+/// # Safety
+///
+/// As `listen(2)`.
+#[no_mangle]
+pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
+    let Some(real) = real_listen() else {
+        set_errno(libc::ENOSYS);
+        return -1;
+    };
+    // SAFETY: the caller's arguments, untouched.
+    let r = unsafe { real(fd, backlog) };
+    if r != 0 {
+        return r;
+    }
+    let (Some(setup), Some(connect)) = (setup(), real_connect()) else {
+        return r;
+    };
+    if let Some((ip, port)) = listening_v4(fd).filter(|&(ip, port)| {
+        ip >> 24 != 127 && (setup.ports.is_empty() || setup.ports.contains(&port))
+    }) {
+        let mut msg = [0u8; 7];
+        msg[0] = b'L';
+        msg[1..5].copy_from_slice(&ip.to_be_bytes());
+        msg[5..7].copy_from_slice(&port.to_be_bytes());
+        let mut ack = [0u8; 1];
+        let answered = ask(connect, setup, &msg, &mut ack) == Some(1) && ack[0] == b'+';
+        if !answered && !LISTEN_REPORTED.swap(true, Ordering::Relaxed) {
+            say("roam run: a listening socket takes plain TCP only: the agent did not answer\n");
+        }
+    }
+    r
+}
+
+/// The IPv4 address (host order; 0: any) and port a TCP socket listens on,
+/// if IPv4 clients reach it: an `AF_INET` socket, or an `AF_INET6` one
+/// bound to `::` without `IPV6_V6ONLY` or to an IPv4-mapped address.
+fn listening_v4(fd: c_int) -> Option<(u32, u16)> {
+    if sock_opt(fd, libc::SO_TYPE)? != libc::SOCK_STREAM
+        || sock_opt(fd, libc::SO_PROTOCOL)? != libc::IPPROTO_TCP
+    {
+        return None;
+    }
+    // SAFETY: sockaddr_in6 is plain old data; all-zero is a valid value,
+    // and it is large enough for either family.
+    let mut me: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::sockaddr_in6>() as socklen_t;
+    // SAFETY: `me` is writable for `len` bytes and `len` is writable.
+    let r = unsafe {
+        libc::getsockname(
+            fd,
+            &mut me as *mut libc::sockaddr_in6 as *mut sockaddr,
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return None;
+    }
+    let port = u16::from_be(me.sin6_port);
+    match c_int::from(me.sin6_family) {
+        libc::AF_INET => {
+            // SAFETY: the kernel wrote a sockaddr_in (family AF_INET) into
+            // `me`, which is larger; read unaligned as a plain copy.
+            let v4 = unsafe {
+                std::ptr::read_unaligned(&me as *const libc::sockaddr_in6 as *const sockaddr_in)
+            };
+            Some((u32::from_be(v4.sin_addr.s_addr), port))
+        }
+        libc::AF_INET6 => {
+            let a = me.sin6_addr.s6_addr;
+            if a == [0; 16] {
+                let mut v6only: c_int = 0;
+                let mut olen = std::mem::size_of::<c_int>() as socklen_t;
+                // SAFETY: `v6only` is writable for `olen` bytes.
+                let r = unsafe {
+                    libc::getsockopt(
+                        fd,
+                        libc::IPPROTO_IPV6,
+                        libc::IPV6_V6ONLY,
+                        &mut v6only as *mut c_int as *mut c_void,
+                        &mut olen,
+                    )
+                };
+                (r == 0 && v6only == 0).then_some((0, port))
+            } else {
+                mapped_v4(&a).map(|ip| (ip, port))
+            }
+        }
+        _ => None,
+    }
+}
+
+/// The IPv4 address (host order) inside an IPv4-mapped IPv6 address.
+fn mapped_v4(a: &[u8; 16]) -> Option<u32> {
+    (a[..10] == [0; 10] && a[10] == 0xff && a[11] == 0xff)
+        .then(|| u32::from_be_bytes([a[12], a[13], a[14], a[15]]))
+}
+
+/// `accept(2)`, interposed: see [`accept4`].
+///
+/// # Safety
+///
+/// As `accept(2)`.
+#[no_mangle]
+pub unsafe extern "C" fn accept(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int {
+    // SAFETY: the caller's arguments, under accept(2)'s contract.
+    unsafe { accept4(fd, addr, len, 0) }
+}
+
+/// `accept4(2)`, interposed: a connection the agent made for a roam client
+/// is returned with that client's address (in `addr`) instead of the
+/// agent's loopback one.
+///
+/// # Safety
+///
+/// As `accept4(2)`: `addr` is null or writable for `*len` bytes, `len` null
+/// or writable.
+#[no_mangle]
+pub unsafe extern "C" fn accept4(
+    fd: c_int,
+    addr: *mut sockaddr,
+    len: *mut socklen_t,
+    flags: c_int,
+) -> c_int {
+    let Some(real) = real_accept4() else {
+        set_errno(libc::ENOSYS);
+        return -1;
+    };
+    let cap = if addr.is_null() || len.is_null() {
+        0
+    } else {
+        // SAFETY: `len` is non-null and readable, per the contract.
+        unsafe { *len }
+    };
+    // SAFETY: the caller's arguments, untouched.
+    let conn = unsafe { real(fd, addr, len, flags) };
+    if conn >= 0 && cap > 0 {
+        // SAFETY: `addr` is writable for `cap` bytes and `len` writable,
+        // per the contract (checked non-null above).
+        unsafe { rewrite_peer(conn, addr, len, cap) };
+    }
+    conn
+}
+
+/// `getpeername(2)`, interposed: a socket the agent carries names its real
+/// peer (the destination the program connected to, or the roam client that
+/// connected to it), not the agent.
+///
+/// # Safety
+///
+/// As `getpeername(2)`: `addr` writable for `*len` bytes, `len` writable.
+#[no_mangle]
+pub unsafe extern "C" fn getpeername(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int {
+    let Some(real) = real_getpeername() else {
+        set_errno(libc::ENOSYS);
+        return -1;
+    };
+    let cap = if addr.is_null() || len.is_null() {
+        0
+    } else {
+        // SAFETY: `len` is non-null and readable, per the contract.
+        unsafe { *len }
+    };
+    // SAFETY: the caller's arguments, untouched.
+    let r = unsafe { real(fd, addr, len) };
+    if r == 0 && cap > 0 {
+        // SAFETY: as for the real call, checked non-null above.
+        unsafe { rewrite_peer(fd, addr, len, cap) };
+    }
+    r
+}
+
+/// If `fd`'s real peer is on loopback and the agent carries it, writes the
+/// peer the program should see into `addr` (as much as `cap` bytes allow,
+/// in the socket's own family) and its full length into `*len`.
+///
+/// # Safety
+///
+/// `addr` is writable for `cap` bytes and `len` is writable.
+unsafe fn rewrite_peer(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, cap: socklen_t) {
+    let (Some(setup), Some(connect)) = (setup(), real_connect()) else {
+        return;
+    };
+    let Some(((lip, lport), (pip, pport), family)) = ends_v4(fd) else {
+        return;
+    };
+    if pip >> 24 != 127 {
+        return;
+    }
+    let mut msg = [0u8; 13];
+    msg[0] = b'Q';
+    msg[1..5].copy_from_slice(&lip.to_be_bytes());
+    msg[5..7].copy_from_slice(&lport.to_be_bytes());
+    msg[7..11].copy_from_slice(&pip.to_be_bytes());
+    msg[11..13].copy_from_slice(&pport.to_be_bytes());
+    let mut reply = [0u8; 7];
+    if ask(connect, setup, &msg, &mut reply) != Some(7) || reply[0] != b'+' {
+        return;
+    }
+    let ip = [reply[1], reply[2], reply[3], reply[4]];
+    let port = u16::from_be_bytes([reply[5], reply[6]]);
+    let mut out = [0u8; std::mem::size_of::<libc::sockaddr_in6>()];
+    let size = if family == libc::AF_INET {
+        let mut a = loopback(port);
+        a.sin_addr.s_addr = u32::from_be_bytes(ip).to_be();
+        // SAFETY: `out` is larger than a sockaddr_in; written unaligned.
+        unsafe { std::ptr::write_unaligned(out.as_mut_ptr() as *mut sockaddr_in, a) };
+        std::mem::size_of::<sockaddr_in>()
+    } else {
+        // SAFETY: sockaddr_in6 is plain old data; all-zero is valid.
+        let mut a: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
+        a.sin6_family = libc::AF_INET6 as libc::sa_family_t;
+        a.sin6_port = port.to_be();
+        a.sin6_addr.s6_addr[10] = 0xff;
+        a.sin6_addr.s6_addr[11] = 0xff;
+        a.sin6_addr.s6_addr[12..].copy_from_slice(&ip);
+        // SAFETY: `out` is exactly a sockaddr_in6; written unaligned.
+        unsafe { std::ptr::write_unaligned(out.as_mut_ptr() as *mut libc::sockaddr_in6, a) };
+        std::mem::size_of::<libc::sockaddr_in6>()
+    };
+    let n = size.min(cap as usize);
+    // SAFETY: `addr` is writable for `cap` >= `n` bytes; `out` readable for
+    // `n`; they do not overlap (`out` is on our stack).
+    unsafe { std::ptr::copy_nonoverlapping(out.as_ptr(), addr as *mut u8, n) };
+    // SAFETY: `len` is writable, per the contract.
+    unsafe { *len = size as socklen_t };
+}
+
+/// A TCP socket's local and peer IPv4 addresses (host order) and ports,
+/// and its family (`AF_INET`, or `AF_INET6` with IPv4-mapped addresses).
+type Ends = ((u32, u16), (u32, u16), c_int);
+
+/// `fd`'s [`Ends`], if it is a TCP socket between IPv4 addresses.
+fn ends_v4(fd: c_int) -> Option<Ends> {
+    let real = real_getpeername()?;
+    let name = |peer: bool| -> Option<(u32, u16, c_int)> {
+        // SAFETY: sockaddr_in6 is plain old data; all-zero is valid, and
+        // it is large enough for either family.
+        let mut a: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
+        let mut len = std::mem::size_of::<libc::sockaddr_in6>() as socklen_t;
+        let p = &mut a as *mut libc::sockaddr_in6 as *mut sockaddr;
+        let r = if peer {
+            // SAFETY: `a` is writable for `len` bytes, `len` writable.
+            unsafe { real(fd, p, &mut len) }
+        } else {
+            // SAFETY: as above.
+            unsafe { libc::getsockname(fd, p, &mut len) }
+        };
+        if r != 0 {
+            return None;
+        }
+        let port = u16::from_be(a.sin6_port);
+        match c_int::from(a.sin6_family) {
+            libc::AF_INET => {
+                // SAFETY: the kernel wrote a sockaddr_in into the larger
+                // `a`; read unaligned as a plain copy.
+                let v4 = unsafe { std::ptr::read_unaligned(p as *const sockaddr_in) };
+                Some((u32::from_be(v4.sin_addr.s_addr), port, libc::AF_INET))
+            }
+            libc::AF_INET6 => mapped_v4(&a.sin6_addr.s6_addr).map(|ip| (ip, port, libc::AF_INET6)),
+            _ => None,
+        }
+    };
+    let saved = errno();
+    let ends = (|| {
+        if sock_opt(fd, libc::SO_PROTOCOL)? != libc::IPPROTO_TCP {
+            return None;
+        }
+        let (pip, pport, family) = name(true)?;
+        let (lip, lport, _) = name(false)?;
+        Some(((lip, lport), (pip, pport), family))
+    })();
+    set_errno(saved);
+    ends
 }
 
 /// 127.0.0.1:`port`.
@@ -317,8 +683,14 @@ fn report(why: &str) {
     if REPORTED.swap(true, Ordering::Relaxed) {
         return;
     }
+    say(&format!(
+        "roam run: a connection is left as plain TCP: {why}\n"
+    ));
+}
+
+/// Writes `line` to stderr, errno untouched.
+fn say(line: &str) {
     let saved = errno();
-    let line = format!("roam run: a connection is left as plain TCP: {why}\n");
     // SAFETY: `line` is readable for its length; fd 2 may be closed, in
     // which case the write fails harmlessly.
     unsafe { libc::write(2, line.as_ptr() as *const c_void, line.len()) };
