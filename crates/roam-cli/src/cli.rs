@@ -182,30 +182,45 @@ then closes their target connections, code 0x105), and every new local
 connection is a new stream of the same session. If the relay lost the
 session, the re-attach says so and starts a new one.")]
     Forward(ForwardArgs),
-    /// Run a program whose outgoing TCP connections are roam sessions wherever the peer runs a relay.
+    /// Run a program whose TCP connections, outgoing and incoming, are roam sessions wherever the other host runs roam.
     #[command(after_help = "\
 Examples:
   roam run -- curl -O http://files.example/big.iso
   roam run --port 5432 -- psql -h db.example
+  roam run -- python3 -m http.server 8000      # a server: its host becomes enhanced
 
 The program runs unchanged, with roam's preload library in LD_PRELOAD (no
-root needed). Each outgoing IPv4 TCP connect to a non-loopback address (on
-the --port ports, default all) is bound to 127.0.0.1 and handed to roam's
-agent in this process, which asks the destination host once whether it runs
-`roam serve` on the relay port (--relay-port, default 7447):
+root needed).
+
+Outgoing: each IPv4 TCP connect to a non-loopback address (on the --port
+ports, default all) is bound to 127.0.0.1 and handed to roam's agent in this
+process, which asks the destination host once whether it runs roam on the
+relay port (--relay-port, default 7447: `roam serve`, or a server under
+`roam run`):
 
 - yes: the connection is a stream of one roam session to that host (its key
   pinned on first use, as `roam pipe` does). A link cut, a new address at
   this end, a reset by the network or a suspension of this machine pass
-  unnoticed by the program. The relay must allow the destination (e.g.
-  `roam serve --allow '*:80'`); it connects from its own host.
+  unnoticed by the program. A `roam serve` relay must allow the destination
+  (e.g. `roam serve --allow '*:80'`); it connects from its own host.
 - no: the agent connects to the destination itself: the bytes are exactly
   the program's.
 
+Incoming: when the program listens on a non-loopback address (or on `::`,
+IPv4 included), on the --port ports, this process takes roam sessions on the
+relay port for this host (with the state directory's server key, any client
+key) and connects each of their streams from loopback to the program's
+listener for that port; other ports are refused. accept() returns such a
+connection with the roam client's address, so the program logs and checks
+the real client. Ordinary clients connect to the program directly, as
+before. If the relay port is taken (a `roam serve` runs here), that relay
+serves this host, and the program sees its connections as coming from it.
+
 The program keeps ordinary descriptors (epoll, poll, select, fork, exec and
-dup work as before; children inherit the library). Not carried: IPv6, UDP,
-statically linked programs (they ignore LD_PRELOAD), incoming connections.
-getpeername() on a carried socket names the agent (127.0.0.1).
+dup work as before; children inherit the library). getpeername() on a
+carried socket names the real peer, not the agent. Not carried: IPv6
+clients and destinations, UDP, statically linked programs (they ignore
+LD_PRELOAD).
 
 roam run ends when the program does (after delivering what it wrote); the
 connections of any children it left running end then too.
@@ -603,7 +618,7 @@ pub(crate) struct ForwardArgs {
 /// How `roam run` and `roam intercept` find out whether a host runs a relay.
 #[derive(Debug, Args)]
 pub(crate) struct ProbeArgs {
-    /// The port enhanced hosts run `roam serve` on.
+    /// The relay port: where enhanced hosts take roam sessions (`roam serve`, or a server under `roam run`).
     #[arg(long, default_value_t = 7447, value_name = "PORT")]
     pub(crate) relay_port: u16,
     /// How long the relay port may stay silent before a host counts as ordinary.
@@ -616,7 +631,7 @@ pub(crate) struct ProbeArgs {
 
 #[derive(Debug, Args)]
 pub(crate) struct RunArgs {
-    /// Destination TCP port to carry (repeatable) [default: every port].
+    /// TCP port to carry (repeatable): the destination port of an outgoing connection, the port of a listener [default: every port].
     #[arg(long = "port", value_name = "PORT")]
     pub(crate) ports: Vec<u16>,
     #[command(flatten)]
