@@ -1061,3 +1061,179 @@ fn roam_run_psql_holds_a_transaction_across_a_link_cut_and_a_new_client_address(
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
+
+/// Against ordinary servers (nothing of roam on their host) `roam run`
+/// changes nothing of what is exchanged:
+///
+/// - HTTP: a recorder (`socat -r/-R`) in front of `python3 -m http.server`
+///   on the server host writes down both directions. The request `roam run
+///   -- curl` sent is byte for byte the one a plain curl sends, and what the
+///   server sent is byte for byte what curl received (its `-D` headers and
+///   its body, 4 MiB).
+/// - ssh: `roam run -- ssh` logs in to an ordinary sshd and reads 8 MiB
+///   whose SHA-256 matches the file's (and ssh's own MACs would have
+///   refused any changed byte). sshd logs one connection.
+#[test]
+fn roam_run_against_ordinary_http_and_sshd_servers_changes_no_byte() {
+    use roam_sim::netns::{NetPair, Side};
+    use roam_sim::sshd::PrivateSshd;
+    use sha2::Digest;
+    if !can_run() || !netns::installed("curl") || !netns::installed("socat") {
+        eprintln!("skipped: needs curl and socat too");
+        return;
+    }
+    if let Err(why) = roam_sim::sshd::available() {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    let pair = NetPair::new("run_ordinary").expect("namespaces");
+    let server = pair.addr(Side::Server);
+    let site = tempfile::tempdir().expect("site");
+    let want = pattern_file(&site.path().join("f.bin"), 4 << 20);
+    let mut http = Command::new("nsenter");
+    http.arg(format!("--net=/run/netns/{}", pair.ns(Side::Server)))
+        .args(["--", "python3", "-m", "http.server", "8000", "--bind"])
+        .arg(server.to_string())
+        .arg("--directory")
+        .arg(site.path())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    let _http = ChildGuard::spawn(&mut http).expect("http.server");
+    let listening = |port: u16| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let out = Command::new("nsenter")
+                .arg(format!("--net=/run/netns/{}", pair.ns(Side::Server)))
+                .args(["--", "ss", "-Hltn"])
+                .arg(format!("sport = :{port}"))
+                .output()
+                .expect("ss");
+            if !out.stdout.is_empty() {
+                return;
+            }
+            assert!(Instant::now() < deadline, "nothing listens on {port}");
+            std::thread::sleep(Duration::from_millis(30));
+        }
+    };
+    listening(8000);
+    let work = tempfile::tempdir().expect("work dir");
+    let state = tempfile::tempdir().expect("state dir");
+    let roam_run = |args: &[&std::ffi::OsStr]| {
+        let mut c = Command::new("nsenter");
+        c.arg(format!("--net=/run/netns/{}", pair.ns(Side::Client)))
+            .arg("--")
+            .arg(env!("CARGO_BIN_EXE_roam"))
+            .env("ROAM_STATE_DIR", state.path())
+            .args(["run", "--probe-timeout", "1s", "--"])
+            .args(args);
+        c
+    };
+    // One recorded HTTP exchange: (request, response as sent, curl's
+    // headers and body as received).
+    let exchange = |name: &str, through_roam: bool| -> (Vec<u8>, Vec<u8>, Vec<u8>) {
+        let (req, resp) = (
+            work.path().join(format!("{name}.req")),
+            work.path().join(format!("{name}.resp")),
+        );
+        let mut rec = Command::new("nsenter");
+        rec.arg(format!("--net=/run/netns/{}", pair.ns(Side::Server)))
+            .args(["--", "socat", "-r"])
+            .arg(&req)
+            .arg("-R")
+            .arg(&resp)
+            .arg(format!("TCP-LISTEN:8001,bind={server},reuseaddr"))
+            .arg(format!("TCP:{server}:8000"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null());
+        let mut rec = ChildGuard::spawn(&mut rec).expect("socat recorder");
+        listening(8001);
+        let (headers, body) = (
+            work.path().join(format!("{name}.h")),
+            work.path().join(format!("{name}.b")),
+        );
+        let url = format!("http://{server}:8001/f.bin");
+        let curl: Vec<&std::ffi::OsStr> = vec![
+            "curl".as_ref(),
+            "--silent".as_ref(),
+            "--show-error".as_ref(),
+            "--fail".as_ref(),
+            "-D".as_ref(),
+            headers.as_os_str(),
+            "-o".as_ref(),
+            body.as_os_str(),
+            url.as_ref(),
+        ];
+        let out = if through_roam {
+            roam_run(&curl).output()
+        } else {
+            pair.command(Side::Client, curl[0])
+                .args(&curl[1..])
+                .output()
+        }
+        .expect("curl");
+        assert!(out.status.success(), "{name}: {out:?}");
+        if through_roam {
+            assert!(
+                String::from_utf8_lossy(&out.stderr).contains("is an ordinary host"),
+                "{out:?}"
+            );
+        }
+        rec.wait_timeout(Duration::from_secs(10))
+            .expect("wait")
+            .expect("the recorder ended with its connection");
+        let read = |p: &Path| std::fs::read(p).expect("read");
+        let mut received = read(&headers);
+        received.extend(read(&body));
+        assert!(
+            sha2::Sha256::digest(read(&body)).to_vec() == want,
+            "{name}: the body differs"
+        );
+        (read(&req), read(&resp), received)
+    };
+    let (plain_req, _, _) = exchange("plain", false);
+    let (req, sent, received) = exchange("roam", true);
+    assert!(
+        req == plain_req,
+        "the server got another request through roam run:\n{}\nvs plain:\n{}",
+        String::from_utf8_lossy(&req),
+        String::from_utf8_lossy(&plain_req)
+    );
+    assert!(
+        sent == received,
+        "curl did not receive exactly what the server sent ({} vs {} bytes)",
+        received.len(),
+        sent.len()
+    );
+
+    let sshd = PrivateSshd::start(
+        Some((&pair, Side::Server)),
+        SocketAddr::from((server, 2222)),
+    )
+    .expect("sshd");
+    let ssh = sshd.ssh_command(None);
+    let mut args: Vec<&std::ffi::OsStr> = vec![ssh.get_program()];
+    args.extend(ssh.get_args());
+    let big = site.path().join("big.bin");
+    let want_big = pattern_file(&big, 8 << 20);
+    let cat_big = format!("cat {}", big.display());
+    args.push(cat_big.as_ref());
+    let out = roam_run(&args).output().expect("roam run -- ssh");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "ssh: {err}");
+    assert!(
+        err.contains("is an ordinary host"),
+        "ssh went through the agent: {err}"
+    );
+    assert_eq!(out.stdout.len(), 8 << 20, "ssh output length");
+    assert!(
+        sha2::Sha256::digest(&out.stdout).to_vec() == want_big,
+        "ssh: the file differs"
+    );
+    let accepted = sshd
+        .log()
+        .iter()
+        .filter(|l| l.contains("Accepted publickey"))
+        .count();
+    assert_eq!(accepted, 1, "sshd's log: {:?}", sshd.log());
+}
