@@ -233,23 +233,38 @@ and SIGHUP are passed to the program.")]
 Examples:
   roam intercept --port 5432 --port 6379        # until Ctrl-C
   psql -h db.example                             # an ordinary program, unchanged
+  roam intercept --port 5432 --incoming          # on db.example: the server side
   roam intercept --cleanup                       # remove rules a crash left
 
 Nothing in the programs changes. An nftables rule set (table ip
 roam_intercept_<pid>) redirects this host's new outgoing TCP connections to
 the ports to roam's agent on 127.0.0.1. For each one the agent asks the
-destination host, once, whether it runs `roam serve` on the relay port
-(--relay-port, default 7447):
+destination host, once, whether it runs roam on the relay port
+(--relay-port, default 7447: `roam serve`, `roam intercept --incoming` or a
+server under `roam run`):
 
 - yes: the connection becomes a stream of one roam session to that host,
   shared by all connections to it, pinned to the relay's key on first use
-  as `roam pipe` does. It survives link loss, a new address at either end
-  and suspension; the program never sees them. The relay must allow the
-  destination (e.g. `roam serve --allow '*:5432'`); it connects from its own
-  host, so the server sees the relay's address, not this host's.
+  as `roam pipe` does. It survives link loss, resets by the network, a new
+  address at the server's end and suspension; the program never sees them
+  (a new address at this end ends the program's socket, bound to the old
+  one: `roam run` binds it to loopback instead). A `roam serve` relay must
+  allow the destination (e.g. `roam serve --allow '*:5432'`) and connects
+  from its own host, so the server sees the relay's address; with
+  `roam intercept --incoming` there, the server sees this host's.
 - no (refused, or silent for --probe-timeout): the connection goes straight
   to the destination, byte for byte what it would have been, and the host
   is asked again after --recheck.
+
+--incoming makes this host the server side too: the agent takes roam
+sessions on the relay port (all addresses; the state directory's server
+key, any client key) and connects each stream, for one of the --port ports
+on one of this host's addresses, to that local server with the client's own
+address and port as its source (IP_TRANSPARENT; an nftables route chain
+and a policy route, `ip rule fwmark 0x726f616e lookup 29295`, bring the
+server's answers back to the agent). The server sees and logs the real
+client, as with plain TCP. Ordinary clients still connect directly. Needs
+rp_filter off or loose (2), as Debian sets it, not strict.
 
 Loopback, this host's own addresses and roam's own sockets are never
 redirected. IPv4 only; UDP is not carried. The rules are removed when roam
@@ -658,6 +673,9 @@ pub(crate) struct InterceptArgs {
     /// Remove every rule set `roam intercept` installed on this host (e.g. after a crash), then exit.
     #[arg(long)]
     pub(crate) cleanup: bool,
+    /// Also be the server side: take roam sessions on the relay port and hand their streams for the ports to the local servers with the client's own address.
+    #[arg(long)]
+    pub(crate) incoming: bool,
     #[command(flatten)]
     pub(crate) client: ClientArgs,
 }

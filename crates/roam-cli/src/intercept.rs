@@ -43,11 +43,20 @@ use crate::control::Registry;
 const MARK: u32 = 0x726f_616d;
 /// The prefix of the rule sets' table names (`roam_intercept_<pid>`).
 const TABLE_PREFIX: &str = "roam_intercept_";
+/// The firewall mark of `--incoming`'s connections to local servers (and,
+/// through their conntrack mark, of the servers' answers): `roan`.
+const MARK_IN: u32 = 0x726f_616e;
+/// The routing table that brings marked answers back to the agent: every
+/// address is local there.
+const ROUTE_TABLE: u32 = 0x726f;
 
 /// `roam intercept`.
 pub(crate) async fn run(args: InterceptArgs, config: &FileConfig) -> CliResult {
     if args.cleanup {
-        let removed = remove_tables(|_| true)?;
+        let mut removed = remove_tables(|_| true)?;
+        if remove_routes() {
+            removed.push(format!("the policy route to table {ROUTE_TABLE}"));
+        }
         eprintln!(
             "roam intercept: removed {} rule set{}{}",
             removed.len(),
@@ -96,8 +105,31 @@ pub(crate) async fn run(args: InterceptArgs, config: &FileConfig) -> CliResult {
         .local_addr()
         .map_err(|e| CliError(format!("agent socket: {e}")))?
         .port();
-    let rules = Rules::install(&args.ports, agent)?;
     let registry = Registry::default();
+    let (stop_relay, stop_rx) = tokio::sync::watch::channel(false);
+    let mut incoming = None;
+    if args.incoming {
+        let state = crate::paths::state_dir(config);
+        let key = crate::serve::start_host_relay(
+            probe.relay_port,
+            &state,
+            registry.clone(),
+            Arc::new(Transparent {
+                ports: args.ports.clone(),
+            }),
+            stop_rx,
+        )
+        .await
+        .map_err(|why| {
+            CliError(format!(
+                "--incoming: the relay port {} {why}; is a relay (roam serve) running here? \
+                 (then leave out --incoming: it serves this host, and the servers see its address)",
+                probe.relay_port
+            ))
+        })?;
+        incoming = Some((Routes::install()?, key));
+    }
+    let rules = Rules::install(&args.ports, agent, args.incoming)?;
     let ports = args
         .ports
         .iter()
@@ -113,6 +145,14 @@ pub(crate) async fn run(args: InterceptArgs, config: &FileConfig) -> CliResult {
         probe.relay_port,
         rules.table
     );
+    if let Some((_, key)) = &incoming {
+        eprintln!(
+            "roam intercept: incoming: roam sessions on port {} (server key {key}) reach the \
+             servers on port{} {ports} here with their clients' own addresses",
+            probe.relay_port,
+            if args.ports.len() == 1 { "" } else { "s" },
+        );
+    }
     let ctx = Arc::new(Ctx::new(
         config,
         args.client.key.clone(),
@@ -150,9 +190,133 @@ pub(crate) async fn run(args: InterceptArgs, config: &FileConfig) -> CliResult {
         }
     };
     // New connections to the ports are plain again from here on.
+    let _ = stop_relay.send(true);
     rules.remove()?;
     ctx.close_all().await;
+    drop(incoming);
     Ok(code)
+}
+
+/// `--incoming`'s way to the local servers: a connection to the stream's
+/// target (one of this host's addresses, an intercepted port) whose source
+/// is the roam client's own address and port (`IP_TRANSPARENT`), marked so
+/// that the server's answers come back to it ([`Routes`], and the route
+/// chain of [`Rules`]).
+struct Transparent {
+    /// The intercepted ports: the only ones served.
+    ports: Vec<u16>,
+}
+
+impl crate::serve::Dialer for Transparent {
+    fn dial<'a>(
+        &'a self,
+        host: &'a str,
+        port: u16,
+        client: Option<SocketAddr>,
+    ) -> std::pin::Pin<
+        Box<dyn std::future::Future<Output = std::io::Result<crate::serve::Dialed>> + Send + 'a>,
+    > {
+        Box::pin(async move {
+            use std::io::{Error, ErrorKind};
+            if !self.ports.contains(&port) {
+                return Err(Error::new(
+                    ErrorKind::PermissionDenied,
+                    format!("port {port} is not intercepted here"),
+                ));
+            }
+            let ip: std::net::Ipv4Addr = host.parse().map_err(|_| {
+                Error::new(
+                    ErrorKind::InvalidInput,
+                    format!("{host} is not an IPv4 address"),
+                )
+            })?;
+            // Only this host: a spoofed source must never reach the network.
+            if std::net::UdpSocket::bind((ip, 0)).is_err() {
+                return Err(Error::new(
+                    ErrorKind::PermissionDenied,
+                    format!("{ip} is not an address of this host"),
+                ));
+            }
+            let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+            sock.set_mark(MARK_IN)?;
+            // The client's address; its port is the kernel's choice (the
+            // program's own port is not known here).
+            if let Some(SocketAddr::V4(c)) = client {
+                sock.set_ip_transparent_v4(true)?;
+                sock.bind(&SocketAddr::V4(SocketAddrV4::new(*c.ip(), 0)).into())?;
+            }
+            sock.set_nonblocking(true)?;
+            sock.set_cloexec(true)?;
+            let sock = tokio::net::TcpSocket::from_std_stream(std::net::TcpStream::from(sock));
+            let tcp = sock.connect(SocketAddr::from((ip, port))).await?;
+            Ok((tcp, Box::new(()) as Box<dyn Send>))
+        })
+    }
+}
+
+/// The policy route of `--incoming`: packets marked [`MARK_IN`] are routed
+/// by table [`ROUTE_TABLE`], where every address is local, so a server's
+/// answer to a client address reaches the agent's transparent socket.
+/// Removed when dropped (and by `--cleanup`).
+struct Routes;
+
+impl Routes {
+    fn install() -> Result<Routes, CliError> {
+        // A crashed agent's leftovers first: the rule must be there once.
+        remove_routes();
+        let (mark, table) = (format!("{MARK_IN:#x}"), ROUTE_TABLE.to_string());
+        ip(&["rule", "add", "fwmark", &mark, "lookup", &table])?;
+        let routes = Routes;
+        ip(&[
+            "route",
+            "add",
+            "local",
+            "0.0.0.0/0",
+            "dev",
+            "lo",
+            "table",
+            &table,
+        ])?;
+        Ok(routes)
+    }
+}
+
+impl Drop for Routes {
+    fn drop(&mut self) {
+        remove_routes();
+    }
+}
+
+/// Removes `--incoming`'s policy route; whether there was one.
+fn remove_routes() -> bool {
+    let (mark, table) = (format!("{MARK_IN:#x}"), ROUTE_TABLE.to_string());
+    let mut removed = false;
+    // (At most a few: one per crashed agent that installed it.)
+    for _ in 0..16 {
+        if ip(&["rule", "del", "fwmark", &mark, "lookup", &table]).is_err() {
+            break;
+        }
+        removed = true;
+    }
+    let _ = ip(&["route", "flush", "table", &table]);
+    removed
+}
+
+/// Runs `ip ARGS`.
+fn ip(args: &[&str]) -> Result<(), CliError> {
+    let out = std::process::Command::new("ip")
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(|e| CliError(format!("cannot run ip: {e} (install iproute2)")))?;
+    if !out.status.success() {
+        return Err(CliError(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(())
 }
 
 /// What the agent knows of a destination host.
@@ -475,13 +639,27 @@ impl Rules {
     /// Redirects new outgoing TCP connections to `ports` (other than to
     /// loopback or this host's own addresses, and other than the agent's
     /// marked sockets) to 127.0.0.1:`agent`.
-    fn install(ports: &[u16], agent: u16) -> Result<Rules, CliError> {
+    fn install(ports: &[u16], agent: u16, incoming: bool) -> Result<Rules, CliError> {
         let table = format!("{TABLE_PREFIX}{}", std::process::id());
         let set = ports
             .iter()
             .map(u16::to_string)
             .collect::<Vec<_>>()
             .join(", ");
+        // `--incoming`: the agent's transparent connections mark their
+        // conntrack entry, and the servers' answers on them take the mark
+        // (and so the policy route back to the agent).
+        let answers = if incoming {
+            format!(
+                "\tchain incoming {{\n\
+                 \t\ttype route hook output priority mangle; policy accept;\n\
+                 \t\tmeta mark {MARK_IN:#x} ct mark set {MARK_IN:#x}\n\
+                 \t\tct mark {MARK_IN:#x} meta mark set {MARK_IN:#x}\n\
+                 \t}}\n"
+            )
+        } else {
+            String::new()
+        };
         nft(&format!(
             "table ip {table} {{\n\
              \tchain output {{\n\
@@ -490,7 +668,7 @@ impl Rules {
              \t\tip daddr 127.0.0.0/8 return\n\
              \t\tfib daddr type local return\n\
              \t\ttcp dport {{ {set} }} redirect to :{agent}\n\
-             \t}}\n}}\n"
+             \t}}\n{answers}}}\n"
         ))?;
         Ok(Rules {
             table,

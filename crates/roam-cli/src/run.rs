@@ -393,7 +393,15 @@ async fn start_relay(agent: &Arc<Agent>, port: u16) {
         // Claimed before the await: one start only.
         *state = RelayState::Running;
     }
-    match relay(agent).await {
+    let started = crate::serve::start_host_relay(
+        agent.relay_port,
+        &agent.state,
+        agent.registry.clone(),
+        Arc::new(ToProgram(agent.clone())),
+        agent.stop.subscribe(),
+    )
+    .await;
+    match started {
         Ok(key) => eprintln!(
             "roam run: the program listens on port {port}: roam clients reach it through the \
              relay on port {} (server key {key}); other clients connect as before",
@@ -408,44 +416,6 @@ async fn start_relay(agent: &Arc<Agent>, port: u16) {
             );
         }
     }
-}
-
-/// Starts the relay on the relay port (every address) with this state
-/// directory's server key; returns that key.
-async fn relay(agent: &Arc<Agent>) -> Result<roam_proto::PublicKey, String> {
-    let at = format!("0.0.0.0:{}", agent.relay_port);
-    let listener = crate::limits::listen(&at)
-        .await
-        .map_err(|e| format!("cannot listen on {at} ({e})"))?;
-    let keypair = crate::keys::load_or_create(&agent.state.join("server.key"))
-        .map_err(|e| format!("has no server key ({})", e.0))?;
-    let public = keypair.public();
-    let config = roam::ServerConfig::new(roam_proto::ServerConfig {
-        keypair,
-        authorized_keys: None,
-        addresses: Vec::new(),
-        session: roam_proto::Config::default(),
-    });
-    let rules = Arc::new(vec![crate::target::AllowRule::parse("*:*")
-        .map_err(|e| format!("cannot allow targets ({e})"))?]);
-    let relay = crate::serve::Relay::new(
-        rules,
-        crate::limits::TargetCaps::new(1024, crate::limits::DEFAULT_TARGETS_PER_SESSION),
-        Some(agent.registry.clone()),
-        config.proto.clone(),
-        Arc::default(),
-    );
-    relay.set_dialer(Arc::new(ToProgram(agent.clone())));
-    let mut stop = agent.stop.subscribe();
-    tokio::spawn(async move {
-        let shutdown = async move {
-            let _ = stop.wait_for(|s| *s).await;
-        };
-        if let Err(e) = crate::serve::serve_relay(listener, config, relay, shutdown).await {
-            eprintln!("roam run: the relay stopped: {e}");
-        }
-    });
-    Ok(public)
 }
 
 /// The relay's way to its targets: the program's listeners, from loopback,

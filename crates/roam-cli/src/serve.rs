@@ -1226,6 +1226,53 @@ impl Drop for LiveGuard {
     }
 }
 
+/// Starts this host's relay for an agent (`roam run` around a server,
+/// `roam intercept --incoming`): on `port` of every address, with the state
+/// directory's server key (any client key), every stream reaching its
+/// target through `dialer`, until `stop` turns true. Returns the server key.
+pub(crate) async fn start_host_relay(
+    port: u16,
+    state: &std::path::Path,
+    registry: Registry,
+    dialer: Arc<dyn Dialer>,
+    mut stop: watch::Receiver<bool>,
+) -> Result<roam_proto::PublicKey, String> {
+    let at = format!("0.0.0.0:{port}");
+    let listener = crate::limits::listen(&at)
+        .await
+        .map_err(|e| format!("cannot listen on {at} ({e})"))?;
+    let keypair = crate::keys::load_or_create(&state.join("server.key"))
+        .map_err(|e| format!("has no server key ({})", e.0))?;
+    let public = keypair.public();
+    let config = roam::ServerConfig::new(roam_proto::ServerConfig {
+        keypair,
+        authorized_keys: None,
+        addresses: Vec::new(),
+        session: roam_proto::Config::default(),
+    });
+    // Every target: the dialer decides which it reaches.
+    let rules = Arc::new(vec![
+        AllowRule::parse("*:*").map_err(|e| format!("cannot allow targets ({e})"))?
+    ]);
+    let relay = Relay::new(
+        rules,
+        TargetCaps::new(1024, crate::limits::DEFAULT_TARGETS_PER_SESSION),
+        Some(registry),
+        config.proto.clone(),
+        Arc::default(),
+    );
+    relay.set_dialer(dialer);
+    tokio::spawn(async move {
+        let shutdown = async move {
+            let _ = stop.wait_for(|s| *s).await;
+        };
+        if let Err(e) = serve_relay(listener, config, relay, shutdown).await {
+            eprintln!("roam: the relay on port {port} stopped: {e}");
+        }
+    });
+    Ok(public)
+}
+
 /// Runs a relay on `listener` until `shutdown`.
 pub(crate) async fn run_relay(
     listener: TcpListener,

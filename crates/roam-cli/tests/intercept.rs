@@ -1237,3 +1237,116 @@ fn roam_run_against_ordinary_http_and_sshd_servers_changes_no_byte() {
         .count();
     assert_eq!(accepted, 1, "sshd's log: {:?}", sshd.log());
 }
+
+/// `roam intercept` at both ends (racks both ways, nothing in any program):
+/// the server host runs `roam intercept --port 8000 --incoming` beside an
+/// unmodified `python3 -m http.server`, the client host `roam intercept
+/// --port 8000`, and a plain curl downloads 24 MiB across a 2 s link cut,
+/// the file whole. The server logs the client host's own address (the
+/// agent connects to it transparently), not the agent's. SIGTERM removes
+/// the server host's rule set and its policy route.
+#[test]
+fn intercept_incoming_hands_the_server_the_real_client_across_a_link_cut() {
+    use sha2::Digest;
+    if !can_run() || !netns::installed("curl") {
+        eprintln!("skipped: needs curl too");
+        return;
+    }
+    const C: usize = 0;
+    const S: usize = 1;
+    let lan = Lan::new("icpt_in", 2).expect("LAN");
+    let site = tempfile::tempdir().expect("site");
+    let want = pattern_file(&site.path().join("f.bin"), 24 << 20);
+    let mut http = Command::new("nsenter");
+    http.arg(format!("--net=/run/netns/{}", lan.ns(S)))
+        .args(["--", "python3", "-u", "-m", "http.server"])
+        .arg(HTTP_PORT.to_string())
+        .arg("--bind")
+        .arg(lan.addr(S).to_string())
+        .arg("--directory")
+        .arg(site.path());
+    let mut http = Logged::spawn(http, "http.server");
+    let addr = SocketAddr::from((lan.addr(S), HTTP_PORT));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while lan.tcp_connect(S, addr, Duration::from_secs(1)).is_err() {
+        assert!(Instant::now() < deadline, "http.server never listened");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let server_state = tempfile::tempdir().expect("state dir");
+    let mut cmd = roam_in(&lan, S, server_state.path());
+    cmd.args(["intercept", "--incoming", "--port", &HTTP_PORT.to_string()]);
+    let mut server = Logged::spawn(cmd, "intercept in");
+    server.wait_for("incoming: roam sessions on port", Duration::from_secs(20));
+    let client_state = tempfile::tempdir().expect("state dir");
+    let mut cmd = roam_in(&lan, C, client_state.path());
+    cmd.args(["intercept", "--port", &HTTP_PORT.to_string()]);
+    let mut client = Logged::spawn(cmd, "intercept out");
+    client.wait_for("go through roam", Duration::from_secs(20));
+
+    let got = tempfile::tempdir().expect("download dir");
+    let out = got.path().join("f.bin");
+    let mut curl = Command::new("nsenter");
+    curl.arg(format!("--net=/run/netns/{}", lan.ns(C)))
+        .args(["--", "curl", "--silent", "--show-error", "--fail"])
+        .args(["--limit-rate", "4M", "-o"])
+        .arg(&out)
+        .arg(format!("http://{}:{HTTP_PORT}/f.bin", lan.addr(S)));
+    let mut curl = Logged::spawn(curl, "curl");
+    client.wait_for("runs a roam relay", Duration::from_secs(20));
+    let line = http.wait_for("GET /f.bin", Duration::from_secs(20));
+    assert!(
+        line.starts_with(&format!("{} ", lan.addr(C))),
+        "the server should log the client host's address {}: {line:?}",
+        lan.addr(C)
+    );
+    let size = || std::fs::metadata(&out).map_or(0, |m| m.len());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while size() < 2 << 20 {
+        assert!(Instant::now() < deadline, "the download never got going");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let ip = |host: usize, args: &[&str]| -> String {
+        let o = Command::new("ip")
+            .args(["-n", lan.ns(host)])
+            .args(args)
+            .output()
+            .expect("ip");
+        assert!(o.status.success(), "ip {args:?}: {o:?}");
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    ip(C, &["link", "set", "roam0", "down"]);
+    std::thread::sleep(Duration::from_secs(2));
+    ip(C, &["link", "set", "roam0", "up"]);
+    let at = size();
+    let status = curl
+        .child
+        .wait_timeout(Duration::from_secs(90))
+        .expect("wait")
+        .unwrap_or_else(|| panic!("curl did not finish; {at} bytes at the cut"));
+    assert!(status.success(), "curl: {status}");
+    let body = std::fs::read(&out).expect("the download");
+    assert_eq!(body.len(), 24 << 20, "length");
+    assert!(
+        sha2::Sha256::digest(&body).to_vec() == want,
+        "the file differs"
+    );
+
+    assert!(ip(S, &["rule"]).contains("0x726f616e"), "no policy route");
+    server
+        .child
+        .signal(nix::sys::signal::Signal::SIGTERM)
+        .expect("SIGTERM");
+    server
+        .child
+        .wait_timeout(Duration::from_secs(10))
+        .expect("wait")
+        .expect("roam intercept --incoming ended");
+    assert!(
+        !ip(S, &["rule"]).contains("0x726f616e"),
+        "the policy route is left"
+    );
+    assert!(ip(S, &["route", "show", "table", "29295"])
+        .trim()
+        .is_empty());
+    eprintln!("intercept --incoming: 24 MiB whole across a link cut ({at} bytes before it)");
+}
