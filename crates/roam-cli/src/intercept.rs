@@ -212,7 +212,7 @@ impl crate::serve::Dialer for Transparent {
         &'a self,
         host: &'a str,
         port: u16,
-        client: Option<SocketAddr>,
+        session: &'a roam::SessionHandle,
     ) -> std::pin::Pin<
         Box<dyn std::future::Future<Output = std::io::Result<crate::serve::Dialed>> + Send + 'a>,
     > {
@@ -241,7 +241,7 @@ impl crate::serve::Dialer for Transparent {
             sock.set_mark(MARK_IN)?;
             // The client's address; its port is the kernel's choice (the
             // program's own port is not known here).
-            if let Some(SocketAddr::V4(c)) = client {
+            if let Some(SocketAddr::V4(c)) = session.stats().peer_addr {
                 sock.set_ip_transparent_v4(true)?;
                 sock.bind(&SocketAddr::V4(SocketAddrV4::new(*c.ip(), 0)).into())?;
             }

@@ -205,8 +205,9 @@ struct Agent {
     /// (unspecified: every address).
     listeners: Mutex<HashMap<u16, Ipv4Addr>>,
     /// Incoming connections the relay made to the program: the agent's
-    /// loopback source port → the roam client's address.
-    dialed: Arc<Mutex<HashMap<u16, SocketAddrV4>>>,
+    /// loopback source port → the session of the roam client (asked for
+    /// the client's current address).
+    dialed: Arc<Mutex<HashMap<u16, roam::SessionHandle>>>,
     /// This host's relay for the program's listeners.
     relay: Mutex<RelayState>,
     /// Set when the program has ended: the relay stops.
@@ -225,21 +226,17 @@ enum RelayState {
 
 /// An entry of one of the agent's port maps, removed when dropped (when
 /// its connection ends).
-struct Entry {
-    map: Arc<Mutex<HashMap<u16, SocketAddrV4>>>,
+struct Entry<V> {
+    map: Arc<Mutex<HashMap<u16, V>>>,
     port: u16,
 }
 
-impl Entry {
-    /// Maps `port` to `addr` in `map` until the entry is dropped.
-    fn insert(
-        map: &Arc<Mutex<HashMap<u16, SocketAddrV4>>>,
-        port: u16,
-        addr: SocketAddrV4,
-    ) -> Entry {
+impl<V> Entry<V> {
+    /// Maps `port` to `value` in `map` until the entry is dropped.
+    fn insert(map: &Arc<Mutex<HashMap<u16, V>>>, port: u16, value: V) -> Entry<V> {
         map.lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(port, addr);
+            .insert(port, value);
         Entry {
             map: map.clone(),
             port,
@@ -247,7 +244,7 @@ impl Entry {
     }
 }
 
-impl Drop for Entry {
+impl<V> Drop for Entry<V> {
     fn drop(&mut self) {
         self.map
             .lock()
@@ -316,7 +313,17 @@ impl Agent {
             return None;
         }
         if peer.port() != self.agent_port {
-            return lookup(&self.dialed, peer.port());
+            // Where the client is now: it may have moved since it connected.
+            let session = self
+                .dialed
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&peer.port())
+                .cloned()?;
+            return match session.stats().peer_addr {
+                Some(SocketAddr::V4(a)) => Some(a),
+                _ => None,
+            };
         }
         // Not yet accepted by the agent (the program's connect returns as
         // soon as the kernel has the connection): still registered.
@@ -427,7 +434,7 @@ impl crate::serve::Dialer for ToProgram {
         &'a self,
         _host: &'a str,
         port: u16,
-        client: Option<SocketAddr>,
+        session: &'a roam::SessionHandle,
     ) -> std::pin::Pin<
         Box<dyn std::future::Future<Output = std::io::Result<crate::serve::Dialed>> + Send + 'a>,
     > {
@@ -455,10 +462,7 @@ impl crate::serve::Dialer for ToProgram {
             let sock = tokio::net::TcpSocket::new_v4()?;
             sock.bind(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))?;
             let source = sock.local_addr()?.port();
-            let keep = match client {
-                Some(SocketAddr::V4(c)) => Some(Entry::insert(&self.0.dialed, source, c)),
-                _ => None,
-            };
+            let keep = Entry::insert(&self.0.dialed, source, session.clone());
             let tcp = sock.connect(SocketAddr::from((to, port))).await?;
             Ok((tcp, Box::new(keep) as Box<dyn Send>))
         })

@@ -820,14 +820,14 @@ pub(crate) type Dialed = (TcpStream, Box<dyn Send>);
 /// the seam `roam run` uses to hand incoming sessions to the program it
 /// runs (and to tell it who the client is).
 pub(crate) trait Dialer: Send + Sync {
-    /// Connects to the target `host:port` of a stream whose session comes
-    /// from `client`. The error is logged and the stream reset as an
-    /// unreachable target.
+    /// Connects to the target `host:port` of a stream of `session` (whose
+    /// client is at `session.stats().peer_addr`, and may move). The error is
+    /// logged and the stream reset as an unreachable target.
     fn dial<'a>(
         &'a self,
         host: &'a str,
         port: u16,
-        client: Option<SocketAddr>,
+        session: &'a roam::SessionHandle,
     ) -> std::pin::Pin<Box<dyn Future<Output = std::io::Result<Dialed>> + Send + 'a>>;
 }
 
@@ -1734,7 +1734,7 @@ async fn relay_stream(
             let connect = async {
                 match relay.dialer.get() {
                     Some(d) => d
-                        .dial(&host, port, session.stats().peer_addr)
+                        .dial(&host, port, &session)
                         .await
                         .map(|(t, keep)| (t, Some(keep))),
                     None => TcpStream::connect((host.as_str(), port))

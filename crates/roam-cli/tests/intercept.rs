@@ -1250,7 +1250,8 @@ fn roam_run_against_ordinary_http_and_sshd_servers_changes_no_byte() {
 /// both ways (`-R`) across a 1 s link cut each (skipped without iperf3).
 /// SIGTERM removes the server host's rule set and its policy route.
 #[test]
-fn intercept_at_both_ends_carries_curl_and_iperf3_across_link_cuts_and_the_server_sees_the_client() {
+fn intercept_at_both_ends_carries_curl_and_iperf3_across_link_cuts_and_the_server_sees_the_client()
+{
     use sha2::Digest;
     if !can_run() || !netns::installed("curl") {
         eprintln!("skipped: needs curl too");
@@ -1419,4 +1420,88 @@ fn intercept_at_both_ends_carries_curl_and_iperf3_across_link_cuts_and_the_serve
         .trim()
         .is_empty());
     eprintln!("intercept --incoming: 24 MiB whole across a link cut ({at} bytes before it)");
+}
+
+/// A server under `roam run` that answers each line with its connection's
+/// `getpeername()` (rocks §8: roam as a source of information about
+/// mobility, e.g. for a program that also sends UDP to its client).
+const WHERE_SERVER: &str = r#"
+import socket, sys
+l = socket.socket()
+l.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+l.bind(("0.0.0.0", int(sys.argv[1])))
+l.listen()
+c, a = l.accept()
+print("accepted", a[0], file=sys.stderr, flush=True)
+for line in c.makefile("rb"):
+    c.sendall(("%s\n" % c.getpeername()[0]).encode())
+"#;
+
+/// A client that sends a line for each line of its stdin and prints the
+/// answer.
+const WHERE_CLIENT: &str = r#"
+import socket, sys
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+f = s.makefile("rb")
+for line in sys.stdin:
+    s.sendall(b"where?\n")
+    print(f.readline().decode().strip(), flush=True)
+"#;
+
+/// A server under `roam run` learns where its roam client is *now*: its
+/// `getpeername()` names the client host's address, and after the client
+/// host's address changes (the old one deleted) the same connection names
+/// the new one. Both programs are unmodified Python under `roam run`.
+#[test]
+fn roam_run_getpeername_follows_a_client_that_moves() {
+    use std::io::Write;
+    if !can_run() {
+        return;
+    }
+    const C: usize = 0;
+    const S: usize = 1;
+    const WHERE_PORT: u16 = 9000;
+    let lan = Lan::new("run_where", 2).expect("LAN");
+    let server_state = tempfile::tempdir().expect("state dir");
+    let mut cmd = roam_in(&lan, S, server_state.path());
+    cmd.args(["run", "--", "python3", "-c", WHERE_SERVER])
+        .arg(WHERE_PORT.to_string());
+    let mut server = Logged::spawn(cmd, "run server");
+    server.wait_for(
+        "roam clients reach it through the relay",
+        Duration::from_secs(20),
+    );
+    let client_state = tempfile::tempdir().expect("state dir");
+    let mut cmd = roam_in(&lan, C, client_state.path());
+    cmd.args(["run", "--", "python3", "-c", WHERE_CLIENT])
+        .arg(lan.addr(S).to_string())
+        .arg(WHERE_PORT.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    let mut client = ChildGuard::spawn(&mut cmd).expect("roam run -- python3");
+    let mut input = client.child_mut().stdin.take().expect("stdin");
+    let output = client.child_mut().stdout.take().expect("stdout");
+    let (tx, lines) = mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in BufReader::new(output).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let mut ask = || -> String {
+        input.write_all(b"?\n").expect("write");
+        input.flush().expect("flush");
+        lines
+            .recv_timeout(Duration::from_secs(60))
+            .expect("an answer")
+    };
+    let old = lan.addr(C);
+    assert_eq!(ask(), old.to_string(), "the client's address");
+    server.wait_for(&format!("accepted {old}"), Duration::from_secs(5));
+    lan.del_addr(C, old).expect("remove the old address");
+    let new = lan.subnet_addr(77);
+    lan.add_addr(C, new).expect("add the new address");
+    assert_eq!(ask(), new.to_string(), "where the client is now");
+    drop(input);
+    let _ = client.wait_timeout(Duration::from_secs(10));
 }
