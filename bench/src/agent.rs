@@ -1,7 +1,9 @@
 //! Helper processes: this same binary run as `roam-bench agent ...`, so that
 //! a target server, a library relay and a many-session client each have a
 //! process (and an RSS) of their own. The parent talks to an agent through
-//! its stdin and stdout, one line per command and per answer.
+//! its stdin and stdout, one line per command and per answer. Scenario 11's
+//! measuring client is an agent too: `roam run` starts it as the program
+//! it interposes on, and it prints its figures as one line of JSON.
 
 use std::io;
 use std::net::SocketAddr;
@@ -27,7 +29,12 @@ const CONNECT_CONCURRENCY: usize = 64;
 #[derive(Debug, Subcommand)]
 pub(crate) enum AgentCmd {
     /// Target server (sink, source, echo) on 127.0.0.1:0; prints `addr A`.
-    Targets,
+    Targets {
+        /// Listen here instead (port 0: a free one), e.g. a network
+        /// namespace's LAN address (scenario 11).
+        #[arg(long)]
+        listen: Option<SocketAddr>,
+    },
     /// roam relay built on the library (`roam::serve`) with the connection
     /// and session caps raised, piping each stream to the `host:port` it
     /// names, as `roam serve` does. Prints `addr A`; answers `states`.
@@ -54,6 +61,10 @@ pub(crate) enum AgentCmd {
         #[arg(long)]
         target: String,
     },
+    /// Scenario 11's measuring client (run plain, under `roam run`, or
+    /// through `roam forward`): set-up times, 1-byte round trips and bulk
+    /// throughput to a target; prints one line of JSON.
+    InterposeClient(crate::scenarios::interpose::ClientArgs),
 }
 
 /// Runs an agent role in this process (never returns on success).
@@ -71,14 +82,25 @@ pub(crate) fn run(cmd: AgentCmd) -> i32 {
     };
     let r = rt.block_on(async move {
         match cmd {
-            AgentCmd::Targets => {
-                let l = load::target_listener()?;
+            AgentCmd::Targets { listen } => {
+                let l = match listen {
+                    Some(a) => load::target_listener_on(a)?,
+                    None => load::target_listener()?,
+                };
                 println!("addr {}", l.local_addr()?);
                 load::serve_targets(l).await
             }
             AgentCmd::Relay { echo } => relay(echo).await,
             AgentCmd::Proxy { upstream } => proxy(upstream).await,
             AgentCmd::MemClient { relay, target } => mem_client(relay, target).await,
+            AgentCmd::InterposeClient(args) => {
+                let report = crate::scenarios::interpose::client(&args).await?;
+                println!(
+                    "{}",
+                    serde_json::to_string(&report).map_err(io::Error::other)?
+                );
+                Ok(())
+            }
         }
     });
     match r {
@@ -333,11 +355,28 @@ pub(crate) struct Agent {
 impl Agent {
     /// Starts `me agent <args>`, its stderr appended to `log`.
     pub(crate) fn spawn(me: &Path, args: &[&str], log: &Path) -> io::Result<Agent> {
+        Agent::start(tokio::process::Command::new(me), args, log)
+    }
+
+    /// As [`Agent::spawn`], inside the network namespace `netns` (`nsenter
+    /// --net=/run/netns/NETNS`, which execs the agent: the child is the
+    /// agent itself).
+    pub(crate) fn spawn_in(netns: &str, me: &Path, args: &[&str], log: &Path) -> io::Result<Agent> {
+        let mut cmd = tokio::process::Command::new("nsenter");
+        cmd.arg(format!("--net=/run/netns/{netns}"))
+            .arg("--")
+            .arg(me);
+        Agent::start(cmd, args, log)
+    }
+
+    /// Starts `cmd agent <args>` (`cmd` runs this binary), its stderr
+    /// appended to `log`.
+    fn start(mut cmd: tokio::process::Command, args: &[&str], log: &Path) -> io::Result<Agent> {
         let err = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(log)?;
-        let mut child = tokio::process::Command::new(me)
+        let mut child = cmd
             .arg("agent")
             .args(args)
             .stdin(Stdio::piped())

@@ -54,9 +54,15 @@ pub(crate) const TARGET_BACKLOG: u32 = 4096;
 /// relay already held as established could be reset by the target's kernel
 /// ("Connection reset by peer"), which the relay passes on as a stream reset.
 pub(crate) fn target_listener() -> io::Result<TcpListener> {
+    target_listener_on(SocketAddr::from(([127, 0, 0, 1], 0)))
+}
+
+/// As [`target_listener`], on `addr` (an IPv4 address; port 0: a free
+/// one): scenario 11 binds the target to a network namespace's LAN address.
+pub(crate) fn target_listener_on(addr: SocketAddr) -> io::Result<TcpListener> {
     let s = tokio::net::TcpSocket::new_v4()?;
     s.set_reuseaddr(true)?;
-    s.bind(SocketAddr::from(([127, 0, 0, 1], 0)))?;
+    s.bind(addr)?;
     s.listen(TARGET_BACKLOG)
 }
 

@@ -8,6 +8,9 @@
 //! issue's targets, met or not) and PNG plots. A seventh scenario,
 //! `cluster`, measures live moves of sessions between three in-process
 //! `roam_continuation` hosts (stall, drain, throughput with moves).
+//! Scenario 11, `interpose`, runs one client program plain, under `roam
+//! run` and through `roam forward` between two network namespaces (set-up,
+//! round trips, throughput).
 //!
 //! ## Design
 //! - **One load generator** (`load`): a target process (sink, source, echo)
@@ -85,7 +88,7 @@ struct Cli {
     #[arg(long)]
     roam: Option<PathBuf>,
     /// Only these scenarios (comma-separated): throughput, latency, setup,
-    /// resume, memory, many, cluster, takeover, shell, migrate.
+    /// resume, memory, many, cluster, takeover, shell, migrate, interpose.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Only these peers (comma-separated result names, e.g. socat,roam-forward);
@@ -159,6 +162,17 @@ pub(crate) struct Plan {
     pub(crate) shell_parked: usize,
     /// Scenario 10's cases: (connections, MB of process memory).
     pub(crate) migrate_cases: Vec<(usize, usize)>,
+    /// Rounds of scenario 11 (`roam run`): each runs every way's full
+    /// client process once.
+    pub(crate) interpose_rounds: usize,
+    /// First-connection samples per way and round in scenario 11.
+    pub(crate) interpose_first_per_round: usize,
+    /// Connections after the first per full client process in scenario 11.
+    pub(crate) interpose_later: usize,
+    /// Measured 1-byte round trips per full client process in scenario 11.
+    pub(crate) interpose_round_trips: usize,
+    /// Seconds of each upload and download in scenario 11.
+    pub(crate) interpose_seconds: f64,
 }
 
 /// The state sizes of scenario 7 (bytes of attributes).
@@ -199,6 +213,11 @@ impl Plan {
             shell_rounds: 2,
             shell_parked: 100,
             migrate_cases: vec![(10, 10), (100, 100)],
+            interpose_rounds: 3,
+            interpose_first_per_round: 3,
+            interpose_later: 20,
+            interpose_round_trips: 1000,
+            interpose_seconds: 0.3,
         }
     }
 
@@ -241,6 +260,11 @@ impl Plan {
                 (100, 1000),
                 (1000, 1000),
             ],
+            interpose_rounds: 8,
+            interpose_first_per_round: 5,
+            interpose_later: 100,
+            interpose_round_trips: 5000,
+            interpose_seconds: 1.0,
         }
     }
 
@@ -275,6 +299,11 @@ impl Plan {
             shell_rounds: 1,
             shell_parked: 10,
             migrate_cases: vec![(10, 10)],
+            interpose_rounds: 1,
+            interpose_first_per_round: 1,
+            interpose_later: 3,
+            interpose_round_trips: 100,
+            interpose_seconds: 0.1,
         }
     }
 
@@ -346,6 +375,7 @@ pub(crate) struct Scenarios {
     pub(crate) takeover: Outcome<scenarios::takeover::Takeover>,
     pub(crate) shell: Outcome<scenarios::shell::ShellBench>,
     pub(crate) migrate: Outcome<scenarios::migrate::Migrate>,
+    pub(crate) interpose: Outcome<scenarios::interpose::Interpose>,
 }
 
 impl Scenarios {
@@ -363,6 +393,7 @@ impl Scenarios {
             ("takeover", s.takeover.is_error()),
             ("shell", s.shell.is_error()),
             ("migrate", s.migrate.is_error()),
+            ("interpose", s.interpose.is_error()),
         ] {
             if err {
                 v.push(name);
@@ -467,6 +498,7 @@ fn main() {
         "takeover",
         "shell",
         "migrate",
+        "interpose",
     ];
     if let Some(bad) = cli.only.iter().find(|o| !known.contains(&o.as_str())) {
         eprintln!(
@@ -622,6 +654,10 @@ async fn run(cli: Cli, plan: Plan, nofile: u64) -> i32 {
             scenarios::migrate::run(c.clone(), l)
         })
         .await,
+        interpose: scenario("interpose", &c.env, only, &lab, budget, |l| {
+            scenarios::interpose::run(c.clone(), l)
+        })
+        .await,
     };
     drop(lab);
     let errors = scen.errors();
@@ -709,6 +745,12 @@ mod tests {
         }
         assert!(f.migrate_cases.contains(&(1000, 1000)));
         assert!(!q.migrate_cases.is_empty());
+        // Scenario 11: peers alternate within rounds, and the first
+        // connection has more samples than rounds.
+        for p in [&q, &f] {
+            assert!(p.interpose_rounds >= 3 && p.interpose_first_per_round >= 3);
+            assert!(p.interpose_later > 0 && p.interpose_round_trips > 0);
+        }
     }
 
     #[test]

@@ -79,7 +79,9 @@ impl Env {
         c
     }
 
-    fn roam_env(&self, c: &mut Command, state: &Path) {
+    /// Gives `c` (a `roam` command, or one that runs `roam` inside a
+    /// network namespace) the state dir `state` and no user configuration.
+    pub(crate) fn roam_env(&self, c: &mut Command, state: &Path) {
         c.env("ROAM_STATE_DIR", state)
             .env("XDG_CONFIG_HOME", self.dir.join("xdg-config"))
             .env_remove("RUST_LOG");

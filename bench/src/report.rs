@@ -603,7 +603,90 @@ fn markdown(r: &Results, plots: &[io::Result<PathBuf>]) -> String {
     takeover_section(&mut s, &sc.takeover);
     shell_section(&mut s, &sc.shell);
     migrate_section(&mut s, &sc.migrate);
+    interpose_section(&mut s, &sc.interpose);
     s
+}
+
+/// Section 11: an unmodified program under `roam run` against plain TCP
+/// and `roam forward`, between two network namespaces.
+fn interpose_section(s: &mut String, o: &Outcome<crate::scenarios::interpose::Interpose>) {
+    use crate::scenarios::interpose::{CASES, PAIRS};
+    let _ = writeln!(
+        s,
+        "\n## 11. An unmodified program under `roam run` (interposition) vs plain TCP and `roam forward`\n"
+    );
+    if let Some(x) = status_line(o) {
+        *s += &x;
+    }
+    let Some(t) = o.ok() else {
+        return;
+    };
+    let first_n = t.rows.first().map_or(0, |r| r.first_us.n);
+    let _ = writeln!(
+        s,
+        "Two network namespaces on one bridge: a client host and a server host, which runs the \
+         target ({}) and `roam serve` on its relay port. One client program (the harness's load \
+         generator) on the client host, run four ways, alternating in each of {} round(s): \
+         `direct` (plain TCP to the target's address), `roam-run` (`roam run -- client`, same \
+         address: the agent probes the host, finds the relay and carries each connection as a \
+         stream of one session), `roam-run-ordinary` (the same with `--relay-port` closed: the \
+         probe is refused and the agent carries plain TCP) and `roam-forward` (to `roam forward` \
+         on the client host's 127.0.0.1, its session made before the rounds). *First connection*: \
+         a fresh process's first connect until a 1-byte echo returns ({} per way; for `roam-run` \
+         the probe, the Noise handshake and the stream; for `roam-forward` a new stream of its \
+         running session). *Later connection*: the same for each of a process's next {} \
+         connections. RTT: {} 1-byte ping-pongs per process after {} of warm-up (TCP_NODELAY). \
+         Throughput: one upload and one download of {:.1} s per process in {} KiB writes, every \
+         byte checked. Ratios are of medians (p99 for RTT p99): below 1 is better for the first \
+         named in times, above 1 in MB/s.\n",
+        t.target,
+        t.rounds,
+        first_n,
+        t.later_per_process,
+        t.round_trips_per_process,
+        t.warmup_round_trips,
+        t.seconds_per_transfer,
+        t.block_bytes / 1024
+    );
+    let _ = writeln!(
+        s,
+        "| peer | first connection (ms) | later connection (ms) | RTT p50 (µs) | RTT p99 (µs) | upload (MB/s) | download (MB/s) |\n|---|---:|---:|---:|---:|---:|---:|"
+    );
+    for r in &t.rows {
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} | {} | {} | {} |",
+            r.peer,
+            f(r.first_us.median / 1e3, 2),
+            f(r.later_us.median / 1e3, 3),
+            f(r.rtt_us.median, 0),
+            f(r.rtt_us.p99, 0),
+            f(r.upload_mbps.median, 0),
+            f(r.download_mbps.median, 0)
+        );
+    }
+    let _ = writeln!(
+        s,
+        "\n| ratio | {} |\n|---|{}",
+        CASES.join(" | "),
+        "---:|".repeat(CASES.len())
+    );
+    for (a, b) in PAIRS {
+        let cells: Vec<String> = CASES
+            .iter()
+            .map(|c| {
+                t.ratios
+                    .iter()
+                    .find(|x| x.roam == a && x.versus == b && x.case == *c)
+                    .map_or_else(|| "–".to_string(), |x| fr(x.ratio))
+            })
+            .collect();
+        let _ = writeln!(s, "| {a} / {b} | {} |", cells.join(" | "));
+    }
+    let _ = writeln!(s, "\nPaths:\n");
+    for r in &t.rows {
+        let _ = writeln!(s, "- `{}`: {}", r.peer, r.path);
+    }
 }
 
 /// Section 10: a process moved to another host (CRIU, `roam migrate-process`).
