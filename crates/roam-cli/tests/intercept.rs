@@ -1505,3 +1505,202 @@ fn roam_run_getpeername_follows_a_client_that_moves() {
     drop(input);
     let _ = client.wait_timeout(Duration::from_secs(10));
 }
+
+/// A threaded echo server: each connection echoes until its client's
+/// end-of-stream, then closes.
+const THREADED_ECHO: &str = r#"
+import socket, sys, threading
+l = socket.socket()
+l.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+l.bind(("0.0.0.0", int(sys.argv[1])))
+l.listen(64)
+def serve(c):
+    while True:
+        d = c.recv(65536)
+        if not d:
+            break
+        c.sendall(d)
+    c.close()
+while True:
+    c, _ = l.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+"#;
+
+/// A client that uses the socket calls a program may use, each on its own
+/// connection and thread, every echoed byte compared: blocking
+/// sendmsg/recvmsg, writev/readv on the descriptor, a dup by fcntl and by
+/// dup2, send/recv and half-close (shutdown, then end-of-stream); and
+/// non-blocking sockets driven by epoll (selectors), poll and select. It
+/// writes `cut` after its first rounds and goes on until `healed` exists
+/// plus a few rounds. Prints "ok" when every check held.
+const SYSCALLS_CLIENT: &str = r#"
+import fcntl, os, select, selectors, socket, sys, threading, time
+host, port, cut, healed = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+errors = []
+rounds_after = {}
+
+def more(name, r):
+    if r == 3:
+        open(cut, "a").close()
+    if os.path.exists(healed):
+        rounds_after[name] = rounds_after.get(name, 0) + 1
+    return r < 5 or rounds_after.get(name, 0) < 3
+
+def exact(read, n):
+    b = bytearray()
+    while len(b) < n:
+        d = read(n - len(b))
+        if not d:
+            raise EOFError("end of stream after %d of %d bytes" % (len(b), n))
+        b += d
+    return bytes(b)
+
+def blocking(name, slot):
+    s = socket.create_connection((host, port))
+    fd = s.fileno()
+    r = 0
+    while more(name, r):
+        data = os.urandom(3000 + r)
+        s.sendmsg([data[:1000], data[1000:]])
+        got = exact(lambda n: s.recvmsg(n)[0], len(data))
+        if got != data: errors.append(name + " sendmsg/recvmsg")
+        os.writev(fd, [data[:7], data[7:]])
+        a, b = bytearray(7), bytearray(len(data) - 7)
+        views, filled = [memoryview(a), memoryview(b)], 0
+        while filled < len(data):
+            n = os.readv(fd, views)
+            if n == 0: raise EOFError("readv")
+            filled += n
+            while n:
+                k = min(n, len(views[0]))
+                views[0] = views[0][k:]
+                n -= k
+                if len(views[0]) == 0 and len(views) > 1:
+                    views.pop(0)
+        if bytes(a + b) != data: errors.append(name + " writev/readv")
+        d1 = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 200)
+        os.write(d1, data)
+        if exact(lambda n: os.read(d1, n), len(data)) != data: errors.append(name + " fcntl dup")
+        os.close(d1)
+        d2 = os.dup2(fd, 300 + slot)
+        s.send(data)
+        if exact(lambda n: os.read(d2, n), len(data)) != data: errors.append(name + " dup2")
+        os.close(d2)
+        r += 1
+        time.sleep(0.02)
+    s.sendall(b"last words")
+    s.shutdown(socket.SHUT_WR)
+    if exact(s.recv, 10) != b"last words": errors.append(name + " before half-close")
+    if s.recv(10) != b"": errors.append(name + " end of stream")
+    s.close()
+
+def nonblocking(name, wait):
+    s = socket.create_connection((host, port))
+    s.setblocking(False)
+    r = 0
+    while more(name, r):
+        data = os.urandom(200000 + r)
+        out, got = memoryview(data), bytearray()
+        while len(got) < len(data):
+            want_write = len(out) > 0
+            readable, writable = wait(s, want_write)
+            if writable and out:
+                try:
+                    out = out[s.send(out[:65536]):]
+                except BlockingIOError:
+                    pass
+            if readable:
+                try:
+                    d = s.recv(65536)
+                    if not d: raise EOFError(name)
+                    got += d
+                except BlockingIOError:
+                    pass
+        if bytes(got) != data: errors.append(name + " bytes")
+        r += 1
+        time.sleep(0.02)
+    s.close()
+
+sel = {}
+def by_epoll(s, w):
+    k = sel.setdefault(threading.get_ident(), selectors.EpollSelector())
+    ev = selectors.EVENT_READ | (selectors.EVENT_WRITE if w else 0)
+    try: k.modify(s, ev)
+    except KeyError: k.register(s, ev)
+    evs = k.select(5)
+    return any(e & selectors.EVENT_READ for _, e in evs), any(e & selectors.EVENT_WRITE for _, e in evs)
+def by_poll(s, w):
+    p = select.poll(); p.register(s, select.POLLIN | (select.POLLOUT if w else 0))
+    evs = p.poll(5000)
+    return any(e & select.POLLIN for _, e in evs), any(e & select.POLLOUT for _, e in evs)
+def by_select(s, w):
+    rl, wl, _ = select.select([s], [s] if w else [], [], 5)
+    return bool(rl), bool(wl)
+
+def run(f, *a):
+    try: f(*a)
+    except Exception as e: errors.append("%s: %r" % (a[0], e))
+ts = [threading.Thread(target=run, args=(blocking, "blocking%d" % i, i)) for i in range(3)]
+ts += [threading.Thread(target=run, args=(nonblocking, n, w)) for n, w in [("epoll", by_epoll), ("poll", by_poll), ("select", by_select)]]
+for t in ts: t.start()
+for t in ts: t.join()
+print("ok" if not errors else "FAILED: %s" % errors, flush=True)
+sys.exit(1 if errors else 0)
+"#;
+
+/// An unmodified Python client under `roam run` uses, on six connections
+/// from six threads, the socket calls programs use (see
+/// [`SYSCALLS_CLIENT`]) across a 2 s link cut, every echoed byte compared;
+/// the server echoes with threads. Each call works on the carried
+/// descriptor as it would on a plain one, and the cut passes unnoticed.
+#[test]
+fn roam_run_carries_threads_epoll_poll_select_sendmsg_readv_dup_and_half_close() {
+    if !can_run() {
+        return;
+    }
+    let s = Setup::start("run_calls", false);
+    let mut echo = Command::new("nsenter");
+    echo.arg(format!("--net=/run/netns/{}", s.lan.ns(ENHANCED)))
+        .args(["--", "python3", "-c", THREADED_ECHO])
+        .arg(HTTP_PORT.to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null());
+    let _echo = ChildGuard::spawn(&mut echo).expect("threaded echo");
+    let addr = SocketAddr::from((s.lan.addr(ENHANCED), HTTP_PORT));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while s
+        .lan
+        .tcp_connect(ENHANCED, addr, Duration::from_secs(1))
+        .is_err()
+    {
+        assert!(Instant::now() < deadline, "the echo server never listened");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let flags = tempfile::tempdir().expect("flag dir");
+    let cut = flags.path().join("cut");
+    let healed = flags.path().join("healed");
+    let mut cmd = roam_in(&s.lan, CLIENT, s.client_state.path());
+    cmd.args(["run", "--port", &HTTP_PORT.to_string(), "--"])
+        .args(["python3", "-c", SYSCALLS_CLIENT])
+        .arg(s.lan.addr(ENHANCED).to_string())
+        .arg(HTTP_PORT.to_string())
+        .arg(&cut)
+        .arg(&healed);
+    let mut run = Logged::spawn(cmd, "run");
+    run.wait_for("runs a roam relay", Duration::from_secs(20));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !cut.exists() {
+        assert!(Instant::now() < deadline, "the client never got going");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    s.ip(CLIENT, &["link", "set", "roam0", "down"]);
+    std::thread::sleep(Duration::from_secs(2));
+    s.ip(CLIENT, &["link", "set", "roam0", "up"]);
+    std::fs::write(&healed, b"").expect("flag");
+    let status = run
+        .child
+        .wait_timeout(Duration::from_secs(90))
+        .expect("wait")
+        .expect("the client finished");
+    assert!(status.success(), "{status}: {}", run.seen);
+}
