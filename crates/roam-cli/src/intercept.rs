@@ -175,7 +175,7 @@ pub(crate) async fn run(args: InterceptArgs, config: &FileConfig) -> CliResult {
                         tracing::warn!("refused a connection from {from} made straight to the agent");
                     }
                     Ok(dest) => {
-                        tokio::spawn(carry(ctx.clone(), tcp, dest));
+                        tokio::spawn(carry(ctx.clone(), tcp, SocketAddr::V4(dest)));
                     }
                     Err(e) => tracing::warn!("a redirected connection without its destination: {e}"),
                 },
@@ -444,17 +444,17 @@ enum Route {
 }
 
 /// Carries one redirected connection, for `dest`: as a roam stream or plain.
-pub(crate) async fn carry(ctx: Arc<Ctx>, tcp: TcpStream, dest: SocketAddrV4) {
+pub(crate) async fn carry(ctx: Arc<Ctx>, tcp: TcpStream, dest: SocketAddr) {
     use std::sync::atomic::Ordering;
     ctx.active.fetch_add(1, Ordering::Relaxed);
     carry_one(&ctx, tcp, dest).await;
     ctx.active.fetch_sub(1, Ordering::Relaxed);
 }
 
-async fn carry_one(ctx: &Arc<Ctx>, mut tcp: TcpStream, dest: SocketAddrV4) {
+async fn carry_one(ctx: &Arc<Ctx>, mut tcp: TcpStream, dest: SocketAddr) {
     let _ = tcp.set_nodelay(true);
     let target = dest.to_string();
-    let route = route(ctx, IpAddr::V4(*dest.ip())).await;
+    let route = route(ctx, dest.ip()).await;
     if let Route::Stream(session) = &route {
         match session.open_stream(target.as_bytes()) {
             Ok(mut stream) => {
@@ -470,7 +470,7 @@ async fn carry_one(ctx: &Arc<Ctx>, mut tcp: TcpStream, dest: SocketAddrV4) {
             Err(e) => {
                 // The session ended (its relay lost it or went away): the
                 // next connection asks again; this one is plain.
-                forget(ctx, IpAddr::V4(*dest.ip()), session);
+                forget(ctx, dest.ip(), session);
                 eprintln!(
                     "roam {}: {}: the session ended ({e}); this connection goes direct",
                     ctx.name,
@@ -597,15 +597,19 @@ fn forget(ctx: &Ctx, host: IpAddr, session: &roam::SessionHandle) {
 /// Connects to `dest` (with a marked socket if `mark`: the rules let it
 /// pass) and copies bytes both ways until both sides are done; a refused or
 /// failed connect resets the program's connection, as the peer would have.
-async fn direct(tcp: &mut TcpStream, dest: SocketAddrV4, mark: bool) -> std::io::Result<()> {
-    let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+async fn direct(tcp: &mut TcpStream, dest: SocketAddr, mark: bool) -> std::io::Result<()> {
+    let sock = socket2::Socket::new(
+        socket2::Domain::for_address(dest),
+        socket2::Type::STREAM,
+        None,
+    )?;
     if mark {
         sock.set_mark(MARK)?;
     }
     sock.set_nonblocking(true)?;
     sock.set_cloexec(true)?;
     let sock = tokio::net::TcpSocket::from_std_stream(std::net::TcpStream::from(sock));
-    let mut out = match sock.connect(SocketAddr::V4(dest)).await {
+    let mut out = match sock.connect(dest).await {
         Ok(s) => s,
         Err(e) => {
             // Tell the program as the peer would have: a reset.

@@ -79,6 +79,15 @@ pub(crate) async fn run(args: RunArgs, config: &FileConfig) -> CliResult {
         .local_addr()
         .map_err(|e| CliError(format!("agent socket: {e}")))?
         .port();
+    // IPv6 destinations come to ::1 (none if this host has no IPv6
+    // loopback: then they are not carried).
+    let agent6 = TcpListener::bind(SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, 0)))
+        .await
+        .ok();
+    let agent6_port = agent6
+        .as_ref()
+        .and_then(|l| l.local_addr().ok())
+        .map_or(0, |a| a.port());
     let registry = Registry::default();
     let ctx_registry = registry.clone();
     let label = format!("run {}", program.to_string_lossy());
@@ -119,6 +128,7 @@ pub(crate) async fn run(args: RunArgs, config: &FileConfig) -> CliResult {
         .args(program_args)
         .env("LD_PRELOAD", preload)
         .env("ROAM_RUN_AGENT", agent_port.to_string())
+        .env("ROAM_RUN_AGENT6", agent6_port.to_string())
         .env("ROAM_RUN_REGISTER", &register_path)
         .env("ROAM_RUN_PORTS", ports)
         .spawn()
@@ -133,26 +143,17 @@ pub(crate) async fn run(args: RunArgs, config: &FileConfig) -> CliResult {
             }
             r = agent.accept() => {
                 if let Ok((tcp, from)) = r {
-                    let dest = {
-                        let mut p = agent_state.pending.lock().unwrap_or_else(|e| e.into_inner());
-                        p.retain(|_, (_, at)| at.elapsed() < REGISTRATION_TTL);
-                        p.remove(&from.port()).map(|(d, _)| d)
-                    };
-                    // (A socket the program had bound to another local
-                    // address reaches the agent from that address: the
-                    // registration, not the source, says it is ours.)
-                    match dest {
-                        Some(dest) => {
-                            let keep = Entry::insert(&agent_state.carried, from.port(), dest);
-                            let ctx = ctx.clone();
-                            tokio::spawn(async move {
-                                carry(ctx, tcp, dest).await;
-                                drop(keep);
-                            });
-                        }
-                        // Not registered by the preload: someone else's.
-                        _ => tracing::warn!("refused an unregistered connection from {from}"),
-                    }
+                    take(&agent_state, &ctx, tcp, from);
+                }
+            }
+            r = async {
+                match &agent6 {
+                    Some(l) => l.accept().await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                if let Ok((tcp, from)) = r {
+                    take(&agent_state, &ctx, tcp, from);
                 }
             }
             status = child.wait() => break status,
@@ -176,6 +177,31 @@ pub(crate) async fn run(args: RunArgs, config: &FileConfig) -> CliResult {
     Ok(exit_code(status))
 }
 
+/// Carries a connection that reached the agent from `from` if the program
+/// registered it (else it is refused: someone else's).
+fn take(agent: &Arc<Agent>, ctx: &Arc<Ctx>, tcp: tokio::net::TcpStream, from: SocketAddr) {
+    let key = (from.is_ipv6(), from.port());
+    let dest = {
+        let mut p = agent.pending.lock().unwrap_or_else(|e| e.into_inner());
+        p.retain(|_, (_, at)| at.elapsed() < REGISTRATION_TTL);
+        p.remove(&key).map(|(d, _)| d)
+    };
+    // (A socket the program had bound to another local address reaches the
+    // agent from that address: the registration, not the source, says it
+    // is ours.)
+    match dest {
+        Some(dest) => {
+            let keep = Entry::insert(&agent.carried, key, dest);
+            let ctx = ctx.clone();
+            tokio::spawn(async move {
+                carry(ctx, tcp, dest).await;
+                drop(keep);
+            });
+        }
+        None => tracing::warn!("refused an unregistered connection from {from}"),
+    }
+}
+
 /// The program's exit status as ours: its code, or 128 + its signal.
 fn exit_code(status: std::process::ExitStatus) -> i32 {
     use std::os::unix::process::ExitStatusExt;
@@ -196,11 +222,11 @@ struct Agent {
     /// Sessions for `roam status`.
     registry: Registry,
     /// Registered outgoing connections not yet at the agent: the program's
-    /// loopback port → (destination, registered when).
-    pending: Mutex<HashMap<u16, (SocketAddrV4, Instant)>>,
-    /// Outgoing connections being carried: the program's loopback port →
-    /// the destination it asked for.
-    carried: Arc<Mutex<HashMap<u16, SocketAddrV4>>>,
+    /// loopback [`Port`] → (destination, registered when).
+    pending: Mutex<HashMap<Port, (SocketAddr, Instant)>>,
+    /// Outgoing connections being carried: the program's loopback [`Port`]
+    /// → the destination it asked for.
+    carried: Arc<Mutex<HashMap<Port, SocketAddr>>>,
     /// The program's listeners: port → the address it listens on
     /// (unspecified: every address).
     listeners: Mutex<HashMap<u16, Ipv4Addr>>,
@@ -214,6 +240,9 @@ struct Agent {
     stop: tokio::sync::watch::Sender<bool>,
 }
 
+/// A loopback port of the program: (on ::1 rather than 127.0.0.1, number).
+type Port = (bool, u16);
+
 /// Whether `roam run` serves the program's listeners on the relay port.
 enum RelayState {
     /// The program has not listened yet.
@@ -226,14 +255,14 @@ enum RelayState {
 
 /// An entry of one of the agent's port maps, removed when dropped (when
 /// its connection ends).
-struct Entry<V> {
-    map: Arc<Mutex<HashMap<u16, V>>>,
-    port: u16,
+struct Entry<K: std::hash::Hash + Eq, V> {
+    map: Arc<Mutex<HashMap<K, V>>>,
+    port: K,
 }
 
-impl<V> Entry<V> {
+impl<K: std::hash::Hash + Eq + Copy, V> Entry<K, V> {
     /// Maps `port` to `value` in `map` until the entry is dropped.
-    fn insert(map: &Arc<Mutex<HashMap<u16, V>>>, port: u16, value: V) -> Entry<V> {
+    fn insert(map: &Arc<Mutex<HashMap<K, V>>>, port: K, value: V) -> Entry<K, V> {
         map.lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(port, value);
@@ -244,7 +273,7 @@ impl<V> Entry<V> {
     }
 }
 
-impl<V> Drop for Entry<V> {
+impl<K: std::hash::Hash + Eq, V> Drop for Entry<K, V> {
     fn drop(&mut self) {
         self.map
             .lock()
@@ -256,13 +285,15 @@ impl<V> Drop for Entry<V> {
 /// Serves one message of the preload library (the table in the module
 /// documentation); anything malformed is dropped without an answer.
 async fn registration(mut conn: tokio::net::UnixStream, agent: Arc<Agent>) {
-    let mut msg = [0u8; 13];
+    let mut msg = [0u8; 21];
     let read = tokio::time::timeout(Duration::from_secs(5), async {
         conn.read_exact(&mut msg[..1]).await?;
         let len = match msg[0] {
             b'C' => 8,
+            b'6' => 20,
             b'L' => 6,
             b'Q' => 12,
+            b'q' => 2,
             _ => return Err(std::io::ErrorKind::InvalidData.into()),
         };
         conn.read_exact(&mut msg[1..=len]).await
@@ -277,9 +308,18 @@ async fn registration(mut conn: tokio::net::UnixStream, agent: Arc<Agent>) {
                 .pending
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .insert(port, (dest, Instant::now()));
+                .insert((dest.is_ipv6(), port), (dest, Instant::now()));
             b"+".to_vec()
         }
+        Some(Message::Query6 { port }) => match agent.outgoing((true, port)) {
+            Some(SocketAddr::V6(a)) => {
+                let mut r = vec![b'+'];
+                r.extend_from_slice(&a.ip().octets());
+                r.extend_from_slice(&a.port().to_be_bytes());
+                r
+            }
+            _ => b"-".to_vec(),
+        },
         Some(Message::Listen { addr }) => {
             agent
                 .listeners
@@ -325,31 +365,41 @@ impl Agent {
                 _ => None,
             };
         }
-        // Not yet accepted by the agent (the program's connect returns as
-        // soon as the kernel has the connection): still registered.
-        lookup(&self.carried, local.port()).or_else(|| {
+        match self.outgoing((false, local.port())) {
+            Some(SocketAddr::V4(a)) => Some(a),
+            _ => None,
+        }
+    }
+
+    /// The destination of the program's outgoing connection from loopback
+    /// `port`: carried, or registered and not yet accepted by the agent
+    /// (the program's connect returns as soon as the kernel has the
+    /// connection).
+    fn outgoing(&self, port: Port) -> Option<SocketAddr> {
+        let carried = self
+            .carried
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&port)
+            .copied();
+        carried.or_else(|| {
             self.pending
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .get(&local.port())
+                .get(&port)
                 .map(|(dest, _)| *dest)
         })
     }
 }
 
-/// `port`'s address in one of the agent's port maps.
-fn lookup(map: &Mutex<HashMap<u16, SocketAddrV4>>, port: u16) -> Option<SocketAddrV4> {
-    map.lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .get(&port)
-        .copied()
-}
-
 /// A message of the preload library.
 #[derive(Debug, PartialEq, Eq)]
 enum Message {
-    /// `C`: the connection from 127.0.0.1:`port` is for `dest`.
-    Connect { port: u16, dest: SocketAddrV4 },
+    /// `C` (IPv4) or `6` (IPv6): the connection from loopback `port`
+    /// (127.0.0.1 or ::1, as `dest`'s family) is for `dest`.
+    Connect { port: u16, dest: SocketAddr },
+    /// `q`: the destination of the IPv6 connection from [::1]:`port`?
+    Query6 { port: u16 },
     /// `L`: the program listens on `addr` (unspecified: every address).
     Listen { addr: SocketAddrV4 },
     /// `Q`: who is the peer of the program's socket `local` ↔ `peer`?
@@ -375,9 +425,21 @@ impl Message {
                 let port = u16::from_be_bytes(rest.get(..2)?.try_into().ok()?);
                 Some(Message::Connect {
                     port,
-                    dest: addr(rest.get(2..)?)?,
+                    dest: SocketAddr::V4(addr(rest.get(2..)?)?),
                 })
             }
+            b'6' => {
+                let port = u16::from_be_bytes(rest.get(..2)?.try_into().ok()?);
+                let ip: [u8; 16] = rest.get(2..18)?.try_into().ok()?;
+                let dport = u16::from_be_bytes(rest.get(18..20)?.try_into().ok()?);
+                Some(Message::Connect {
+                    port,
+                    dest: SocketAddr::from((ip, dport)),
+                })
+            }
+            b'q' => Some(Message::Query6 {
+                port: u16::from_be_bytes(rest.get(..2)?.try_into().ok()?),
+            }),
             b'L' => Some(Message::Listen { addr: addr(rest)? }),
             b'Q' => Some(Message::Query {
                 local: addr(rest)?,
@@ -506,9 +568,24 @@ mod tests {
             Message::decode(&[b'C', 0x9c, 0x40, 10, 0, 0, 7, 0x1f, 0x90]),
             Some(Message::Connect {
                 port: 40_000,
-                dest: SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 7), 8080)
+                dest: SocketAddr::from(([10, 0, 0, 7], 8080))
             })
         );
+        let mut six = vec![b'6', 0x9c, 0x40];
+        six.extend_from_slice(&"fd00::7".parse::<std::net::Ipv6Addr>().unwrap().octets());
+        six.extend_from_slice(&[0x1f, 0x90]);
+        assert_eq!(
+            Message::decode(&six),
+            Some(Message::Connect {
+                port: 40_000,
+                dest: "[fd00::7]:8080".parse().unwrap()
+            })
+        );
+        assert_eq!(
+            Message::decode(&[b'q', 0x9c, 0x40]),
+            Some(Message::Query6 { port: 40_000 })
+        );
+        assert_eq!(Message::decode(&six[..10]), None);
         assert_eq!(
             Message::decode(&[b'L', 0, 0, 0, 0, 0x1f, 0x90]),
             Some(Message::Listen {

@@ -852,6 +852,26 @@ fn roam_run_on_both_ends_carries_a_download_and_the_server_sees_the_real_client(
         format!("{}:{HTTP_PORT}", lan.addr(S)),
         "getpeername on a carried socket: {peer:?}"
     );
+    // The same from an IPv6 socket to the IPv4-mapped address (as Java and
+    // other dual-stack programs connect): carried, and named as mapped.
+    let mut cmd = roam_in(&lan, C, client_state.path());
+    cmd.args(["run", "--", "python3", "-c"]).arg(format!(
+        "import socket; s = socket.socket(socket.AF_INET6); \
+         s.connect(('::ffff:{}', {HTTP_PORT})); \
+         s.sendall(b'GET /f.bin HTTP/1.0\\r\\n\\r\\n'); \
+         print('%s %d' % s.getpeername()[:2], len(s.recv(12)))",
+        lan.addr(S)
+    ));
+    let peer = cmd.output().expect("python getpeername");
+    assert_eq!(
+        String::from_utf8_lossy(&peer.stdout).trim(),
+        format!("::ffff:{} {HTTP_PORT} 12", lan.addr(S)),
+        "a carried IPv4-mapped socket: {peer:?}"
+    );
+    assert!(
+        String::from_utf8_lossy(&peer.stderr).contains("runs a roam relay"),
+        "the mapped connection was not carried: {peer:?}"
+    );
     eprintln!(
         "both ends under roam run: 24 MiB whole across a link cut and an address change \
          ({at} bytes before it); the server saw {client_addr}"
@@ -1703,4 +1723,158 @@ fn roam_run_carries_threads_epoll_poll_select_sendmsg_readv_dup_and_half_close()
         .expect("wait")
         .expect("the client finished");
     assert!(status.success(), "{status}: {}", run.seen);
+}
+
+/// `roam run -- curl` over IPv6: the server host (IPv6 addresses only for
+/// this test's traffic) runs `roam serve` on `[::]:7447` and an HTTP server
+/// on its IPv6 address; curl downloads 24 MiB from `http://[v6]:8000`
+/// across a 2 s link cut and a new IPv6 address for the client host (the
+/// old one gone), the file whole (SHA-256); `roam run` found the relay over
+/// IPv6, and `getpeername` on a carried IPv6 socket names the server (not
+/// the agent's `[::1]`).
+#[test]
+fn roam_run_carries_an_ipv6_download_across_a_link_cut_and_a_new_address() {
+    use sha2::Digest;
+    if !can_run() || !netns::installed("curl") {
+        eprintln!("skipped: needs curl too");
+        return;
+    }
+    const C: usize = 0;
+    const S: usize = 1;
+    let lan = Lan::new("run_v6", 2).expect("LAN");
+    let v6 = |host: u8| format!("fd72:6f61:6d::{host}");
+    let ip = |i: usize, args: &[&str]| {
+        let o = Command::new("ip")
+            .args(["-n", lan.ns(i)])
+            .args(args)
+            .output()
+            .expect("ip");
+        assert!(o.status.success(), "ip {args:?}: {o:?}");
+    };
+    ip(
+        C,
+        &[
+            "-6",
+            "addr",
+            "add",
+            &format!("{}/64", v6(1)),
+            "dev",
+            "roam0",
+            "nodad",
+        ],
+    );
+    ip(
+        S,
+        &[
+            "-6",
+            "addr",
+            "add",
+            &format!("{}/64", v6(2)),
+            "dev",
+            "roam0",
+            "nodad",
+        ],
+    );
+    let site = tempfile::tempdir().expect("site");
+    let want = pattern_file(&site.path().join("f.bin"), 24 << 20);
+    let mut http = Command::new("nsenter");
+    http.arg(format!("--net=/run/netns/{}", lan.ns(S)))
+        .args(["--", "python3", "-m", "http.server"])
+        .arg(HTTP_PORT.to_string())
+        .args(["--bind", &v6(2), "--directory"])
+        .arg(site.path())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    let _http = ChildGuard::spawn(&mut http).expect("http.server");
+    let relay_state = tempfile::tempdir().expect("state dir");
+    let mut cmd = roam_in(&lan, S, relay_state.path());
+    cmd.args(["serve", "--listen", "[::]:7447", "--allow"])
+        .arg(format!("*:{HTTP_PORT}"));
+    let mut relay = Logged::spawn(cmd, "serve");
+    relay.wait_for("listening on", Duration::from_secs(20));
+    let addr: SocketAddr = format!("[{}]:{HTTP_PORT}", v6(2)).parse().expect("addr");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while lan.tcp_connect(C, addr, Duration::from_secs(1)).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "http.server never answered over IPv6"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    let client_state = tempfile::tempdir().expect("state dir");
+    let got = tempfile::tempdir().expect("download dir");
+    let out = got.path().join("f.bin");
+    let mut cmd = roam_in(&lan, C, client_state.path());
+    cmd.args([
+        "run",
+        "--",
+        "curl",
+        "-g",
+        "--silent",
+        "--show-error",
+        "--fail",
+    ])
+    .args(["--limit-rate", "4M", "-o"])
+    .arg(&out)
+    .arg(format!("http://[{}]:{HTTP_PORT}/f.bin", v6(2)));
+    let mut run = Logged::spawn(cmd, "run curl");
+    let line = run.wait_for("runs a roam relay", Duration::from_secs(20));
+    assert!(line.contains(&v6(2)), "{line}");
+    let size = || std::fs::metadata(&out).map_or(0, |m| m.len());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while size() < 2 << 20 {
+        assert!(Instant::now() < deadline, "the download never got going");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    ip(C, &["link", "set", "roam0", "down"]);
+    std::thread::sleep(Duration::from_secs(2));
+    ip(C, &["link", "set", "roam0", "up"]);
+    // (The kernel drops the old IPv6 address with the link: it is gone
+    // for good, and the client host comes back with a new one.)
+    let _ = Command::new("ip")
+        .args(["-n", lan.ns(C), "-6", "addr", "del"])
+        .arg(format!("{}/64", v6(1)))
+        .args(["dev", "roam0"])
+        .output();
+    ip(
+        C,
+        &[
+            "-6",
+            "addr",
+            "add",
+            &format!("{}/64", v6(77)),
+            "dev",
+            "roam0",
+            "nodad",
+        ],
+    );
+    let at = size();
+    let status = run
+        .child
+        .wait_timeout(Duration::from_secs(90))
+        .expect("wait")
+        .unwrap_or_else(|| panic!("curl did not finish; {at} bytes at the address change"));
+    assert!(status.success(), "roam run -- curl: {status}\n{}", run.seen);
+    let body = std::fs::read(&out).expect("the download");
+    assert_eq!(body.len(), 24 << 20, "length");
+    assert!(
+        sha2::Sha256::digest(&body).to_vec() == want,
+        "the file differs"
+    );
+    // The carried socket names its real peer, not the agent's [::1].
+    let mut cmd = roam_in(&lan, C, client_state.path());
+    cmd.args(["run", "--", "python3", "-c"]).arg(format!(
+        "import socket; s = socket.create_connection(('{}', {HTTP_PORT})); \
+         print('%s %d' % s.getpeername()[:2])",
+        v6(2)
+    ));
+    let peer = cmd.output().expect("python getpeername");
+    assert_eq!(
+        String::from_utf8_lossy(&peer.stdout).trim(),
+        format!("{} {HTTP_PORT}", v6(2)),
+        "getpeername on a carried IPv6 socket: {peer:?}"
+    );
+    eprintln!("IPv6: 24 MiB whole across a link cut and a new address ({at} bytes before it)");
 }

@@ -51,8 +51,10 @@ type ConnectFn = unsafe extern "C" fn(c_int, *const sockaddr, socklen_t) -> c_in
 
 /// What `roam run` told this process.
 struct Setup {
-    /// The agent's port on 127.0.0.1 (network byte order in `sockaddr_in`).
+    /// The agent's port on 127.0.0.1.
     agent_port: u16,
+    /// The agent's port on ::1 (0: none; IPv6 destinations are not carried).
+    agent6_port: u16,
     /// The agent's registration socket.
     register: sockaddr_un,
     /// The path's length within `register` (for `connect`'s length).
@@ -70,6 +72,10 @@ fn setup() -> Option<&'static Setup> {
 
 fn read_setup() -> Option<Setup> {
     let agent_port = std::env::var("ROAM_RUN_AGENT").ok()?.parse().ok()?;
+    let agent6_port = std::env::var("ROAM_RUN_AGENT6")
+        .ok()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(0);
     let path = std::env::var("ROAM_RUN_REGISTER").ok()?;
     let ports = std::env::var("ROAM_RUN_PORTS")
         .unwrap_or_default()
@@ -90,6 +96,7 @@ fn read_setup() -> Option<Setup> {
     let register_len = (std::mem::size_of::<libc::sa_family_t>() + bytes.len() + 1) as socklen_t;
     Some(Setup {
         agent_port,
+        agent6_port,
         register,
         register_len,
         ports,
@@ -132,16 +139,28 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
     match unsafe { carried(fd, addr, len) } {
         Some((setup, dest)) => {
             // SAFETY: the caller's arguments, checked by `carried`.
-            unsafe { redirect(real, fd, addr, len, setup, &dest) }
+            unsafe { redirect(real, fd, addr, len, setup, dest) }
         }
         // SAFETY: the caller's arguments, untouched.
         None => unsafe { real(fd, addr, len) },
     }
 }
 
+/// A destination the agent carries.
+#[derive(Clone, Copy)]
+enum Dest {
+    /// An IPv4 address and port (host order): of an `AF_INET` socket, or an
+    /// IPv4-mapped address on an `AF_INET6` one (`mapped`).
+    V4 { ip: u32, port: u16, mapped: bool },
+    /// An IPv6 address and port.
+    V6 { ip: [u8; 16], port: u16 },
+}
+
 /// Whether this connect is one to carry: `roam run`'s environment is set,
-/// `fd` is an IPv4 TCP socket and `addr` a non-loopback IPv4 address on a
-/// chosen port. Returns the setup and the destination.
+/// `fd` is a TCP socket and `addr` a non-loopback IPv4 address (on an IPv4
+/// socket, or IPv4-mapped on an IPv6 one) or a global IPv6 address (when
+/// the agent listens on ::1), on a chosen port. Returns the setup and the
+/// destination.
 ///
 /// # Safety
 ///
@@ -150,28 +169,68 @@ unsafe fn carried(
     fd: c_int,
     addr: *const sockaddr,
     len: socklen_t,
-) -> Option<(&'static Setup, sockaddr_in)> {
+) -> Option<(&'static Setup, Dest)> {
     let setup = setup()?;
     if addr.is_null() || (len as usize) < std::mem::size_of::<sockaddr_in>() {
         return None;
     }
     // SAFETY: non-null with at least sizeof(sockaddr_in) readable bytes;
     // read unaligned, as the caller's buffer may be any byte array.
-    let dest = unsafe { std::ptr::read_unaligned(addr as *const sockaddr_in) };
-    if c_int::from(dest.sin_family) != libc::AF_INET {
-        return None;
-    }
-    let ip = u32::from_be(dest.sin_addr.s_addr);
-    let port = u16::from_be(dest.sin_port);
-    if ip >> 24 == 127 || ip == 0 || port == 0 {
-        return None;
-    }
-    if !setup.ports.is_empty() && !setup.ports.contains(&port) {
+    let v4 = unsafe { std::ptr::read_unaligned(addr as *const sockaddr_in) };
+    let (dest, domain) = match c_int::from(v4.sin_family) {
+        libc::AF_INET => (
+            Dest::V4 {
+                ip: u32::from_be(v4.sin_addr.s_addr),
+                port: u16::from_be(v4.sin_port),
+                mapped: false,
+            },
+            libc::AF_INET,
+        ),
+        libc::AF_INET6 if (len as usize) >= std::mem::size_of::<libc::sockaddr_in6>() => {
+            // SAFETY: at least sizeof(sockaddr_in6) readable bytes, read
+            // unaligned.
+            let v6 = unsafe { std::ptr::read_unaligned(addr as *const libc::sockaddr_in6) };
+            let port = u16::from_be(v6.sin6_port);
+            let ip = v6.sin6_addr.s6_addr;
+            let dest = match mapped_v4(&ip) {
+                Some(ip) => Dest::V4 {
+                    ip,
+                    port,
+                    mapped: true,
+                },
+                None => Dest::V6 { ip, port },
+            };
+            (dest, libc::AF_INET6)
+        }
+        _ => return None,
+    };
+    let port = match dest {
+        Dest::V4 { ip, port, .. } => {
+            if ip >> 24 == 127 || ip == 0 {
+                return None;
+            }
+            port
+        }
+        Dest::V6 { ip, port } => {
+            // Loopback, unspecified, link-local (no scope to carry) and
+            // multicast stay with the real call; so does all of IPv6 when
+            // the agent has no ::1 port.
+            let special = ip == std::net::Ipv6Addr::LOCALHOST.octets()
+                || ip == [0; 16]
+                || (ip[0] == 0xfe && ip[1] & 0xc0 == 0x80)
+                || ip[0] == 0xff;
+            if special || setup.agent6_port == 0 {
+                return None;
+            }
+            port
+        }
+    };
+    if port == 0 || (!setup.ports.is_empty() && !setup.ports.contains(&port)) {
         return None;
     }
     if sock_opt(fd, libc::SO_TYPE)? != libc::SOCK_STREAM
         || sock_opt(fd, libc::SO_PROTOCOL)? != libc::IPPROTO_TCP
-        || sock_opt(fd, libc::SO_DOMAIN)? != libc::AF_INET
+        || sock_opt(fd, libc::SO_DOMAIN)? != domain
     {
         return None;
     }
@@ -191,10 +250,24 @@ unsafe fn redirect(
     addr: *const sockaddr,
     len: socklen_t,
     setup: &Setup,
-    dest: &sockaddr_in,
+    dest: Dest,
 ) -> c_int {
-    let Some(local_port) = bind_loopback(fd) else {
-        report("could not bind the socket to 127.0.0.1");
+    let (here, agent) = match dest {
+        Dest::V4 { mapped: false, .. } => (
+            Endpoint::V4(loopback(0)),
+            Endpoint::V4(loopback(setup.agent_port)),
+        ),
+        Dest::V4 { mapped: true, .. } => (
+            Endpoint::V6(loopback6(0, true)),
+            Endpoint::V6(loopback6(setup.agent_port, true)),
+        ),
+        Dest::V6 { .. } => (
+            Endpoint::V6(loopback6(0, false)),
+            Endpoint::V6(loopback6(setup.agent6_port, false)),
+        ),
+    };
+    let Some(local_port) = bind_loopback(fd, &here) else {
+        report("could not bind the socket to loopback");
         // SAFETY: the caller's arguments.
         return unsafe { real(fd, addr, len) };
     };
@@ -203,72 +276,100 @@ unsafe fn redirect(
         // SAFETY: the caller's arguments.
         return unsafe { real(fd, addr, len) };
     }
-    let agent = loopback(setup.agent_port);
-    // SAFETY: `agent` is a valid sockaddr_in on the stack, its size given.
-    unsafe {
-        real(
-            fd,
-            &agent as *const sockaddr_in as *const sockaddr,
-            std::mem::size_of::<sockaddr_in>() as socklen_t,
-        )
+    let (p, n) = agent.raw();
+    // SAFETY: `p` points to the valid socket address in `agent`, `n` bytes.
+    unsafe { real(fd, p, n) }
+}
+
+/// A socket address of either family, on the stack.
+enum Endpoint {
+    V4(sockaddr_in),
+    V6(libc::sockaddr_in6),
+}
+
+impl Endpoint {
+    /// Its pointer and length, for bind and connect.
+    fn raw(&self) -> (*const sockaddr, socklen_t) {
+        match self {
+            Endpoint::V4(a) => (
+                a as *const sockaddr_in as *const sockaddr,
+                std::mem::size_of::<sockaddr_in>() as socklen_t,
+            ),
+            Endpoint::V6(a) => (
+                a as *const libc::sockaddr_in6 as *const sockaddr,
+                std::mem::size_of::<libc::sockaddr_in6>() as socklen_t,
+            ),
+        }
     }
 }
 
-/// Binds `fd` to 127.0.0.1 on a kernel-chosen port unless it is bound
-/// already; returns its local port.
-fn bind_loopback(fd: c_int) -> Option<u16> {
+/// Binds `fd` to `here` (loopback, port 0) unless it is bound already;
+/// returns its local port.
+fn bind_loopback(fd: c_int, here: &Endpoint) -> Option<u16> {
     let bound = local_port(fd)?;
     if bound != 0 {
         return Some(bound);
     }
-    let any = loopback(0);
-    // SAFETY: `any` is a valid sockaddr_in on the stack, its size given.
-    let r = unsafe {
-        libc::bind(
-            fd,
-            &any as *const sockaddr_in as *const sockaddr,
-            std::mem::size_of::<sockaddr_in>() as socklen_t,
-        )
-    };
+    let (p, n) = here.raw();
+    // SAFETY: `p` points to a valid socket address of `n` bytes.
+    let r = unsafe { libc::bind(fd, p, n) };
     if r != 0 {
         return None;
     }
     local_port(fd).filter(|&p| p != 0)
 }
 
-/// `fd`'s local port (0: unbound).
+/// `fd`'s local port (0: unbound), either family.
 fn local_port(fd: c_int) -> Option<u16> {
-    // SAFETY: sockaddr_in is plain old data; all-zero is a valid value.
-    let mut me: sockaddr_in = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<sockaddr_in>() as socklen_t;
+    // SAFETY: sockaddr_in6 is plain old data; all-zero is a valid value,
+    // and it holds either family (the port is at the same offset in both).
+    let mut me: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::sockaddr_in6>() as socklen_t;
     // SAFETY: `me` is writable for `len` bytes and `len` is writable.
-    let r =
-        unsafe { libc::getsockname(fd, &mut me as *mut sockaddr_in as *mut sockaddr, &mut len) };
-    (r == 0).then(|| u16::from_be(me.sin_port))
+    let r = unsafe {
+        libc::getsockname(
+            fd,
+            &mut me as *mut libc::sockaddr_in6 as *mut sockaddr,
+            &mut len,
+        )
+    };
+    (r == 0).then(|| u16::from_be(me.sin6_port))
 }
 
-/// Tells the agent that the connection from 127.0.0.1:`local_port` is for
-/// `dest`, and waits for its one-byte acknowledgement (9 bytes out: `C`, the
-/// local port, the destination address and port, all in network order).
+/// Tells the agent that the connection from loopback port `local_port` is
+/// for `dest`, and waits for its one-byte acknowledgement: `C`, the local
+/// port, the IPv4 destination and port (9 bytes), or `6`, the local port,
+/// the IPv6 destination and port (21 bytes), all in network order.
 fn register(
     real: ConnectFn,
     setup: &Setup,
     local_port: u16,
-    dest: &sockaddr_in,
+    dest: Dest,
 ) -> Result<(), &'static str> {
     let saved = errno();
-    let result = (|| {
-        let mut msg = [0u8; 9];
-        msg[0] = b'C';
-        msg[1..3].copy_from_slice(&local_port.to_be_bytes());
-        msg[3..7].copy_from_slice(&u32::from_be(dest.sin_addr.s_addr).to_be_bytes());
-        msg[7..9].copy_from_slice(&u16::from_be(dest.sin_port).to_be_bytes());
-        let mut ack = [0u8; 1];
-        if ask(real, setup, &msg, &mut ack) != Some(1) || ack[0] != b'+' {
-            return Err("the agent did not acknowledge the registration");
+    let mut msg = [0u8; 21];
+    let n = match dest {
+        Dest::V4 { ip, port, .. } => {
+            msg[0] = b'C';
+            msg[1..3].copy_from_slice(&local_port.to_be_bytes());
+            msg[3..7].copy_from_slice(&ip.to_be_bytes());
+            msg[7..9].copy_from_slice(&port.to_be_bytes());
+            9
         }
+        Dest::V6 { ip, port } => {
+            msg[0] = b'6';
+            msg[1..3].copy_from_slice(&local_port.to_be_bytes());
+            msg[3..19].copy_from_slice(&ip);
+            msg[19..21].copy_from_slice(&port.to_be_bytes());
+            21
+        }
+    };
+    let mut ack = [0u8; 1];
+    let result = if ask(real, setup, &msg[..n], &mut ack) == Some(1) && ack[0] == b'+' {
         Ok(())
-    })();
+    } else {
+        Err("the agent did not acknowledge the registration")
+    };
     set_errno(saved);
     result
 }
@@ -558,6 +659,37 @@ unsafe fn rewrite_peer(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, cap:
     let (Some(setup), Some(connect)) = (setup(), real_connect()) else {
         return;
     };
+    if setup.agent6_port != 0 {
+        if let Some(local) = carried_v6(fd, setup.agent6_port) {
+            // An outgoing IPv6 connection: ask for its destination.
+            let mut msg = [0u8; 3];
+            msg[0] = b'q';
+            msg[1..3].copy_from_slice(&local.to_be_bytes());
+            let mut reply = [0u8; 19];
+            if ask(connect, setup, &msg, &mut reply) != Some(19) || reply[0] != b'+' {
+                return;
+            }
+            // SAFETY: sockaddr_in6 is plain old data; all-zero is valid.
+            let mut a: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
+            a.sin6_family = libc::AF_INET6 as libc::sa_family_t;
+            a.sin6_addr.s6_addr.copy_from_slice(&reply[1..17]);
+            a.sin6_port = u16::from_be_bytes([reply[17], reply[18]]).to_be();
+            let size = std::mem::size_of::<libc::sockaddr_in6>();
+            let n = size.min(cap as usize);
+            // SAFETY: `addr` is writable for `cap` >= `n` bytes; `a` is on
+            // our stack, readable for `size` >= `n`.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    &a as *const libc::sockaddr_in6 as *const u8,
+                    addr as *mut u8,
+                    n,
+                )
+            };
+            // SAFETY: `len` is writable, per the contract.
+            unsafe { *len = size as socklen_t };
+            return;
+        }
+    }
     let Some(((lip, lport), (pip, pport), family)) = ends_v4(fd) else {
         return;
     };
@@ -601,6 +733,25 @@ unsafe fn rewrite_peer(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, cap:
     unsafe { std::ptr::copy_nonoverlapping(out.as_ptr(), addr as *mut u8, n) };
     // SAFETY: `len` is writable, per the contract.
     unsafe { *len = size as socklen_t };
+}
+
+/// If `fd`'s real peer is the agent's IPv6 port (`[::1]:agent6`): its local
+/// port, by which the agent knows the connection.
+fn carried_v6(fd: c_int, agent6: u16) -> Option<u16> {
+    let real = real_getpeername()?;
+    let saved = errno();
+    // SAFETY: sockaddr_in6 is plain old data; all-zero is valid.
+    let mut a: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
+    let mut n = std::mem::size_of::<libc::sockaddr_in6>() as socklen_t;
+    // SAFETY: `a` is writable for `n` bytes, `n` writable.
+    let r = unsafe { real(fd, &mut a as *mut libc::sockaddr_in6 as *mut sockaddr, &mut n) };
+    let ours = r == 0
+        && c_int::from(a.sin6_family) == libc::AF_INET6
+        && a.sin6_addr.s6_addr == std::net::Ipv6Addr::LOCALHOST.octets()
+        && u16::from_be(a.sin6_port) == agent6;
+    let local = if ours { local_port(fd) } else { None };
+    set_errno(saved);
+    local
 }
 
 /// A TCP socket's local and peer IPv4 addresses (host order) and ports,
@@ -658,6 +809,20 @@ fn loopback(port: u16) -> sockaddr_in {
     a.sin_family = libc::AF_INET as libc::sa_family_t;
     a.sin_port = port.to_be();
     a.sin_addr.s_addr = u32::from_be_bytes([127, 0, 0, 1]).to_be();
+    a
+}
+
+/// `[::1]:port`, or `[::ffff:127.0.0.1]:port` if `mapped`.
+fn loopback6(port: u16, mapped: bool) -> libc::sockaddr_in6 {
+    // SAFETY: sockaddr_in6 is plain old data; all-zero is a valid value.
+    let mut a: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
+    a.sin6_family = libc::AF_INET6 as libc::sa_family_t;
+    a.sin6_port = port.to_be();
+    a.sin6_addr.s6_addr = if mapped {
+        std::net::Ipv4Addr::LOCALHOST.to_ipv6_mapped().octets()
+    } else {
+        std::net::Ipv6Addr::LOCALHOST.octets()
+    };
     a
 }
 
