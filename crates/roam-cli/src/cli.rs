@@ -192,8 +192,9 @@ Examples:
 The program runs unchanged, with roam's preload library in LD_PRELOAD (no
 root needed).
 
-Outgoing: each IPv4 TCP connect to a non-loopback address (on the --port
-ports, default all) is bound to 127.0.0.1 and handed to roam's agent in this
+Outgoing: each TCP connect to a non-loopback IPv4 or global IPv6 address
+(on the --port ports, default all) is bound to loopback and handed to roam's
+agent in this
 process, which asks the destination host once whether it runs roam on the
 relay port (--relay-port, default 7447: `roam serve`, or a server under
 `roam run`):
@@ -218,9 +219,10 @@ serves this host, and the program sees its connections as coming from it.
 
 The program keeps ordinary descriptors (epoll, poll, select, fork, exec and
 dup work as before; children inherit the library). getpeername() on a
-carried socket names the real peer, not the agent. Not carried: IPv6
-clients and destinations, UDP, statically linked programs (they ignore
-LD_PRELOAD).
+carried socket names the real peer, not the agent; on an incoming one,
+where the client is now (it may have moved). Not carried: IPv6 listeners
+(incoming connections over IPv6), link-local IPv6 destinations, UDP,
+statically linked programs (they ignore LD_PRELOAD).
 
 roam run ends when the program does (after delivering what it wrote); the
 connections of any children it left running end then too.

@@ -9,13 +9,16 @@
 //!
 //! | message | bytes after the first | answer |
 //! |---|---|---|
-//! | `C` connect | the program's loopback port, the destination's IPv4 address and port | `+` |
+//! | `C` connect | the program's port on 127.0.0.1, the destination's IPv4 address and port | `+` |
+//! | `6` connect | the program's port on ::1, the destination's IPv6 address and port | `+` |
 //! | `L` listen | the listener's IPv4 address (0: any) and port | `+` |
-//! | `Q` who is the peer | the socket's local address and port, its (loopback) peer's address and port | `+`, address, port; or `-` |
+//! | `Q` who is the peer | the socket's local address and port, its (loopback) peer's address and port | `+`, IPv4 address, port; or `-` |
+//! | `q` who is the peer | the IPv6 socket's port on ::1 | `+`, IPv6 address, port; or `-` |
 //!
-//! **Outgoing.** The library's `connect` binds an IPv4 TCP socket headed for
-//! a non-loopback address to 127.0.0.1, registers it (`C`) and connects to
-//! the agent's TCP port instead. The agent carries each accepted connection
+//! **Outgoing.** The library's `connect` binds a TCP socket headed for a
+//! non-loopback address to loopback (127.0.0.1; ::1 for an IPv6
+//! destination, `::ffff:127.0.0.1` for an IPv4-mapped one), registers it
+//! (`C` or `6`) and connects to the agent's TCP port there instead. The agent carries each accepted connection
 //! exactly as `roam intercept` does ([`crate::intercept::carry`]): a stream
 //! of one session per enhanced host, plain TCP to an ordinary one.
 //! Connections the library did not register are refused (the agent port is
