@@ -1878,3 +1878,107 @@ fn roam_run_carries_an_ipv6_download_across_a_link_cut_and_a_new_address() {
     );
     eprintln!("IPv6: 24 MiB whole across a link cut and a new address ({at} bytes before it)");
 }
+
+/// A server that accepts one connection, forks, and has the child exec a
+/// new Python that echoes on the inherited descriptor (naming its peer
+/// first) while the parent keeps its copy open until the child ends.
+const FORK_EXEC_SERVER: &str = r#"
+import os, socket, sys
+l = socket.socket()
+l.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+l.bind(("0.0.0.0", int(sys.argv[1])))
+l.listen()
+c, a = l.accept()
+print("accepted", a[0], file=sys.stderr, flush=True)
+fd = c.detach()
+os.set_inheritable(fd, True)
+pid = os.fork()
+if pid == 0:
+    child = (
+        "import socket, sys\n"
+        "s = socket.socket(fileno=int(sys.argv[1]))\n"
+        "print('child serves', s.getpeername()[0], file=sys.stderr, flush=True)\n"
+        "while True:\n"
+        "    d = s.recv(65536)\n"
+        "    if not d:\n"
+        "        break\n"
+        "    s.sendall(d)\n"
+    )
+    os.execv(sys.executable, [sys.executable, "-c", child, str(fd)])
+os.waitpid(pid, 0)
+"#;
+
+/// Both ends fork and exec while connected, both under `roam run` (rocks
+/// §4's fork, exec and shared sockets): the server's child execs and echoes
+/// on the accepted connection (its `getpeername` after the exec names the
+/// client host), the client's child execs and goes on across a 2 s link cut
+/// and a new client address; every echoed line is checked (3,000), and the
+/// server ends with its client's connection.
+#[test]
+fn roam_run_client_and_server_both_fork_and_exec_across_a_cut_and_a_new_address() {
+    if !can_run() {
+        return;
+    }
+    const C: usize = 0;
+    const S: usize = 1;
+    const FORK_PORT: u16 = 9100;
+    let lan = Lan::new("run_forks", 2).expect("LAN");
+    let server_state = tempfile::tempdir().expect("state dir");
+    let mut cmd = roam_in(&lan, S, server_state.path());
+    cmd.args(["run", "--", "python3", "-c", FORK_EXEC_SERVER])
+        .arg(FORK_PORT.to_string());
+    let mut server = Logged::spawn(cmd, "run server");
+    server.wait_for(
+        "roam clients reach it through the relay",
+        Duration::from_secs(20),
+    );
+    let flags = tempfile::tempdir().expect("flag dir");
+    let cut = flags.path().join("cut");
+    let healed = flags.path().join("healed");
+    let client_state = tempfile::tempdir().expect("state dir");
+    let mut cmd = roam_in(&lan, C, client_state.path());
+    cmd.args(["run", "--", "python3", "-c", FORK_EXEC_CLIENT])
+        .arg(lan.addr(S).to_string())
+        .arg(FORK_PORT.to_string())
+        .arg(&cut)
+        .arg(&healed);
+    let mut run = Logged::spawn(cmd, "run client");
+    let old = lan.addr(C);
+    server.wait_for(&format!("accepted {old}"), Duration::from_secs(20));
+    server.wait_for(&format!("child serves {old}"), Duration::from_secs(20));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !cut.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "the client's child never got going"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let ip = |args: &[&str]| {
+        let o = Command::new("ip")
+            .args(["-n", lan.ns(C)])
+            .args(args)
+            .output()
+            .expect("ip");
+        assert!(o.status.success(), "ip {args:?}: {o:?}");
+    };
+    ip(&["link", "set", "roam0", "down"]);
+    std::thread::sleep(Duration::from_secs(2));
+    ip(&["link", "set", "roam0", "up"]);
+    lan.del_addr(C, old).expect("remove the old address");
+    lan.add_addr(C, lan.subnet_addr(77))
+        .expect("add the new address");
+    std::fs::write(&healed, b"").expect("flag");
+    let status = run
+        .child
+        .wait_timeout(Duration::from_secs(60))
+        .expect("wait")
+        .expect("the client finished");
+    assert!(status.success(), "{status}: {}", run.seen);
+    let status = server
+        .child
+        .wait_timeout(Duration::from_secs(20))
+        .expect("wait")
+        .expect("the server ended with its client's connection");
+    assert!(status.success(), "server: {status}: {}", server.seen);
+}
