@@ -224,8 +224,13 @@ where the client is now (it may have moved). Not carried: IPv6 listeners
 (incoming connections over IPv6), link-local IPv6 destinations, UDP,
 statically linked programs (they ignore LD_PRELOAD).
 
-roam run ends when the program does (after delivering what it wrote); the
-connections of any children it left running end then too.
+roam run ends when the program does (after delivering what it wrote). A
+program that leaves processes running and exits (a daemon such as nginx, or
+`sh -c 'server &'`) is said so: roam run goes on carrying their connections
+(and its relay) until the last of them ends, passing signals on to them,
+and then exits with the program's own status. (They are found by the
+environment roam run gave the program; one that clears its environment
+before exec is not.)
 
 Exit status: the program's (128+signal if a signal ended it). SIGINT, SIGTERM
 and SIGHUP are passed to the program.")]

@@ -137,6 +137,9 @@ pub(crate) async fn run(args: RunArgs, config: &FileConfig) -> CliResult {
         .spawn()
         .map_err(|e| CliError(format!("cannot run {}: {e}", Path::new(program).display())))?;
 
+    // The program's exit status, once its own process has ended while
+    // processes it started go on.
+    let mut exited: Option<std::process::ExitStatus> = None;
     let status = loop {
         tokio::select! {
             r = register.accept() => {
@@ -159,19 +162,49 @@ pub(crate) async fn run(args: RunArgs, config: &FileConfig) -> CliResult {
                     take(&agent_state, &ctx, tcp, from);
                 }
             }
-            status = child.wait() => break status,
+            status = child.wait(), if exited.is_none() => {
+                let status = status.map_err(|e| CliError(format!("waiting for the program: {e}")))?;
+                let left = descendants(&register_path);
+                if left.is_empty() {
+                    break status;
+                }
+                // A daemon (`nginx`, `sh -c 'server &'`): the program's own
+                // process is gone, its children still hold connections and
+                // listeners that this process carries.
+                eprintln!(
+                    "roam run: the program exited ({}), but {} process{} it started still \
+                     run{} (pid {}): serving their connections until they end \
+                     (a signal is passed on to them)",
+                    describe(status),
+                    left.len(),
+                    if left.len() == 1 { "" } else { "es" },
+                    if left.len() == 1 { "s" } else { "" },
+                    left.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+                );
+                exited = Some(status);
+            }
+            _ = tokio::time::sleep(LEFT_CHECK), if exited.is_some() => {
+                if descendants(&register_path).is_empty() {
+                    if let Some(status) = exited {
+                        break status;
+                    }
+                }
+            }
             sig = crate::signals::exit_signal() => {
                 // The program decides: it gets the signal and ends (or not).
-                if let Some(pid) = child.id() {
+                let pids = match (exited, child.id()) {
+                    (None, Some(pid)) => vec![pid as i32],
+                    _ => descendants(&register_path),
+                };
+                for pid in pids {
                     let _ = nix::sys::signal::kill(
-                        nix::unistd::Pid::from_raw(pid as i32),
+                        nix::unistd::Pid::from_raw(pid),
                         nix::sys::signal::Signal::try_from(sig).ok(),
                     );
                 }
             }
         }
     };
-    let status = status.map_err(|e| CliError(format!("waiting for the program: {e}")))?;
     // The relay (if the program listened) takes no more sessions.
     let _ = agent_state.stop.send(true);
     // What the program wrote before it ended is delivered before the
@@ -202,6 +235,55 @@ fn take(agent: &Arc<Agent>, ctx: &Arc<Ctx>, tcp: tokio::net::TcpStream, from: So
             });
         }
         None => tracing::warn!("refused an unregistered connection from {from}"),
+    }
+}
+
+/// How often `roam run` looks for the program's processes once its own
+/// process has ended.
+const LEFT_CHECK: Duration = Duration::from_millis(500);
+
+/// The live processes that run with this `roam run`'s preload (their
+/// environment names `register`, the agent's socket): what the program
+/// started and left running. Read from `/proc/*/environ` (the initial
+/// environment, inherited across fork and exec; a process that clears its
+/// environment before exec is not found).
+fn descendants(register: &Path) -> Vec<i32> {
+    let needle = {
+        let mut n = b"ROAM_RUN_REGISTER=".to_vec();
+        n.extend_from_slice(register.as_os_str().as_encoded_bytes());
+        n.push(0);
+        n
+    };
+    let me = std::process::id() as i32;
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|&pid| pid != me)
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/environ"))
+                .is_ok_and(|env| env.windows(needle.len()).any(|w| w == needle.as_slice()))
+        })
+        // A zombie is gone for our purposes (its parent has not reaped it).
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|s| {
+                    s.rsplit_once(')')
+                        .map(|(_, r)| r.trim_start().starts_with('Z'))
+                })
+                == Some(false)
+        })
+        .collect()
+}
+
+/// An exit status in words.
+fn describe(status: std::process::ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(c), _) => format!("code {c}"),
+        (None, Some(s)) => format!("signal {s}"),
+        _ => status.to_string(),
     }
 }
 

@@ -1982,3 +1982,65 @@ fn roam_run_client_and_server_both_fork_and_exec_across_a_cut_and_a_new_address(
         .expect("the server ended with its client's connection");
     assert!(status.success(), "server: {status}: {}", server.seen);
 }
+
+/// A program that leaves a server running and exits at once (a daemon, or
+/// `sh -c 'server &'`): `roam run` says so, keeps carrying the server's
+/// connections and its relay while the server runs (a client under `roam
+/// run` reaches it and gets its own address from `getpeername`), and ends
+/// with the program's exit status once the server has ended.
+#[test]
+fn roam_run_serves_what_a_daemonizing_program_leaves_running() {
+    use std::io::Write;
+    if !can_run() {
+        return;
+    }
+    const C: usize = 0;
+    const S: usize = 1;
+    const WHERE_PORT: u16 = 9000;
+    let lan = Lan::new("run_daemon", 2).expect("LAN");
+    let scripts = tempfile::tempdir().expect("scripts");
+    let server_py = scripts.path().join("where_server.py");
+    std::fs::write(&server_py, WHERE_SERVER).expect("script");
+    let server_state = tempfile::tempdir().expect("state dir");
+    let mut cmd = roam_in(&lan, S, server_state.path());
+    cmd.args(["run", "--", "sh", "-c"]).arg(format!(
+        "python3 {} {WHERE_PORT} & exit 3",
+        server_py.display()
+    ));
+    let mut server = Logged::spawn(cmd, "run sh");
+    server.wait_for("still runs", Duration::from_secs(20));
+    server.wait_for(
+        "roam clients reach it through the relay",
+        Duration::from_secs(20),
+    );
+
+    let client_state = tempfile::tempdir().expect("state dir");
+    let mut cmd = roam_in(&lan, C, client_state.path());
+    cmd.args(["run", "--", "python3", "-c", WHERE_CLIENT])
+        .arg(lan.addr(S).to_string())
+        .arg(WHERE_PORT.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    let mut client = ChildGuard::spawn(&mut cmd).expect("roam run -- python3");
+    let mut input = client.child_mut().stdin.take().expect("stdin");
+    let mut output = BufReader::new(client.child_mut().stdout.take().expect("stdout"));
+    input.write_all(b"?\n").expect("write");
+    input.flush().expect("flush");
+    let mut answer = String::new();
+    output.read_line(&mut answer).expect("an answer");
+    assert_eq!(answer.trim(), lan.addr(C).to_string());
+    drop(input);
+    let status = client
+        .wait_timeout(Duration::from_secs(20))
+        .expect("wait")
+        .expect("the client ended");
+    assert!(status.success(), "client: {status}");
+    // The server ends with its one connection, and `roam run` with it.
+    let status = server
+        .child
+        .wait_timeout(Duration::from_secs(20))
+        .expect("wait")
+        .expect("roam run ended after the server it left running");
+    assert_eq!(status.code(), Some(3), "the program's own exit status");
+}
