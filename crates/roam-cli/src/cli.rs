@@ -207,8 +207,8 @@ relay port (--relay-port, default 7447: `roam serve`, or a server under
 - no: the agent connects to the destination itself: the bytes are exactly
   the program's.
 
-Incoming: when the program listens on a non-loopback address (or on `::`,
-IPv4 included), on the --port ports, this process takes roam sessions on the
+Incoming: when the program listens on a non-loopback address (or on `::`
+or 0.0.0.0), on the --port ports, this process takes roam sessions on the
 relay port for this host (with the state directory's server key, any client
 key) and connects each of their streams from loopback to the program's
 listener for that port; other ports are refused. accept() returns such a
@@ -220,9 +220,9 @@ serves this host, and the program sees its connections as coming from it.
 The program keeps ordinary descriptors (epoll, poll, select, fork, exec and
 dup work as before; children inherit the library). getpeername() on a
 carried socket names the real peer, not the agent; on an incoming one,
-where the client is now (it may have moved). Not carried: IPv6 listeners
-(incoming connections over IPv6), link-local IPv6 destinations, UDP,
-statically linked programs (they ignore LD_PRELOAD).
+where the client is now (it may have moved). IPv4 and IPv6 both ways.
+Not carried: link-local IPv6 addresses, UDP, statically linked programs
+(they ignore LD_PRELOAD).
 
 roam run ends when the program does (after delivering what it wrote). A
 program that leaves processes running and exits (a daemon such as nginx, or

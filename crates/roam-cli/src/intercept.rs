@@ -241,7 +241,13 @@ impl crate::serve::Dialer for Transparent {
             sock.set_mark(MARK_IN)?;
             // The client's address; its port is the kernel's choice (the
             // program's own port is not known here).
-            if let Some(SocketAddr::V4(c)) = session.stats().peer_addr {
+            // (IPv4 only: an IPv6 client's stream reaches the server from
+            // the agent's own address.)
+            let client = session
+                .stats()
+                .peer_addr
+                .map(|a| SocketAddr::new(a.ip().to_canonical(), a.port()));
+            if let Some(SocketAddr::V4(c)) = client {
                 sock.set_ip_transparent_v4(true)?;
                 sock.bind(&SocketAddr::V4(SocketAddrV4::new(*c.ip(), 0)).into())?;
             }

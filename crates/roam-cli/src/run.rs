@@ -11,9 +11,14 @@
 //! |---|---|---|
 //! | `C` connect | the program's port on 127.0.0.1, the destination's IPv4 address and port | `+` |
 //! | `6` connect | the program's port on ::1, the destination's IPv6 address and port | `+` |
-//! | `L` listen | the listener's IPv4 address (0: any) and port | `+` |
-//! | `Q` who is the peer | the socket's local address and port, its (loopback) peer's address and port | `+`, IPv4 address, port; or `-` |
-//! | `q` who is the peer | the IPv6 socket's port on ::1 | `+`, IPv6 address, port; or `-` |
+//! | `L` listen | the listener's IPv4 address (0: any, also for a dual-stack `::`) and port | `+` |
+//! | `l` listen | an IPv6-only listener's address (`::`: any) and port | `+` |
+//! | `Q` who is the peer | the socket's local address and port, its peer's on 127.0.0.1 | a peer (below) |
+//! | `q` who is the peer | the IPv6 socket's port on ::1 (its peer: the agent) | a peer |
+//! | `w` who is the peer | the port on ::1 the socket's peer (the relay) connected from | a peer |
+//!
+//! A peer is `+`, an IPv4 address and port; `=`, an IPv6 address and port;
+//! or `-` (not one the agent carries).
 //!
 //! **Outgoing.** The library's `connect` binds a TCP socket headed for a
 //! non-loopback address to loopback (127.0.0.1; ::1 for an IPv6
@@ -314,11 +319,11 @@ struct Agent {
     carried: Arc<Mutex<HashMap<Port, SocketAddr>>>,
     /// The program's listeners: port → the address it listens on
     /// (unspecified: every address).
-    listeners: Mutex<HashMap<u16, Ipv4Addr>>,
+    listeners: Mutex<HashMap<u16, std::net::IpAddr>>,
     /// Incoming connections the relay made to the program: the agent's
     /// loopback source port → the session of the roam client (asked for
     /// the client's current address).
-    dialed: Arc<Mutex<HashMap<u16, roam::SessionHandle>>>,
+    dialed: Arc<Mutex<HashMap<Port, roam::SessionHandle>>>,
     /// This host's relay for the program's listeners.
     relay: Mutex<RelayState>,
     /// Set when the program has ended: the relay stops.
@@ -377,8 +382,9 @@ async fn registration(mut conn: tokio::net::UnixStream, agent: Arc<Agent>) {
             b'C' => 8,
             b'6' => 20,
             b'L' => 6,
+            b'l' => 18,
             b'Q' => 12,
-            b'q' => 2,
+            b'q' | b'w' => 2,
             _ => return Err(std::io::ErrorKind::InvalidData.into()),
         };
         conn.read_exact(&mut msg[1..=len]).await
@@ -396,64 +402,71 @@ async fn registration(mut conn: tokio::net::UnixStream, agent: Arc<Agent>) {
                 .insert((dest.is_ipv6(), port), (dest, Instant::now()));
             b"+".to_vec()
         }
-        Some(Message::Query6 { port }) => match agent.outgoing((true, port)) {
-            Some(SocketAddr::V6(a)) => {
-                let mut r = vec![b'+'];
-                r.extend_from_slice(&a.ip().octets());
-                r.extend_from_slice(&a.port().to_be_bytes());
-                r
-            }
-            _ => b"-".to_vec(),
-        },
+        Some(Message::Query6 { port }) => answer(agent.outgoing((true, port))),
+        Some(Message::QueryIn6 { port }) => answer(agent.client((true, port))),
         Some(Message::Listen { addr }) => {
             agent
                 .listeners
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .insert(addr.port(), *addr.ip());
+                .insert(addr.port(), addr.ip());
             start_relay(&agent, addr.port()).await;
             b"+".to_vec()
         }
-        Some(Message::Query { local, peer }) => match agent.peer_of(local, peer) {
-            Some(a) => {
-                let mut r = vec![b'+'];
-                r.extend_from_slice(&a.ip().octets());
-                r.extend_from_slice(&a.port().to_be_bytes());
-                r
-            }
-            None => b"-".to_vec(),
-        },
+        Some(Message::Query { local, peer }) => answer(agent.peer_of(local, peer)),
         None => return,
     };
     let _ = conn.write_all(&answer).await;
 }
 
+/// A peer address as the library reads it: `+`, IPv4 address, port; `=`,
+/// IPv6 address, port; `-` if there is none.
+fn answer(peer: Option<SocketAddr>) -> Vec<u8> {
+    match peer {
+        Some(SocketAddr::V4(a)) => {
+            let mut r = vec![b'+'];
+            r.extend_from_slice(&a.ip().octets());
+            r.extend_from_slice(&a.port().to_be_bytes());
+            r
+        }
+        Some(SocketAddr::V6(a)) => {
+            let mut r = vec![b'='];
+            r.extend_from_slice(&a.ip().octets());
+            r.extend_from_slice(&a.port().to_be_bytes());
+            r
+        }
+        None => b"-".to_vec(),
+    }
+}
+
 impl Agent {
     /// The peer a program's socket between `local` and its loopback `peer`
-    /// stands for: the destination of an outgoing connection (its peer is
-    /// the agent), or the roam client of an incoming one (its peer is the
-    /// relay's loopback source).
-    fn peer_of(&self, local: SocketAddrV4, peer: SocketAddrV4) -> Option<SocketAddrV4> {
+    /// (127.0.0.1) stands for: the destination of an outgoing connection
+    /// (its peer is the agent), or the roam client of an incoming one (its
+    /// peer is the relay's loopback source).
+    fn peer_of(&self, local: SocketAddrV4, peer: SocketAddrV4) -> Option<SocketAddr> {
         if !peer.ip().is_loopback() {
             return None;
         }
         if peer.port() != self.agent_port {
-            // Where the client is now: it may have moved since it connected.
-            let session = self
-                .dialed
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .get(&peer.port())
-                .cloned()?;
-            return match session.stats().peer_addr {
-                Some(SocketAddr::V4(a)) => Some(a),
-                _ => None,
-            };
+            return self.client((false, peer.port()));
         }
-        match self.outgoing((false, local.port())) {
-            Some(SocketAddr::V4(a)) => Some(a),
-            _ => None,
-        }
+        self.outgoing((false, local.port()))
+    }
+
+    /// Where the roam client of the incoming connection the relay made from
+    /// loopback `port` is *now* (it may have moved since it connected).
+    fn client(&self, port: Port) -> Option<SocketAddr> {
+        let session = self
+            .dialed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&port)
+            .cloned()?;
+        session
+            .stats()
+            .peer_addr
+            .map(|a| SocketAddr::new(a.ip().to_canonical(), a.port()))
     }
 
     /// The destination of the program's outgoing connection from loopback
@@ -485,8 +498,11 @@ enum Message {
     Connect { port: u16, dest: SocketAddr },
     /// `q`: the destination of the IPv6 connection from [::1]:`port`?
     Query6 { port: u16 },
-    /// `L`: the program listens on `addr` (unspecified: every address).
-    Listen { addr: SocketAddrV4 },
+    /// `L` (IPv4, or IPv6 `::` that takes IPv4 too) or `l` (IPv6 only):
+    /// the program listens on `addr` (unspecified: every address).
+    Listen { addr: SocketAddr },
+    /// `w`: the client of the incoming connection from [::1]:`port`?
+    QueryIn6 { port: u16 },
     /// `Q`: who is the peer of the program's socket `local` ↔ `peer`?
     Query {
         local: SocketAddrV4,
@@ -525,7 +541,19 @@ impl Message {
             b'q' => Some(Message::Query6 {
                 port: u16::from_be_bytes(rest.get(..2)?.try_into().ok()?),
             }),
-            b'L' => Some(Message::Listen { addr: addr(rest)? }),
+            b'L' => Some(Message::Listen {
+                addr: SocketAddr::V4(addr(rest)?),
+            }),
+            b'l' => {
+                let ip: [u8; 16] = rest.get(..16)?.try_into().ok()?;
+                let port = u16::from_be_bytes(rest.get(16..18)?.try_into().ok()?);
+                Some(Message::Listen {
+                    addr: SocketAddr::from((ip, port)),
+                })
+            }
+            b'w' => Some(Message::QueryIn6 {
+                port: u16::from_be_bytes(rest.get(..2)?.try_into().ok()?),
+            }),
             b'Q' => Some(Message::Query {
                 local: addr(rest)?,
                 peer: addr(rest.get(6..)?)?,
@@ -599,18 +627,25 @@ impl crate::serve::Dialer for ToProgram {
                         format!("the program does not listen on port {port}"),
                     )
                 })?;
-            let to = if bound.is_unspecified() {
-                Ipv4Addr::LOCALHOST
-            } else {
-                bound
+            // From loopback of the listener's family, to the listener (its
+            // address, or loopback for "every address").
+            let (sock, from) = match bound {
+                std::net::IpAddr::V4(_) => (
+                    tokio::net::TcpSocket::new_v4()?,
+                    std::net::IpAddr::from(Ipv4Addr::LOCALHOST),
+                ),
+                std::net::IpAddr::V6(_) => (
+                    tokio::net::TcpSocket::new_v6()?,
+                    std::net::IpAddr::from(std::net::Ipv6Addr::LOCALHOST),
+                ),
             };
+            let to = if bound.is_unspecified() { from } else { bound };
             // Bound first, remembered before the connect: the program's
             // accept may ask who it is before the connect returns here.
-            let sock = tokio::net::TcpSocket::new_v4()?;
-            sock.bind(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))?;
-            let source = sock.local_addr()?.port();
+            sock.bind(SocketAddr::new(from, 0))?;
+            let source = (from.is_ipv6(), sock.local_addr()?.port());
             let keep = Entry::insert(&self.0.dialed, source, session.clone());
-            let tcp = sock.connect(SocketAddr::from((to, port))).await?;
+            let tcp = sock.connect(SocketAddr::new(to, port)).await?;
             Ok((tcp, Box::new(keep) as Box<dyn Send>))
         })
     }
@@ -674,7 +709,7 @@ mod tests {
         assert_eq!(
             Message::decode(&[b'L', 0, 0, 0, 0, 0x1f, 0x90]),
             Some(Message::Listen {
-                addr: SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 8080)
+                addr: SocketAddr::from(([0, 0, 0, 0], 8080))
             })
         );
         assert_eq!(

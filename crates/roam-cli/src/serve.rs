@@ -1237,10 +1237,16 @@ pub(crate) async fn start_host_relay(
     dialer: Arc<dyn Dialer>,
     mut stop: watch::Receiver<bool>,
 ) -> Result<roam_proto::PublicKey, String> {
-    let at = format!("0.0.0.0:{port}");
-    let listener = crate::limits::listen(&at)
-        .await
-        .map_err(|e| format!("cannot listen on {at} ({e})"))?;
+    // Every address, IPv6 (and IPv4 through it) where the host has IPv6.
+    let listener = match crate::limits::listen(&format!("[::]:{port}")).await {
+        Ok(l) => l,
+        Err(_) => {
+            let at = format!("0.0.0.0:{port}");
+            crate::limits::listen(&at)
+                .await
+                .map_err(|e| format!("cannot listen on {at} ({e})"))?
+        }
+    };
     let keypair = crate::keys::load_or_create(&state.join("server.key"))
         .map_err(|e| format!("has no server key ({})", e.0))?;
     let public = keypair.public();

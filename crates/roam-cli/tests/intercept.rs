@@ -1725,13 +1725,14 @@ fn roam_run_carries_threads_epoll_poll_select_sendmsg_readv_dup_and_half_close()
     assert!(status.success(), "{status}: {}", run.seen);
 }
 
-/// `roam run -- curl` over IPv6: the server host (IPv6 addresses only for
-/// this test's traffic) runs `roam serve` on `[::]:7447` and an HTTP server
-/// on its IPv6 address; curl downloads 24 MiB from `http://[v6]:8000`
+/// `roam run` at both ends over IPv6: the server host runs `python3 -m
+/// http.server` on its IPv6 address under `roam run` (whose relay then
+/// listens on `[::]:7447`), and `roam run -- curl` downloads 24 MiB from
+/// `http://[v6]:8000`
 /// across a 2 s link cut and a new IPv6 address for the client host (the
-/// old one gone), the file whole (SHA-256); `roam run` found the relay over
-/// IPv6, and `getpeername` on a carried IPv6 socket names the server (not
-/// the agent's `[::1]`).
+/// old one gone), the file whole (SHA-256); the client's agent found the
+/// relay over IPv6, the server logged the client's IPv6 address (not
+/// `[::1]`), and `getpeername` on a carried IPv6 socket names the server.
 #[test]
 fn roam_run_carries_an_ipv6_download_across_a_link_cut_and_a_new_address() {
     use sha2::Digest;
@@ -1777,22 +1778,19 @@ fn roam_run_carries_an_ipv6_download_across_a_link_cut_and_a_new_address() {
     );
     let site = tempfile::tempdir().expect("site");
     let want = pattern_file(&site.path().join("f.bin"), 24 << 20);
-    let mut http = Command::new("nsenter");
-    http.arg(format!("--net=/run/netns/{}", lan.ns(S)))
-        .args(["--", "python3", "-m", "http.server"])
+    // The server under `roam run` too: its IPv6-only listener makes the
+    // host enhanced, and its log names each request's client.
+    let server_state = tempfile::tempdir().expect("state dir");
+    let mut cmd = roam_in(&lan, S, server_state.path());
+    cmd.args(["run", "--", "python3", "-u", "-m", "http.server"])
         .arg(HTTP_PORT.to_string())
         .args(["--bind", &v6(2), "--directory"])
-        .arg(site.path())
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
-    let _http = ChildGuard::spawn(&mut http).expect("http.server");
-    let relay_state = tempfile::tempdir().expect("state dir");
-    let mut cmd = roam_in(&lan, S, relay_state.path());
-    cmd.args(["serve", "--listen", "[::]:7447", "--allow"])
-        .arg(format!("*:{HTTP_PORT}"));
-    let mut relay = Logged::spawn(cmd, "serve");
-    relay.wait_for("listening on", Duration::from_secs(20));
+        .arg(site.path());
+    let mut server = Logged::spawn(cmd, "run server");
+    server.wait_for(
+        "roam clients reach it through the relay",
+        Duration::from_secs(20),
+    );
     let addr: SocketAddr = format!("[{}]:{HTTP_PORT}", v6(2)).parse().expect("addr");
     let deadline = Instant::now() + Duration::from_secs(10);
     while lan.tcp_connect(C, addr, Duration::from_secs(1)).is_err() {
@@ -1822,6 +1820,12 @@ fn roam_run_carries_an_ipv6_download_across_a_link_cut_and_a_new_address() {
     let mut run = Logged::spawn(cmd, "run curl");
     let line = run.wait_for("runs a roam relay", Duration::from_secs(20));
     assert!(line.contains(&v6(2)), "{line}");
+    let line = server.wait_for("GET /f.bin", Duration::from_secs(20));
+    assert!(
+        line.starts_with(&format!("{} ", v6(1))),
+        "the server should log the client's IPv6 address {}: {line:?}",
+        v6(1)
+    );
     let size = || std::fs::metadata(&out).map_or(0, |m| m.len());
     let deadline = Instant::now() + Duration::from_secs(30);
     while size() < 2 << 20 {

@@ -494,15 +494,26 @@ pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
     let (Some(setup), Some(connect)) = (setup(), real_connect()) else {
         return r;
     };
-    if let Some((ip, port)) = listening_v4(fd).filter(|&(ip, port)| {
-        ip >> 24 != 127 && (setup.ports.is_empty() || setup.ports.contains(&port))
-    }) {
-        let mut msg = [0u8; 7];
+    let chosen = |port: u16| setup.ports.is_empty() || setup.ports.contains(&port);
+    let mut msg = [0u8; 19];
+    let n = if let Some((ip, port)) =
+        listening_v4(fd).filter(|&(ip, port)| ip >> 24 != 127 && chosen(port))
+    {
         msg[0] = b'L';
         msg[1..5].copy_from_slice(&ip.to_be_bytes());
         msg[5..7].copy_from_slice(&port.to_be_bytes());
+        7
+    } else if let Some((ip, port)) = listening_v6(fd).filter(|&(_, port)| chosen(port)) {
+        msg[0] = b'l';
+        msg[1..17].copy_from_slice(&ip);
+        msg[17..19].copy_from_slice(&port.to_be_bytes());
+        19
+    } else {
+        0
+    };
+    if n > 0 {
         let mut ack = [0u8; 1];
-        let answered = ask(connect, setup, &msg, &mut ack) == Some(1) && ack[0] == b'+';
+        let answered = ask(connect, setup, &msg[..n], &mut ack) == Some(1) && ack[0] == b'+';
         if !answered && !LISTEN_REPORTED.swap(true, Ordering::Relaxed) {
             say("roam run: a listening socket takes plain TCP only: the agent did not answer\n");
         }
@@ -566,6 +577,43 @@ fn listening_v4(fd: c_int) -> Option<(u32, u16)> {
         }
         _ => None,
     }
+}
+
+/// The IPv6 address and port an IPv6-only TCP listener listens on: `::`
+/// with `IPV6_V6ONLY` set, or a global address (not loopback, link-local,
+/// multicast or IPv4-mapped). Dual-stack `::` is [`listening_v4`]'s.
+fn listening_v6(fd: c_int) -> Option<([u8; 16], u16)> {
+    if sock_opt(fd, libc::SO_TYPE)? != libc::SOCK_STREAM
+        || sock_opt(fd, libc::SO_PROTOCOL)? != libc::IPPROTO_TCP
+        || sock_opt(fd, libc::SO_DOMAIN)? != libc::AF_INET6
+    {
+        return None;
+    }
+    // SAFETY: sockaddr_in6 is plain old data; all-zero is a valid value.
+    let mut me: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::sockaddr_in6>() as socklen_t;
+    // SAFETY: `me` is writable for `len` bytes and `len` is writable.
+    let r = unsafe {
+        libc::getsockname(
+            fd,
+            &mut me as *mut libc::sockaddr_in6 as *mut sockaddr,
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return None;
+    }
+    let ip = me.sin6_addr.s6_addr;
+    let port = u16::from_be(me.sin6_port);
+    if ip == [0; 16] {
+        // (Dual-stack `::` is announced as IPv4's "any", which reaches it.)
+        return (listening_v4(fd).is_none()).then_some((ip, port));
+    }
+    let special = ip == std::net::Ipv6Addr::LOCALHOST.octets()
+        || (ip[0] == 0xfe && ip[1] & 0xc0 == 0x80)
+        || ip[0] == 0xff
+        || mapped_v4(&ip).is_some();
+    (!special).then_some((ip, port))
 }
 
 /// The IPv4 address (host order) inside an IPv4-mapped IPv6 address.
@@ -652,6 +700,12 @@ pub unsafe extern "C" fn getpeername(fd: c_int, addr: *mut sockaddr, len: *mut s
 /// peer the program should see into `addr` (as much as `cap` bytes allow,
 /// in the socket's own family) and its full length into `*len`.
 ///
+/// The question depends on the loopback peer: the agent's own port (an
+/// outgoing connection, known by its local port: `Q` on 127.0.0.1, `q` on
+/// ::1) or another port (an incoming connection the agent's relay made
+/// from that port: `Q` on 127.0.0.1, `w` on ::1). The answer is `+` and an
+/// IPv4 address and port, `=` and an IPv6 address and port, or `-`.
+///
 /// # Safety
 ///
 /// `addr` is writable for `cap` bytes and `len` is writable.
@@ -659,73 +713,73 @@ unsafe fn rewrite_peer(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, cap:
     let (Some(setup), Some(connect)) = (setup(), real_connect()) else {
         return;
     };
-    if setup.agent6_port != 0 {
-        if let Some(local) = carried_v6(fd, setup.agent6_port) {
-            // An outgoing IPv6 connection: ask for its destination.
-            let mut msg = [0u8; 3];
-            msg[0] = b'q';
-            msg[1..3].copy_from_slice(&local.to_be_bytes());
-            let mut reply = [0u8; 19];
-            if ask(connect, setup, &msg, &mut reply) != Some(19) || reply[0] != b'+' {
-                return;
-            }
+    let saved = errno();
+    let Some((family, peer, pport)) = real_peer(fd) else {
+        return;
+    };
+    let Some(lport) = local_port(fd) else {
+        return;
+    };
+    let mut msg = [0u8; 13];
+    let n = match peer {
+        Ip::V4(pip) if pip >> 24 == 127 => {
+            msg[0] = b'Q';
+            msg[5..7].copy_from_slice(&lport.to_be_bytes());
+            msg[7..11].copy_from_slice(&pip.to_be_bytes());
+            msg[11..13].copy_from_slice(&pport.to_be_bytes());
+            13
+        }
+        Ip::V6(pip) if pip == std::net::Ipv6Addr::LOCALHOST.octets() => {
+            let (kind, port) = if setup.agent6_port != 0 && pport == setup.agent6_port {
+                (b'q', lport)
+            } else {
+                (b'w', pport)
+            };
+            msg[0] = kind;
+            msg[1..3].copy_from_slice(&port.to_be_bytes());
+            3
+        }
+        _ => return,
+    };
+    let mut reply = [0u8; 19];
+    let got = ask(connect, setup, &msg[..n], &mut reply);
+    set_errno(saved);
+    let (real, port) = match (got, reply[0]) {
+        (Some(7), b'+') => (
+            Ip::V4(u32::from_be_bytes([reply[1], reply[2], reply[3], reply[4]])),
+            u16::from_be_bytes([reply[5], reply[6]]),
+        ),
+        (Some(19), b'=') => {
+            let mut ip = [0u8; 16];
+            ip.copy_from_slice(&reply[1..17]);
+            (Ip::V6(ip), u16::from_be_bytes([reply[17], reply[18]]))
+        }
+        _ => return,
+    };
+    let mut out = [0u8; std::mem::size_of::<libc::sockaddr_in6>()];
+    let size = match (family, real) {
+        (libc::AF_INET, Ip::V4(ip)) => {
+            let mut a = loopback(port);
+            a.sin_addr.s_addr = ip.to_be();
+            // SAFETY: `out` is larger than a sockaddr_in; written unaligned.
+            unsafe { std::ptr::write_unaligned(out.as_mut_ptr() as *mut sockaddr_in, a) };
+            std::mem::size_of::<sockaddr_in>()
+        }
+        (libc::AF_INET6, real) => {
             // SAFETY: sockaddr_in6 is plain old data; all-zero is valid.
             let mut a: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
             a.sin6_family = libc::AF_INET6 as libc::sa_family_t;
-            a.sin6_addr.s6_addr.copy_from_slice(&reply[1..17]);
-            a.sin6_port = u16::from_be_bytes([reply[17], reply[18]]).to_be();
-            let size = std::mem::size_of::<libc::sockaddr_in6>();
-            let n = size.min(cap as usize);
-            // SAFETY: `addr` is writable for `cap` >= `n` bytes; `a` is on
-            // our stack, readable for `size` >= `n`.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    &a as *const libc::sockaddr_in6 as *const u8,
-                    addr as *mut u8,
-                    n,
-                )
+            a.sin6_port = port.to_be();
+            a.sin6_addr.s6_addr = match real {
+                Ip::V4(ip) => std::net::Ipv4Addr::from(ip).to_ipv6_mapped().octets(),
+                Ip::V6(ip) => ip,
             };
-            // SAFETY: `len` is writable, per the contract.
-            unsafe { *len = size as socklen_t };
-            return;
+            // SAFETY: `out` is exactly a sockaddr_in6; written unaligned.
+            unsafe { std::ptr::write_unaligned(out.as_mut_ptr() as *mut libc::sockaddr_in6, a) };
+            std::mem::size_of::<libc::sockaddr_in6>()
         }
-    }
-    let Some(((lip, lport), (pip, pport), family)) = ends_v4(fd) else {
-        return;
-    };
-    if pip >> 24 != 127 {
-        return;
-    }
-    let mut msg = [0u8; 13];
-    msg[0] = b'Q';
-    msg[1..5].copy_from_slice(&lip.to_be_bytes());
-    msg[5..7].copy_from_slice(&lport.to_be_bytes());
-    msg[7..11].copy_from_slice(&pip.to_be_bytes());
-    msg[11..13].copy_from_slice(&pport.to_be_bytes());
-    let mut reply = [0u8; 7];
-    if ask(connect, setup, &msg, &mut reply) != Some(7) || reply[0] != b'+' {
-        return;
-    }
-    let ip = [reply[1], reply[2], reply[3], reply[4]];
-    let port = u16::from_be_bytes([reply[5], reply[6]]);
-    let mut out = [0u8; std::mem::size_of::<libc::sockaddr_in6>()];
-    let size = if family == libc::AF_INET {
-        let mut a = loopback(port);
-        a.sin_addr.s_addr = u32::from_be_bytes(ip).to_be();
-        // SAFETY: `out` is larger than a sockaddr_in; written unaligned.
-        unsafe { std::ptr::write_unaligned(out.as_mut_ptr() as *mut sockaddr_in, a) };
-        std::mem::size_of::<sockaddr_in>()
-    } else {
-        // SAFETY: sockaddr_in6 is plain old data; all-zero is valid.
-        let mut a: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
-        a.sin6_family = libc::AF_INET6 as libc::sa_family_t;
-        a.sin6_port = port.to_be();
-        a.sin6_addr.s6_addr[10] = 0xff;
-        a.sin6_addr.s6_addr[11] = 0xff;
-        a.sin6_addr.s6_addr[12..].copy_from_slice(&ip);
-        // SAFETY: `out` is exactly a sockaddr_in6; written unaligned.
-        unsafe { std::ptr::write_unaligned(out.as_mut_ptr() as *mut libc::sockaddr_in6, a) };
-        std::mem::size_of::<libc::sockaddr_in6>()
+        // An IPv6 client cannot be named on an IPv4 socket: left as it is.
+        _ => return,
     };
     let n = size.min(cap as usize);
     // SAFETY: `addr` is writable for `cap` >= `n` bytes; `out` readable for
@@ -735,46 +789,29 @@ unsafe fn rewrite_peer(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, cap:
     unsafe { *len = size as socklen_t };
 }
 
-/// If `fd`'s real peer is the agent's IPv6 port (`[::1]:agent6`): its local
-/// port, by which the agent knows the connection.
-fn carried_v6(fd: c_int, agent6: u16) -> Option<u16> {
-    let real = real_getpeername()?;
-    let saved = errno();
-    // SAFETY: sockaddr_in6 is plain old data; all-zero is valid.
-    let mut a: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
-    let mut n = std::mem::size_of::<libc::sockaddr_in6>() as socklen_t;
-    // SAFETY: `a` is writable for `n` bytes, `n` writable.
-    let r = unsafe { real(fd, &mut a as *mut libc::sockaddr_in6 as *mut sockaddr, &mut n) };
-    let ours = r == 0
-        && c_int::from(a.sin6_family) == libc::AF_INET6
-        && a.sin6_addr.s6_addr == std::net::Ipv6Addr::LOCALHOST.octets()
-        && u16::from_be(a.sin6_port) == agent6;
-    let local = if ours { local_port(fd) } else { None };
-    set_errno(saved);
-    local
+/// An IP address: IPv4 (host order) or IPv6 (network order bytes).
+#[derive(Clone, Copy)]
+enum Ip {
+    V4(u32),
+    V6([u8; 16]),
 }
 
-/// A TCP socket's local and peer IPv4 addresses (host order) and ports,
-/// and its family (`AF_INET`, or `AF_INET6` with IPv4-mapped addresses).
-type Ends = ((u32, u16), (u32, u16), c_int);
-
-/// `fd`'s [`Ends`], if it is a TCP socket between IPv4 addresses.
-fn ends_v4(fd: c_int) -> Option<Ends> {
+/// `fd`'s family and real peer (from the real `getpeername`), if it is a
+/// TCP socket; an IPv4-mapped peer of an IPv6 socket is given as IPv4.
+fn real_peer(fd: c_int) -> Option<(c_int, Ip, u16)> {
     let real = real_getpeername()?;
-    let name = |peer: bool| -> Option<(u32, u16, c_int)> {
+    let saved = errno();
+    let peer = (|| {
+        if sock_opt(fd, libc::SO_PROTOCOL)? != libc::IPPROTO_TCP {
+            return None;
+        }
         // SAFETY: sockaddr_in6 is plain old data; all-zero is valid, and
         // it is large enough for either family.
         let mut a: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
-        let mut len = std::mem::size_of::<libc::sockaddr_in6>() as socklen_t;
+        let mut n = std::mem::size_of::<libc::sockaddr_in6>() as socklen_t;
         let p = &mut a as *mut libc::sockaddr_in6 as *mut sockaddr;
-        let r = if peer {
-            // SAFETY: `a` is writable for `len` bytes, `len` writable.
-            unsafe { real(fd, p, &mut len) }
-        } else {
-            // SAFETY: as above.
-            unsafe { libc::getsockname(fd, p, &mut len) }
-        };
-        if r != 0 {
+        // SAFETY: `a` is writable for `n` bytes, `n` writable.
+        if unsafe { real(fd, p, &mut n) } != 0 {
             return None;
         }
         let port = u16::from_be(a.sin6_port);
@@ -783,23 +820,22 @@ fn ends_v4(fd: c_int) -> Option<Ends> {
                 // SAFETY: the kernel wrote a sockaddr_in into the larger
                 // `a`; read unaligned as a plain copy.
                 let v4 = unsafe { std::ptr::read_unaligned(p as *const sockaddr_in) };
-                Some((u32::from_be(v4.sin_addr.s_addr), port, libc::AF_INET))
+                Some((
+                    libc::AF_INET,
+                    Ip::V4(u32::from_be(v4.sin_addr.s_addr)),
+                    port,
+                ))
             }
-            libc::AF_INET6 => mapped_v4(&a.sin6_addr.s6_addr).map(|ip| (ip, port, libc::AF_INET6)),
+            libc::AF_INET6 => {
+                let ip = a.sin6_addr.s6_addr;
+                let peer = mapped_v4(&ip).map_or(Ip::V6(ip), Ip::V4);
+                Some((libc::AF_INET6, peer, port))
+            }
             _ => None,
         }
-    };
-    let saved = errno();
-    let ends = (|| {
-        if sock_opt(fd, libc::SO_PROTOCOL)? != libc::IPPROTO_TCP {
-            return None;
-        }
-        let (pip, pport, family) = name(true)?;
-        let (lip, lport, _) = name(false)?;
-        Some(((lip, lport), (pip, pport), family))
     })();
     set_errno(saved);
-    ends
+    peer
 }
 
 /// 127.0.0.1:`port`.
