@@ -243,7 +243,7 @@ Examples:
   roam intercept --port 5432 --incoming          # on db.example: the server side
   roam intercept --cleanup                       # remove rules a crash left
 
-Nothing in the programs changes. An nftables rule set (table ip
+Nothing in the programs changes. An nftables rule set (table inet
 roam_intercept_<pid>) redirects this host's new outgoing TCP connections to
 the ports to roam's agent on 127.0.0.1. For each one the agent asks the
 destination host, once, whether it runs roam on the relay port
@@ -270,11 +270,12 @@ on one of this host's addresses, to that local server with the client's own
 address and port as its source (IP_TRANSPARENT; an nftables route chain
 and a policy route, `ip rule fwmark 0x726f616e lookup 29295`, bring the
 server's answers back to the agent). The server sees and logs the real
-client, as with plain TCP. Ordinary clients still connect directly. Needs
+client, as with plain TCP (IPv4 clients; an IPv6 client's stream comes
+from this host's own address). Ordinary clients still connect directly. Needs
 rp_filter off or loose (2), as Debian sets it, not strict.
 
 Loopback, this host's own addresses and roam's own sockets are never
-redirected. IPv4 only; UDP is not carried. The rules are removed when roam
+redirected. IPv4 and IPv6 (to the agent on [::1]); UDP is not carried. The rules are removed when roam
 intercept exits (SIGINT, SIGTERM, SIGHUP); after a crash, the next roam
 intercept or `roam intercept --cleanup` removes them.
 

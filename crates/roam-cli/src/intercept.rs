@@ -129,7 +129,16 @@ pub(crate) async fn run(args: InterceptArgs, config: &FileConfig) -> CliResult {
         })?;
         incoming = Some((Routes::install()?, key));
     }
-    let rules = Rules::install(&args.ports, agent, args.incoming)?;
+    // IPv6 connections are redirected to ::1 (none where the host has no
+    // IPv6 loopback).
+    let listener6 = TcpListener::bind(SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, 0)))
+        .await
+        .ok();
+    let agent6 = listener6
+        .as_ref()
+        .and_then(|l| l.local_addr().ok())
+        .map(|a| a.port());
+    let rules = Rules::install(&args.ports, agent, agent6, args.incoming)?;
     let ports = args
         .ports
         .iter()
@@ -140,7 +149,7 @@ pub(crate) async fn run(args: InterceptArgs, config: &FileConfig) -> CliResult {
         crate::control::start(config, format!("intercept ports {ports}"), registry.clone());
     eprintln!(
         "roam intercept: connections to port{} {ports} go through roam where the peer runs a \
-         relay on port {} (agent 127.0.0.1:{agent}, rules: table ip {})",
+         relay on port {} (agent 127.0.0.1:{agent}, rules: table inet {})",
         if args.ports.len() == 1 { "" } else { "s" },
         probe.relay_port,
         rules.table
@@ -164,28 +173,13 @@ pub(crate) async fn run(args: InterceptArgs, config: &FileConfig) -> CliResult {
     let mut accept_log = roam::LogThrottle::new(Duration::from_secs(10));
     let code = loop {
         tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((tcp, from)) => match original_destination(&tcp) {
-                    // The rules never redirect to loopback: such a
-                    // "destination" is a connection made straight to the
-                    // agent's port (by any local user), which must not be
-                    // carried (carried plainly, it would connect to the
-                    // agent again, and again).
-                    Ok(dest) if dest.ip().is_loopback() || dest.ip().is_unspecified() => {
-                        tracing::warn!("refused a connection from {from} made straight to the agent");
-                    }
-                    Ok(dest) => {
-                        tokio::spawn(carry(ctx.clone(), tcp, SocketAddr::V4(dest)));
-                    }
-                    Err(e) => tracing::warn!("a redirected connection without its destination: {e}"),
-                },
-                Err(e) => {
-                    if let Some(n) = accept_log.allow(Instant::now()) {
-                        tracing::warn!("accept failed: {e}; retrying ({n} more not logged)");
-                    }
-                    tokio::time::sleep(Duration::from_millis(100)).await;
+            accepted = listener.accept() => take(&ctx, accepted, &mut accept_log).await,
+            accepted = async {
+                match &listener6 {
+                    Some(l) => l.accept().await,
+                    None => std::future::pending().await,
                 }
-            },
+            } => take(&ctx, accepted, &mut accept_log).await,
             sig = crate::signals::exit_signal() => break 128 + sig,
         }
     };
@@ -195,6 +189,35 @@ pub(crate) async fn run(args: InterceptArgs, config: &FileConfig) -> CliResult {
     ctx.close_all().await;
     drop(incoming);
     Ok(code)
+}
+
+/// Carries a connection the rules redirected to the agent.
+async fn take(
+    ctx: &Arc<Ctx>,
+    accepted: std::io::Result<(TcpStream, SocketAddr)>,
+    log: &mut roam::LogThrottle,
+) {
+    match accepted {
+        Ok((tcp, from)) => match original_destination(&tcp, from.is_ipv6()) {
+            // The rules never redirect to loopback: such a "destination" is
+            // a connection made straight to the agent's port (by any local
+            // user), which must not be carried (carried plainly, it would
+            // connect to the agent again, and again).
+            Ok(dest) if dest.ip().is_loopback() || dest.ip().is_unspecified() => {
+                tracing::warn!("refused a connection from {from} made straight to the agent");
+            }
+            Ok(dest) => {
+                tokio::spawn(carry(ctx.clone(), tcp, dest));
+            }
+            Err(e) => tracing::warn!("a redirected connection without its destination: {e}"),
+        },
+        Err(e) => {
+            if let Some(n) = log.allow(Instant::now()) {
+                tracing::warn!("accept failed: {e}; retrying ({n} more not logged)");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
 }
 
 /// `--incoming`'s way to the local servers: a connection to the stream's
@@ -224,10 +247,10 @@ impl crate::serve::Dialer for Transparent {
                     format!("port {port} is not intercepted here"),
                 ));
             }
-            let ip: std::net::Ipv4Addr = host.parse().map_err(|_| {
+            let ip: IpAddr = host.parse().map_err(|_| {
                 Error::new(
                     ErrorKind::InvalidInput,
-                    format!("{host} is not an IPv4 address"),
+                    format!("{host} is not an IP address"),
                 )
             })?;
             // Only this host: a spoofed source must never reach the network.
@@ -237,24 +260,28 @@ impl crate::serve::Dialer for Transparent {
                     format!("{ip} is not an address of this host"),
                 ));
             }
-            let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+            let target = SocketAddr::new(ip, port);
+            let sock = socket2::Socket::new(
+                socket2::Domain::for_address(target),
+                socket2::Type::STREAM,
+                None,
+            )?;
             sock.set_mark(MARK_IN)?;
             // The client's address; its port is the kernel's choice (the
-            // program's own port is not known here).
-            // (IPv4 only: an IPv6 client's stream reaches the server from
-            // the agent's own address.)
+            // program's own port is not known here). IPv4 only: an IPv6
+            // client's stream reaches the server from this host's address.
             let client = session
                 .stats()
                 .peer_addr
                 .map(|a| SocketAddr::new(a.ip().to_canonical(), a.port()));
-            if let Some(SocketAddr::V4(c)) = client {
+            if let (IpAddr::V4(_), Some(SocketAddr::V4(c))) = (ip, client) {
                 sock.set_ip_transparent_v4(true)?;
                 sock.bind(&SocketAddr::V4(SocketAddrV4::new(*c.ip(), 0)).into())?;
             }
             sock.set_nonblocking(true)?;
             sock.set_cloexec(true)?;
             let sock = tokio::net::TcpSocket::from_std_stream(std::net::TcpStream::from(sock));
-            let tcp = sock.connect(SocketAddr::from((ip, port))).await?;
+            let tcp = sock.connect(target).await?;
             Ok((tcp, Box::new(()) as Box<dyn Send>))
         })
     }
@@ -629,12 +656,17 @@ async fn direct(tcp: &mut TcpStream, dest: SocketAddr, mark: bool) -> std::io::R
         .map(|_| ())
 }
 
-/// The destination the program connected to, before the redirect.
-fn original_destination(tcp: &TcpStream) -> std::io::Result<SocketAddrV4> {
-    socket2::SockRef::from(tcp)
-        .original_dst_v4()?
-        .as_socket_ipv4()
-        .ok_or_else(|| std::io::Error::other("not an IPv4 destination"))
+/// The destination the program connected to, before the redirect (`v6`:
+/// the connection came to the agent's IPv6 socket).
+fn original_destination(tcp: &TcpStream, v6: bool) -> std::io::Result<SocketAddr> {
+    let sock = socket2::SockRef::from(tcp);
+    let dst = if v6 {
+        sock.original_dst_v6()?
+    } else {
+        sock.original_dst_v4()?
+    };
+    dst.as_socket()
+        .ok_or_else(|| std::io::Error::other("not an IP destination"))
 }
 
 /// This process's rule set; removed when dropped.
@@ -648,8 +680,14 @@ struct Rules {
 impl Rules {
     /// Redirects new outgoing TCP connections to `ports` (other than to
     /// loopback or this host's own addresses, and other than the agent's
-    /// marked sockets) to 127.0.0.1:`agent`.
-    fn install(ports: &[u16], agent: u16, incoming: bool) -> Result<Rules, CliError> {
+    /// marked sockets) to 127.0.0.1:`agent`, and over IPv6 to
+    /// [::1]:`agent6` (IPv6 is left alone without it). One `inet` table.
+    fn install(
+        ports: &[u16],
+        agent: u16,
+        agent6: Option<u16>,
+        incoming: bool,
+    ) -> Result<Rules, CliError> {
         let table = format!("{TABLE_PREFIX}{}", std::process::id());
         let set = ports
             .iter()
@@ -670,14 +708,20 @@ impl Rules {
         } else {
             String::new()
         };
+        let v6 = match agent6 {
+            Some(p) => format!("\t\tmeta nfproto ipv6 tcp dport {{ {set} }} redirect to :{p}\n"),
+            None => String::new(),
+        };
         nft(&format!(
-            "table ip {table} {{\n\
+            "table inet {table} {{\n\
              \tchain output {{\n\
              \t\ttype nat hook output priority -100; policy accept;\n\
              \t\tmeta mark {MARK:#x} return\n\
              \t\tip daddr 127.0.0.0/8 return\n\
+             \t\tip6 daddr ::1 return\n\
              \t\tfib daddr type local return\n\
-             \t\ttcp dport {{ {set} }} redirect to :{agent}\n\
+             \t\tmeta nfproto ipv4 tcp dport {{ {set} }} redirect to :{agent}\n\
+             {v6}\
              \t}}\n{answers}}}\n"
         ))?;
         Ok(Rules {
@@ -689,14 +733,14 @@ impl Rules {
     /// Removes the rule set now.
     fn remove(mut self) -> Result<(), CliError> {
         self.removed = true;
-        nft(&format!("delete table ip {}\n", self.table))
+        nft(&format!("delete table inet {}\n", self.table))
     }
 }
 
 impl Drop for Rules {
     fn drop(&mut self) {
         if !self.removed {
-            let _ = nft(&format!("delete table ip {}\n", self.table));
+            let _ = nft(&format!("delete table inet {}\n", self.table));
         }
     }
 }
@@ -705,7 +749,7 @@ impl Drop for Rules {
 /// their names.
 fn remove_tables(which: impl Fn(u32) -> bool) -> Result<Vec<String>, CliError> {
     let out = std::process::Command::new("nft")
-        .args(["list", "tables", "ip"])
+        .args(["list", "tables"])
         .output()
         .map_err(|e| CliError(format!("cannot run nft: {e} (install nftables)")))?;
     if !out.status.success() {
@@ -715,23 +759,30 @@ fn remove_tables(which: impl Fn(u32) -> bool) -> Result<Vec<String>, CliError> {
         )));
     }
     let mut removed = Vec::new();
-    for name in intercept_tables(&String::from_utf8_lossy(&out.stdout)) {
+    for (family, name) in intercept_tables(&String::from_utf8_lossy(&out.stdout)) {
         let owner = name[TABLE_PREFIX.len()..].parse::<u32>().unwrap_or(0);
         if which(owner) {
-            nft(&format!("delete table ip {name}\n"))?;
+            nft(&format!("delete table {family} {name}\n"))?;
             removed.push(name);
         }
     }
     Ok(removed)
 }
 
-/// The intercept tables named in `nft list tables` output.
-fn intercept_tables(listing: &str) -> Vec<String> {
+/// The intercept tables named in `nft list tables` output: (family, name)
+/// (`inet`; `ip` from versions before IPv6).
+fn intercept_tables(listing: &str) -> Vec<(String, String)> {
     listing
         .lines()
-        .filter_map(|l| l.trim().strip_prefix("table ip "))
-        .filter(|n| n.starts_with(TABLE_PREFIX))
-        .map(str::to_owned)
+        .filter_map(|l| {
+            let mut words = l.split_whitespace();
+            match (words.next(), words.next(), words.next()) {
+                (Some("table"), Some(family), Some(name)) if name.starts_with(TABLE_PREFIX) => {
+                    Some((family.to_owned(), name.to_owned()))
+                }
+                _ => None,
+            }
+        })
         .collect()
 }
 
@@ -768,11 +819,14 @@ mod tests {
 
     #[test]
     fn only_intercept_tables_are_listed() {
-        let listing = "table ip nat\ntable ip roam_intercept_42\ntable ip roam_lock_1_0\n\
+        let listing = "table ip nat\ntable inet roam_intercept_42\ntable ip roam_lock_1_0\n\
                        table ip roam_intercept_7\n";
         assert_eq!(
             intercept_tables(listing),
-            vec!["roam_intercept_42", "roam_intercept_7"]
+            vec![
+                ("inet".to_string(), "roam_intercept_42".to_string()),
+                ("ip".to_string(), "roam_intercept_7".to_string())
+            ]
         );
     }
 }

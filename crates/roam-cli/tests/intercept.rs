@@ -2048,3 +2048,102 @@ fn roam_run_serves_what_a_daemonizing_program_leaves_running() {
         .expect("roam run ended after the server it left running");
     assert_eq!(status.code(), Some(3), "the program's own exit status");
 }
+
+/// `roam intercept` over IPv6 at both ends: the client host's rule set
+/// redirects a plain curl's IPv6 connection to the agent on `[::1]`, the
+/// agent finds the server host's `roam intercept --incoming` over IPv6, and
+/// 24 MiB arrive whole (SHA-256) across a 2 s link cut. (IPv6 addresses are
+/// kept across the cut, `keep_addr_on_down`: intercept cannot survive an
+/// address the program's own socket is bound to going away.)
+#[test]
+fn intercept_carries_an_ipv6_download_across_a_link_cut() {
+    use sha2::Digest;
+    if !can_run() || !netns::installed("curl") {
+        eprintln!("skipped: needs curl too");
+        return;
+    }
+    const C: usize = 0;
+    const S: usize = 1;
+    let lan = Lan::new("icpt_v6", 2).expect("LAN");
+    let v6 = |host: u8| format!("fd72:6f61:6e::{host}");
+    let ip = |i: usize, args: &[&str]| {
+        let o = Command::new("ip")
+            .args(["-n", lan.ns(i)])
+            .args(args)
+            .output()
+            .expect("ip");
+        assert!(o.status.success(), "ip {args:?}: {o:?}");
+    };
+    let o = Command::new("ip")
+        .args(["netns", "exec", lan.ns(C), "sysctl", "-qw"])
+        .arg("net.ipv6.conf.roam0.keep_addr_on_down=1")
+        .output()
+        .expect("sysctl");
+    assert!(o.status.success(), "sysctl: {o:?}");
+    for (host, last) in [(C, 1), (S, 2)] {
+        let a = format!("{}/64", v6(last));
+        ip(host, &["-6", "addr", "add", &a, "dev", "roam0", "nodad"]);
+    }
+    let site = tempfile::tempdir().expect("site");
+    let want = pattern_file(&site.path().join("f.bin"), 24 << 20);
+    let mut http = Command::new("nsenter");
+    http.arg(format!("--net=/run/netns/{}", lan.ns(S)))
+        .args(["--", "python3", "-m", "http.server"])
+        .arg(HTTP_PORT.to_string())
+        .args(["--bind", &v6(2), "--directory"])
+        .arg(site.path())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    let _http = ChildGuard::spawn(&mut http).expect("http.server");
+    let addr: SocketAddr = format!("[{}]:{HTTP_PORT}", v6(2)).parse().expect("addr");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while lan.tcp_connect(S, addr, Duration::from_secs(1)).is_err() {
+        assert!(Instant::now() < deadline, "http.server never listened");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let server_state = tempfile::tempdir().expect("state dir");
+    let mut cmd = roam_in(&lan, S, server_state.path());
+    cmd.args(["intercept", "--incoming", "--port", &HTTP_PORT.to_string()]);
+    let mut server = Logged::spawn(cmd, "intercept in");
+    server.wait_for("incoming: roam sessions on port", Duration::from_secs(20));
+    let client_state = tempfile::tempdir().expect("state dir");
+    let mut cmd = roam_in(&lan, C, client_state.path());
+    cmd.args(["intercept", "--port", &HTTP_PORT.to_string()]);
+    let mut client = Logged::spawn(cmd, "intercept out");
+    client.wait_for("go through roam", Duration::from_secs(20));
+
+    let got = tempfile::tempdir().expect("download dir");
+    let out = got.path().join("f.bin");
+    let mut curl = Command::new("nsenter");
+    curl.arg(format!("--net=/run/netns/{}", lan.ns(C)))
+        .args(["--", "curl", "-g", "--silent", "--show-error", "--fail"])
+        .args(["--limit-rate", "4M", "-o"])
+        .arg(&out)
+        .arg(format!("http://[{}]:{HTTP_PORT}/f.bin", v6(2)));
+    let mut curl = Logged::spawn(curl, "curl");
+    let line = client.wait_for("runs a roam relay", Duration::from_secs(20));
+    assert!(line.contains(&v6(2)), "{line}");
+    let size = || std::fs::metadata(&out).map_or(0, |m| m.len());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while size() < 2 << 20 {
+        assert!(Instant::now() < deadline, "the download never got going");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    ip(C, &["link", "set", "roam0", "down"]);
+    std::thread::sleep(Duration::from_secs(2));
+    ip(C, &["link", "set", "roam0", "up"]);
+    let at = size();
+    let status = curl
+        .child
+        .wait_timeout(Duration::from_secs(90))
+        .expect("wait")
+        .unwrap_or_else(|| panic!("curl did not finish; {at} bytes at the cut"));
+    assert!(status.success(), "curl: {status}");
+    let body = std::fs::read(&out).expect("the download");
+    assert_eq!(body.len(), 24 << 20, "length");
+    assert!(
+        sha2::Sha256::digest(&body).to_vec() == want,
+        "the file differs"
+    );
+}
