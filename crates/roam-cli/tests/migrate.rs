@@ -303,7 +303,10 @@ impl Setup {
     /// is frozen (the address locked), opens a new TCP connection to the
     /// server from the client host: its SYN reaches A during the freeze.
     /// Returns the command's output and how long that connect took.
-    fn migrate_with_syn_in_freeze(&self, extra: &[&str]) -> (Output, Duration) {
+    fn migrate_with_syn_in_freeze(
+        &self,
+        extra: &[&str],
+    ) -> (Output, Duration, std::net::UdpSocket) {
         let mut child = self.start_migrate(extra);
         let err = child.stderr.take().expect("stderr");
         let mut out = child.stdout.take().expect("stdout");
@@ -328,6 +331,15 @@ impl Setup {
             });
             rx.recv_timeout(Duration::from_secs(60))
                 .expect("migrate-process never froze the server");
+            // One datagram during the freeze, sent once: the lock drops it
+            // at A, and only its capture and re-injection can answer it.
+            let udp = self
+                .lan
+                .in_ns(CLIENT, || std::net::UdpSocket::bind("0.0.0.0:0"))
+                .expect("client namespace")
+                .expect("UDP socket");
+            udp.send_to(b"in the freeze", addr)
+                .expect("a datagram sent during the freeze");
             let t = Instant::now();
             let conn = self
                 .lan
@@ -347,7 +359,7 @@ impl Setup {
                 String::from_utf8_lossy(&out.stdout),
                 String::from_utf8_lossy(&out.stderr)
             );
-            (out, took)
+            (out, took, udp)
         })
     }
 
@@ -512,7 +524,7 @@ fn a_running_server_moves_to_another_host_with_its_connection_and_address() {
         .expect("UDP echo before the move");
     let csum_errors = s.tcp_counter(B, "InCsumErrors");
     s.echo().reset_gap();
-    let (out, syn_connect) = s.migrate_with_syn_in_freeze(&[]);
+    let (out, syn_connect, freeze_udp) = s.migrate_with_syn_in_freeze(&[]);
     let done = Instant::now();
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -582,6 +594,15 @@ fn a_running_server_moves_to_another_host_with_its_connection_and_address() {
     let at = s.echo().echoed();
     s.echo()
         .wait_echoed(at + (1 << 20), Duration::from_secs(10));
+    // The datagram sent once during the freeze was answered (from B).
+    freeze_udp
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let mut buf = [0u8; 64];
+    let n = freeze_udp
+        .recv(&mut buf)
+        .expect("no answer to the datagram sent during the freeze");
+    assert_eq!(&buf[..n], b"in the freeze");
     // The UDP socket moved too: the same server answers datagrams at B.
     let sends = udp
         .rounds(20, Duration::from_secs(10))
@@ -604,7 +625,7 @@ fn without_reinjection_the_move_still_delivers_every_byte() {
     }
     let mut s = Setup::new("mig_noreinj", None);
     s.echo().reset_gap();
-    let (out, syn_connect) = s.migrate_with_syn_in_freeze(&["--no-reinject"]);
+    let (out, syn_connect, _) = s.migrate_with_syn_in_freeze(&["--no-reinject"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),

@@ -602,8 +602,10 @@ pub struct AddressLock {
 }
 
 impl AddressLock {
-    /// Drops TCP to and from `addr` in namespace `ns` (`/run/netns/NS`; the
-    /// caller's own namespace if `None`) until released or dropped.
+    /// Drops TCP and UDP to and from `addr` in namespace `ns`
+    /// (`/run/netns/NS`; the caller's own namespace if `None`) until
+    /// released or dropped. (UDP too: a datagram that reached a frozen
+    /// socket's queue would die with the dumped process.)
     pub fn new(ns: Option<&str>, addr: std::net::IpAddr) -> Result<AddressLock, Error> {
         use std::sync::atomic::{AtomicU32, Ordering};
         static NEXT: AtomicU32 = AtomicU32::new(0);
@@ -620,9 +622,9 @@ impl AddressLock {
         let rules = format!(
             "table inet {table} {{\n\
              \tchain input {{ type filter hook input priority -150; policy accept; \
-             {family} daddr {addr} meta l4proto tcp drop; }}\n\
+             {family} daddr {addr} meta l4proto {{ tcp, udp }} drop; }}\n\
              \tchain output {{ type filter hook output priority -150; policy accept; \
-             {family} saddr {addr} meta l4proto tcp drop; }}\n}}\n"
+             {family} saddr {addr} meta l4proto {{ tcp, udp }} drop; }}\n}}\n"
         );
         // Marked released until the table exists: a failed start deletes nothing.
         let mut lock = AddressLock {

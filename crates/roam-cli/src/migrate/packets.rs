@@ -5,14 +5,15 @@
 //!
 //! Capture: a packet socket (`AF_PACKET`, `SOCK_DGRAM`, all IPv4) in the
 //! source's network namespace sees each packet as it arrives, before
-//! netfilter — where the address lock then drops it. Every TCP packet to
-//! the moving address is kept (from the lock until the address leaves the
-//! source), duplicates (loopback shows a packet twice) once. Re-injection: a
-//! raw IPv4 socket (`IPPROTO_RAW`: the packet's own header, its source the
-//! peer's address) sends each one to the address, which is local at the
-//! destination, so the kernel delivers it as if it had just arrived. Its TCP
-//! checksum is computed afresh first (a captured packet from a sender with
-//! checksum offload may carry only a partial one). IPv4 only.
+//! netfilter — where the address lock then drops it. Every TCP and UDP
+//! packet to the moving address is kept (from the lock until the address
+//! leaves the source), duplicates (loopback shows a packet twice) once.
+//! Re-injection: a raw IPv4 socket (`IPPROTO_RAW`: the packet's own header,
+//! its source the peer's address) sends each one to the address, which is
+//! local at the destination, so the kernel delivers it as if it had just
+//! arrived. Its TCP or UDP checksum is computed afresh first (a captured
+//! packet from a sender with checksum offload may carry only a partial
+//! one). IPv4 only.
 
 use std::collections::HashSet;
 use std::io::Read;
@@ -41,7 +42,8 @@ pub(crate) struct Capture {
 }
 
 impl Capture {
-    /// Starts capturing TCP packets to `addr` (IPv4) in this namespace.
+    /// Starts capturing TCP and UDP packets to `addr` (IPv4) in this
+    /// namespace.
     pub(crate) fn start(addr: Ipv4Addr) -> std::io::Result<Capture> {
         let sock = Socket::new(
             Domain::PACKET,
@@ -79,7 +81,7 @@ fn capture(sock: &Socket, addr: Ipv4Addr, stop: &AtomicBool) -> Vec<Vec<u8>> {
         match r.read(&mut buf) {
             Ok(n) => {
                 let p = &buf[..n];
-                if is_tcp_to(p, addr)
+                if is_carried_to(p, addr)
                     && kept.len() < MAX_PACKETS
                     && bytes + n <= MAX_BYTES
                     && seen.insert(p.to_vec())
@@ -94,8 +96,14 @@ fn capture(sock: &Socket, addr: Ipv4Addr, stop: &AtomicBool) -> Vec<Vec<u8>> {
     }
 }
 
-/// Whether `p` is a whole IPv4 TCP packet (unfragmented) to `addr`.
-pub(crate) fn is_tcp_to(p: &[u8], addr: Ipv4Addr) -> bool {
+/// `IPPROTO_TCP`.
+const TCP: u8 = 6;
+/// `IPPROTO_UDP`.
+const UDP: u8 = 17;
+
+/// Whether `p` is a whole IPv4 TCP or UDP packet (unfragmented, its
+/// transport header complete) to `addr`.
+pub(crate) fn is_carried_to(p: &[u8], addr: Ipv4Addr) -> bool {
     if p.len() < 20 || p[0] >> 4 != 4 {
         return false;
     }
@@ -103,11 +111,21 @@ pub(crate) fn is_tcp_to(p: &[u8], addr: Ipv4Addr) -> bool {
     let total = usize::from(u16::from_be_bytes([p[2], p[3]]));
     // More-fragments flag or a fragment offset: not a whole segment.
     let frag = u16::from_be_bytes([p[6], p[7]]) & 0x3fff;
+    let header = match p[9] {
+        TCP => 20,
+        // A UDP datagram's own length must agree with the IP header's.
+        UDP if total >= ihl + 8 => {
+            if usize::from(u16::from_be_bytes([p[ihl + 4], p[ihl + 5]])) != total - ihl {
+                return false;
+            }
+            8
+        }
+        _ => return false,
+    };
     ihl >= 20
         && total == p.len()
-        && total >= ihl + 20
+        && total >= ihl + header
         && frag == 0
-        && p[9] == 6
         && p[16..20] == addr.octets()
 }
 
@@ -126,30 +144,48 @@ fn sum(mut acc: u32, data: &[u8]) -> u32 {
     acc
 }
 
-/// Sets `p`'s TCP checksum (`p` as [`is_tcp_to`] accepts it).
-pub(crate) fn fix_tcp_checksum(p: &mut [u8]) {
+/// Where the checksum sits in `p`'s transport header, and the protocol.
+fn checksum_at(p: &[u8]) -> (usize, u8) {
     let ihl = usize::from(p[0] & 0x0f) * 4;
-    let tcp_len = p.len() - ihl;
-    p[ihl + 16] = 0;
-    p[ihl + 17] = 0;
-    let mut acc = sum(0, &p[12..20]);
-    acc = sum(acc + 6 + u32::try_from(tcp_len).unwrap_or(0), &[]);
-    acc = sum(acc, &p[ihl..]);
-    let c = !(acc as u16);
-    p[ihl + 16..ihl + 18].copy_from_slice(&c.to_be_bytes());
+    match p[9] {
+        UDP => (ihl + 6, UDP),
+        _ => (ihl + 16, TCP),
+    }
 }
 
-/// Whether `p`'s TCP checksum is right.
-#[cfg(test)]
-fn tcp_checksum_ok(p: &[u8]) -> bool {
+/// The ones' complement sum of `p`'s pseudo-header and transport segment.
+fn transport_sum(p: &[u8], proto: u8) -> u32 {
     let ihl = usize::from(p[0] & 0x0f) * 4;
-    let tcp_len = p.len() - ihl;
+    let len = p.len() - ihl;
     let acc = sum(0, &p[12..20]);
-    let acc = sum(acc + 6 + u32::try_from(tcp_len).unwrap_or(0), &[]);
-    sum(acc, &p[ihl..]) == 0xffff
+    let acc = sum(
+        acc + u32::from(proto) + u32::try_from(len).unwrap_or(0),
+        &[],
+    );
+    sum(acc, &p[ihl..])
 }
 
-/// Delivers `packets` (IPv4 TCP packets to `addr`, local here) as if they
+/// Sets `p`'s TCP or UDP checksum (`p` as [`is_carried_to`] accepts it).
+pub(crate) fn fix_checksum(p: &mut [u8]) {
+    let (at, proto) = checksum_at(p);
+    p[at] = 0;
+    p[at + 1] = 0;
+    let mut c = !(transport_sum(p, proto) as u16);
+    // UDP: an all-zero checksum means "none"; its value is sent as ones.
+    if proto == UDP && c == 0 {
+        c = 0xffff;
+    }
+    p[at..at + 2].copy_from_slice(&c.to_be_bytes());
+}
+
+/// Whether `p`'s TCP or UDP checksum is right.
+#[cfg(test)]
+fn checksum_ok(p: &[u8]) -> bool {
+    let (_, proto) = checksum_at(p);
+    transport_sum(p, proto) == 0xffff
+}
+
+/// Delivers `packets` (IPv4 TCP or UDP packets to `addr`, local here) as if they
 /// had just arrived. Returns how many were sent.
 pub(crate) fn reinject(packets: &[Vec<u8>], addr: Ipv4Addr) -> std::io::Result<usize> {
     // IPPROTO_RAW: the packets carry their own IP header.
@@ -157,11 +193,11 @@ pub(crate) fn reinject(packets: &[Vec<u8>], addr: Ipv4Addr) -> std::io::Result<u
     let to = SockAddr::from(SocketAddr::new(IpAddr::V4(addr), 0));
     let mut sent = 0;
     for p in packets {
-        if !is_tcp_to(p, addr) {
+        if !is_carried_to(p, addr) {
             continue;
         }
         let mut p = p.clone();
-        fix_tcp_checksum(&mut p);
+        fix_checksum(&mut p);
         sock.send_to(&p, &to)?;
         sent += 1;
     }
@@ -234,34 +270,72 @@ mod tests {
     fn checksums_verify_and_catch_a_changed_byte() {
         for data in [&b""[..], b"x", b"hello, world", &[0xff; 1001]] {
             let mut p = segment(data);
-            assert!(is_tcp_to(&p, Ipv4Addr::new(10, 0, 0, 2)));
-            fix_tcp_checksum(&mut p);
-            assert!(tcp_checksum_ok(&p), "{data:?}");
+            assert!(is_carried_to(&p, Ipv4Addr::new(10, 0, 0, 2)));
+            fix_checksum(&mut p);
+            assert!(checksum_ok(&p), "{data:?}");
             let last = p.len() - 1;
             p[last] ^= 1;
-            assert!(!tcp_checksum_ok(&p));
+            assert!(!checksum_ok(&p));
         }
+        for data in [&b""[..], b"x", b"hello, world", &[0xff; 1001]] {
+            let mut p = datagram(data);
+            assert!(is_carried_to(&p, Ipv4Addr::new(10, 0, 0, 2)));
+            fix_checksum(&mut p);
+            assert!(checksum_ok(&p), "UDP {data:?}");
+            assert_ne!(u16::from_be_bytes([p[26], p[27]]), 0, "0 would mean none");
+            let last = p.len() - 1;
+            p[last] ^= 1;
+            assert!(!checksum_ok(&p));
+        }
+        // A known datagram: 10.0.0.1:40000 -> 10.0.0.2:7100 carrying "abc";
+        // its checksum as an independent implementation computes it.
+        let mut d = datagram(b"abc");
+        fix_checksum(&mut d);
+        assert_eq!(u16::from_be_bytes([d[26], d[27]]), 0x6f76);
         // A known segment: SYN 10.0.0.1:40000 -> 10.0.0.2:7100, seq 12345,
         // no data, window 65535; its checksum as an independent
         // implementation (a few lines of Python) computes it.
         let mut syn = segment(b"");
         syn[33] = 0x02;
-        fix_tcp_checksum(&mut syn);
+        fix_checksum(&mut syn);
         assert_eq!(u16::from_be_bytes([syn[36], syn[37]]), 0xb3aa);
     }
 
+    /// A UDP datagram from 10.0.0.1:40000 to 10.0.0.2:7100 carrying `data`.
+    fn datagram(data: &[u8]) -> Vec<u8> {
+        let total = 28 + data.len();
+        let mut p = vec![0u8; total];
+        p[0] = 0x45;
+        p[2..4].copy_from_slice(&u16::try_from(total).unwrap().to_be_bytes());
+        p[8] = 64;
+        p[9] = 17;
+        p[12..16].copy_from_slice(&[10, 0, 0, 1]);
+        p[16..20].copy_from_slice(&[10, 0, 0, 2]);
+        p[20..22].copy_from_slice(&40000u16.to_be_bytes());
+        p[22..24].copy_from_slice(&7100u16.to_be_bytes());
+        p[24..26].copy_from_slice(&u16::try_from(8 + data.len()).unwrap().to_be_bytes());
+        p[28..].copy_from_slice(data);
+        p
+    }
+
     #[test]
-    fn only_whole_tcp_packets_to_the_address_are_taken() {
+    fn only_whole_tcp_and_udp_packets_to_the_address_are_taken() {
         let p = segment(b"abc");
-        assert!(is_tcp_to(&p, Ipv4Addr::new(10, 0, 0, 2)));
-        assert!(!is_tcp_to(&p, Ipv4Addr::new(10, 0, 0, 3)));
-        let mut udp = p.clone();
-        udp[9] = 17;
-        assert!(!is_tcp_to(&udp, Ipv4Addr::new(10, 0, 0, 2)));
+        assert!(is_carried_to(&p, Ipv4Addr::new(10, 0, 0, 2)));
+        assert!(!is_carried_to(&p, Ipv4Addr::new(10, 0, 0, 3)));
+        let d = datagram(b"abc");
+        assert!(is_carried_to(&d, Ipv4Addr::new(10, 0, 0, 2)));
+        let mut bad_len = d.clone();
+        bad_len[25] += 1;
+        assert!(!is_carried_to(&bad_len, Ipv4Addr::new(10, 0, 0, 2)));
+        let mut icmp = p.clone();
+        icmp[9] = 1;
+        assert!(!is_carried_to(&icmp, Ipv4Addr::new(10, 0, 0, 2)));
         let mut frag = p.clone();
         frag[6] = 0x20;
-        assert!(!is_tcp_to(&frag, Ipv4Addr::new(10, 0, 0, 2)));
-        assert!(!is_tcp_to(&p[..30], Ipv4Addr::new(10, 0, 0, 2)));
+        assert!(!is_carried_to(&frag, Ipv4Addr::new(10, 0, 0, 2)));
+        assert!(!is_carried_to(&p[..30], Ipv4Addr::new(10, 0, 0, 2)));
+        assert!(!is_carried_to(&d[..27], Ipv4Addr::new(10, 0, 0, 2)));
     }
 
     #[test]
