@@ -70,6 +70,7 @@ fn setup() -> Option<&'static Setup> {
     SETUP.get_or_init(read_setup).as_ref()
 }
 
+/// Reads the setup from the environment `roam run` set.
 fn read_setup() -> Option<Setup> {
     let agent_port = std::env::var("ROAM_RUN_AGENT").ok()?.parse().ok()?;
     let agent6_port = std::env::var("ROAM_RUN_AGENT6")
@@ -445,6 +446,7 @@ fn next_symbol(slot: &OnceLock<usize>, name: &std::ffi::CStr) -> usize {
     })
 }
 
+/// The next `listen` in the lookup order (libc's).
 fn real_listen() -> Option<ListenFn> {
     static REAL: OnceLock<usize> = OnceLock::new();
     let p = next_symbol(&REAL, c"listen");
@@ -453,6 +455,7 @@ fn real_listen() -> Option<ListenFn> {
     (p != 0).then(|| unsafe { std::mem::transmute::<usize, ListenFn>(p) })
 }
 
+/// The next `accept4` in the lookup order (libc's).
 fn real_accept4() -> Option<Accept4Fn> {
     static REAL: OnceLock<usize> = OnceLock::new();
     let p = next_symbol(&REAL, c"accept4");
@@ -461,6 +464,8 @@ fn real_accept4() -> Option<Accept4Fn> {
     (p != 0).then(|| unsafe { std::mem::transmute::<usize, Accept4Fn>(p) })
 }
 
+/// The next `getpeername` in the lookup order (libc's): the library's own
+/// calls must not go through its interposed one.
 fn real_getpeername() -> Option<GetpeernameFn> {
     static REAL: OnceLock<usize> = OnceLock::new();
     let p = next_symbol(&REAL, c"getpeername");
@@ -472,10 +477,11 @@ fn real_getpeername() -> Option<GetpeernameFn> {
 /// Set once a listener's announcement failed and was reported.
 static LISTEN_REPORTED: AtomicBool = AtomicBool::new(false);
 
-/// `listen(2)`, interposed: a TCP socket listening on a non-loopback IPv4
-/// address (or on `::`, IPv4 included), on a chosen port, is announced to
-/// the agent (`L`, its address and port), which then takes roam sessions
-/// for it. The real call's result is returned either way.
+/// `listen(2)`, interposed: a TCP socket listening on a non-loopback
+/// address (or every address), on a chosen port, is announced to the agent
+/// (`L` with an IPv4 address, for dual-stack `::` too; `l` with an IPv6
+/// one), which then takes roam sessions for it. The real call's result is
+/// returned either way.
 ///
 /// # Safety
 ///
@@ -898,11 +904,13 @@ fn say(line: &str) {
     set_errno(saved);
 }
 
+/// This thread's `errno`.
 fn errno() -> c_int {
     // SAFETY: __errno_location returns this thread's errno slot.
     unsafe { *libc::__errno_location() }
 }
 
+/// Sets this thread's `errno`.
 fn set_errno(v: c_int) {
     // SAFETY: __errno_location returns this thread's errno slot.
     unsafe { *libc::__errno_location() = v };
