@@ -405,6 +405,16 @@ fn a_signal_ends_the_intercept_and_removes_its_rules() {
     assert!(s.tables().is_empty(), "{:?}", s.tables());
 }
 
+/// Waits (at most 10 s) until `addr` takes connections from host `from`
+/// of `lan`; `what` names the server in the failure.
+fn wait_listening(lan: &Lan, from: usize, addr: SocketAddr, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while lan.tcp_connect(from, addr, Duration::from_secs(1)).is_err() {
+        assert!(Instant::now() < deadline, "{what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// An HTTP server (python3 -m http.server) on `host`, serving `dir`.
 fn http_server(lan: &Lan, host: usize, dir: &Path) -> ChildGuard {
     let mut cmd = Command::new("nsenter");
@@ -425,11 +435,7 @@ fn http_server(lan: &Lan, host: usize, dir: &Path) -> ChildGuard {
         .stderr(Stdio::null());
     let server = ChildGuard::spawn(&mut cmd).expect("http.server");
     let addr = SocketAddr::from((lan.addr(host), HTTP_PORT));
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while lan.tcp_connect(host, addr, Duration::from_secs(1)).is_err() {
-        assert!(Instant::now() < deadline, "http.server never listened");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_listening(lan, host, addr, "http.server never listened");
     server
 }
 
@@ -585,15 +591,7 @@ fn roam_run_redis_cli_counts_through_a_link_cut() {
         .stderr(Stdio::null());
     let _redis = ChildGuard::spawn(&mut cmd).expect("redis-server");
     let addr = SocketAddr::from((s.lan.addr(ENHANCED), REDIS_PORT));
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while s
-        .lan
-        .tcp_connect(ENHANCED, addr, Duration::from_secs(1))
-        .is_err()
-    {
-        assert!(Instant::now() < deadline, "redis never listened");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_listening(&s.lan, ENHANCED, addr, "redis never listened");
     // redis-cli reads commands from stdin: 200 INCRs, then (after the link
     // cut) 200 more.
     let (tx, rx) = mpsc::channel::<()>();
@@ -1292,11 +1290,7 @@ fn intercept_at_both_ends_carries_curl_and_iperf3_across_link_cuts_and_the_serve
         .arg(site.path());
     let mut http = Logged::spawn(http, "http.server");
     let addr = SocketAddr::from((lan.addr(S), HTTP_PORT));
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while lan.tcp_connect(S, addr, Duration::from_secs(1)).is_err() {
-        assert!(Instant::now() < deadline, "http.server never listened");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_listening(&lan, S, addr, "http.server never listened");
     let server_state = tempfile::tempdir().expect("state dir");
     let mut cmd = roam_in(&lan, S, server_state.path());
     cmd.args(["intercept", "--incoming", "--port", &HTTP_PORT.to_string()])
@@ -1372,11 +1366,7 @@ fn intercept_at_both_ends_carries_curl_and_iperf3_across_link_cuts_and_the_serve
         let _iperf = ChildGuard::spawn(iperf.stdout(Stdio::null()).stderr(Stdio::null()))
             .expect("iperf3 -s");
         let addr = SocketAddr::from((lan.addr(S), IPERF_PORT));
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while lan.tcp_connect(S, addr, Duration::from_secs(1)).is_err() {
-            assert!(Instant::now() < deadline, "iperf3 never listened");
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        wait_listening(&lan, S, addr, "iperf3 never listened");
         for reverse in [false, true] {
             let mut c = Command::new("nsenter");
             c.arg(format!("--net=/run/netns/{}", lan.ns(C)))
@@ -1687,15 +1677,7 @@ fn roam_run_carries_threads_epoll_poll_select_sendmsg_readv_dup_and_half_close()
         .stdout(Stdio::null());
     let _echo = ChildGuard::spawn(&mut echo).expect("threaded echo");
     let addr = SocketAddr::from((s.lan.addr(ENHANCED), HTTP_PORT));
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while s
-        .lan
-        .tcp_connect(ENHANCED, addr, Duration::from_secs(1))
-        .is_err()
-    {
-        assert!(Instant::now() < deadline, "the echo server never listened");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_listening(&s.lan, ENHANCED, addr, "the echo server never listened");
     let flags = tempfile::tempdir().expect("flag dir");
     let cut = flags.path().join("cut");
     let healed = flags.path().join("healed");
@@ -1792,14 +1774,7 @@ fn roam_run_carries_an_ipv6_download_across_a_link_cut_and_a_new_address() {
         Duration::from_secs(20),
     );
     let addr: SocketAddr = format!("[{}]:{HTTP_PORT}", v6(2)).parse().expect("addr");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while lan.tcp_connect(C, addr, Duration::from_secs(1)).is_err() {
-        assert!(
-            Instant::now() < deadline,
-            "http.server never answered over IPv6"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_listening(&lan, C, addr, "http.server never answered over IPv6");
 
     let client_state = tempfile::tempdir().expect("state dir");
     let got = tempfile::tempdir().expect("download dir");
@@ -2097,11 +2072,7 @@ fn intercept_carries_an_ipv6_download_across_a_link_cut() {
         .stderr(Stdio::null());
     let _http = ChildGuard::spawn(&mut http).expect("http.server");
     let addr: SocketAddr = format!("[{}]:{HTTP_PORT}", v6(2)).parse().expect("addr");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while lan.tcp_connect(S, addr, Duration::from_secs(1)).is_err() {
-        assert!(Instant::now() < deadline, "http.server never listened");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_listening(&lan, S, addr, "http.server never listened");
     let server_state = tempfile::tempdir().expect("state dir");
     let mut cmd = roam_in(&lan, S, server_state.path());
     cmd.args(["intercept", "--incoming", "--port", &HTTP_PORT.to_string()]);
