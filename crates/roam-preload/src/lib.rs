@@ -322,8 +322,15 @@ fn bind_loopback(fd: c_int, here: &Endpoint) -> Option<u16> {
 
 /// `fd`'s local port (0: unbound), either family.
 fn local_port(fd: c_int) -> Option<u16> {
+    local_name(fd).map(|me| u16::from_be(me.sin6_port))
+}
+
+/// `fd`'s local address (`getsockname`), in a `sockaddr_in6` that holds
+/// either family (`sin6_family` says which; an `AF_INET` address has its
+/// port at the same offset and its address in the next four bytes).
+fn local_name(fd: c_int) -> Option<libc::sockaddr_in6> {
     // SAFETY: sockaddr_in6 is plain old data; all-zero is a valid value,
-    // and it holds either family (the port is at the same offset in both).
+    // and it is large enough for either family.
     let mut me: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::sockaddr_in6>() as socklen_t;
     // SAFETY: `me` is writable for `len` bytes and `len` is writable.
@@ -334,7 +341,7 @@ fn local_port(fd: c_int) -> Option<u16> {
             &mut len,
         )
     };
-    (r == 0).then(|| u16::from_be(me.sin6_port))
+    (r == 0).then_some(me)
 }
 
 /// Tells the agent that the connection from loopback port `local_port` is
@@ -536,21 +543,7 @@ fn listening_v4(fd: c_int) -> Option<(u32, u16)> {
     {
         return None;
     }
-    // SAFETY: sockaddr_in6 is plain old data; all-zero is a valid value,
-    // and it is large enough for either family.
-    let mut me: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::sockaddr_in6>() as socklen_t;
-    // SAFETY: `me` is writable for `len` bytes and `len` is writable.
-    let r = unsafe {
-        libc::getsockname(
-            fd,
-            &mut me as *mut libc::sockaddr_in6 as *mut sockaddr,
-            &mut len,
-        )
-    };
-    if r != 0 {
-        return None;
-    }
+    let me = local_name(fd)?;
     let port = u16::from_be(me.sin6_port);
     match c_int::from(me.sin6_family) {
         libc::AF_INET => {
@@ -595,20 +588,7 @@ fn listening_v6(fd: c_int) -> Option<([u8; 16], u16)> {
     {
         return None;
     }
-    // SAFETY: sockaddr_in6 is plain old data; all-zero is a valid value.
-    let mut me: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::sockaddr_in6>() as socklen_t;
-    // SAFETY: `me` is writable for `len` bytes and `len` is writable.
-    let r = unsafe {
-        libc::getsockname(
-            fd,
-            &mut me as *mut libc::sockaddr_in6 as *mut sockaddr,
-            &mut len,
-        )
-    };
-    if r != 0 {
-        return None;
-    }
+    let me = local_name(fd)?;
     let ip = me.sin6_addr.s6_addr;
     let port = u16::from_be(me.sin6_port);
     if ip == [0; 16] {
