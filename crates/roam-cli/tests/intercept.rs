@@ -231,6 +231,41 @@ impl Setup {
             .count()
     }
 
+    /// Runs the Python client `script` (arguments: the enhanced host's
+    /// address, `port`, a `cut` flag file it writes when it is under way, a
+    /// `healed` flag file it waits for) under `roam run` on the client host;
+    /// cuts the client host's link for 2 s once `cut` exists, then writes
+    /// `healed`; the client must succeed within `within`.
+    fn run_client_across_a_cut(&self, script: &str, port: u16, within: Duration) {
+        let flags = tempfile::tempdir().expect("flag dir");
+        let cut = flags.path().join("cut");
+        let healed = flags.path().join("healed");
+        let mut cmd = roam_in(&self.lan, CLIENT, self.client_state.path());
+        cmd.args(["run", "--port", &port.to_string(), "--"])
+            .args(["python3", "-c", script])
+            .arg(self.lan.addr(ENHANCED).to_string())
+            .arg(port.to_string())
+            .arg(&cut)
+            .arg(&healed);
+        let mut run = Logged::spawn(cmd, "run");
+        run.wait_for("runs a roam relay", Duration::from_secs(20));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !cut.exists() {
+            assert!(Instant::now() < deadline, "the client never got going");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        self.ip(CLIENT, &["link", "set", "roam0", "down"]);
+        std::thread::sleep(Duration::from_secs(2));
+        self.ip(CLIENT, &["link", "set", "roam0", "up"]);
+        std::fs::write(&healed, b"").expect("flag");
+        let status = run
+            .child
+            .wait_timeout(within)
+            .expect("wait")
+            .expect("the client finished");
+        assert!(status.success(), "{status}: {}", run.seen);
+    }
+
     fn ip(&self, i: usize, args: &[&str]) {
         let out = Command::new("ip")
             .args(["-n", self.lan.ns(i)])
@@ -703,33 +738,7 @@ fn roam_run_connection_survives_fork_and_exec() {
         return;
     }
     let s = Setup::start("run_fork", false);
-    let flags = tempfile::tempdir().expect("flag dir");
-    let cut = flags.path().join("cut");
-    let healed = flags.path().join("healed");
-    let mut cmd = roam_in(&s.lan, CLIENT, s.client_state.path());
-    cmd.args(["run", "--port", &PORT.to_string(), "--"])
-        .args(["python3", "-c", FORK_EXEC_CLIENT])
-        .arg(s.lan.addr(ENHANCED).to_string())
-        .arg(PORT.to_string())
-        .arg(&cut)
-        .arg(&healed);
-    let mut run = Logged::spawn(cmd, "run");
-    run.wait_for("runs a roam relay", Duration::from_secs(20));
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !cut.exists() {
-        assert!(Instant::now() < deadline, "the child never got going");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    s.ip(CLIENT, &["link", "set", "roam0", "down"]);
-    std::thread::sleep(Duration::from_secs(2));
-    s.ip(CLIENT, &["link", "set", "roam0", "up"]);
-    std::fs::write(&healed, b"").expect("flag");
-    let status = run
-        .child
-        .wait_timeout(Duration::from_secs(60))
-        .expect("wait")
-        .expect("the client finished");
-    assert!(status.success(), "{status}: {}", run.seen);
+    s.run_client_across_a_cut(FORK_EXEC_CLIENT, PORT, Duration::from_secs(60));
 }
 
 /// Both ends under `roam run` (rocks both ways, no relay installed
@@ -1678,33 +1687,7 @@ fn roam_run_carries_threads_epoll_poll_select_sendmsg_readv_dup_and_half_close()
     let _echo = ChildGuard::spawn(&mut echo).expect("threaded echo");
     let addr = SocketAddr::from((s.lan.addr(ENHANCED), HTTP_PORT));
     wait_listening(&s.lan, ENHANCED, addr, "the echo server never listened");
-    let flags = tempfile::tempdir().expect("flag dir");
-    let cut = flags.path().join("cut");
-    let healed = flags.path().join("healed");
-    let mut cmd = roam_in(&s.lan, CLIENT, s.client_state.path());
-    cmd.args(["run", "--port", &HTTP_PORT.to_string(), "--"])
-        .args(["python3", "-c", SYSCALLS_CLIENT])
-        .arg(s.lan.addr(ENHANCED).to_string())
-        .arg(HTTP_PORT.to_string())
-        .arg(&cut)
-        .arg(&healed);
-    let mut run = Logged::spawn(cmd, "run");
-    run.wait_for("runs a roam relay", Duration::from_secs(20));
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !cut.exists() {
-        assert!(Instant::now() < deadline, "the client never got going");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    s.ip(CLIENT, &["link", "set", "roam0", "down"]);
-    std::thread::sleep(Duration::from_secs(2));
-    s.ip(CLIENT, &["link", "set", "roam0", "up"]);
-    std::fs::write(&healed, b"").expect("flag");
-    let status = run
-        .child
-        .wait_timeout(Duration::from_secs(90))
-        .expect("wait")
-        .expect("the client finished");
-    assert!(status.success(), "{status}: {}", run.seen);
+    s.run_client_across_a_cut(SYSCALLS_CLIENT, HTTP_PORT, Duration::from_secs(90));
 }
 
 /// `roam run` at both ends over IPv6: the server host runs `python3 -m
