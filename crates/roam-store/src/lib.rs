@@ -1,0 +1,63 @@
+//! roam-store: a content-addressed, encrypted chunk store for suspended
+//! environments — the storage half of Internet Suspend/Resume (Kozuch &
+//! Satyanarayanan; `../shared/papers/internet-suspend-resume.txt`).
+//!
+//! An environment (a VM's disk and memory, a process tree's images) is a set
+//! of named *images*. [`Store::suspend`] cuts each into 128 KiB chunks
+//! ([`CHUNK_SIZE`]), seals each with *convergent encryption* (key and object
+//! name derived from the chunk's SHA-256 and the user's secret), uploads the
+//! chunks the backend lacks, and writes a sealed [`Manifest`] (ISR's
+//! *keyring*) listing every chunk's hash and id. [`Store::read_chunk`] fetches
+//! one chunk on demand and [`Store::restore_image`] a whole image; every
+//! chunk is verified (AEAD tag, then SHA-256 against the manifest) before a
+//! byte of it is returned. [`Store::gc`] deletes chunks no kept manifest
+//! references.
+//!
+//! Properties:
+//! - one user's identical chunks are stored once (within an image, across
+//!   images, across versions); an incremental suspend given the previous
+//!   manifest uploads only changed chunks, with no request for the others;
+//! - nothing links two users' chunks (ids and keys are keyed by the secret);
+//! - the backend sees object names, sizes and access patterns, never data
+//!   or which chunks form which image;
+//! - a tampered, swapped or truncated object is an error naming the image,
+//!   chunk index and object id, never wrong data; a manifest sealed with
+//!   another secret, altered, or copied to another environment or version
+//!   is refused with a precise [`ManifestError`].
+//!
+//! The storage seam is [`ChunkBackend`], with two implementations:
+//! [`LocalDir`] (a directory, atomic writes) and [`S3`] (any S3-compatible
+//! service through `object_store`).
+//!
+//! The object layout, chunk format, manifest wire format and the crypto
+//! construction are specified byte by byte in `docs/STORE.md`.
+//!
+//! Non-goals (for now): the lookaside cache (fetching chunks from portable
+//! media by hash) and demand paging into a running VM are layers above this
+//! one; there is no locking between concurrent writers of one user (a
+//! garbage collection must not run during a suspend); the manifest hides
+//! image contents and chunk ordering but not the number and sizes of
+//! objects.
+
+#![forbid(unsafe_code)]
+
+mod backend;
+mod chunk;
+mod local;
+mod manifest;
+mod s3;
+mod store;
+
+pub use backend::{check_name, BackendError, ChunkBackend, MAX_NAME_LEN};
+pub use chunk::{
+    chunk_ref, open_chunk, seal_chunk, ChunkFault, ChunkRef, SealedChunk, UserSecret, CHUNK_FORMAT,
+    CHUNK_SIZE,
+};
+pub use local::LocalDir;
+pub use manifest::{
+    chunk_count, manifest_object_name, open_manifest, seal_manifest, valid_env_name, ImageEntry,
+    Manifest, ManifestError, BODY_FORMAT, BODY_MAGIC, MAX_ENV_LEN, MAX_IMAGES, MAX_IMAGE_LEN,
+    MAX_IMAGE_NAME_LEN, SEALED_FORMAT, SEALED_MAGIC,
+};
+pub use s3::{S3Config, S3};
+pub use store::{GcReport, Store, StoreError, SuspendStats};

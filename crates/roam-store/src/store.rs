@@ -1,0 +1,516 @@
+//! [`Store`]: suspend, restore, demand fetch and garbage collection on top of
+//! a [`ChunkBackend`].
+
+use std::collections::HashSet;
+use std::fmt;
+use std::io;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use crate::backend::{BackendError, ChunkBackend};
+use crate::chunk::{object_name, open_chunk, seal_chunk, ChunkFault, UserSecret, CHUNK_SIZE};
+use crate::manifest::{
+    manifest_object_name, open_manifest, seal_manifest, valid_env_name, ImageEntry, Manifest,
+    ManifestError, MAX_IMAGE_LEN,
+};
+
+/// A user's encrypted chunk store on one backend.
+#[derive(Debug)]
+pub struct Store<B> {
+    /// Where the objects live.
+    backend: B,
+    /// Derives every key and object name.
+    secret: UserSecret,
+}
+
+/// What a suspend did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SuspendStats {
+    /// Chunks in the new version, repeats included.
+    pub chunks_total: u64,
+    /// Chunks written to the backend.
+    pub chunks_uploaded: u64,
+    /// Object bytes written (after compression and sealing), manifest not
+    /// included.
+    pub bytes_uploaded: u64,
+    /// Chunks the previous manifest already had: skipped without asking the
+    /// backend.
+    pub chunks_unchanged: u64,
+    /// Chunks the backend already held (an exists call said so).
+    pub chunks_present: u64,
+    /// Chunks identical to one earlier in this suspend.
+    pub chunks_repeated: u64,
+    /// Image bytes read.
+    pub bytes_read: u64,
+}
+
+/// What a garbage collection did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GcReport {
+    /// Chunk objects found in the backend.
+    pub chunks_examined: u64,
+    /// Of those, referenced by a kept manifest.
+    pub chunks_kept: u64,
+    /// Names of the chunk objects deleted, sorted.
+    pub deleted: Vec<String>,
+}
+
+/// Why a store operation failed.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The backend failed (disk full, network, permissions).
+    Backend(BackendError),
+    /// No manifest for this environment and version.
+    ManifestMissing {
+        /// The environment.
+        env: String,
+        /// The version.
+        version: u64,
+    },
+    /// The manifest was refused (wrong secret, altered, replayed under
+    /// another name or version, malformed).
+    Manifest {
+        /// The environment asked for.
+        env: String,
+        /// The version asked for.
+        version: u64,
+        /// Why.
+        source: ManifestError,
+    },
+    /// A manifest for this version exists already; versions are immutable.
+    VersionExists {
+        /// The environment.
+        env: String,
+        /// The version.
+        version: u64,
+    },
+    /// The environment name is not usable ([`valid_env_name`]).
+    InvalidEnvName(String),
+    /// The manifest has no image of this name.
+    NoSuchImage(String),
+    /// The chunk index is past the image's end.
+    ChunkOutOfRange {
+        /// The image.
+        image: String,
+        /// The index asked for.
+        index: u64,
+        /// The image's chunk count.
+        chunks: u64,
+    },
+    /// A chunk the manifest names is not in the backend (deleted by a gc
+    /// that did not keep this manifest, or never uploaded).
+    ChunkMissing {
+        /// The image.
+        image: String,
+        /// The chunk's index in it.
+        index: u64,
+        /// The chunk's id (hex).
+        id: String,
+    },
+    /// A chunk object is not the chunk the manifest names (tampered,
+    /// swapped, truncated); no data from it is returned.
+    ChunkCorrupt {
+        /// The image.
+        image: String,
+        /// The chunk's index in it.
+        index: u64,
+        /// The chunk's id (hex).
+        id: String,
+        /// What the check found.
+        fault: ChunkFault,
+    },
+    /// Reading an image to suspend failed.
+    ImageRead {
+        /// The image.
+        image: String,
+        /// The reader's error.
+        source: io::Error,
+    },
+    /// An image is longer than a manifest can describe.
+    ImageTooLong {
+        /// The image.
+        image: String,
+    },
+    /// Writing a restored image failed.
+    ImageWrite {
+        /// The image.
+        image: String,
+        /// The writer's error.
+        source: io::Error,
+    },
+}
+
+impl fmt::Display for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StoreError::Backend(e) => write!(f, "storage: {e}"),
+            StoreError::ManifestMissing { env, version } => {
+                write!(f, "environment {env:?} has no version {version}")
+            }
+            StoreError::Manifest {
+                env,
+                version,
+                source,
+            } => write!(f, "manifest of {env:?} version {version} refused: {source}"),
+            StoreError::VersionExists { env, version } => write!(
+                f,
+                "environment {env:?} already has a version {version}; suspend under a new one"
+            ),
+            StoreError::InvalidEnvName(name) => write!(
+                f,
+                "invalid environment name {name:?} (1-128 bytes of A-Z a-z 0-9 . _ -)"
+            ),
+            StoreError::NoSuchImage(name) => write!(f, "no image {name:?} in the manifest"),
+            StoreError::ChunkOutOfRange {
+                image,
+                index,
+                chunks,
+            } => write!(f, "image {image:?} has {chunks} chunks, no chunk {index}"),
+            StoreError::ChunkMissing { image, index, id } => {
+                write!(f, "image {image:?} chunk {index} (object {id}) is missing")
+            }
+            StoreError::ChunkCorrupt {
+                image,
+                index,
+                id,
+                fault,
+            } => write!(
+                f,
+                "image {image:?} chunk {index} (object {id}) is corrupt: {fault}"
+            ),
+            StoreError::ImageRead { image, source } => {
+                write!(f, "reading image {image:?}: {source}")
+            }
+            StoreError::ImageTooLong { image } => {
+                write!(f, "image {image:?} is longer than {MAX_IMAGE_LEN} bytes")
+            }
+            StoreError::ImageWrite { image, source } => {
+                write!(f, "writing image {image:?}: {source}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for StoreError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            StoreError::Backend(e) => Some(e),
+            StoreError::Manifest { source, .. } => Some(source),
+            StoreError::ImageRead { source, .. } | StoreError::ImageWrite { source, .. } => {
+                Some(source)
+            }
+            _ => None,
+        }
+    }
+}
+
+impl From<BackendError> for StoreError {
+    fn from(e: BackendError) -> Self {
+        StoreError::Backend(e)
+    }
+}
+
+/// Reads until `buf` is full or the reader ends; returns the bytes read.
+async fn read_full<R: AsyncRead + Unpin>(r: &mut R, buf: &mut [u8]) -> io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match r.read(&mut buf[n..]).await {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n)
+}
+
+impl<B: ChunkBackend> Store<B> {
+    /// A store of `secret`'s user on `backend`.
+    pub fn new(backend: B, secret: UserSecret) -> Self {
+        Store { backend, secret }
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// Chunks `reader` into the backend as image `name`. Chunks whose id is
+    /// in `unchanged` (the previous version's) or `seen` (this suspend's)
+    /// are neither uploaded nor asked about; every other chunk is added to
+    /// `seen`.
+    async fn put_chunks<R: AsyncRead + Unpin>(
+        &self,
+        name: &str,
+        reader: &mut R,
+        unchanged: &HashSet<[u8; 32]>,
+        seen: &mut HashSet<[u8; 32]>,
+        stats: &mut SuspendStats,
+    ) -> Result<ImageEntry, StoreError> {
+        let mut buf = vec![0u8; CHUNK_SIZE];
+        let mut entry = ImageEntry {
+            name: name.to_owned(),
+            len: 0,
+            chunks: Vec::new(),
+        };
+        loop {
+            let n = read_full(reader, &mut buf)
+                .await
+                .map_err(|source| StoreError::ImageRead {
+                    image: name.to_owned(),
+                    source,
+                })?;
+            if n == 0 {
+                break;
+            }
+            entry.len += n as u64;
+            if entry.len > MAX_IMAGE_LEN {
+                return Err(StoreError::ImageTooLong {
+                    image: name.to_owned(),
+                });
+            }
+            stats.bytes_read += n as u64;
+            stats.chunks_total += 1;
+            let plain = &buf[..n];
+            let chunk = crate::chunk::chunk_ref(&self.secret, plain);
+            entry.chunks.push(chunk);
+            if unchanged.contains(&chunk.id) {
+                stats.chunks_unchanged += 1;
+            } else if !seen.insert(chunk.id) {
+                stats.chunks_repeated += 1;
+            } else if self.backend.exists(&chunk.object_name()).await? {
+                stats.chunks_present += 1;
+            } else {
+                let sealed = seal_chunk(&self.secret, plain);
+                let len = sealed.object.len() as u64;
+                if self
+                    .backend
+                    .put_if_absent(&chunk.object_name(), sealed.object)
+                    .await?
+                {
+                    stats.chunks_uploaded += 1;
+                    stats.bytes_uploaded += len;
+                } else {
+                    stats.chunks_present += 1;
+                }
+            }
+            if n < CHUNK_SIZE {
+                break;
+            }
+        }
+        Ok(entry)
+    }
+
+    /// Suspends version `version` of environment `env`: reads each image to
+    /// its end, uploads the chunks the backend lacks, then writes the sealed
+    /// manifest as `manifests/<env>/<version>` (last, so a manifest only
+    /// ever names chunks that are stored).
+    ///
+    /// With `previous` (the last version's manifest, whose chunks must still
+    /// be stored), chunks it references are skipped without even an exists
+    /// call: an incremental suspend costs one request per changed chunk.
+    pub async fn suspend<N, R, I>(
+        &self,
+        env: &str,
+        version: u64,
+        images: I,
+        previous: Option<&Manifest>,
+    ) -> Result<(Manifest, SuspendStats), StoreError>
+    where
+        N: AsRef<str>,
+        R: AsyncRead + Unpin,
+        I: IntoIterator<Item = (N, R)>,
+    {
+        if !valid_env_name(env) {
+            return Err(StoreError::InvalidEnvName(env.to_owned()));
+        }
+        let name = manifest_object_name(env, version);
+        if self.backend.exists(&name).await? {
+            return Err(StoreError::VersionExists {
+                env: env.to_owned(),
+                version,
+            });
+        }
+        let unchanged: HashSet<[u8; 32]> = previous
+            .map(|m| m.chunks().map(|c| c.id).collect())
+            .unwrap_or_default();
+        let mut seen = HashSet::new();
+        let mut stats = SuspendStats::default();
+        let mut manifest = Manifest {
+            env: env.to_owned(),
+            version,
+            images: Vec::new(),
+        };
+        for (image, mut reader) in images {
+            let entry = self
+                .put_chunks(
+                    image.as_ref(),
+                    &mut reader,
+                    &unchanged,
+                    &mut seen,
+                    &mut stats,
+                )
+                .await?;
+            manifest.images.push(entry);
+        }
+        let manifest_err = |source| StoreError::Manifest {
+            env: env.to_owned(),
+            version,
+            source,
+        };
+        let sealed = seal_manifest(&self.secret, &manifest).map_err(manifest_err)?;
+        if !self.backend.put_if_absent(&name, sealed).await? {
+            return Err(StoreError::VersionExists {
+                env: env.to_owned(),
+                version,
+            });
+        }
+        Ok((manifest, stats))
+    }
+
+    /// Reads and opens the manifest of `env` version `version`.
+    pub async fn load_manifest(&self, env: &str, version: u64) -> Result<Manifest, StoreError> {
+        if !valid_env_name(env) {
+            return Err(StoreError::InvalidEnvName(env.to_owned()));
+        }
+        let sealed = match self.backend.get(&manifest_object_name(env, version)).await {
+            Ok(b) => b,
+            Err(BackendError::NotFound { .. }) => {
+                return Err(StoreError::ManifestMissing {
+                    env: env.to_owned(),
+                    version,
+                })
+            }
+            Err(e) => return Err(e.into()),
+        };
+        open_manifest(&self.secret, env, version, &sealed).map_err(|source| StoreError::Manifest {
+            env: env.to_owned(),
+            version,
+            source,
+        })
+    }
+
+    /// The versions of `env` that have a manifest, ascending.
+    pub async fn versions(&self, env: &str) -> Result<Vec<u64>, StoreError> {
+        if !valid_env_name(env) {
+            return Err(StoreError::InvalidEnvName(env.to_owned()));
+        }
+        let prefix = format!("manifests/{env}/");
+        let mut versions: Vec<u64> = self
+            .backend
+            .list(&prefix)
+            .await?
+            .iter()
+            .filter_map(|n| n.strip_prefix(&prefix)?.parse().ok())
+            .collect();
+        versions.sort_unstable();
+        Ok(versions)
+    }
+
+    /// Deletes the manifest of `env` version `version` (its chunks stay
+    /// until a [`Store::gc`] that does not keep it); returns whether it
+    /// existed.
+    pub async fn delete_manifest(&self, env: &str, version: u64) -> Result<bool, StoreError> {
+        if !valid_env_name(env) {
+            return Err(StoreError::InvalidEnvName(env.to_owned()));
+        }
+        Ok(self
+            .backend
+            .delete(&manifest_object_name(env, version))
+            .await?)
+    }
+
+    /// Fetches, verifies and returns chunk `index` of `image` (demand
+    /// fetch). The bytes are returned only if the AEAD tag, the length and
+    /// the plaintext's SHA-256 all match the manifest.
+    pub async fn read_chunk(
+        &self,
+        manifest: &Manifest,
+        image: &str,
+        index: u64,
+    ) -> Result<Vec<u8>, StoreError> {
+        let entry = manifest
+            .image(image)
+            .ok_or_else(|| StoreError::NoSuchImage(image.to_owned()))?;
+        let (Some(len), Some(chunk)) = (
+            entry.chunk_len(index),
+            usize::try_from(index)
+                .ok()
+                .and_then(|i| entry.chunks.get(i)),
+        ) else {
+            return Err(StoreError::ChunkOutOfRange {
+                image: image.to_owned(),
+                index,
+                chunks: entry.chunks.len() as u64,
+            });
+        };
+        let object = match self.backend.get(&object_name(&chunk.id)).await {
+            Ok(o) => o,
+            Err(BackendError::NotFound { .. }) => {
+                return Err(StoreError::ChunkMissing {
+                    image: image.to_owned(),
+                    index,
+                    id: chunk.id_hex(),
+                })
+            }
+            Err(e) => return Err(e.into()),
+        };
+        open_chunk(&self.secret, chunk, len, &object).map_err(|fault| StoreError::ChunkCorrupt {
+            image: image.to_owned(),
+            index,
+            id: chunk.id_hex(),
+            fault,
+        })
+    }
+
+    /// Writes image `image` of `manifest` to `writer`, every chunk verified
+    /// ([`Store::read_chunk`]) before its bytes are written; returns the
+    /// bytes written. On a corrupt chunk the writer holds the chunks before
+    /// it only.
+    pub async fn restore_image<W: AsyncWrite + Unpin>(
+        &self,
+        manifest: &Manifest,
+        image: &str,
+        writer: &mut W,
+    ) -> Result<u64, StoreError> {
+        let entry = manifest
+            .image(image)
+            .ok_or_else(|| StoreError::NoSuchImage(image.to_owned()))?;
+        let write_err = |source| StoreError::ImageWrite {
+            image: image.to_owned(),
+            source,
+        };
+        let mut written = 0u64;
+        for index in 0..entry.chunks.len() as u64 {
+            let bytes = self.read_chunk(manifest, image, index).await?;
+            writer.write_all(&bytes).await.map_err(write_err)?;
+            written += bytes.len() as u64;
+        }
+        writer.flush().await.map_err(write_err)?;
+        Ok(written)
+    }
+
+    /// Deletes every chunk object no manifest in `keep` references, and
+    /// reports what it deleted. Manifests are not touched. Must not run
+    /// while a suspend to this store is under way (its new chunks are in no
+    /// manifest yet).
+    pub async fn gc(&self, keep: &[Manifest]) -> Result<GcReport, StoreError> {
+        let referenced: HashSet<String> = keep
+            .iter()
+            .flat_map(|m| m.chunks())
+            .map(|c| c.object_name())
+            .collect();
+        let mut report = GcReport::default();
+        for name in self.backend.list("chunks/").await? {
+            report.chunks_examined += 1;
+            if referenced.contains(&name) {
+                report.chunks_kept += 1;
+            } else {
+                self.backend.delete(&name).await?;
+                report.deleted.push(name);
+            }
+        }
+        Ok(report)
+    }
+}
