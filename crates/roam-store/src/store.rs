@@ -5,6 +5,7 @@ use std::collections::HashSet;
 use std::fmt;
 use std::io;
 
+use futures_util::StreamExt;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::backend::{BackendError, ChunkBackend};
@@ -13,6 +14,9 @@ use crate::manifest::{
     manifest_object_name, open_manifest, seal_manifest, valid_env_name, ImageEntry, Manifest,
     ManifestError, MAX_IMAGE_LEN,
 };
+
+/// Chunks [`Store::restore_image`] fetches at once (8 × 128 KiB in memory).
+const RESTORE_WINDOW: usize = 8;
 
 /// A user's encrypted chunk store on one backend.
 #[derive(Debug)]
@@ -466,8 +470,8 @@ impl<B: ChunkBackend> Store<B> {
 
     /// Writes image `image` of `manifest` to `writer`, every chunk verified
     /// ([`Store::read_chunk`]) before its bytes are written; returns the
-    /// bytes written. On a corrupt chunk the writer holds the chunks before
-    /// it only.
+    /// bytes written. On a corrupt or missing chunk the writer holds the
+    /// chunks before it only.
     pub async fn restore_image<W: AsyncWrite + Unpin>(
         &self,
         manifest: &Manifest,
@@ -481,9 +485,15 @@ impl<B: ChunkBackend> Store<B> {
             image: image.to_owned(),
             source,
         };
+        // Up to RESTORE_WINDOW chunks are fetched at once (a remote store's
+        // latency is paid once per window, not per chunk); they are written
+        // in order.
+        let mut chunks = futures_util::stream::iter(0..entry.chunks.len() as u64)
+            .map(|index| self.read_chunk(manifest, image, index))
+            .buffered(RESTORE_WINDOW);
         let mut written = 0u64;
-        for index in 0..entry.chunks.len() as u64 {
-            let bytes = self.read_chunk(manifest, image, index).await?;
+        while let Some(bytes) = chunks.next().await {
+            let bytes = bytes?;
             writer.write_all(&bytes).await.map_err(write_err)?;
             written += bytes.len() as u64;
         }
