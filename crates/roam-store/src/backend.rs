@@ -1,7 +1,7 @@
 //! The storage seam: [`ChunkBackend`], what [`crate::Store`] needs from a
 //! place that keeps named objects, and its errors.
 //!
-//! Two implementations: [`crate::LocalDir`] (a directory) and [`crate::S3`]
+//! Two implementations: [`crate::LocalDir`] (a directory) and `S3`
 //! (any S3-compatible service). Objects are immutable once written: a name
 //! is content-addressed (chunks) or a version (manifests), so "put if
 //! absent" is the only write.

@@ -26,8 +26,8 @@
 //!   is refused with a precise [`ManifestError`].
 //!
 //! The storage seam is [`ChunkBackend`], with two implementations:
-//! [`LocalDir`] (a directory, atomic writes) and [`S3`] (any S3-compatible
-//! service through `object_store`).
+//! [`LocalDir`] (a directory, atomic writes) and `S3` (any S3-compatible
+//! service through `object_store`; cargo feature `s3`, on by default).
 //!
 //! The object layout, chunk format, manifest wire format and the crypto
 //! construction are specified byte by byte in `docs/STORE.md`.
@@ -45,6 +45,7 @@ mod backend;
 mod chunk;
 mod local;
 mod manifest;
+#[cfg(feature = "s3")]
 mod s3;
 mod store;
 
@@ -59,5 +60,6 @@ pub use manifest::{
     Manifest, ManifestError, BODY_FORMAT, BODY_MAGIC, MAX_ENV_LEN, MAX_IMAGES, MAX_IMAGE_LEN,
     MAX_IMAGE_NAME_LEN, SEALED_FORMAT, SEALED_MAGIC,
 };
+#[cfg(feature = "s3")]
 pub use s3::{S3Config, S3};
 pub use store::{GcReport, Store, StoreError, SuspendStats};

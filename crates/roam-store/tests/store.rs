@@ -8,17 +8,16 @@
 //! full-disk test needs root (mount); without it, it says why and passes.
 
 use std::collections::BTreeSet;
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use rand::rngs::SmallRng;
 use rand::{RngCore, SeedableRng};
 use roam_store::{
     chunk_ref, open_chunk, BackendError, ChunkBackend, ChunkFault, LocalDir, Manifest,
-    ManifestError, S3Config, Store, StoreError, UserSecret, CHUNK_SIZE, S3,
+    ManifestError, Store, StoreError, UserSecret, CHUNK_SIZE,
 };
 use sha2::{Digest, Sha256};
 
@@ -546,144 +545,155 @@ async fn full_disk_is_an_error_and_leaves_no_partial_object() {
     );
 }
 
-/// A real S3 server (s3s-fs) on a free 127.0.0.1 port, killed when dropped.
-struct S3Server {
-    /// The server process.
-    child: Child,
-    /// Its data directory (buckets are directories in it).
-    root: tempfile::TempDir,
-    /// Where it listens.
-    addr: SocketAddr,
-}
+/// The S3 backend's tests (cargo feature `s3`, on by default).
+#[cfg(feature = "s3")]
+mod s3 {
+    use super::*;
+    use roam_store::{S3Config, S3};
+    use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+    use std::process::{Child, Stdio};
+    use std::time::Duration;
 
-/// Access key of the test server.
-const ACCESS_KEY: &str = "roam-test";
-/// Secret key of the test server.
-const SECRET_KEY: &str = "roam-test-secret-key";
-/// The test bucket.
-const BUCKET: &str = "roam";
+    /// A real S3 server (s3s-fs) on a free 127.0.0.1 port, killed when dropped.
+    struct S3Server {
+        /// The server process.
+        child: Child,
+        /// Its data directory (buckets are directories in it).
+        root: tempfile::TempDir,
+        /// Where it listens.
+        addr: SocketAddr,
+    }
 
-impl S3Server {
-    /// Starts `$ROAM_S3S_FS`, or says why the S3 tests cannot run.
-    fn start() -> Result<S3Server, String> {
-        let Some(bin) = std::env::var_os("ROAM_S3S_FS").filter(|v| !v.is_empty()) else {
-            return Err(
-                "ROAM_S3S_FS is not set (ROAM_S3S_FS=$(scripts/s3s-build) runs these tests)".into(),
-            );
-        };
-        // From here on the variable is set: failing to start is a failure.
-        let root = tempfile::tempdir().unwrap();
-        std::fs::create_dir(root.path().join(BUCKET)).unwrap();
-        for _attempt in 0..5 {
-            // A free port: bound, then released for the server to take.
-            let port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-                .and_then(|l| l.local_addr())
-                .unwrap()
-                .port();
-            let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
-            let mut child = Command::new(&bin)
-                .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-                .args(["--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY])
-                .arg(root.path())
-                .stdout(Stdio::null())
-                .stderr(Stdio::inherit())
-                .spawn()
-                .unwrap_or_else(|e| panic!("ROAM_S3S_FS={bin:?} does not start: {e}"));
-            let deadline = Instant::now() + Duration::from_secs(10);
-            loop {
-                if TcpStream::connect(addr).is_ok() {
-                    return Ok(S3Server { child, root, addr });
+    /// Access key of the test server.
+    const ACCESS_KEY: &str = "roam-test";
+    /// Secret key of the test server.
+    const SECRET_KEY: &str = "roam-test-secret-key";
+    /// The test bucket.
+    const BUCKET: &str = "roam";
+
+    impl S3Server {
+        /// Starts `$ROAM_S3S_FS`, or says why the S3 tests cannot run.
+        fn start() -> Result<S3Server, String> {
+            let Some(bin) = std::env::var_os("ROAM_S3S_FS").filter(|v| !v.is_empty()) else {
+                return Err(
+                    "ROAM_S3S_FS is not set (ROAM_S3S_FS=$(scripts/s3s-build) runs these tests)"
+                        .into(),
+                );
+            };
+            // From here on the variable is set: failing to start is a failure.
+            let root = tempfile::tempdir().unwrap();
+            std::fs::create_dir(root.path().join(BUCKET)).unwrap();
+            for _attempt in 0..5 {
+                // A free port: bound, then released for the server to take.
+                let port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+                    .and_then(|l| l.local_addr())
+                    .unwrap()
+                    .port();
+                let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+                let mut child = Command::new(&bin)
+                    .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+                    .args(["--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY])
+                    .arg(root.path())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::inherit())
+                    .spawn()
+                    .unwrap_or_else(|e| panic!("ROAM_S3S_FS={bin:?} does not start: {e}"));
+                let deadline = Instant::now() + Duration::from_secs(10);
+                loop {
+                    if TcpStream::connect(addr).is_ok() {
+                        return Ok(S3Server { child, root, addr });
+                    }
+                    if child.try_wait().unwrap().is_some() || Instant::now() > deadline {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        break; // the port was taken meanwhile: try another
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
                 }
-                if child.try_wait().unwrap().is_some() || Instant::now() > deadline {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    break; // the port was taken meanwhile: try another
-                }
-                std::thread::sleep(Duration::from_millis(20));
+            }
+            panic!("ROAM_S3S_FS={bin:?} did not start listening");
+        }
+
+        /// The backend configuration for this server's bucket.
+        fn config(&self) -> S3Config {
+            S3Config {
+                endpoint: format!("http://{}", self.addr),
+                bucket: BUCKET.into(),
+                region: "us-east-1".into(),
+                access_key_id: ACCESS_KEY.into(),
+                secret_access_key: SECRET_KEY.into(),
+                allow_http: true,
             }
         }
-        panic!("ROAM_S3S_FS={bin:?} did not start listening");
     }
 
-    /// The backend configuration for this server's bucket.
-    fn config(&self) -> S3Config {
-        S3Config {
-            endpoint: format!("http://{}", self.addr),
-            bucket: BUCKET.into(),
-            region: "us-east-1".into(),
-            access_key_id: ACCESS_KEY.into(),
-            secret_access_key: SECRET_KEY.into(),
-            allow_http: true,
+    impl Drop for S3Server {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
         }
     }
-}
 
-impl Drop for S3Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn s3_round_trip_incremental_gc() {
+        let server = match S3Server::start() {
+            Ok(s) => s,
+            Err(why) => {
+                eprintln!("skipping: {why}");
+                return;
+            }
+        };
+        let store = Store::new(Counting::new(S3::new(&server.config()).unwrap()), alice());
+        round_trip_incremental_gc(&store).await;
+
+        // A chunk object altered on the server's disk: refused, named.
+        let m = store.load_manifest("laptop-vm", 2).await.unwrap();
+        let chunk = m.image("memory").unwrap().chunks[1];
+        let file = server
+            .root
+            .path()
+            .join(BUCKET)
+            .join("chunks")
+            .join(chunk.id_hex());
+        let mut bytes = std::fs::read(&file).unwrap();
+        bytes[50] ^= 0x10;
+        std::fs::write(&file, &bytes).unwrap();
+        let err = store.read_chunk(&m, "memory", 1).await.unwrap_err();
+        assert!(
+            matches!(&err, StoreError::ChunkCorrupt { index: 1, id, fault: ChunkFault::Authentication, .. } if *id == chunk.id_hex()),
+            "{err}"
+        );
+        // Another user's store on the same bucket cannot open the manifest.
+        let other = Store::new(
+            S3::new(&server.config()).unwrap(),
+            UserSecret::from_bytes([0xb0; 32]),
+        );
+        assert!(matches!(
+            other.load_manifest("laptop-vm", 2).await,
+            Err(StoreError::Manifest {
+                source: ManifestError::WrongSecret,
+                ..
+            })
+        ));
     }
-}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s3_round_trip_incremental_gc() {
-    let server = match S3Server::start() {
-        Ok(s) => s,
-        Err(why) => {
-            eprintln!("skipping: {why}");
-            return;
-        }
-    };
-    let store = Store::new(Counting::new(S3::new(&server.config()).unwrap()), alice());
-    round_trip_incremental_gc(&store).await;
-
-    // A chunk object altered on the server's disk: refused, named.
-    let m = store.load_manifest("laptop-vm", 2).await.unwrap();
-    let chunk = m.image("memory").unwrap().chunks[1];
-    let file = server
-        .root
-        .path()
-        .join(BUCKET)
-        .join("chunks")
-        .join(chunk.id_hex());
-    let mut bytes = std::fs::read(&file).unwrap();
-    bytes[50] ^= 0x10;
-    std::fs::write(&file, &bytes).unwrap();
-    let err = store.read_chunk(&m, "memory", 1).await.unwrap_err();
-    assert!(
-        matches!(&err, StoreError::ChunkCorrupt { index: 1, id, fault: ChunkFault::Authentication, .. } if *id == chunk.id_hex()),
-        "{err}"
-    );
-    // Another user's store on the same bucket cannot open the manifest.
-    let other = Store::new(
-        S3::new(&server.config()).unwrap(),
-        UserSecret::from_bytes([0xb0; 32]),
-    );
-    assert!(matches!(
-        other.load_manifest("laptop-vm", 2).await,
-        Err(StoreError::Manifest {
-            source: ManifestError::WrongSecret,
-            ..
-        })
-    ));
-}
-
-#[tokio::test]
-async fn s3_wrong_credentials_are_a_remote_error() {
-    let server = match S3Server::start() {
-        Ok(s) => s,
-        Err(why) => {
-            eprintln!("skipping: {why}");
-            return;
-        }
-    };
-    let mut config = server.config();
-    config.secret_access_key = "not-the-key".into();
-    let backend = S3::new(&config).unwrap();
-    let err = backend.exists("chunks/00").await.unwrap_err();
-    eprintln!("wrong credentials: {err}");
-    assert!(
-        matches!(err, BackendError::Remote { op: "head", .. }),
-        "{err}"
-    );
+    #[tokio::test]
+    async fn s3_wrong_credentials_are_a_remote_error() {
+        let server = match S3Server::start() {
+            Ok(s) => s,
+            Err(why) => {
+                eprintln!("skipping: {why}");
+                return;
+            }
+        };
+        let mut config = server.config();
+        config.secret_access_key = "not-the-key".into();
+        let backend = S3::new(&config).unwrap();
+        let err = backend.exists("chunks/00").await.unwrap_err();
+        eprintln!("wrong credentials: {err}");
+        assert!(
+            matches!(err, BackendError::Remote { op: "head", .. }),
+            "{err}"
+        );
+    }
 }
