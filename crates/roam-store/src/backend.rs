@@ -26,8 +26,15 @@ pub trait ChunkBackend: Send + Sync {
         bytes: Vec<u8>,
     ) -> impl Future<Output = Result<bool, BackendError>> + Send;
 
-    /// The object's bytes ([`BackendError::NotFound`] if there is none).
-    fn get(&self, name: &str) -> impl Future<Output = Result<Vec<u8>, BackendError>> + Send;
+    /// The object's bytes ([`BackendError::NotFound`] if there is none). An
+    /// object longer than `max_len` is refused ([`BackendError::TooLarge`])
+    /// without reading more than `max_len + 1` of its bytes into memory: a
+    /// hostile store cannot make the reader allocate without bound.
+    fn get(
+        &self,
+        name: &str,
+        max_len: u64,
+    ) -> impl Future<Output = Result<Vec<u8>, BackendError>> + Send;
 
     /// Whether an object called `name` exists.
     fn exists(&self, name: &str) -> impl Future<Output = Result<bool, BackendError>> + Send;
@@ -48,6 +55,16 @@ pub enum BackendError {
     NotFound {
         /// The object's name.
         name: String,
+    },
+    /// The object is longer than the reader allows (not an object this
+    /// store wrote).
+    TooLarge {
+        /// The object's name.
+        name: String,
+        /// Its length as far as known (at least `max + 1`).
+        len: u64,
+        /// The most the reader allowed.
+        max: u64,
     },
     /// The name breaks [`check_name`]'s rules (API misuse).
     InvalidName {
@@ -95,6 +112,9 @@ impl fmt::Display for BackendError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             BackendError::NotFound { name } => write!(f, "object {name} not found"),
+            BackendError::TooLarge { name, len, max } => {
+                write!(f, "object {name} is {len} bytes, at most {max} expected")
+            }
             BackendError::InvalidName { name } => write!(
                 f,
                 "invalid object name {name:?} (segments of A-Z a-z 0-9 . _ -, \

@@ -28,6 +28,10 @@ const COMPRESSION_ZSTD: u8 = 1;
 /// AES-GCM tag length, bytes.
 const TAG_LEN: usize = 16;
 
+/// The longest chunk object this code writes: header, a whole chunk stored
+/// uncompressed, tag. Readers refuse longer objects before reading them.
+pub const MAX_CHUNK_OBJECT_LEN: u64 = (HEADER_LEN + CHUNK_SIZE + TAG_LEN) as u64;
+
 /// zstd level for chunks: level 3 (zstd's default) is fast enough to keep up
 /// with a disk, and is deterministic, so a chunk sealed twice gives the same
 /// object bytes.
@@ -134,6 +138,11 @@ pub enum ChunkFault {
         /// The object's length, bytes.
         len: usize,
     },
+    /// Longer than any chunk object this code writes.
+    TooLong {
+        /// The object's length as far as read, bytes.
+        len: u64,
+    },
     /// The format byte is not one this code reads.
     UnknownFormat(u8),
     /// The compression byte is not one this code reads.
@@ -159,6 +168,10 @@ impl fmt::Display for ChunkFault {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             ChunkFault::TooShort { len } => write!(f, "object is only {len} bytes"),
+            ChunkFault::TooLong { len } => write!(
+                f,
+                "object is {len} bytes, at most {MAX_CHUNK_OBJECT_LEN} expected"
+            ),
             ChunkFault::UnknownFormat(v) => write!(f, "unknown chunk format {v}"),
             ChunkFault::UnknownCompression(v) => write!(f, "unknown chunk compression {v}"),
             ChunkFault::Authentication => {

@@ -52,13 +52,13 @@ mod store;
 pub use backend::{check_name, BackendError, ChunkBackend, MAX_NAME_LEN};
 pub use chunk::{
     chunk_ref, open_chunk, seal_chunk, ChunkFault, ChunkRef, SealedChunk, UserSecret, CHUNK_FORMAT,
-    CHUNK_SIZE,
+    CHUNK_SIZE, MAX_CHUNK_OBJECT_LEN,
 };
 pub use local::LocalDir;
 pub use manifest::{
-    chunk_count, manifest_object_name, open_manifest, seal_manifest, valid_env_name, ImageEntry,
-    Manifest, ManifestError, BODY_FORMAT, BODY_MAGIC, MAX_ENV_LEN, MAX_IMAGES, MAX_IMAGE_LEN,
-    MAX_IMAGE_NAME_LEN, SEALED_FORMAT, SEALED_MAGIC,
+    chunk_count, manifest_object_name, open_manifest, seal_manifest, valid_env_name,
+    valid_image_name, ImageEntry, Manifest, ManifestError, BODY_FORMAT, BODY_MAGIC, MAX_ENV_LEN,
+    MAX_IMAGES, MAX_IMAGE_LEN, MAX_IMAGE_NAME_LEN, MAX_MANIFEST_LEN, SEALED_FORMAT, SEALED_MAGIC,
 };
 #[cfg(feature = "s3")]
 pub use s3::{S3Config, S3};

@@ -26,12 +26,16 @@ pub struct LocalDir {
     root: Arc<PathBuf>,
 }
 
+/// Age after which a temporary file is a crash's leftover (1 hour).
+const STALE_TMP: std::time::Duration = std::time::Duration::from_secs(3600);
+
 /// Distinguishes temporary files written by this process at once.
 static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 
 impl LocalDir {
     /// A store rooted at `root` (created if missing, with `objects/` and
-    /// `tmp/`). Temporary files left by a crash are removed.
+    /// `tmp/`). Temporary files left by a crash more than an hour ago are
+    /// removed (younger ones may be another process's writes in progress).
     pub fn open(root: impl Into<PathBuf>) -> Result<Self, BackendError> {
         let root = root.into();
         for sub in ["objects", "tmp"] {
@@ -45,7 +49,15 @@ impl LocalDir {
         }
         if let Ok(entries) = fs::read_dir(root.join("tmp")) {
             for e in entries.flatten() {
-                let _ = fs::remove_file(e.path());
+                let stale = e
+                    .metadata()
+                    .and_then(|m| m.modified())
+                    .ok()
+                    .and_then(|t| t.elapsed().ok())
+                    .is_some_and(|age| age > STALE_TMP);
+                if stale {
+                    let _ = fs::remove_file(e.path());
+                }
             }
         }
         Ok(LocalDir {
@@ -157,15 +169,32 @@ impl ChunkBackend for LocalDir {
         .await
     }
 
-    async fn get(&self, name: &str) -> Result<Vec<u8>, BackendError> {
+    async fn get(&self, name: &str, max_len: u64) -> Result<Vec<u8>, BackendError> {
+        use std::io::Read;
         let path = self.path_of(name)?;
         let owned = name.to_owned();
-        self.blocking("get", name, move |_| match fs::read(&path) {
-            Ok(b) => Ok(b),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                Err(BackendError::NotFound { name: owned })
+        self.blocking("get", name, move |_| {
+            let file = match fs::File::open(&path) {
+                Ok(f) => f,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                    return Err(BackendError::NotFound { name: owned })
+                }
+                Err(e) => return Err(io_err("open", &owned, &path)(e)),
+            };
+            // Read at most one byte past the limit, whatever the file's
+            // size says (it may grow meanwhile).
+            let mut bytes = Vec::new();
+            file.take(max_len.saturating_add(1))
+                .read_to_end(&mut bytes)
+                .map_err(io_err("read", &owned, &path))?;
+            if bytes.len() as u64 > max_len {
+                return Err(BackendError::TooLarge {
+                    name: owned,
+                    len: bytes.len() as u64,
+                    max: max_len,
+                });
             }
-            Err(e) => Err(io_err("read", &owned, &path)(e)),
+            Ok(bytes)
         })
         .await
     }

@@ -28,6 +28,9 @@ pub const SEALED_FORMAT: u8 = 1;
 pub const MAX_IMAGES: u32 = 4096;
 /// Longest image: 16 TiB (2^44 bytes), i.e. at most 2^27 chunks.
 pub const MAX_IMAGE_LEN: u64 = 1 << 44;
+/// Longest sealed manifest a reader accepts: 256 MiB, i.e. about 4 million
+/// chunks (512 GiB of images).
+pub const MAX_MANIFEST_LEN: u64 = 256 << 20;
 /// Longest environment name, bytes.
 pub const MAX_ENV_LEN: usize = 128;
 /// Longest image name, bytes.
@@ -243,6 +246,11 @@ fn check_env_name(name: &str) -> Result<(), ManifestError> {
     } else {
         Err(ManifestError::BadEnvName)
     }
+}
+
+/// Whether `name` may name an image: 1-255 bytes of UTF-8, no NUL.
+pub fn valid_image_name(name: &str) -> bool {
+    check_image_name(0, name).is_ok()
 }
 
 /// Image names: 1-255 bytes, no NUL.

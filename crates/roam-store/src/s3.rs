@@ -100,15 +100,34 @@ impl ChunkBackend for S3 {
         Ok(true)
     }
 
-    async fn get(&self, name: &str) -> Result<Vec<u8>, BackendError> {
+    async fn get(&self, name: &str, max_len: u64) -> Result<Vec<u8>, BackendError> {
         check_name(name)?;
         let got = self
             .store
             .get(&Path::from(name))
             .await
             .map_err(|e| remote("get", name, e))?;
-        let bytes = got.bytes().await.map_err(|e| remote("get", name, e))?;
-        Ok(bytes.to_vec())
+        let too_large = |len| BackendError::TooLarge {
+            name: name.to_owned(),
+            len,
+            max: max_len,
+        };
+        if got.meta.size > max_len {
+            return Err(too_large(got.meta.size));
+        }
+        // Collected piece by piece against the limit: the body may be
+        // longer than the length the server announced.
+        let mut body = got.into_stream();
+        let mut bytes = Vec::new();
+        while let Some(piece) = body.next().await {
+            let piece = piece.map_err(|e| remote("get", name, e))?;
+            let len = bytes.len() as u64 + piece.len() as u64;
+            if len > max_len {
+                return Err(too_large(len));
+            }
+            bytes.extend_from_slice(&piece);
+        }
+        Ok(bytes)
     }
 
     async fn exists(&self, name: &str) -> Result<bool, BackendError> {

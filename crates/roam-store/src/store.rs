@@ -9,10 +9,12 @@ use futures_util::StreamExt;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::backend::{BackendError, ChunkBackend};
-use crate::chunk::{object_name, open_chunk, seal_chunk, ChunkFault, UserSecret, CHUNK_SIZE};
+use crate::chunk::{
+    object_name, open_chunk, seal_chunk, ChunkFault, UserSecret, CHUNK_SIZE, MAX_CHUNK_OBJECT_LEN,
+};
 use crate::manifest::{
-    manifest_object_name, open_manifest, seal_manifest, valid_env_name, ImageEntry, Manifest,
-    ManifestError, MAX_IMAGE_LEN,
+    manifest_object_name, open_manifest, seal_manifest, valid_env_name, valid_image_name,
+    ImageEntry, Manifest, ManifestError, MAX_IMAGE_LEN, MAX_MANIFEST_LEN,
 };
 
 /// Chunks [`Store::restore_image`] fetches at once (8 × 128 KiB in memory).
@@ -347,6 +349,22 @@ impl<B: ChunkBackend> Store<B> {
             images: Vec::new(),
         };
         for (image, mut reader) in images {
+            // Checked before the image is read, not when the manifest is
+            // sealed after every upload.
+            let image_err = |source| StoreError::Manifest {
+                env: env.to_owned(),
+                version,
+                source,
+            };
+            let index = manifest.images.len();
+            if !valid_image_name(image.as_ref()) {
+                return Err(image_err(ManifestError::BadImageName { index }));
+            }
+            if manifest.image(image.as_ref()).is_some() {
+                return Err(image_err(ManifestError::DuplicateImage {
+                    name: image.as_ref().to_owned(),
+                }));
+            }
             let entry = self
                 .put_chunks(
                     image.as_ref(),
@@ -378,7 +396,11 @@ impl<B: ChunkBackend> Store<B> {
         if !valid_env_name(env) {
             return Err(StoreError::InvalidEnvName(env.to_owned()));
         }
-        let sealed = match self.backend.get(&manifest_object_name(env, version)).await {
+        let sealed = match self
+            .backend
+            .get(&manifest_object_name(env, version), MAX_MANIFEST_LEN)
+            .await
+        {
             Ok(b) => b,
             Err(BackendError::NotFound { .. }) => {
                 return Err(StoreError::ManifestMissing {
@@ -449,8 +471,20 @@ impl<B: ChunkBackend> Store<B> {
                 chunks: entry.chunks.len() as u64,
             });
         };
-        let object = match self.backend.get(&object_name(&chunk.id)).await {
+        let object = match self
+            .backend
+            .get(&object_name(&chunk.id), MAX_CHUNK_OBJECT_LEN)
+            .await
+        {
             Ok(o) => o,
+            Err(BackendError::TooLarge { len, .. }) => {
+                return Err(StoreError::ChunkCorrupt {
+                    image: image.to_owned(),
+                    index,
+                    id: chunk.id_hex(),
+                    fault: ChunkFault::TooLong { len },
+                })
+            }
             Err(BackendError::NotFound { .. }) => {
                 return Err(StoreError::ChunkMissing {
                     image: image.to_owned(),

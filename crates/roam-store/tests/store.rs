@@ -80,8 +80,8 @@ impl<B: ChunkBackend> ChunkBackend for Counting<B> {
         self.puts.fetch_add(1, Ordering::Relaxed);
         self.inner.put_if_absent(name, bytes).await
     }
-    async fn get(&self, name: &str) -> Result<Vec<u8>, BackendError> {
-        self.inner.get(name).await
+    async fn get(&self, name: &str, max_len: u64) -> Result<Vec<u8>, BackendError> {
+        self.inner.get(name, max_len).await
     }
     async fn exists(&self, name: &str) -> Result<bool, BackendError> {
         self.exists.fetch_add(1, Ordering::Relaxed);
@@ -345,6 +345,13 @@ async fn tampered_swapped_and_missing_chunks_are_named() {
             ..
         })
     ));
+    // Longer than any chunk object: refused before it is read whole.
+    std::fs::write(&path2, vec![1u8; 300_000]).unwrap();
+    assert!(matches!(
+        store.read_chunk(&m, "disk", 2).await,
+        Err(StoreError::ChunkCorrupt { index: 2, fault: ChunkFault::TooLong { len }, .. })
+            if len == roam_store::MAX_CHUNK_OBJECT_LEN + 1
+    ));
     // Gone.
     std::fs::remove_file(&path2).unwrap();
     assert!(matches!(
@@ -380,7 +387,11 @@ async fn manifest_refused_under_wrong_secret_or_another_name() {
     eprintln!("wrong secret: {err}");
 
     // The sealed manifest copied to another version and to another name.
-    let sealed = store.backend().get("manifests/desk/1").await.unwrap();
+    let sealed = store
+        .backend()
+        .get("manifests/desk/1", 1 << 20)
+        .await
+        .unwrap();
     for (env, version) in [("desk", 5), ("office", 1)] {
         let name = format!("manifests/{env}/{version}");
         assert!(store
@@ -423,6 +434,43 @@ async fn manifest_refused_under_wrong_secret_or_another_name() {
     let path = store.backend().path_of("manifests/desk/1").unwrap();
     std::fs::write(path, &sealed).unwrap();
     assert_eq!(store.load_manifest("desk", 1).await.unwrap(), m);
+}
+
+#[tokio::test]
+async fn bad_image_names_are_refused_before_any_upload() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::new(LocalDir::open(dir.path()).unwrap(), alice());
+    let bytes = vec![7u8; 3 * CHUNK_SIZE];
+    let err = store
+        .suspend("vm", 1, [("disk", &bytes[..]), ("disk", &bytes[..1])], None)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, StoreError::Manifest { source: ManifestError::DuplicateImage { name }, .. } if name == "disk"),
+        "{err}"
+    );
+    let err = store
+        .suspend("vm", 1, [("", &bytes[..])], None)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            StoreError::Manifest {
+                source: ManifestError::BadImageName { index: 0 },
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(matches!(
+        store.suspend("../x", 1, [("disk", &bytes[..])], None).await,
+        Err(StoreError::InvalidEnvName(_))
+    ));
+    // The first attempt stored the first image's one distinct chunk, no
+    // manifest; the empty name was refused before reading anything.
+    assert_eq!(store.backend().list("chunks/").await.unwrap().len(), 1);
+    assert!(store.versions("vm").await.unwrap().is_empty());
 }
 
 #[tokio::test]
@@ -529,7 +577,7 @@ async fn full_disk_is_an_error_and_leaves_no_partial_object() {
         let (r, len) = refs
             .get(name)
             .unwrap_or_else(|| panic!("unexpected object {name}"));
-        let object = store.backend().get(name).await.unwrap();
+        let object = store.backend().get(name, 1 << 20).await.unwrap();
         open_chunk(&alice(), r, *len, &object)
             .unwrap_or_else(|f| panic!("{name} is not whole: {f}"));
     }
