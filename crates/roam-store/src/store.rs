@@ -5,17 +5,23 @@ use std::collections::HashSet;
 use std::fmt;
 use std::io;
 
+use futures_util::stream::FuturesUnordered;
 use futures_util::StreamExt;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::backend::{BackendError, ChunkBackend};
 use crate::chunk::{
-    object_name, open_chunk, seal_chunk, ChunkFault, UserSecret, CHUNK_SIZE, MAX_CHUNK_OBJECT_LEN,
+    chunk_ref, object_name, open_chunk, seal_chunk, ChunkFault, ChunkRef, UserSecret, CHUNK_SIZE,
+    MAX_CHUNK_OBJECT_LEN,
 };
 use crate::manifest::{
     manifest_object_name, open_manifest, seal_manifest, valid_env_name, valid_image_name,
     ImageEntry, Manifest, ManifestError, MAX_IMAGE_LEN, MAX_MANIFEST_LEN,
 };
+
+/// Chunks a suspend checks and uploads at once (each holds its 128 KiB
+/// plaintext and sealed object in memory).
+const UPLOAD_WINDOW: usize = 8;
 
 /// Chunks [`Store::restore_image`] fetches at once (8 × 128 KiB in memory).
 const RESTORE_WINDOW: usize = 8;
@@ -245,7 +251,8 @@ impl<B: ChunkBackend> Store<B> {
     /// Chunks `reader` into the backend as image `name`. Chunks whose id is
     /// in `unchanged` (the previous version's) or `seen` (this suspend's)
     /// are neither uploaded nor asked about; every other chunk is added to
-    /// `seen`.
+    /// `seen`. Up to [`UPLOAD_WINDOW`] chunks are checked and uploaded at
+    /// once; when this returns, none is in flight (also on error).
     async fn put_chunks<R: AsyncRead + Unpin>(
         &self,
         name: &str,
@@ -254,58 +261,86 @@ impl<B: ChunkBackend> Store<B> {
         seen: &mut HashSet<[u8; 32]>,
         stats: &mut SuspendStats,
     ) -> Result<ImageEntry, StoreError> {
+        // Exists, then seal and put: `Some(object bytes)` if it wrote.
+        let upload = |chunk: ChunkRef, plain: Vec<u8>| async move {
+            let object = chunk.object_name();
+            if self.backend.exists(&object).await? {
+                return Ok::<_, StoreError>(None);
+            }
+            let sealed = seal_chunk(&self.secret, &plain);
+            let len = sealed.object.len() as u64;
+            Ok(self
+                .backend
+                .put_if_absent(&object, sealed.object)
+                .await?
+                .then_some(len))
+        };
+        let record = |done: Result<Option<u64>, StoreError>, stats: &mut SuspendStats| {
+            match done? {
+                Some(len) => {
+                    stats.chunks_uploaded += 1;
+                    stats.bytes_uploaded += len;
+                }
+                None => stats.chunks_present += 1,
+            }
+            Ok::<_, StoreError>(())
+        };
+        let mut pending = FuturesUnordered::new();
         let mut buf = vec![0u8; CHUNK_SIZE];
         let mut entry = ImageEntry {
             name: name.to_owned(),
             len: 0,
             chunks: Vec::new(),
         };
-        loop {
-            let n = read_full(reader, &mut buf)
-                .await
-                .map_err(|source| StoreError::ImageRead {
-                    image: name.to_owned(),
-                    source,
-                })?;
-            if n == 0 {
-                break;
-            }
-            entry.len += n as u64;
-            if entry.len > MAX_IMAGE_LEN {
-                return Err(StoreError::ImageTooLong {
-                    image: name.to_owned(),
-                });
-            }
-            stats.bytes_read += n as u64;
-            stats.chunks_total += 1;
-            let plain = &buf[..n];
-            let chunk = crate::chunk::chunk_ref(&self.secret, plain);
-            entry.chunks.push(chunk);
-            if unchanged.contains(&chunk.id) {
-                stats.chunks_unchanged += 1;
-            } else if !seen.insert(chunk.id) {
-                stats.chunks_repeated += 1;
-            } else if self.backend.exists(&chunk.object_name()).await? {
-                stats.chunks_present += 1;
-            } else {
-                let sealed = seal_chunk(&self.secret, plain);
-                let len = sealed.object.len() as u64;
-                if self
-                    .backend
-                    .put_if_absent(&chunk.object_name(), sealed.object)
-                    .await?
-                {
-                    stats.chunks_uploaded += 1;
-                    stats.bytes_uploaded += len;
+        let result: Result<(), StoreError> = async {
+            loop {
+                let n =
+                    read_full(reader, &mut buf)
+                        .await
+                        .map_err(|source| StoreError::ImageRead {
+                            image: name.to_owned(),
+                            source,
+                        })?;
+                if n == 0 {
+                    break;
+                }
+                entry.len += n as u64;
+                if entry.len > MAX_IMAGE_LEN {
+                    return Err(StoreError::ImageTooLong {
+                        image: name.to_owned(),
+                    });
+                }
+                stats.bytes_read += n as u64;
+                stats.chunks_total += 1;
+                let plain = &buf[..n];
+                let chunk = chunk_ref(&self.secret, plain);
+                entry.chunks.push(chunk);
+                if unchanged.contains(&chunk.id) {
+                    stats.chunks_unchanged += 1;
+                } else if !seen.insert(chunk.id) {
+                    stats.chunks_repeated += 1;
                 } else {
-                    stats.chunks_present += 1;
+                    pending.push(upload(chunk, plain.to_vec()));
+                    if pending.len() >= UPLOAD_WINDOW {
+                        if let Some(done) = pending.next().await {
+                            record(done, stats)?;
+                        }
+                    }
+                }
+                if n < CHUNK_SIZE {
+                    break;
                 }
             }
-            if n < CHUNK_SIZE {
-                break;
+            while let Some(done) = pending.next().await {
+                record(done, stats)?;
             }
+            Ok(())
         }
-        Ok(entry)
+        .await;
+        // On an error, let the uploads in flight finish (their results
+        // dropped), so nothing is still being written when this returns.
+        while pending.next().await.is_some() {}
+        result.map(|()| entry)
     }
 
     /// Suspends version `version` of environment `env`: reads each image to
