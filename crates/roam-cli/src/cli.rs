@@ -308,6 +308,7 @@ relay refused the shell, the message says why); 3 the session was lost.")]
 Examples:
   roam migrate-process 4242 --to hostb.example          # its one address moves along
   roam migrate-process $(pidof redis-server) --to 10.0.0.2:7448 --address 10.0.0.50/24
+  roam migrate-process $(pidof java) --to hostb --lazy-pages   # 8 GB heap: post-copy
 
 The destination runs `roam migrate-accept` (as root, with CRIU) and lists this
 host's client key (`roam keygen` prints it) in its authorized keys. Both hosts
@@ -336,8 +337,18 @@ captured (they are dropped here, before the process could see them) and
 delivered at the destination once the process runs there, so that peers do not
 wait for their retransmission timers; --no-reinject leaves them to TCP.
 
-Not yet: lazy (post-copy) memory (the freeze grows with the memory copied), a
-destination with a different address (use roam sessions for that).
+By default the process's memory travels inside the freeze, which therefore grows
+with memory size. --lazy-pages (post-copy) leaves it out: the process runs at
+the destination once the rest is there, and its pages follow over the session
+(each one on first touch, the rest in the background) while it runs; the
+summary says how much memory followed and how long it took. The source's page
+server listens on 127.0.0.1 only. Without CAP_SYS_RESOURCE CRIU needs
+`sysctl fs.pipe-max-size=4194304` here (the error says so). A destination that
+shares this host's pid space (namespaces on one machine) must run
+`roam migrate-accept` in a pid namespace of its own (`unshare --pid --fork
+--mount-proc`): the process keeps its pid here until its last page is sent.
+
+Not yet: a destination with a different address (use roam sessions for that).
 
 Exit status: 0 moved; 1 not moved (the process runs on here) or moved with a
 warning (printed); 2 bad arguments.")]
@@ -576,6 +587,18 @@ pub(crate) struct MigrateProcessArgs {
     /// re-injection at the destination (peers then retransmit them).
     #[arg(long)]
     pub(crate) no_reinject: bool,
+    /// Post-copy: move the process's memory after the freeze instead of in
+    /// it. The process runs at the destination as soon as everything but
+    /// its memory is there, and each page follows over the same encrypted
+    /// session when first touched (or in the background), so the freeze
+    /// no longer grows with memory size. The price: from the restore on,
+    /// the process needs both hosts until its last page has arrived — if
+    /// the session breaks then, it is lost at both (the destination kills
+    /// its copy rather than let it read missing pages). Up to that restore a
+    /// failure leaves it at the source, as without this flag. Needs CRIU's
+    /// lazy pages (userfaultfd) at the destination.
+    #[arg(long)]
+    pub(crate) lazy_pages: bool,
     #[command(flatten)]
     pub(crate) client: ClientArgs,
 }

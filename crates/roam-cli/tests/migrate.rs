@@ -116,7 +116,15 @@ impl Setup {
 
     /// [`Setup::new`], the server holding `ballast_mb` MB of memory.
     fn holding(name: &str, images_dir: Option<&Path>, ballast_mb: u32) -> Setup {
-        Setup::with_server(name, images_dir, |lan, service| {
+        Setup::holding_in(name, images_dir, ballast_mb, false)
+    }
+
+    /// [`Setup::holding`]; `own_pids`: B's `roam migrate-accept` runs in a
+    /// pid namespace of its own, as on a host of its own (a post-copy
+    /// restore happens while the process, frozen, still holds its pid on
+    /// A; every process there dies with migrate-accept).
+    fn holding_in(name: &str, images_dir: Option<&Path>, ballast_mb: u32, own_pids: bool) -> Setup {
+        Setup::with_server_in(name, images_dir, own_pids, |lan, service| {
             let addr = SocketAddr::from((service, PORT));
             let server = start_echo_holding(lan.ns(A), PORT, ballast_mb, || {
                 lan.tcp_connect(CLIENT, addr, Duration::from_secs(1))
@@ -138,6 +146,16 @@ impl Setup {
         images_dir: Option<&Path>,
         start: impl FnOnce(&Lan, Ipv4Addr) -> (Child, Option<EchoStream>),
     ) -> Setup {
+        Setup::with_server_in(name, images_dir, false, start)
+    }
+
+    /// [`Setup::with_server`]; `own_pids` as for [`Setup::holding_in`].
+    fn with_server_in(
+        name: &str,
+        images_dir: Option<&Path>,
+        own_pids: bool,
+        start: impl FnOnce(&Lan, Ipv4Addr) -> (Child, Option<EchoStream>),
+    ) -> Setup {
         let lan = Lan::new(name, 4).expect("LAN");
         let service = lan.subnet_addr(100);
         lan.add_addr(A, service).expect("service address on A");
@@ -155,7 +173,24 @@ impl Setup {
         assert!(keygen.status.success(), "{keygen:?}");
         let keys = dst_state.path().join("migrate_keys");
         std::fs::write(&keys, &keygen.stdout).expect("authorized keys");
-        let mut cmd = roam_in(&lan, B, dst_state.path());
+        let mut cmd = if own_pids {
+            let mut c = Command::new("nsenter");
+            c.arg(format!("--net=/run/netns/{}", lan.ns(B)))
+                .args([
+                    "--",
+                    "unshare",
+                    "--pid",
+                    "--fork",
+                    "--kill-child",
+                    "--mount-proc",
+                ])
+                .arg(env!("CARGO_BIN_EXE_roam"))
+                .env("ROAM_STATE_DIR", dst_state.path())
+                .stdin(Stdio::null());
+            c
+        } else {
+            roam_in(&lan, B, dst_state.path())
+        };
         cmd.arg("migrate-accept")
             .arg("--listen")
             .arg(format!("{}:{ACCEPT_PORT}", lan.addr(B)))
@@ -645,6 +680,116 @@ fn without_reinjection_the_move_still_delivers_every_byte() {
         "moved without re-injection: the client's longest pause {pause:?}; a connection \
          opened during the freeze took {syn_connect:?} (its SYN retransmitted)"
     );
+}
+
+/// Raises `/proc/sys/fs/pipe-max-size` to at least what CRIU's lazy page
+/// server needs (this container's root lacks `CAP_SYS_RESOURCE`), and puts
+/// the old value back when dropped.
+struct PipeMaxSize(Option<String>);
+
+impl PipeMaxSize {
+    const PATH: &'static str = "/proc/sys/fs/pipe-max-size";
+
+    fn at_least(bytes: u64) -> PipeMaxSize {
+        let old = std::fs::read_to_string(Self::PATH).expect("read pipe-max-size");
+        if old.trim().parse::<u64>().unwrap_or(0) >= bytes {
+            return PipeMaxSize(None);
+        }
+        std::fs::write(Self::PATH, bytes.to_string()).expect("raise pipe-max-size");
+        PipeMaxSize(Some(old))
+    }
+}
+
+impl Drop for PipeMaxSize {
+    fn drop(&mut self) {
+        if let Some(old) = &self.0 {
+            let _ = std::fs::write(Self::PATH, old.trim());
+        }
+    }
+}
+
+/// Asks the echo server (over UDP) whether its memory still hashes as it
+/// did when it started: `intact` or `CORRUPT`.
+fn memory_verdict(s: &Setup) -> String {
+    let udp = s
+        .lan
+        .in_ns(CLIENT, || std::net::UdpSocket::bind("0.0.0.0:0"))
+        .expect("client namespace")
+        .expect("UDP socket");
+    udp.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let mut buf = [0u8; 64];
+    for _ in 0..5 {
+        udp.send_to(b"roam:check-memory", SocketAddr::from((s.service, PORT)))
+            .expect("send");
+        if let Ok((n, _)) = udp.recv_from(&mut buf) {
+            return String::from_utf8_lossy(&buf[..n]).into_owned();
+        }
+    }
+    panic!("the server never answered the memory check");
+}
+
+/// Post-copy (`--lazy-pages`): the server runs at B before its 96 MB of
+/// memory are there; the memory follows over the roam session while it
+/// runs. Its connection carries on with every byte, its memory hashes as
+/// before the move, and the summary counts the memory that followed.
+#[test]
+fn with_lazy_pages_the_server_runs_at_the_destination_and_its_memory_follows() {
+    if !can_run() {
+        return;
+    }
+    // Without it CRIU's page server fails at its first page, the move is
+    // refused up front and says how to raise it.
+    if roam_criu::lazy_pages_pipe_check().is_err() {
+        let s = Setup::holding_in("mig_lazy0", None, 1, true);
+        let out = s.migrate(&["--lazy-pages"]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains("fs.pipe-max-size"),
+            "{err}"
+        );
+        assert!(err.contains("nothing was frozen"), "{err}");
+    }
+    let _pipes = PipeMaxSize::at_least(4 << 20);
+    let mut s = Setup::holding_in("mig_lazy", None, 96, true);
+    assert_eq!(memory_verdict(&s), "intact", "before the move");
+    let out = s.migrate(&["--lazy-pages"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The images held no memory: it followed, all of it.
+    let followed: f64 = stdout
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("post-copy: "))
+        .and_then(|l| l.split(" MB").next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no post-copy line: {stdout}"));
+    assert!(followed >= 96.0, "only {followed} MB followed: {stdout}");
+    let images: f64 = stdout
+        .split(" of images")
+        .next()
+        .and_then(|l| l.rsplit("; ").next())
+        .and_then(|l| l.split(" MB").next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no image size: {stdout}"));
+    assert!(
+        images < 50.0,
+        "{images} MB of images: memory went inside the freeze"
+    );
+    assert!(
+        s.has_service(B) && !s.has_service(A),
+        "the address did not move"
+    );
+    assert!(!s.runs_on(A, s.pid), "the server still runs on A");
+    assert!(!s.has_lock(A) && !s.has_lock(B), "an address lock was left");
+    let at = s.echo().echoed();
+    s.echo()
+        .wait_echoed(at + (2 << 20), Duration::from_secs(30));
+    s.finish_stream_and_reconnect("connect after the move");
+    assert_eq!(memory_verdict(&s), "intact", "after the move");
 }
 
 /// A destination whose disk fills half-way through the images: the dump is

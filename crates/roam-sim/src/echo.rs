@@ -16,15 +16,21 @@ use std::time::{Duration, Instant};
 /// The echo server: over TCP one connection at a time, every byte sent
 /// back; over UDP (same port, a thread of its own) every datagram sent back
 /// to its sender. Arguments: the port, and optionally megabytes of memory
-/// to hold (written, so that a checkpoint has to copy them).
+/// to hold (random bytes, so that a checkpoint has to copy them). The
+/// datagram `roam:check-memory` is answered `intact` while that memory
+/// still hashes as it did at start, else `CORRUPT` (a restore that lost or
+/// zeroed a page).
 pub const ECHO_SERVER: &str = r#"
-import socket, sys, threading
-ballast = b"\x5a" * (int(sys.argv[2]) << 20) if len(sys.argv) > 2 else b""
+import hashlib, os, socket, sys, threading
+ballast = os.urandom(int(sys.argv[2]) << 20) if len(sys.argv) > 2 else b""
+digest = hashlib.sha256(ballast).digest()
 def udp():
     u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     u.bind(("0.0.0.0", int(sys.argv[1])))
     while True:
         d, a = u.recvfrom(65536)
+        if d == b"roam:check-memory":
+            d = b"intact" if hashlib.sha256(ballast).digest() == digest else b"CORRUPT"
         u.sendto(d, a)
 threading.Thread(target=udp, daemon=True).start()
 s = socket.socket()

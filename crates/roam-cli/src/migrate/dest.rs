@@ -95,22 +95,45 @@ pub(crate) async fn run(args: MigrateAcceptArgs, config: &FileConfig) -> CliResu
 }
 
 /// One source's session: each migration stream it opens, one after another.
+/// A post-copy move's pages stream ([`wire::STREAM_PAGES`]) is handed to the
+/// migration under way.
 async fn serve_session(host: Arc<Host>, session: roam::SessionHandle) {
     let peer = session
         .stats()
         .peer_addr
         .map_or_else(|| "?".to_string(), |a| a.to_string());
-    while let Ok((stream, meta)) = session.accept_stream().await {
-        if meta != wire::STREAM_META {
-            tracing::warn!(
-                "a stream from {peer} for {:?}, not a migration: refused",
-                String::from_utf8_lossy(&meta)
-            );
-            continue;
-        }
+    let (meta_tx, mut meta_rx) = tokio::sync::mpsc::channel::<roam::RoamStream>(1);
+    let (pages_tx, mut pages_rx) = tokio::sync::mpsc::channel::<roam::RoamStream>(2);
+    {
+        let session = session.clone();
+        let peer = peer.clone();
+        tokio::spawn(async move {
+            while let Ok((stream, meta)) = session.accept_stream().await {
+                if meta == wire::STREAM_META {
+                    if meta_tx.send(stream).await.is_err() {
+                        return;
+                    }
+                } else if meta == wire::STREAM_PAGES {
+                    if pages_tx.try_send(stream).is_err() {
+                        tracing::warn!(
+                            "a pages stream from {peer} that no move waits for: refused"
+                        );
+                    }
+                } else {
+                    tracing::warn!(
+                        "a stream from {peer} for {:?}, not a migration: refused",
+                        String::from_utf8_lossy(&meta)
+                    );
+                }
+            }
+        });
+    }
+    while let Some(stream) = meta_rx.recv().await {
         let _one = host.busy.lock().await;
+        // A pages stream left by an earlier move is not this one's.
+        while pages_rx.try_recv().is_ok() {}
         let (mut rd, mut wr) = tokio::io::split(stream);
-        match receive(&host, &mut rd, &mut wr).await {
+        match receive(&host, &mut rd, &mut wr, &mut pages_rx).await {
             Ok(msg) => eprintln!("roam migrate-accept: {msg} (from {peer})"),
             Err(reason) => {
                 eprintln!("roam migrate-accept: a migration from {peer} failed: {reason}");
@@ -152,6 +175,7 @@ async fn receive(
     host: &Host,
     rd: &mut tokio::io::ReadHalf<roam::RoamStream>,
     wr: &mut tokio::io::WriteHalf<roam::RoamStream>,
+    pages_rx: &mut tokio::sync::mpsc::Receiver<roam::RoamStream>,
 ) -> Result<String, String> {
     let (address, process) = match next(rd).await? {
         Frame::Hello { address, process } => (address, process),
@@ -173,11 +197,18 @@ async fn receive(
     // free before ours can have it, when both hosts share a pid space) and
     // then asks for the restore.
     wire::write_frame(wr, &Frame::Stored).await.map_err(send)?;
-    match next(rd).await? {
-        Frame::Restore => {}
+    let lazy = match next(rd).await? {
+        Frame::Restore => false,
+        Frame::RestoreLazy => true,
         Frame::Abort { reason } => return Err(format!("the source gave up: {reason}")),
         other => return Err(format!("expected the restore, got {other:?}")),
-    }
+    };
+    // Post-copy: the memory comes over the pages stream, through CRIU's
+    // lazy-pages daemon, started before the restore (which connects to it).
+    let mut lazy_pages = match lazy {
+        false => None,
+        true => Some(LazyPages::start(host, &images.path, pages_rx).await?),
+    };
     // Restore behind a lock, with the address in place.
     let lock = AddressLock::new(None, target.addr)
         .map_err(|e| format!("cannot lock {} here: {e}", target.addr))?;
@@ -190,11 +221,14 @@ async fn receive(
         let _ = lock.release();
     };
     let t = Instant::now();
-    let restored = super::restore(host.criu.clone(), images.path.clone()).await;
+    let restored = super::restore(host.criu.clone(), images.path.clone(), lazy).await;
     let restored = match restored {
         Ok(r) => r,
         Err(e) => {
             undo_address(lock);
+            if let Some(l) = lazy_pages.take() {
+                l.stop();
+            }
             images.keep();
             return Err(format!("restore failed: {e}"));
         }
@@ -222,6 +256,9 @@ async fn receive(
             // (the lock drops its sockets' last packets).
             kill_and_wait(pid);
             undo_address(lock);
+            if let Some(l) = lazy_pages.take() {
+                l.stop();
+            }
             return Err(format!("{e}; the restored copy (pid {pid}) was killed"));
         }
     };
@@ -248,7 +285,18 @@ async fn receive(
     )
     .await
     .map_err(send)?;
-    drop(images);
+    // Post-copy: the images directory stays until the daemon is done with
+    // it, and a daemon that fails takes the process down with it.
+    let memory = match lazy_pages.take() {
+        Some(l) => {
+            l.watch(pid, process.clone(), images);
+            "; its memory follows (post-copy)"
+        }
+        None => {
+            drop(images);
+            ""
+        }
+    };
     match announced {
         Err(e) => eprintln!("roam migrate-accept: warning: {}", e.0),
         // A second announcement a second later, for a neighbour that missed
@@ -263,7 +311,7 @@ async fn receive(
     }
     Ok(format!(
         "{process} runs here as pid {pid} with {} (restore {} ms; {reinjected} packets \
-         captured at the source re-injected)",
+         captured at the source re-injected){memory}",
         target.cidr(),
         restore_us / 1000
     ))
@@ -288,6 +336,95 @@ fn place(host: &Host, address: &str) -> Result<IfAddr, String> {
             })?,
     };
     Ok(IfAddr { dev, addr, prefix })
+}
+
+/// A post-copy restore's memory supply: CRIU's lazy-pages daemon, and the
+/// task that carries its page-server protocol over the pages stream.
+struct LazyPages {
+    /// The daemon.
+    daemon: std::process::Child,
+    /// Copies between the daemon's socket and the pages stream; its result
+    /// is the bytes that came from the source.
+    pump: tokio::task::JoinHandle<std::io::Result<u64>>,
+}
+
+impl LazyPages {
+    /// Takes the move's pages stream (the source opened it before the
+    /// dump) and starts the daemon on `images` with one end of a socket
+    /// pair whose other end is pumped to and from that stream.
+    async fn start(
+        host: &Host,
+        images: &Path,
+        pages_rx: &mut tokio::sync::mpsc::Receiver<roam::RoamStream>,
+    ) -> Result<LazyPages, String> {
+        let mut pages = tokio::time::timeout(FRAME_TIMEOUT, pages_rx.recv())
+            .await
+            .ok()
+            .flatten()
+            .ok_or("a post-copy restore without the source's pages stream")?;
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair()
+            .map_err(|e| format!("cannot make a socket for CRIU's lazy-pages daemon: {e}"))?;
+        let criu = host.criu.clone();
+        let dir = images.to_path_buf();
+        let daemon = tokio::task::spawn_blocking(move || {
+            criu.lazy_pages_daemon(&dir, std::os::fd::OwnedFd::from(theirs))
+        })
+        .await
+        .map_err(|e| format!("the lazy-pages thread failed: {e}"))?
+        .map_err(|e| format!("cannot start CRIU's lazy-pages daemon: {e}"))?;
+        let pump = tokio::spawn(async move {
+            ours.set_nonblocking(true)?;
+            let mut ours = tokio::net::UnixStream::from_std(ours)?;
+            let (from_source, _) = tokio::io::copy_bidirectional(&mut pages, &mut ours).await?;
+            Ok(from_source)
+        });
+        Ok(LazyPages { daemon, pump })
+    }
+
+    /// Stops the daemon and the pump (the move did not happen).
+    fn stop(mut self) {
+        let _ = self.daemon.kill();
+        let _ = self.daemon.wait();
+        self.pump.abort();
+    }
+
+    /// Waits for the daemon in the background: once it ends, every page is
+    /// in place (status 0) or some never will be, and then the process
+    /// `pid` is killed before it reads zeros where its memory should be.
+    /// The images directory goes once the daemon is done with it.
+    fn watch(self, pid: i32, process: String, images: Received) {
+        let LazyPages { mut daemon, pump } = self;
+        let started = Instant::now();
+        tokio::spawn(async move {
+            let status = tokio::task::spawn_blocking(move || daemon.wait()).await;
+            let ok = matches!(&status, Ok(Ok(s)) if s.success());
+            if ok {
+                let bytes = match tokio::time::timeout(Duration::from_secs(5), pump).await {
+                    Ok(Ok(Ok(n))) => n,
+                    _ => 0,
+                };
+                eprintln!(
+                    "roam migrate-accept: {process}'s memory is all here ({} after the freeze, in {})",
+                    super::mb(bytes),
+                    super::ms(started.elapsed())
+                );
+                drop(images);
+            } else {
+                pump.abort();
+                kill_and_wait(pid);
+                images.keep();
+                eprintln!(
+                    "roam migrate-accept: {process} (pid {pid}) was KILLED: its memory stopped \
+                     arriving from the source ({}; CRIU's log lazy-pages.log is kept)",
+                    match status {
+                        Ok(Ok(s)) => format!("CRIU's lazy-pages daemon ended: {s}"),
+                        Ok(Err(e)) => format!("cannot wait for CRIU's lazy-pages daemon: {e}"),
+                        Err(e) => format!("the lazy-pages thread failed: {e}"),
+                    }
+                );
+            }
+        });
+    }
 }
 
 /// Kills `pid` and waits (up to 5 s) until it is gone.
@@ -356,6 +493,8 @@ impl Received {
             Open(String),
             /// Append to the current file.
             Data(Vec<u8>),
+            /// Leave the current file's next bytes a hole.
+            Skip(u64),
         }
         let (tx, mut rx) = tokio::sync::mpsc::channel::<Op>(64);
         let dir = self.path.clone();
@@ -378,6 +517,19 @@ impl Received {
                                 .map_err(|e| format!("cannot write image {name} here: {e}"))?;
                         }
                     }
+                    Op::Skip(n) => {
+                        if let Some((name, f)) = cur.as_mut() {
+                            use std::io::Seek;
+                            // A hole: the file is as long as announced even
+                            // if it ends in one.
+                            let end = f
+                                .seek(std::io::SeekFrom::Current(
+                                    i64::try_from(n).unwrap_or(i64::MAX),
+                                ))
+                                .and_then(|at| f.set_len(at.max(f.metadata()?.len())));
+                            end.map_err(|e| format!("cannot write image {name} here: {e}"))?;
+                        }
+                    }
                 }
             }
             Ok(())
@@ -394,7 +546,11 @@ impl Received {
                                     size -= d.len() as u64;
                                     tx.send(Op::Data(d)).await.map_err(|_| gone())?;
                                 }
-                                Frame::Data(_) => {
+                                Frame::Skip(n) if n <= size => {
+                                    size -= n;
+                                    tx.send(Op::Skip(n)).await.map_err(|_| gone())?;
+                                }
+                                Frame::Data(_) | Frame::Skip(_) => {
                                     return Err(format!("image {name} is longer than announced"))
                                 }
                                 Frame::Abort { reason } => {

@@ -127,10 +127,12 @@ impl Drop for Progress {
 
 /// Restores the process in `images` here with its established TCP
 /// connections, behind roam's address lock (not CRIU's), on a blocking
-/// thread.
+/// thread; `lazy`: its memory comes from a lazy-pages daemon already
+/// running on `images` (post-copy).
 pub(crate) async fn restore(
     criu: roam_criu::Criu,
     images: std::path::PathBuf,
+    lazy: bool,
 ) -> Result<roam_criu::Restored, String> {
     tokio::task::spawn_blocking(move || {
         criu.restore(
@@ -138,6 +140,7 @@ pub(crate) async fn restore(
             &roam_criu::RestoreOptions {
                 tcp_established: true,
                 network_lock: roam_criu::NetworkLock::Skip,
+                lazy_pages: lazy,
                 ..roam_criu::RestoreOptions::default()
             },
         )

@@ -28,6 +28,13 @@ const SMALL: u64 = 64 << 10;
 pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliResult {
     let mut progress = Progress::new();
     let criu = Criu::locate().map_err(|e| CliError(format!("cannot move a process: {e}")))?;
+    if args.lazy_pages {
+        roam_criu::lazy_pages_pipe_check().map_err(|e| {
+            CliError(format!(
+                "cannot move a process with --lazy-pages: {e}; nothing was frozen"
+            ))
+        })?;
+    }
     let info = host::inspect(args.pid)?;
     let address = own_address(args.address.as_deref(), &info)?;
     let to = match crate::target::split_host_port(&args.to)? {
@@ -79,6 +86,26 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
         Err(e) => return Err(refused(e)),
     };
     progress.phase(&format!("{to} can host it ({ready})"));
+    // Post-copy: a second stream carries CRIU's page-server protocol from
+    // a page server on this host's loopback (at a port free now) to the
+    // destination's lazy-pages daemon.
+    let mut lazy = match args.lazy_pages {
+        false => None,
+        true => {
+            let pages = session
+                .open_stream(wire::STREAM_PAGES)
+                .map_err(|e| refused(format!("cannot open its pages stream: {e}")))?;
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .map_err(|e| {
+                    CliError(format!(
+                        "cannot find a free loopback port for the page server: {e}; nothing was frozen"
+                    ))
+                })?
+                .port();
+            Some((pages, port))
+        }
+    };
 
     let images = ImagesDir::create(args.images_dir.as_deref(), args.pid)?;
     // From the lock on, a signal must not kill roam (the address would
@@ -136,14 +163,62 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
         })
     };
     let mut timings = Timings::default();
+    // Post-copy: the destination restored the process inside the
+    // post-dump step (its pid), its memory served from here.
+    let mut restored_lazily = None;
+    let mut serving = None;
+    // Post-copy: image bytes left out of the copy (the memory that follows).
+    let mut held_back = 0u64;
     if let Some(dir) = images_rx.recv().await {
         timings.dump = frozen_at.elapsed();
         let sent = Instant::now();
-        let outcome = tokio::select! {
-            r = send_images(&mut wr, &mut answers, &dir, &mut progress, &timings, &to) => r,
-            _ = interrupt.wait() => Err("interrupted by a signal".to_string()),
+        // Post-copy: the private memory stays out of the copy (holes in
+        // the pages images); the destination fetches it as it needs it.
+        let holes = match lazy.is_some() {
+            true => roam_criu::lazy_ranges(&dir),
+            false => Ok(Vec::new()),
+        };
+        if let Ok(h) = &holes {
+            held_back = h.iter().map(|(_, _, l)| l).sum();
+        }
+        let outcome = match holes {
+            Err(e) => Err(format!("cannot read the dump's pagemaps: {e}")),
+            Ok(holes) => tokio::select! {
+                r = send_images(&mut wr, &mut answers, &dir, &holes, &mut progress, &timings, &to) => r,
+                _ = interrupt.wait() => Err("interrupted by a signal".to_string()),
+            },
         };
         timings.transfer = sent.elapsed();
+        let outcome = match (outcome, lazy.take()) {
+            (Ok(()), Some((pages, port))) => {
+                progress.phase(&format!(
+                    "images sent; {to} restores {} while its memory stays here",
+                    info.label()
+                ));
+                let asked = Instant::now();
+                let r = match PageServer::start(&criu_again, &dir, port, pages) {
+                    Err(e) => Err(e),
+                    Ok(server) => {
+                        let r = tokio::select! {
+                            r = restore_lazily(&mut wr, &mut answers, &to) => r,
+                            _ = interrupt.wait() => Err("interrupted by a signal".to_string()),
+                        };
+                        match r {
+                            Ok(_) => serving = Some(server),
+                            Err(_) => server.stop(),
+                        }
+                        r
+                    }
+                };
+                if let Ok((pid, us)) = r {
+                    timings.restore = Duration::from_micros(us);
+                    timings.wait = asked.elapsed().saturating_sub(timings.restore);
+                    restored_lazily = Some(pid);
+                }
+                r.map(|_| ())
+            }
+            (outcome, _) => outcome,
+        };
         let _ = verdict_tx.send(outcome);
     }
     let ending = Instant::now();
@@ -176,6 +251,31 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
             return Err(CliError(msg));
         }
     };
+    if let (Some(new_pid), Some(server)) = (restored_lazily, serving) {
+        timings.end = ending.elapsed();
+        return finish_lazily(
+            LazyMove {
+                new_pid,
+                server,
+                lock,
+                capture,
+                frozen_at,
+                timings,
+                image_bytes: dumped.image_bytes.saturating_sub(held_back),
+            },
+            wr,
+            &mut answers,
+            &args,
+            &info,
+            &address,
+            &to,
+            progress,
+            writer,
+            &session,
+            images,
+        )
+        .await;
+    }
     // The images are at the destination and CRIU ended the process here
     // (its sockets in repair mode: without a packet). From here on a
     // failure brings the process back here from the same images.
@@ -206,8 +306,64 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
         "restored at {to} as pid {new_pid}; handing over {}",
         address.addr
     ));
+    let done = hand_over(
+        &mut wr,
+        &mut answers,
+        &address,
+        capture,
+        lock,
+        &to,
+        frozen_at,
+        &mut timings,
+    )
+    .await;
+    drop(images);
+    wr.close(writer).await;
+    let _ = session.close(0, "moved").await;
+    let total = progress.elapsed();
+    drop(progress);
+    report(
+        &args,
+        &info,
+        &address,
+        &to,
+        new_pid,
+        &done,
+        &timings,
+        dumped.image_bytes,
+        total,
+        None,
+    )
+}
+
+/// What the hand-over did.
+struct HandedOver {
+    /// Packets captured here during the freeze.
+    captured: usize,
+    /// Of those, re-injected at the destination.
+    reinjected: u64,
+    /// First lock to the destination's go.
+    freeze: Duration,
+    /// What went wrong without undoing the move.
+    warnings: Vec<String>,
+}
+
+/// The process runs at the destination (behind its lock): takes the
+/// address off this host, sends what was captured during the freeze, has
+/// the destination take the address live and lifts the lock here.
+#[allow(clippy::too_many_arguments)]
+async fn hand_over(
+    wr: &mut Outbox,
+    answers: &mut mpsc::Receiver<Answer>,
+    address: &IfAddr,
+    capture: Option<super::packets::Capture>,
+    lock: AddressLock,
+    to: &str,
+    frozen_at: Instant,
+    timings: &mut Timings,
+) -> HandedOver {
     let mut warnings = Vec::new();
-    if let Err(e) = host::del_address(&address) {
+    if let Err(e) = host::del_address(address) {
         warnings.push(format!(
             "could not take {} off this host: {}",
             address.cidr(),
@@ -231,7 +387,7 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
     let mut reinjected = 0;
     let live = match packets_sent.and(wr.send(&Frame::Commit).await) {
         Err(e) => Err(e.to_string()),
-        Ok(()) => match answer(&mut answers).await {
+        Ok(()) => match answer(answers).await {
             Ok(Frame::Live { reinjected: n }) => {
                 reinjected = n;
                 Ok(())
@@ -252,11 +408,30 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
              check `ip addr` and `nft list tables` on {to})"
         ));
     }
-    drop(images);
-    wr.close(writer).await;
-    let _ = session.close(0, "moved").await;
-    let total = progress.elapsed();
-    drop(progress);
+    HandedOver {
+        captured: captured.len(),
+        reinjected,
+        freeze,
+        warnings,
+    }
+}
+
+/// Prints the summary of a move that happened and its warnings; the exit
+/// status. `post_copy`: the memory that followed after the freeze, and how
+/// long it took.
+#[allow(clippy::too_many_arguments)]
+fn report(
+    args: &MigrateProcessArgs,
+    info: &ProcessInfo,
+    address: &IfAddr,
+    to: &str,
+    new_pid: i32,
+    done: &HandedOver,
+    timings: &Timings,
+    image_bytes: u64,
+    total: Duration,
+    post_copy: Option<(u64, Duration)>,
+) -> CliResult {
     println!(
         "moved {} to {to} (pid {new_pid} there) with {}: {}",
         info.label(),
@@ -265,29 +440,279 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
     );
     println!(
         "  {} packets arrived during the freeze: {}",
-        captured.len(),
+        done.captured,
         if args.no_reinject {
             "left to retransmission (--no-reinject)".to_string()
         } else {
-            format!("{reinjected} re-injected at the destination")
+            format!("{} re-injected at the destination", done.reinjected)
         }
     );
     println!(
         "  freeze {} (dump {}, transfer {}, end at the source {}, restore {}, waits {}, hand-over {}); {} of images; total {}",
-        ms(freeze),
+        ms(done.freeze),
         ms(timings.dump),
         ms(timings.transfer),
         ms(timings.end),
         ms(timings.restore),
         ms(timings.wait),
         ms(timings.handover),
-        mb(dumped.image_bytes),
+        mb(image_bytes),
         ms(total),
     );
-    for w in &warnings {
+    if let Some((bytes, took)) = post_copy {
+        println!(
+            "  post-copy: {} of memory followed after the freeze, in {}",
+            mb(bytes),
+            ms(took)
+        );
+    }
+    for w in &done.warnings {
         eprintln!("roam: warning: {w}");
     }
-    Ok(if warnings.is_empty() { 0 } else { 1 })
+    Ok(if done.warnings.is_empty() { 0 } else { 1 })
+}
+
+/// A post-copy move whose destination has the process running (behind its
+/// lock) while its memory is served from here.
+struct LazyMove {
+    /// The process's pid at the destination.
+    new_pid: i32,
+    /// CRIU's page server and the pump to the destination.
+    server: PageServer,
+    /// The address lock here.
+    lock: AddressLock,
+    /// The packets captured during the freeze.
+    capture: Option<super::packets::Capture>,
+    /// When the address was locked.
+    frozen_at: Instant,
+    /// Phases so far.
+    timings: Timings,
+    /// Bytes of the images sent (the memory that follows left out).
+    image_bytes: u64,
+}
+
+/// CRIU's page server for a post-copy move, serving the process's memory
+/// from the images here, and the task that carries its protocol over the
+/// pages stream to the destination's lazy-pages daemon.
+struct PageServer {
+    /// `criu page-server --lazy-pages` on loopback.
+    child: std::process::Child,
+    /// Connects to it and pumps; the bytes sent to the destination.
+    pump: tokio::task::JoinHandle<Result<u64, String>>,
+    /// Open: pages flow to the destination; closed: they wait (while the
+    /// address is handed over, whose few frames would otherwise queue
+    /// behind megabytes of memory and share the CPU with them).
+    gate: tokio::sync::watch::Sender<bool>,
+    /// When it started.
+    started: Instant,
+}
+
+impl PageServer {
+    /// Starts the page server on `127.0.0.1:port` for the images in `dir`,
+    /// and the pump between it and `pages`.
+    fn start(
+        criu: &Criu,
+        dir: &Path,
+        port: u16,
+        pages: roam::RoamStream,
+    ) -> Result<PageServer, String> {
+        let child = criu
+            .lazy_page_server(dir, port)
+            .map_err(|e| format!("cannot start CRIU's page server: {e}"))?;
+        let (gate, mut open) = tokio::sync::watch::channel(true);
+        let pump = tokio::spawn(async move {
+            // Its one connection is ours, once it listens.
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let server = loop {
+                match tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
+                    Ok(s) => break s,
+                    Err(e) if Instant::now() >= deadline => {
+                        return Err(format!(
+                            "cannot reach CRIU's page server on port {port}: {e}"
+                        ))
+                    }
+                    Err(_) => tokio::time::sleep(Duration::from_millis(2)).await,
+                }
+            };
+            let _ = server.set_nodelay(true);
+            let (mut sr, mut sw) = server.into_split();
+            let (mut pr, mut pw) = tokio::io::split(pages);
+            // The daemon's requests go to the page server as they come.
+            let requests = async {
+                tokio::io::copy(&mut pr, &mut sw).await?;
+                sw.shutdown().await
+            };
+            // The pages go to the daemon while the gate is open.
+            let memory = async {
+                use tokio::io::AsyncReadExt;
+                let mut buf = vec![0u8; CHUNK];
+                let mut sent = 0u64;
+                loop {
+                    if open.wait_for(|o| *o).await.is_err() {
+                        return Ok(sent);
+                    }
+                    let n = sr.read(&mut buf).await?;
+                    if n == 0 {
+                        pw.shutdown().await?;
+                        return Ok::<u64, std::io::Error>(sent);
+                    }
+                    pw.write_all(&buf[..n]).await?;
+                    sent += n as u64;
+                }
+            };
+            let (asked, sent) = tokio::join!(requests, memory);
+            asked
+                .and(sent)
+                .map_err(|e| format!("the pages stream failed: {e}"))
+        });
+        Ok(PageServer {
+            child,
+            pump,
+            gate,
+            started: Instant::now(),
+        })
+    }
+
+    /// Holds the pages back (`false`) or lets them flow (`true`).
+    fn flow(&self, open: bool) {
+        let _ = self.gate.send(open);
+    }
+
+    /// Stops both (the move did not happen).
+    fn stop(mut self) {
+        self.pump.abort();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Waits until the destination has every page: the bytes sent and how
+    /// long serving took, or why it did not finish.
+    async fn finish(self) -> Result<(u64, Duration), String> {
+        let pumped = match self.pump.await {
+            Ok(r) => r,
+            Err(e) => Err(format!("the pages task failed: {e}")),
+        };
+        let took = self.started.elapsed();
+        // The page server ends once its daemon has hung up.
+        let mut child = self.child;
+        let status = tokio::task::spawn_blocking(move || {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                match child.try_wait() {
+                    Ok(Some(s)) => return Ok(s),
+                    Ok(None) if Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(5))
+                    }
+                    Ok(None) => {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        return Err("CRIU's page server did not end".to_string());
+                    }
+                    Err(e) => return Err(format!("cannot wait for CRIU's page server: {e}")),
+                }
+            }
+        })
+        .await
+        .map_err(|e| format!("the page server's thread failed: {e}"))??;
+        let bytes = pumped?;
+        if !status.success() {
+            return Err(format!("CRIU's page server failed ({status})"));
+        }
+        Ok((bytes, took))
+    }
+}
+
+/// Asks the destination to restore the process now, its memory to follow
+/// (post-copy); its pid there and the restore's time in µs.
+async fn restore_lazily(
+    wr: &mut Outbox,
+    answers: &mut mpsc::Receiver<Answer>,
+    to: &str,
+) -> Result<(i32, u64), String> {
+    wr.send(&Frame::RestoreLazy)
+        .await
+        .map_err(|e| format!("the stream to {to} failed: {e}"))?;
+    match answer(answers).await? {
+        Frame::Restored { pid, restore_us } => Ok((pid, restore_us)),
+        Frame::Failed { reason } => Err(format!("{to} could not restore it: {reason}")),
+        other => Err(format!("{to} answered {other:?} instead of restoring")),
+    }
+}
+
+/// The rest of a post-copy move: the process runs at the destination and
+/// CRIU ended it here; the address is handed over while its memory flows
+/// from the images here; the move is complete once the last page is there.
+#[allow(clippy::too_many_arguments)]
+async fn finish_lazily(
+    mut m: LazyMove,
+    mut wr: Outbox,
+    answers: &mut mpsc::Receiver<Answer>,
+    args: &MigrateProcessArgs,
+    info: &ProcessInfo,
+    address: &IfAddr,
+    to: &str,
+    mut progress: Progress,
+    writer: tokio::task::JoinHandle<std::io::Result<()>>,
+    session: &roam::SessionHandle,
+    images: ImagesDir,
+) -> CliResult {
+    progress.phase(&format!(
+        "restored at {to} as pid {} (its memory follows); handing over {}",
+        m.new_pid, address.addr
+    ));
+    m.server.flow(false);
+    let done = hand_over(
+        &mut wr,
+        answers,
+        address,
+        m.capture.take(),
+        m.lock,
+        to,
+        m.frozen_at,
+        &mut m.timings,
+    )
+    .await;
+    m.server.flow(true);
+    progress.phase(&format!(
+        "{} runs at {to}; sending the rest of its memory",
+        info.label()
+    ));
+    let followed = match m.server.finish().await {
+        Ok(f) => f,
+        Err(why) => {
+            // The images here still hold everything: kept, for a restore
+            // by hand.
+            images
+                .keep
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            return Err(CliError(format!(
+                "{} was LOST: it had started at {to} (pid {}), but its memory stopped \
+                 following it ({why}); {to} kills a copy that misses pages. Its images, \
+                 memory included, are kept in {} (`criu restore -D DIR --tcp-established` \
+                 on a host with its address brings it back)",
+                info.label(),
+                m.new_pid,
+                images.path.display()
+            )));
+        }
+    };
+    drop(images);
+    wr.close(writer).await;
+    let _ = session.close(0, "moved").await;
+    let total = progress.elapsed();
+    drop(progress);
+    report(
+        args,
+        info,
+        address,
+        to,
+        m.new_pid,
+        &done,
+        &m.timings,
+        m.image_bytes,
+        total,
+        Some(followed),
+    )
 }
 
 /// Catches SIGINT, SIGTERM and SIGHUP from now on: each sets the latch
@@ -350,7 +775,7 @@ async fn restore_here(
     // A failed restore at the destination may still hold the pid for a
     // moment when both hosts share a pid space.
     let gone = gone && wait_gone(&info.pids);
-    let back = super::restore(criu, images.path.clone()).await;
+    let back = super::restore(criu, images.path.clone(), false).await;
     let unlocked = lock.release();
     let mut msg = match back {
         Ok(r) => format!(
@@ -654,17 +1079,28 @@ async fn send_images(
     wr: &mut Outbox,
     answers: &mut mpsc::Receiver<Result<Frame, String>>,
     dir: &Path,
+    holes: &[(String, u64, u64)],
     progress: &mut Progress,
     timings: &Timings,
     to: &str,
 ) -> Result<(), String> {
     let files = image_files(dir).map_err(|e| format!("cannot list the images: {e}"))?;
-    let total: u64 = files.iter().map(|(_, n)| n).sum();
+    let left_out: u64 = holes.iter().map(|(_, _, len)| len).sum();
+    let total = files
+        .iter()
+        .map(|(_, n)| n)
+        .sum::<u64>()
+        .saturating_sub(left_out);
     progress.phase(&format!(
-        "dumped in {}; sending {} files, {} of images",
+        "dumped in {}; sending {} files, {} of images{}",
         ms(timings.dump),
         files.len(),
-        mb(total)
+        mb(total),
+        if left_out > 0 {
+            format!(" ({} of memory to follow)", mb(left_out))
+        } else {
+            String::new()
+        }
     ));
     let send = async {
         let mut done = 0u64;
@@ -682,9 +1118,34 @@ async fn send_images(
             // chunks off the runtime's threads.
             let mut f = std::fs::File::open(dir.join(name))
                 .map_err(|e| format!("cannot read image {name}: {e}"))?;
+            // This file's holes, in order: (offset, length).
+            let mut gaps = holes
+                .iter()
+                .filter(|(n, _, _)| n == name)
+                .map(|(_, o, l)| (*o, *l))
+                .peekable();
             let mut left = *size;
             while left > 0 {
-                let want = usize::try_from(left.min(CHUNK as u64)).unwrap_or(CHUNK);
+                let at = *size - left;
+                if let Some(&(o, l)) = gaps.peek() {
+                    if o == at {
+                        let l = l.min(left);
+                        gaps.next();
+                        std::io::Seek::seek(
+                            &mut f,
+                            std::io::SeekFrom::Current(i64::try_from(l).unwrap_or(i64::MAX)),
+                        )
+                        .map_err(|e| format!("cannot read image {name}: {e}"))?;
+                        wr.send(&Frame::Skip(l))
+                            .await
+                            .map_err(|e| format!("sending the images failed: {e}"))?;
+                        left -= l;
+                        continue;
+                    }
+                }
+                let until_gap = gaps.peek().map_or(left, |&(o, _)| o.saturating_sub(at));
+                let want =
+                    usize::try_from(left.min(CHUNK as u64).min(until_gap.max(1))).unwrap_or(CHUNK);
                 let read = |f: &mut std::fs::File, b: &mut [u8]| std::io::Read::read_exact(f, b);
                 if *size <= SMALL {
                     read(&mut f, &mut buf[..want])

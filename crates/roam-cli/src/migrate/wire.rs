@@ -14,6 +14,11 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 /// The stream's metadata: names the protocol and its version.
 pub(crate) const STREAM_META: &[u8] = b"roam:migrate-process/1";
 
+/// The metadata of the second stream of a post-copy move (`--lazy-pages`):
+/// CRIU's page-server protocol between the source's page server and the
+/// destination's lazy-pages daemon, carried as it is.
+pub(crate) const STREAM_PAGES: &[u8] = b"roam:migrate-process/pages/1";
+
 /// Longest payload of one frame (an image file travels as many
 /// [`Frame::Data`] frames).
 pub(crate) const MAX_PAYLOAD: usize = 1 << 20;
@@ -51,6 +56,9 @@ pub(crate) enum Frame {
     },
     /// Source → destination: the next bytes of the current file.
     Data(Vec<u8>),
+    /// Source → destination: the current file's next `n` bytes are left
+    /// out (a hole: post-copy memory that the lazy-pages daemon fetches).
+    Skip(u64),
     /// Source → destination: every image was sent.
     Sent,
     /// Destination → source: every image is written here: the source may
@@ -58,6 +66,11 @@ pub(crate) enum Frame {
     Stored,
     /// Source → destination: the process is gone at the source; restore it.
     Restore,
+    /// Source → destination (post-copy, `--lazy-pages`): the process is
+    /// still frozen at the source, its memory not in the images; restore it
+    /// now with its memory fetched on demand over the pages stream
+    /// ([`STREAM_PAGES`]), which the source opened before the dump.
+    RestoreLazy,
     /// Destination → source: the process runs there, still behind the
     /// destination's address lock.
     Restored {
@@ -100,6 +113,8 @@ const COMMIT: u8 = 5;
 const ABORT: u8 = 6;
 const RESTORE: u8 = 7;
 const PACKETS: u8 = 8;
+const RESTORE_LAZY: u8 = 9;
+const SKIP: u8 = 10;
 /// Kind bytes, destination → source.
 const READY: u8 = 16;
 const RESTORED: u8 = 17;
@@ -149,6 +164,8 @@ pub(crate) fn header(h: &[u8; HEADER]) -> Result<(u8, usize), WireError> {
             | COMMIT
             | ABORT
             | RESTORE
+            | RESTORE_LAZY
+            | SKIP
             | PACKETS
             | READY
             | RESTORED
@@ -252,6 +269,7 @@ pub(crate) fn decode(kind: u8, payload: &[u8]) -> Result<Frame, WireError> {
         SENT => Frame::Sent,
         STORED => Frame::Stored,
         RESTORE => Frame::Restore,
+        RESTORE_LAZY => Frame::RestoreLazy,
         RESTORED => {
             let pid = f.u64()?;
             let pid = i32::try_from(pid)
@@ -272,6 +290,10 @@ pub(crate) fn decode(kind: u8, payload: &[u8]) -> Result<Frame, WireError> {
         COMMIT => Frame::Commit,
         LIVE => Frame::Live {
             reinjected: f.u64()?,
+        },
+        SKIP => match f.u64()? {
+            0 => return Err(f.bad("an empty hole")),
+            n => Frame::Skip(n),
         },
         ABORT => Frame::Abort {
             reason: f.string()?,
@@ -323,6 +345,7 @@ pub(crate) fn encode(frame: &Frame) -> Vec<u8> {
         Frame::Sent => SENT,
         Frame::Stored => STORED,
         Frame::Restore => RESTORE,
+        Frame::RestoreLazy => RESTORE_LAZY,
         Frame::Restored { pid, restore_us } => {
             p.extend_from_slice(&u64::try_from(*pid).unwrap_or(0).to_be_bytes());
             p.extend_from_slice(&restore_us.to_be_bytes());
@@ -339,6 +362,10 @@ pub(crate) fn encode(frame: &Frame) -> Vec<u8> {
         Frame::Live { reinjected } => {
             p.extend_from_slice(&reinjected.to_be_bytes());
             LIVE
+        }
+        Frame::Skip(n) => {
+            p.extend_from_slice(&n.to_be_bytes());
+            SKIP
         }
         Frame::Abort { reason } => {
             put_string(&mut p, reason);
@@ -413,9 +440,11 @@ mod tests {
                 size: 1 << 33,
             },
             Frame::Data(vec![7; 100]),
+            Frame::Skip(1 << 30),
             Frame::Sent,
             Frame::Stored,
             Frame::Restore,
+            Frame::RestoreLazy,
             Frame::Restored {
                 pid: 4321,
                 restore_us: 123_456,
