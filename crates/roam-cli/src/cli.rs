@@ -309,6 +309,8 @@ Examples:
   roam migrate-process 4242 --to hostb.example          # its one address moves along
   roam migrate-process $(pidof redis-server) --to 10.0.0.2:7448 --address 10.0.0.50/24
   roam migrate-process $(pidof java) --to hostb --lazy-pages   # 8 GB heap: post-copy
+  roam migrate-process $(pidof roam) --to hostb --address 10.0.0.5 \\
+      --sessions-to 10.0.1.7:7447 --server-key /var/lib/roam/server.key   # a relay, new address
 
 The destination runs `roam migrate-accept` (as root, with CRIU) and lists this
 host's client key (`roam keygen` prints it) in its authorized keys. Both hosts
@@ -348,7 +350,15 @@ shares this host's pid space (namespaces on one machine) must run
 `roam migrate-accept` in a pid namespace of its own (`unshare --pid --fork
 --mount-proc`): the process keeps its pid here until its last page is sent.
 
-Not yet: a destination with a different address (use roam sessions for that).
+A destination with another address (what CRIU cannot do for TCP): when the
+process's clients are roam clients (a `roam serve` relay, with the servers it
+reaches over loopback as its children; any server built on roam), give
+--sessions-to B_ADDRESS:PORT and its --server-key. The address stays here and
+is locked in the freeze; the sessions' connections are cut (they could not be
+rebuilt at another address), the rest moves as above, and this command then
+answers the clients' resumes here with the session protocol's `Moved` naming
+B for --redirect-for seconds: they resume there, every byte intact. The
+process must listen on a wildcard address (0.0.0.0 or ::).
 
 Exit status: 0 moved; 1 not moved (the process runs on here) or moved with a
 warning (printed); 2 bad arguments.")]
@@ -593,12 +603,32 @@ pub(crate) struct MigrateProcessArgs {
     /// session when first touched (or in the background), so the freeze
     /// no longer grows with memory size. The price: from the restore on,
     /// the process needs both hosts until its last page has arrived — if
-    /// the session breaks then, it is lost at both (the destination kills
-    /// its copy rather than let it read missing pages). Up to that restore a
-    /// failure leaves it at the source, as without this flag. Needs CRIU's
-    /// lazy pages (userfaultfd) at the destination.
+    /// the session breaks then, it stops (the destination kills its copy
+    /// rather than let it read missing pages; the images here, memory
+    /// included, are kept for a restore by hand). Up to that restore a
+    /// failure leaves it running at the source, as without this flag.
+    /// Needs CRIU's lazy pages (userfaultfd) at the destination.
     #[arg(long)]
     pub(crate) lazy_pages: bool,
+    /// The process's connections are roam sessions (a roam relay, with the
+    /// servers it reaches over loopback as its children, or any server
+    /// built on roam): its address stays here, and its clients resume at
+    /// HOST:PORT, the destination's own address and the port the process
+    /// listens on (on a wildcard address). Their connections here are cut
+    /// in the freeze; once the process runs there, this command answers
+    /// their resumes here with the session protocol's `Moved` (for
+    /// --redirect-for), and they follow, every byte intact. Needs
+    /// --server-key.
+    #[arg(long, value_name = "HOST:PORT", requires = "server_key")]
+    pub(crate) sessions_to: Option<String>,
+    /// The process's roam server key (e.g. the relay's `server.key`): the
+    /// redirect here must prove it is the same server to its clients.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) server_key: Option<PathBuf>,
+    /// With --sessions-to: how long this host sends resuming clients on,
+    /// in seconds (a client away longer finds nobody here).
+    #[arg(long, value_name = "SECS", default_value_t = 600)]
+    pub(crate) redirect_for: u64,
     #[command(flatten)]
     pub(crate) client: ClientArgs,
 }

@@ -792,6 +792,144 @@ fn with_lazy_pages_the_server_runs_at_the_destination_and_its_memory_follows() {
     assert_eq!(memory_verdict(&s), "intact", "after the move");
 }
 
+/// A roam relay (with the echo server it reaches over loopback as its
+/// child) moves to B, whose address is not A's: the service address stays
+/// at A, the relay's sessions' connections are cut in the freeze, and A
+/// answers their resumes with `Moved` to B. A `roam forward` client's
+/// stream through the relay to the echo server goes on with every byte,
+/// over a connection to B's own address.
+#[test]
+fn a_roam_relay_moves_to_another_address_and_its_clients_follow_it() {
+    if !can_run() {
+        return;
+    }
+    const RELAY_PORT: u16 = 7447;
+    const LOCAL_PORT: u16 = 7300;
+    let relay_state = tempfile::tempdir().expect("relay state");
+    let relay_log = relay_state.path().join("relay.log");
+    let key = relay_state.path().join("server.key");
+    let mut s = Setup::with_server_in("mig_follow", None, false, |lan, service| {
+        // The relay execs from the shell that started the echo server: the
+        // server is the relay's child, and both move.
+        let tree = format!(
+            "python3 -c \"$ROAM_ECHO\" {PORT} & exec {} serve --listen 0.0.0.0:{RELAY_PORT} \
+             --allow 127.0.0.1:{PORT} --key {} 2>>{}",
+            env!("CARGO_BIN_EXE_roam"),
+            key.display(),
+            relay_log.display()
+        );
+        let relay = Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{}", lan.ns(A)))
+            .args(["--", "setsid", "sh", "-c", &tree])
+            .env("ROAM_ECHO", roam_sim::echo::ECHO_SERVER)
+            .env("ROAM_STATE_DIR", relay_state.path())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start the relay");
+        wait_listening(lan, SocketAddr::from((service, RELAY_PORT)), "the relay");
+        wait_listening(lan, SocketAddr::from((service, PORT)), "the echo server");
+        (relay, None)
+    });
+    let client_state = tempfile::tempdir().expect("client state");
+    let mut forward = roam_in(&s.lan, CLIENT, client_state.path());
+    forward
+        .args(["forward", "-v"])
+        .arg(format!("{}:{RELAY_PORT}", s.service))
+        .arg(format!("127.0.0.1:{LOCAL_PORT}"))
+        .arg(format!("127.0.0.1:{PORT}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(
+            std::fs::File::create(client_state.path().join("forward.log")).expect("log"),
+        ));
+    let _forward = ChildGuard::spawn(&mut forward).expect("roam forward");
+    let logs = || {
+        format!(
+            "relay log:\n{}\nforward log:\n{}",
+            std::fs::read_to_string(&relay_log).unwrap_or_default(),
+            std::fs::read_to_string(client_state.path().join("forward.log")).unwrap_or_default()
+        )
+    };
+    let local = SocketAddr::from(([127, 0, 0, 1], LOCAL_PORT));
+    // Not a probe connection: the echo server takes one connection at a
+    // time, and a second one waiting in its accept queue would be an
+    // in-flight connection, which CRIU refuses to dump.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !logs().contains(&format!("roam forward: 127.0.0.1:{LOCAL_PORT}")) {
+        assert!(
+            Instant::now() < deadline,
+            "roam forward never listened\n{}",
+            logs()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let sock = s
+        .lan
+        .tcp_connect(CLIENT, local, Duration::from_secs(5))
+        .expect("connect through the forward");
+    s.stream = Some(EchoStream::start(sock));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while s.echo().echoed() < 2 << 20 {
+        assert!(
+            Instant::now() < deadline,
+            "nothing echoed before the move\n{}",
+            logs()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+
+    let b = format!("{}:{RELAY_PORT}", s.lan.addr(B));
+    let out = s.migrate(&[
+        "--address",
+        &s.service.to_string(),
+        "--sessions-to",
+        &b,
+        "--server-key",
+        &key.display().to_string(),
+        "--redirect-for",
+        "8",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        logs()
+    );
+    assert!(
+        stdout.contains(&format!("roam clients resume at {b}")),
+        "{stdout}"
+    );
+    assert!(
+        s.runs_on(B, s.pid) && !s.runs_on(A, s.pid),
+        "the relay is not on B alone"
+    );
+    assert!(s.has_service(A) && !s.has_service(B), "the address moved");
+    assert!(!s.has_lock(A) && !s.has_lock(B), "an address lock was left");
+    let at = s.echo().echoed();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while s.echo().echoed() < at + (2 << 20) {
+        assert!(
+            Instant::now() < deadline,
+            "the stream stopped at the move\n{}",
+            logs()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The client's session now lives on a connection to B's own address.
+    let conns = Command::new("nsenter")
+        .arg(format!("--net=/run/netns/{}", s.lan.ns(CLIENT)))
+        .args(["--", "ss", "-t", "-n", "state", "established", "dst"])
+        .arg(&b)
+        .output()
+        .expect("ss");
+    let conns = String::from_utf8_lossy(&conns.stdout);
+    assert!(conns.lines().count() > 1, "no connection to {b}: {conns}");
+    let (sent, echoed) = s.stream.take().expect("stream").finish();
+    assert_eq!(echoed, sent, "every byte sent came back once, in order");
+}
+
 /// A destination whose disk fills half-way through the images: the dump is
 /// rolled back, the server runs on at A with its address and connection
 /// (every byte), nothing is left on B (no address, no lock, no images), and

@@ -181,12 +181,23 @@ async fn receive(
         Frame::Hello { address, process } => (address, process),
         other => return Err(format!("expected an offer, got {other:?}")),
     };
-    let target = place(host, &address)?;
+    // No address: it stays at the source, whose clients follow the process
+    // to this host's own address (roam sessions).
+    let target = match address.is_empty() {
+        true => None,
+        false => Some(place(host, &address)?),
+    };
     let send = |e: std::io::Error| format!("the stream to the source failed: {e}");
     wire::write_frame(
         wr,
         &Frame::Ready {
-            detail: format!("CRIU {}, {}", host.criu.version(), target.dev),
+            detail: format!(
+                "CRIU {}, {}",
+                host.criu.version(),
+                target
+                    .as_ref()
+                    .map_or("its clients follow it here", |t| t.dev.as_str())
+            ),
         },
     )
     .await
@@ -210,15 +221,23 @@ async fn receive(
         true => Some(LazyPages::start(host, &images.path, pages_rx).await?),
     };
     // Restore behind a lock, with the address in place.
-    let lock = AddressLock::new(None, target.addr)
-        .map_err(|e| format!("cannot lock {} here: {e}", target.addr))?;
-    if let Err(e) = host::add_address(&target) {
-        let _ = lock.release();
-        return Err(format!("cannot put {} here: {}", target.cidr(), e.0));
-    }
-    let undo_address = |lock: AddressLock| {
-        let _ = host::del_address(&target);
-        let _ = lock.release();
+    let lock = match &target {
+        None => None,
+        Some(target) => {
+            let lock = AddressLock::new(None, target.addr)
+                .map_err(|e| format!("cannot lock {} here: {e}", target.addr))?;
+            if let Err(e) = host::add_address(target) {
+                let _ = lock.release();
+                return Err(format!("cannot put {} here: {}", target.cidr(), e.0));
+            }
+            Some(lock)
+        }
+    };
+    let undo_address = |lock: Option<AddressLock>| {
+        if let (Some(target), Some(lock)) = (&target, lock) {
+            let _ = host::del_address(target);
+            let _ = lock.release();
+        }
     };
     let t = Instant::now();
     let restored = super::restore(host.criu.clone(), images.path.clone(), lazy).await;
@@ -262,13 +281,15 @@ async fn receive(
             return Err(format!("{e}; the restored copy (pid {pid}) was killed"));
         }
     };
-    let _ = lock.release();
+    if let Some(lock) = lock {
+        let _ = lock.release();
+    }
     // The neighbours first (their next packets for the address come here),
     // then what reached the source during the freeze: the peers' answers
     // to it must not go to the old host.
-    let announced = host::announce(&target);
-    let reinjected = match (target.addr, captured.is_empty()) {
-        (std::net::IpAddr::V4(v4), false) => match super::packets::reinject(&captured, v4) {
+    let announced = target.as_ref().map_or(Ok(()), host::announce);
+    let reinjected = match (target.as_ref().map(|t| t.addr), captured.is_empty()) {
+        (Some(std::net::IpAddr::V4(v4)), false) => match super::packets::reinject(&captured, v4) {
             Ok(n) => n,
             Err(e) => {
                 eprintln!("roam migrate-accept: warning: re-injecting captured packets: {e}");
@@ -302,17 +323,21 @@ async fn receive(
         // A second announcement a second later, for a neighbour that missed
         // the first.
         Ok(()) => {
-            let again = target.clone();
-            tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                let _ = host::announce(&again);
-            });
+            if let Some(again) = target.clone() {
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    let _ = host::announce(&again);
+                });
+            }
         }
     }
     Ok(format!(
-        "{process} runs here as pid {pid} with {} (restore {} ms; {reinjected} packets \
+        "{process} runs here as pid {pid} {} (restore {} ms; {reinjected} packets \
          captured at the source re-injected){memory}",
-        target.cidr(),
+        target.as_ref().map_or_else(
+            || "(its address stayed at the source; its clients follow it here)".to_string(),
+            |t| format!("with {}", t.cidr())
+        ),
         restore_us / 1000
     ))
 }

@@ -37,16 +37,42 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
     }
     let info = host::inspect(args.pid)?;
     let address = own_address(args.address.as_deref(), &info)?;
+    // Clients that follow the process to another address: its key proves
+    // the redirect here is the same server.
+    let follow = match (&args.sessions_to, &args.server_key) {
+        (Some(at), Some(key)) => {
+            let port = match crate::target::split_host_port(at)? {
+                (_, Some(p)) => p,
+                (_, None) => {
+                    return Err(CliError(format!(
+                        "--sessions-to {at}: say the port the process listens on (HOST:PORT)"
+                    )))
+                }
+            };
+            Some(Follow {
+                to: at.clone(),
+                port,
+                key: crate::keys::read_key(key)?,
+            })
+        }
+        _ => None,
+    };
     let to = match crate::target::split_host_port(&args.to)? {
         (h, Some(p)) => crate::target::join(&h, p),
         (h, None) => crate::target::join(&h, DEFAULT_PORT),
     };
     progress.phase(&format!(
-        "moving {} ({}; {}) with {} to {to}",
+        "moving {} ({}; {}) {} to {to}",
         info.label(),
         plural(info.pids.len(), "process", "processes"),
         info.sockets(),
-        address.cidr()
+        match &follow {
+            None => format!("with {}", address.cidr()),
+            Some(f) => format!(
+                "(its roam clients follow it to {}; {} stays here)",
+                f.to, address.addr
+            ),
+        }
     ));
     let session = crate::connect::connect_relay(&to, args.client.key.as_deref(), config)
         .await
@@ -74,7 +100,11 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
         ))
     };
     wr.send(&Frame::Hello {
-        address: address.cidr(),
+        // Empty: the address stays here (its clients follow the process).
+        address: match follow {
+            None => address.cidr(),
+            Some(_) => String::new(),
+        },
         process: info.label(),
     })
     .await
@@ -122,7 +152,7 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
     let frozen_at = Instant::now();
     // Packets for the address from now on are dropped here; a copy of each
     // goes to the destination to be delivered there.
-    let capture = match (args.no_reinject, address.addr) {
+    let capture = match (args.no_reinject || follow.is_some(), address.addr) {
         (false, std::net::IpAddr::V4(v4)) => match super::packets::Capture::start(v4) {
             Ok(c) => Some(c),
             Err(e) => {
@@ -135,6 +165,12 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
         },
         _ => None,
     };
+    if follow.is_some() {
+        // The sessions' connections here cannot be rebuilt at another
+        // address: cut now (the lock keeps new ones out), the process sees
+        // them fail and its sessions wait for their clients to resume.
+        cut_connections(&address, &mut progress);
+    }
     progress.phase(&format!("freezing and dumping {}", info.label()));
 
     // CRIU runs on a thread of its own; its post-dump step (the process
@@ -256,6 +292,7 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
         return finish_lazily(
             LazyMove {
                 new_pid,
+                follow,
                 server,
                 lock,
                 capture,
@@ -302,14 +339,18 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
     };
     timings.restore = Duration::from_micros(restore_us);
     timings.wait = restore_asked.elapsed().saturating_sub(timings.restore);
-    progress.phase(&format!(
-        "restored at {to} as pid {new_pid}; handing over {}",
-        address.addr
-    ));
+    progress.phase(&match follow {
+        None => format!(
+            "restored at {to} as pid {new_pid}; handing over {}",
+            address.addr
+        ),
+        Some(_) => format!("restored at {to} as pid {new_pid}; its clients follow it there"),
+    });
     let done = hand_over(
         &mut wr,
         &mut answers,
         &address,
+        follow.is_some(),
         capture,
         lock,
         &to,
@@ -322,7 +363,7 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
     let _ = session.close(0, "moved").await;
     let total = progress.elapsed();
     drop(progress);
-    report(
+    let status = report(
         &args,
         &info,
         &address,
@@ -333,7 +374,119 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
         dumped.image_bytes,
         total,
         None,
+    )?;
+    match follow {
+        Some(f) => redirect(f, &address, args.redirect_for)
+            .await
+            .map(|()| status),
+        None => Ok(status),
+    }
+}
+
+/// Where the clients of a process whose connections are roam sessions
+/// resume once it has moved (`--sessions-to`).
+struct Follow {
+    /// `HOST:PORT` at the destination.
+    to: String,
+    /// The port the process listens on (there, and here until the move).
+    port: u16,
+    /// The process's roam server key.
+    key: roam_proto::Keypair,
+}
+
+/// Cuts every established TCP connection of `address` on this host (the
+/// socket-destroy netlink request, as `ss -K` sends it): a roam session's
+/// connection the process holds could not be rebuilt at another address;
+/// cut, it fails in the process, whose session waits for a resume. Gives
+/// the process a moment to close them before it is frozen.
+fn cut_connections(address: &IfAddr, progress: &mut Progress) {
+    let out = std::process::Command::new("ss")
+        .args(["-K", "-t", "-n", "state", "established", "src"])
+        .arg(address.addr.to_string())
+        .output();
+    let cut = match out {
+        Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .skip(1)
+            .filter(|l| !l.trim().is_empty())
+            .count(),
+        Ok(o) => {
+            progress.phase(&format!(
+                "warning: could not cut the sessions' connections (ss -K: {}); the restore \
+                 will refuse them",
+                String::from_utf8_lossy(&o.stderr).trim()
+            ));
+            0
+        }
+        Err(e) => {
+            progress.phase(&format!(
+                "warning: could not cut the sessions' connections (ss: {e}); the restore will \
+                 refuse them"
+            ));
+            0
+        }
+    };
+    progress.phase(&format!(
+        "cut {} here; its clients will resume at the destination",
+        plural(cut, "session connection", "session connections")
+    ));
+    std::thread::sleep(Duration::from_millis(50));
+}
+
+/// After a move with `--sessions-to`: answers every resume at the process's
+/// old address and port with the session protocol's `Moved` refusal naming
+/// the destination (`docs/PROTOCOL.md` §9.3), for `secs` seconds or until a
+/// signal. A new session is told the service moved and closed.
+async fn redirect(follow: Follow, address: &IfAddr, secs: u64) -> Result<(), CliError> {
+    /// Every session lives at the destination now.
+    struct Elsewhere(String);
+    impl roam::Directory for Elsewhere {
+        fn locate(&self, _id: roam_proto::SessionId) -> roam::Locating {
+            Box::pin(std::future::ready(roam::Location::Elsewhere(
+                self.0.clone(),
+            )))
+        }
+    }
+    let here = std::net::SocketAddr::new(address.addr, follow.port);
+    let listener = tokio::net::TcpListener::bind(here).await.map_err(|e| {
+        CliError(format!(
+            "moved, but cannot listen on {here} to send its clients on ({e}): they will not \
+             find it at {}",
+            follow.to
+        ))
+    })?;
+    eprintln!(
+        "roam: sending the clients that resume at {here} on to {} for {secs} s (Ctrl-C stops)",
+        follow.to
+    );
+    let config = roam::ServerConfig::new(roam_proto::ServerConfig {
+        keypair: follow.key,
+        authorized_keys: None,
+        addresses: Vec::new(),
+        session: roam_proto::Config::default(),
+    });
+    let to = follow.to.clone();
+    let stop = async move {
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_secs(secs)) => {}
+            _ = crate::serve::shutdown_signal() => {}
+        }
+    };
+    roam::serve_with_directory(
+        listener,
+        config,
+        stop,
+        move |session: roam::SessionHandle| {
+            let to = to.clone();
+            tokio::spawn(async move {
+                let why = format!("this service moved to {to}");
+                let _ = tokio::time::timeout(Duration::from_secs(5), session.close(0, &why)).await;
+            });
+        },
+        std::sync::Arc::new(Elsewhere(follow.to)),
     )
+    .await
+    .map_err(|e| CliError(format!("the redirect at {here} failed: {e}")))
 }
 
 /// What the hand-over did.
@@ -349,13 +502,15 @@ struct HandedOver {
 }
 
 /// The process runs at the destination (behind its lock): takes the
-/// address off this host, sends what was captured during the freeze, has
+/// address off this host (unless `keep_address`: its clients follow it),
+/// sends what was captured during the freeze, has
 /// the destination take the address live and lifts the lock here.
 #[allow(clippy::too_many_arguments)]
 async fn hand_over(
     wr: &mut Outbox,
     answers: &mut mpsc::Receiver<Answer>,
     address: &IfAddr,
+    keep_address: bool,
     capture: Option<super::packets::Capture>,
     lock: AddressLock,
     to: &str,
@@ -363,12 +518,14 @@ async fn hand_over(
     timings: &mut Timings,
 ) -> HandedOver {
     let mut warnings = Vec::new();
-    if let Err(e) = host::del_address(address) {
-        warnings.push(format!(
-            "could not take {} off this host: {}",
-            address.cidr(),
-            e.0
-        ));
+    if !keep_address {
+        if let Err(e) = host::del_address(address) {
+            warnings.push(format!(
+                "could not take {} off this host: {}",
+                address.cidr(),
+                e.0
+            ));
+        }
     }
     let committed = Instant::now();
     let captured = capture
@@ -433,9 +590,15 @@ fn report(
     post_copy: Option<(u64, Duration)>,
 ) -> CliResult {
     println!(
-        "moved {} to {to} (pid {new_pid} there) with {}: {}",
+        "moved {} to {to} (pid {new_pid} there) {}: {}",
         info.label(),
-        address.cidr(),
+        match &args.sessions_to {
+            None => format!("with {}", address.cidr()),
+            Some(at) => format!(
+                "(its roam clients resume at {at}; {} stays here)",
+                address.addr
+            ),
+        },
         info.sockets()
     );
     println!(
@@ -477,6 +640,8 @@ fn report(
 struct LazyMove {
     /// The process's pid at the destination.
     new_pid: i32,
+    /// Where its roam clients follow it (`--sessions-to`).
+    follow: Option<Follow>,
     /// CRIU's page server and the pump to the destination.
     server: PageServer,
     /// The address lock here.
@@ -665,6 +830,7 @@ async fn finish_lazily(
         &mut wr,
         answers,
         address,
+        m.follow.is_some(),
         m.capture.take(),
         m.lock,
         to,
@@ -701,7 +867,7 @@ async fn finish_lazily(
     let _ = session.close(0, "moved").await;
     let total = progress.elapsed();
     drop(progress);
-    report(
+    let status = report(
         args,
         info,
         address,
@@ -712,7 +878,13 @@ async fn finish_lazily(
         m.image_bytes,
         total,
         Some(followed),
-    )
+    )?;
+    match m.follow {
+        Some(f) => redirect(f, address, args.redirect_for)
+            .await
+            .map(|()| status),
+        None => Ok(status),
+    }
 }
 
 /// Catches SIGINT, SIGTERM and SIGHUP from now on: each sets the latch
