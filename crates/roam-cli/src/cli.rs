@@ -37,6 +37,12 @@ use crate::config::FileConfig;
 ///   max_targets_per_session = 256
 ///   metrics = "127.0.0.1:9447"
 ///
+///   [store]             # suspend, resume, store
+///   location = "s3://my-bucket"   # or a directory
+///   s3_endpoint = "https://s3.example"
+///   s3_region = "us-east-1"
+///   secret = "/home/me/.local/state/roam/store.secret"
+///
 ///   [client]            # pipe and forward
 ///   key = "/home/me/.local/state/roam/client.key"
 ///   fallback = "auto"   # or "always", "never" (see `roam pipe --help`)
@@ -378,6 +384,65 @@ migration that fails here is undone (address, lock, restored copy) and the
 source is told why; CRIU's log of a failed restore is kept and named. One
 migration runs at a time. Stops on SIGINT or SIGTERM.")]
     MigrateAccept(MigrateAcceptArgs),
+    /// Store a suspended environment's images (disk, memory, any file) as its next version in an encrypted store.
+    #[command(after_help = "\
+Examples:
+  roam suspend --env laptop disk.qcow2 memory.img        # version 1 in <state dir>/store
+  roam suspend --env laptop disk.qcow2 memory.img        # version 2: changed chunks only
+  roam suspend --env laptop --store /media/usb/roam disk.img
+  AWS_ACCESS_KEY_ID=.. AWS_SECRET_ACCESS_KEY=.. \\
+    roam suspend --env laptop --store s3://my-bucket --s3-endpoint https://s3.example disk.img
+
+Each FILE becomes an image named by its base name (two files with one base
+name are refused). The images are cut into 128 KiB chunks; each chunk is
+compressed, encrypted and named with keys derived from its content and your
+store secret (convergent encryption, as in Internet Suspend/Resume), and only
+chunks the store lacks are uploaded: a second suspend of a disk with a few
+changed blocks uploads those chunks only (chunks of the previous version are
+skipped without asking the store). The version's manifest, encrypted too, is
+written last: a version exists whole or not at all. Progress goes to stderr,
+a summary (chunks uploaded and already stored, bytes, MB/s) to stdout.
+
+STORE is a directory (default <state dir>/store) or s3://BUCKET on any
+S3-compatible service: --s3-endpoint URL (default $ROAM_S3_ENDPOINT), region
+$ROAM_S3_REGION (default us-east-1), credentials $AWS_ACCESS_KEY_ID and
+$AWS_SECRET_ACCESS_KEY. The config file's [store] section can set the store,
+endpoint, region and secret.
+
+The store secret (32 bytes, <state dir>/store.secret, or --secret FILE) is
+created with mode 0600 by the first suspend. It encrypts and names everything
+you store: keep a copy somewhere safe; without it the data cannot be read.
+
+Exit status: 0 stored; 1 an error (message on stderr; no version was
+written); 2 bad arguments or configuration.")]
+    Suspend(SuspendArgs),
+    /// Write every image of a stored environment version into a directory, each chunk verified.
+    #[command(after_help = "\
+Examples:
+  roam resume --env laptop ./vm                  # the newest version
+  roam resume --env laptop --version 1 ./vm-old
+  roam resume --env laptop --force ./vm          # overwrite images already there
+  roam resume --env laptop --store s3://my-bucket --s3-endpoint https://s3.example ./vm
+
+DIR is created if missing. Each image is written to a temporary file in DIR
+(mode 0600) and renamed to its name once complete, so a failure (a missing
+or corrupt chunk, a full disk, Ctrl-C) never leaves a partial file under an
+image's name. Every chunk is checked (its authentication tag, then its
+SHA-256 against the manifest) before a byte of it is written. Existing files
+of an image's name are refused unless --force. Needs the store secret the
+environment was suspended with (see `roam suspend --help`).
+
+Exit status: 0 written; 1 an error (message on stderr); 2 bad arguments.")]
+    Resume(ResumeArgs),
+    /// List or garbage-collect the environments in a store.
+    #[command(after_help = "\
+Examples:
+  roam store list                          # every environment, version, image
+  roam store list --env laptop
+  roam store gc --env laptop --keep 2      # drop older versions and their chunks
+
+Exit status: 0 done; 1 an error (message on stderr); 2 bad arguments.")]
+    Store(StoreArgs),
     /// Detach a named session from the `roam pipe --name` or `roam forward --name` process attached to it.
     #[command(after_help = "\
 Examples:
@@ -652,6 +717,100 @@ pub(crate) struct MigrateAcceptArgs {
     pub(crate) dev: Option<String>,
 }
 
+/// Where the store is and which secret opens it (`suspend`, `resume`, `store`).
+#[derive(Debug, Args)]
+pub(crate) struct StoreLocationArgs {
+    /// The store: a directory or s3://BUCKET [default: <state dir>/store].
+    #[arg(long, value_name = "STORE")]
+    pub(crate) store: Option<String>,
+    /// The S3 service's URL for an s3:// store [default: $ROAM_S3_ENDPOINT].
+    #[arg(long, value_name = "URL")]
+    pub(crate) s3_endpoint: Option<String>,
+    /// The store secret (32 bytes) [default: <state dir>/store.secret].
+    #[arg(long, value_name = "FILE")]
+    pub(crate) secret: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct SuspendArgs {
+    /// The environment (1-128 characters of A-Z a-z 0-9 . _ -).
+    #[arg(long, value_name = "NAME", value_parser = parse_env_name)]
+    pub(crate) env: String,
+    /// The images to store (named by their base names).
+    #[arg(value_name = "FILE", required = true)]
+    pub(crate) files: Vec<PathBuf>,
+    #[command(flatten)]
+    pub(crate) location: StoreLocationArgs,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct ResumeArgs {
+    /// The environment.
+    #[arg(long, value_name = "NAME", value_parser = parse_env_name)]
+    pub(crate) env: String,
+    /// The version to write [default: the newest].
+    #[arg(long, value_name = "N")]
+    pub(crate) version: Option<u64>,
+    /// Overwrite files in DIR that have an image's name.
+    #[arg(long)]
+    pub(crate) force: bool,
+    /// Where to write the images (created if missing).
+    #[arg(value_name = "DIR")]
+    pub(crate) dir: PathBuf,
+    #[command(flatten)]
+    pub(crate) location: StoreLocationArgs,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct StoreArgs {
+    #[command(subcommand)]
+    pub(crate) action: StoreAction,
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum StoreAction {
+    /// The environments, their versions and their images' sizes.
+    #[command(after_help = "\
+Examples:
+  roam store list
+  roam store list --env laptop --store s3://my-bucket --s3-endpoint https://s3.example")]
+    List {
+        /// Only this environment.
+        #[arg(long, value_name = "NAME", value_parser = parse_env_name)]
+        env: Option<String>,
+        #[command(flatten)]
+        location: StoreLocationArgs,
+    },
+    /// Delete all but the newest N versions of an environment, then every chunk no remaining version uses.
+    #[command(after_help = "\
+Examples:
+  roam store gc --env laptop --keep 1
+  roam store gc --env old-vm --keep 0        # the whole environment
+
+The chunks kept are those of every environment's remaining versions, so the
+store's versions must all open with this secret (otherwise nothing is
+deleted). Do not run it while a suspend to the same store is under way.")]
+    Gc {
+        /// The environment whose old versions go.
+        #[arg(long, value_name = "NAME", value_parser = parse_env_name)]
+        env: String,
+        /// How many of its newest versions to keep.
+        #[arg(long, value_name = "N")]
+        keep: u64,
+        #[command(flatten)]
+        location: StoreLocationArgs,
+    },
+}
+
+/// Checks an environment name (it becomes part of object names).
+fn parse_env_name(name: &str) -> Result<String, String> {
+    if roam_store::valid_env_name(name) {
+        Ok(name.to_owned())
+    } else {
+        Err("use 1-128 characters of A-Z a-z 0-9 . _ - (not . or ..)".into())
+    }
+}
+
 #[derive(Debug, Args)]
 pub(crate) struct DetachArgs {
     /// The session's name (as given to `roam pipe --name`).
@@ -871,6 +1030,9 @@ pub(crate) fn run(cli: Cli) -> i32 {
             Command::Demo(a) => crate::demo::run(a).await,
             Command::MigrateProcess(a) => crate::migrate::source::run(a, &config).await,
             Command::MigrateAccept(a) => crate::migrate::dest::run(a, &config).await,
+            Command::Suspend(a) => crate::store::suspend(a, &config).await,
+            Command::Resume(a) => crate::store::resume(a, &config).await,
+            Command::Store(a) => crate::store::run(a, &config).await,
         }
     });
     // stdin is read on a blocking thread that cannot be interrupted: do not wait for it.

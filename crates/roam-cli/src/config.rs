@@ -15,6 +15,22 @@ pub(crate) struct FileConfig {
     pub(crate) serve: ServeConfig,
     #[serde(default)]
     pub(crate) client: ClientFileConfig,
+    #[serde(default)]
+    pub(crate) store: StoreFileConfig,
+}
+
+/// `[store]`: defaults for `roam suspend`, `roam resume` and `roam store`.
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct StoreFileConfig {
+    /// `--store`: a directory or `s3://BUCKET`.
+    pub(crate) location: Option<String>,
+    /// `--s3-endpoint`.
+    pub(crate) s3_endpoint: Option<String>,
+    /// The region S3 requests are signed for (`$ROAM_S3_REGION` wins).
+    pub(crate) s3_region: Option<String>,
+    /// `--secret`.
+    pub(crate) secret: Option<PathBuf>,
 }
 
 /// `[serve]`: defaults for `roam serve`.

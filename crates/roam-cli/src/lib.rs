@@ -40,6 +40,7 @@ mod serve;
 mod shell;
 mod signals;
 mod stdio;
+mod store;
 mod takeover;
 mod target;
 

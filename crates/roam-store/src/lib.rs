@@ -62,4 +62,4 @@ pub use manifest::{
 };
 #[cfg(feature = "s3")]
 pub use s3::{S3Config, S3};
-pub use store::{GcReport, Store, StoreError, SuspendStats};
+pub use store::{GcReport, Store, StoreError, SuspendProgress, SuspendStats};

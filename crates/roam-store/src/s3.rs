@@ -8,9 +8,20 @@
 use futures_util::StreamExt;
 use object_store::aws::{AmazonS3, AmazonS3Builder};
 use object_store::path::Path;
-use object_store::{ObjectStore, ObjectStoreExt};
+use object_store::{ClientOptions, ObjectStore, ObjectStoreExt, RetryConfig};
 
 use crate::backend::{check_name, check_prefix, BackendError, ChunkBackend};
+
+/// Retries of a failed request (object_store's default, 10 over up to 3
+/// minutes, makes an unreachable endpoint look like a hang; 3 take about a
+/// second with the default backoff of 100 ms doubling).
+const MAX_RETRIES: usize = 3;
+
+/// No retry starts later than this after the first attempt.
+const RETRY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// How long a TCP connect to the endpoint may take.
+const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Where the bucket is and how to sign requests.
 #[derive(Clone)]
@@ -62,8 +73,17 @@ impl S3 {
             .with_region(&config.region)
             .with_access_key_id(&config.access_key_id)
             .with_secret_access_key(&config.secret_access_key)
-            .with_allow_http(config.allow_http)
             .with_virtual_hosted_style_request(false)
+            .with_retry(RetryConfig {
+                max_retries: MAX_RETRIES,
+                retry_timeout: RETRY_TIMEOUT,
+                ..RetryConfig::default()
+            })
+            .with_client_options(
+                ClientOptions::new()
+                    .with_connect_timeout(CONNECT_TIMEOUT)
+                    .with_allow_http(config.allow_http),
+            )
             .build()
             .map_err(|e| BackendError::Config(e.to_string()))?;
         Ok(S3 { store })

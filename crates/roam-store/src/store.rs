@@ -56,6 +56,21 @@ pub struct SuspendStats {
     pub bytes_read: u64,
 }
 
+impl SuspendStats {
+    /// Chunks settled so far: uploaded, or found already stored (unchanged,
+    /// present or repeated). Equals [`SuspendStats::chunks_total`] once a
+    /// suspend has returned; while it runs, the uploads in flight are the
+    /// difference.
+    pub fn chunks_done(&self) -> u64 {
+        self.chunks_uploaded + self.chunks_present + self.chunks_unchanged + self.chunks_repeated
+    }
+}
+
+/// A suspend's progress callback ([`Store::suspend_with_progress`]): called
+/// with the image being read and the totals so far each time a chunk is
+/// settled (stored or found stored).
+pub type SuspendProgress<'a> = dyn FnMut(&str, &SuspendStats) + Send + 'a;
+
 /// What a garbage collection did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct GcReport {
@@ -260,6 +275,7 @@ impl<B: ChunkBackend> Store<B> {
         unchanged: &HashSet<[u8; 32]>,
         seen: &mut HashSet<[u8; 32]>,
         stats: &mut SuspendStats,
+        progress: &mut SuspendProgress<'_>,
     ) -> Result<ImageEntry, StoreError> {
         // Exists, then seal and put: `Some(object bytes)` if it wrote.
         let upload = |chunk: ChunkRef, plain: Vec<u8>| async move {
@@ -275,7 +291,13 @@ impl<B: ChunkBackend> Store<B> {
                 .await?
                 .then_some(len))
         };
-        let record = |done: Result<Option<u64>, StoreError>, stats: &mut SuspendStats| {
+        /// Counts a finished upload and reports it.
+        fn record(
+            done: Result<Option<u64>, StoreError>,
+            name: &str,
+            stats: &mut SuspendStats,
+            progress: &mut SuspendProgress<'_>,
+        ) -> Result<(), StoreError> {
             match done? {
                 Some(len) => {
                     stats.chunks_uploaded += 1;
@@ -283,8 +305,9 @@ impl<B: ChunkBackend> Store<B> {
                 }
                 None => stats.chunks_present += 1,
             }
-            Ok::<_, StoreError>(())
-        };
+            progress(name, stats);
+            Ok(())
+        }
         let mut pending = FuturesUnordered::new();
         let mut buf = vec![0u8; CHUNK_SIZE];
         let mut entry = ImageEntry {
@@ -317,13 +340,15 @@ impl<B: ChunkBackend> Store<B> {
                 entry.chunks.push(chunk);
                 if unchanged.contains(&chunk.id) {
                     stats.chunks_unchanged += 1;
+                    progress(name, stats);
                 } else if !seen.insert(chunk.id) {
                     stats.chunks_repeated += 1;
+                    progress(name, stats);
                 } else {
                     pending.push(upload(chunk, plain.to_vec()));
                     if pending.len() >= UPLOAD_WINDOW {
                         if let Some(done) = pending.next().await {
-                            record(done, stats)?;
+                            record(done, name, stats, progress)?;
                         }
                     }
                 }
@@ -332,7 +357,7 @@ impl<B: ChunkBackend> Store<B> {
                 }
             }
             while let Some(done) = pending.next().await {
-                record(done, stats)?;
+                record(done, name, stats, progress)?;
             }
             Ok(())
         }
@@ -357,6 +382,27 @@ impl<B: ChunkBackend> Store<B> {
         version: u64,
         images: I,
         previous: Option<&Manifest>,
+    ) -> Result<(Manifest, SuspendStats), StoreError>
+    where
+        N: AsRef<str>,
+        R: AsyncRead + Unpin,
+        I: IntoIterator<Item = (N, R)>,
+    {
+        self.suspend_with_progress(env, version, images, previous, &mut |_, _| {})
+            .await
+    }
+
+    /// [`Store::suspend`], calling `progress` with the image being read and
+    /// the totals so far each time a chunk is settled (for a progress bar:
+    /// [`SuspendStats::chunks_done`] of the chunks the images' lengths
+    /// imply).
+    pub async fn suspend_with_progress<N, R, I>(
+        &self,
+        env: &str,
+        version: u64,
+        images: I,
+        previous: Option<&Manifest>,
+        progress: &mut SuspendProgress<'_>,
     ) -> Result<(Manifest, SuspendStats), StoreError>
     where
         N: AsRef<str>,
@@ -407,6 +453,7 @@ impl<B: ChunkBackend> Store<B> {
                     &unchanged,
                     &mut seen,
                     &mut stats,
+                    progress,
                 )
                 .await?;
             manifest.images.push(entry);
@@ -547,6 +594,19 @@ impl<B: ChunkBackend> Store<B> {
         image: &str,
         writer: &mut W,
     ) -> Result<u64, StoreError> {
+        self.restore_image_with_progress(manifest, image, writer, &mut |_| {})
+            .await
+    }
+
+    /// [`Store::restore_image`], calling `progress` with the bytes written
+    /// so far after each chunk is written.
+    pub async fn restore_image_with_progress<W: AsyncWrite + Unpin>(
+        &self,
+        manifest: &Manifest,
+        image: &str,
+        writer: &mut W,
+        progress: &mut (dyn FnMut(u64) + Send + '_),
+    ) -> Result<u64, StoreError> {
         let entry = manifest
             .image(image)
             .ok_or_else(|| StoreError::NoSuchImage(image.to_owned()))?;
@@ -565,6 +625,7 @@ impl<B: ChunkBackend> Store<B> {
             let bytes = bytes?;
             writer.write_all(&bytes).await.map_err(write_err)?;
             written += bytes.len() as u64;
+            progress(written);
         }
         writer.flush().await.map_err(write_err)?;
         Ok(written)

@@ -1,0 +1,936 @@
+//! `roam suspend`, `roam resume`, `roam store list|gc`: a suspended
+//! environment's images (disk, memory, any file) kept as versions in a
+//! `roam_store` chunk store, a local directory or an S3 bucket — the
+//! user-facing first step of Internet Suspend/Resume.
+//!
+//! The versions of an environment are numbered from 1; a suspend writes the
+//! next one, incrementally against the newest (its chunks are skipped
+//! without asking the store). The user's store secret lives in
+//! `<state dir>/store.secret` (32 bytes, mode 0600, made by the first
+//! suspend). Every message names the store, environment and version it is
+//! about; errors are one line each.
+
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use roam_store::{
+    chunk_count, BackendError, ChunkBackend, GcReport, LocalDir, Manifest, ManifestError, S3Config,
+    Store, StoreError, SuspendStats, UserSecret, S3,
+};
+
+use crate::cli::SuspendArgs;
+use crate::cli::{CliError, CliResult, ResumeArgs, StoreAction, StoreArgs, StoreLocationArgs};
+use crate::config::FileConfig;
+
+/// Either backend, so one `Store` type serves both.
+#[derive(Debug)]
+enum AnyBackend {
+    /// A directory.
+    Local(LocalDir),
+    /// A bucket of an S3-compatible service.
+    S3(S3),
+}
+
+impl ChunkBackend for AnyBackend {
+    async fn put_if_absent(&self, name: &str, bytes: Vec<u8>) -> Result<bool, BackendError> {
+        match self {
+            AnyBackend::Local(b) => b.put_if_absent(name, bytes).await,
+            AnyBackend::S3(b) => b.put_if_absent(name, bytes).await,
+        }
+    }
+
+    async fn get(&self, name: &str, max_len: u64) -> Result<Vec<u8>, BackendError> {
+        match self {
+            AnyBackend::Local(b) => b.get(name, max_len).await,
+            AnyBackend::S3(b) => b.get(name, max_len).await,
+        }
+    }
+
+    async fn exists(&self, name: &str) -> Result<bool, BackendError> {
+        match self {
+            AnyBackend::Local(b) => b.exists(name).await,
+            AnyBackend::S3(b) => b.exists(name).await,
+        }
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<String>, BackendError> {
+        match self {
+            AnyBackend::Local(b) => b.list(prefix).await,
+            AnyBackend::S3(b) => b.list(prefix).await,
+        }
+    }
+
+    async fn delete(&self, name: &str) -> Result<bool, BackendError> {
+        match self {
+            AnyBackend::Local(b) => b.delete(name).await,
+            AnyBackend::S3(b) => b.delete(name).await,
+        }
+    }
+}
+
+/// An opened store and what messages need to name.
+struct Opened {
+    /// The store.
+    store: Store<AnyBackend>,
+    /// `/path/to/store` or `s3://bucket at https://endpoint`.
+    desc: String,
+    /// The secret's file.
+    secret_path: PathBuf,
+}
+
+/// A usage or configuration problem (exit status 2) or a failure (1).
+enum Fail {
+    /// Bad arguments or configuration.
+    Usage(String),
+    /// Anything else.
+    Run(CliError),
+}
+
+impl<E: Into<CliError>> From<E> for Fail {
+    fn from(e: E) -> Self {
+        Fail::Run(e.into())
+    }
+}
+
+/// A [`Fail`] as the command's result: usage problems print and exit 2.
+fn finish(r: Result<i32, Fail>) -> CliResult {
+    match r {
+        Ok(code) => Ok(code),
+        Err(Fail::Usage(msg)) => {
+            eprintln_whole!("roam: {msg}");
+            Ok(2)
+        }
+        Err(Fail::Run(e)) => Err(e),
+    }
+}
+
+/// Where the store is.
+enum Location {
+    /// A directory.
+    Dir(PathBuf),
+    /// `s3://BUCKET`.
+    S3(S3Config),
+}
+
+/// Finds the store from the flags, the config file and the environment.
+fn locate(args: &StoreLocationArgs, config: &FileConfig) -> Result<Location, Fail> {
+    let spec = args.store.clone().or_else(|| config.store.location.clone());
+    let Some(spec) = spec else {
+        return Ok(Location::Dir(crate::paths::state_dir(config).join("store")));
+    };
+    let Some(bucket) = spec.strip_prefix("s3://") else {
+        return Ok(Location::Dir(PathBuf::from(spec)));
+    };
+    let bucket = bucket.trim_end_matches('/');
+    if bucket.is_empty() || bucket.contains('/') {
+        return Err(Fail::Usage(format!(
+            "invalid S3 store {spec:?}: use s3://BUCKET (the whole bucket is the store)"
+        )));
+    }
+    let env = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+    let endpoint = args
+        .s3_endpoint
+        .clone()
+        .or_else(|| env("ROAM_S3_ENDPOINT"))
+        .or_else(|| config.store.s3_endpoint.clone())
+        .ok_or_else(|| {
+            Fail::Usage(format!(
+                "the S3 store {spec} needs an endpoint: --s3-endpoint URL or $ROAM_S3_ENDPOINT \
+                 (e.g. https://s3.eu-west-1.amazonaws.com)"
+            ))
+        })?;
+    let region = env("ROAM_S3_REGION")
+        .or_else(|| config.store.s3_region.clone())
+        .unwrap_or_else(|| "us-east-1".into());
+    let (Some(access_key_id), Some(secret_access_key)) =
+        (env("AWS_ACCESS_KEY_ID"), env("AWS_SECRET_ACCESS_KEY"))
+    else {
+        return Err(Fail::Usage(format!(
+            "the S3 store {spec} needs credentials: set AWS_ACCESS_KEY_ID and \
+             AWS_SECRET_ACCESS_KEY"
+        )));
+    };
+    // Objects are encrypted and authenticated either way; plain http only
+    // exposes the access pattern (and the signed requests) to the network.
+    let allow_http = endpoint.starts_with("http://");
+    Ok(Location::S3(S3Config {
+        endpoint,
+        bucket: bucket.to_owned(),
+        region,
+        access_key_id,
+        secret_access_key,
+        allow_http,
+    }))
+}
+
+/// Opens the store; `create`: a local directory may be made (suspend),
+/// else it must exist. Loads (or, with `create`, makes) the secret.
+fn open(args: &StoreLocationArgs, config: &FileConfig, create: bool) -> Result<Opened, Fail> {
+    let location = locate(args, config)?;
+    let (backend, desc) = match location {
+        Location::Dir(dir) => {
+            let desc = dir.display().to_string();
+            if !create && !dir.exists() {
+                return Err(Fail::Run(CliError(format!(
+                    "no store at {desc} (nothing was suspended there; --store names another)"
+                ))));
+            }
+            if create && dir == crate::paths::state_dir(config).join("store") {
+                if let Some(parent) = dir.parent() {
+                    crate::paths::ensure_private_dir(parent).map_err(|e| {
+                        CliError(format!(
+                            "cannot create the state directory {}: {e}",
+                            parent.display()
+                        ))
+                    })?;
+                }
+            }
+            let local = LocalDir::open(&dir)
+                .map_err(|e| CliError(format!("cannot open the store at {desc}: {e}")))?;
+            (AnyBackend::Local(local), desc)
+        }
+        Location::S3(cfg) => {
+            let desc = format!("s3://{} at {}", cfg.bucket, cfg.endpoint);
+            let s3 = S3::new(&cfg).map_err(|e| Fail::Usage(format!("S3 store {desc}: {e}")))?;
+            (AnyBackend::S3(s3), desc)
+        }
+    };
+    let secret_path = args
+        .secret
+        .clone()
+        .or_else(|| config.store.secret.clone())
+        .unwrap_or_else(|| crate::paths::state_dir(config).join("store.secret"));
+    let secret = load_secret(&secret_path, create && args.secret.is_none())?;
+    Ok(Opened {
+        store: Store::new(backend, secret),
+        desc,
+        secret_path,
+    })
+}
+
+/// Reads the 32-byte secret at `path`; `create`: makes one if there is none.
+fn load_secret(path: &Path, create: bool) -> Result<UserSecret, Fail> {
+    let shown = path.display();
+    match std::fs::read(path) {
+        Ok(bytes) => {
+            let bytes: [u8; 32] = bytes.as_slice().try_into().map_err(|_| {
+                CliError(format!(
+                    "the store secret {shown} is {} bytes, not 32: not a roam store secret",
+                    bytes.len()
+                ))
+            })?;
+            Ok(UserSecret::from_bytes(bytes))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && create => {
+            let (secret, bytes) = UserSecret::generate()
+                .map_err(|_| CliError("cannot draw random bytes for the store secret".into()))?;
+            if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+                crate::paths::ensure_private_dir(dir)
+                    .map_err(|e| CliError(format!("cannot create {}: {e}", dir.display())))?;
+            }
+            crate::paths::write_atomic(path, &bytes, 0o600, false)
+                .map_err(|e| CliError(format!("cannot write the store secret {shown}: {e}")))?;
+            eprintln_whole!(
+                "roam: created the store secret {shown} (mode 0600). It encrypts and names \
+                 everything you store: keep a copy somewhere safe; losing it loses the data."
+            );
+            Ok(secret)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(Fail::Run(CliError(format!(
+            "no store secret at {shown}: the store's data can only be read with the secret it \
+             was suspended with (copy that file here, or pass --secret FILE)"
+        )))),
+        Err(e) => Err(Fail::Run(CliError(format!(
+            "cannot read the store secret {shown}: {e}"
+        )))),
+    }
+}
+
+impl Opened {
+    /// A store error worded for the user, naming the store and secret.
+    fn explain(&self, e: StoreError) -> CliError {
+        CliError(match e {
+            StoreError::Manifest {
+                env,
+                version,
+                source: ManifestError::WrongSecret,
+            } => format!(
+                "the store's manifest for {env} v{version} was not sealed with this secret \
+                 ({}): use the secret {env} was suspended with (--secret FILE)",
+                self.secret_path.display()
+            ),
+            StoreError::Manifest {
+                env,
+                version,
+                source,
+            } => format!(
+                "the store's manifest for {env} v{version} in {} is refused: {source}",
+                self.desc
+            ),
+            StoreError::ManifestMissing { env, version } => {
+                format!(
+                    "environment {env} has no version {version} in {}",
+                    self.desc
+                )
+            }
+            StoreError::ImageWrite { image, source } => {
+                let full = matches!(
+                    source.kind(),
+                    std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
+                );
+                format!(
+                    "writing image {image}: {source}{}",
+                    if full {
+                        " (the disk is full: free space or resume into another DIR)"
+                    } else {
+                        ""
+                    }
+                )
+            }
+            e @ (StoreError::ImageRead { .. } | StoreError::ImageTooLong { .. }) => e.to_string(),
+            e => format!("store {}: {e}", self.desc),
+        })
+    }
+
+    /// The versions of `env`, ascending; an error if it has none.
+    async fn versions(&self, env: &str) -> Result<Vec<u64>, CliError> {
+        let versions = self
+            .store
+            .versions(env)
+            .await
+            .map_err(|e| self.explain(e))?;
+        if versions.is_empty() {
+            return Err(CliError(format!(
+                "no environment {env} in the store {} (`roam store list` shows what it holds)",
+                self.desc
+            )));
+        }
+        Ok(versions)
+    }
+
+    /// Every manifest in the store as (environment, version), sorted.
+    async fn all_versions(&self) -> Result<Vec<(String, u64)>, CliError> {
+        let names = self
+            .store
+            .backend()
+            .list("manifests/")
+            .await
+            .map_err(|e| self.explain(e.into()))?;
+        let mut all: Vec<(String, u64)> = names
+            .iter()
+            .filter_map(|n| {
+                let (env, version) = n.strip_prefix("manifests/")?.split_once('/')?;
+                Some((env.to_owned(), version.parse().ok()?))
+            })
+            .collect();
+        all.sort();
+        Ok(all)
+    }
+}
+
+/// `12.3 MB` (decimal megabytes, as transfer tools print them).
+fn mb(bytes: u64) -> String {
+    format!("{:.1} MB", bytes as f64 / 1e6)
+}
+
+/// `412 ms`, or `1.32 s` from a second on.
+fn ms(d: Duration) -> String {
+    if d < Duration::from_secs(1) {
+        format!("{} ms", d.as_millis())
+    } else {
+        format!("{:.2} s", d.as_secs_f64())
+    }
+}
+
+/// Megabytes per second, for a summary.
+fn rate(bytes: u64, d: Duration) -> String {
+    format!("{:.1} MB/s", bytes as f64 / 1e6 / d.as_secs_f64().max(1e-6))
+}
+
+/// Progress on stderr: a bar redrawn in place on a terminal, phase lines
+/// (at most one every [`PLAIN_EVERY`]) otherwise.
+struct Reporter {
+    /// When the command started.
+    start: Instant,
+    /// Whether stderr is a terminal.
+    tty: bool,
+    /// Whether a bar is on the current line.
+    bar: bool,
+    /// When the bar (or a plain progress line) was last written.
+    drawn: Option<Instant>,
+}
+
+/// Interval between plain progress lines when stderr is not a terminal.
+const PLAIN_EVERY: Duration = Duration::from_secs(5);
+
+/// Interval between redraws of the bar (100 ms).
+const BAR_EVERY: Duration = Duration::from_millis(100);
+
+impl Reporter {
+    /// A reporter starting now.
+    fn new() -> Reporter {
+        Reporter {
+            start: Instant::now(),
+            tty: std::io::stderr().is_terminal(),
+            bar: false,
+            drawn: None,
+        }
+    }
+
+    /// `roam: [  0.12 s] MESSAGE`.
+    fn phase(&mut self, msg: &str) {
+        self.end_bar();
+        eprintln_whole!(
+            "roam: [{:>7.2} s] {msg}",
+            self.start.elapsed().as_secs_f64()
+        );
+    }
+
+    /// `image`'s progress: `chunks` of `total_chunks` settled, `bytes` of
+    /// `total_bytes` through.
+    fn image(&mut self, image: &str, chunks: u64, total_chunks: u64, bytes: u64, total_bytes: u64) {
+        let now = Instant::now();
+        let every = if self.tty { BAR_EVERY } else { PLAIN_EVERY };
+        if self.drawn.is_some_and(|t| now - t < every) {
+            return;
+        }
+        self.drawn = Some(now);
+        if !self.tty {
+            self.phase(&format!(
+                "{image}: {chunks}/{total_chunks} chunks, {} / {}",
+                mb(bytes),
+                mb(total_bytes)
+            ));
+            self.drawn = Some(now);
+            return;
+        }
+        let frac = if total_chunks == 0 {
+            1.0
+        } else {
+            (chunks as f64 / total_chunks as f64).min(1.0)
+        };
+        let width = 30;
+        let filled = ((frac * width as f64) as usize).min(width);
+        let mut err = std::io::stderr().lock();
+        let _ = write!(
+            err,
+            "\r      {image} {chunks}/{total_chunks} chunks, {} / {} [{}{}] {:>3.0}%",
+            mb(bytes),
+            mb(total_bytes),
+            "#".repeat(filled),
+            " ".repeat(width - filled),
+            frac * 100.0
+        );
+        let _ = err.flush();
+        self.bar = true;
+    }
+
+    /// Ends the bar's line, if one is drawn.
+    fn end_bar(&mut self) {
+        if self.bar {
+            eprintln_whole!("");
+            self.bar = false;
+        }
+    }
+}
+
+impl Drop for Reporter {
+    fn drop(&mut self) {
+        self.end_bar();
+    }
+}
+
+/// A suspend's view of its progress: which image, and the totals when it
+/// began.
+struct SuspendView {
+    /// Progress output.
+    rep: Reporter,
+    /// Each image's name and length (from its metadata).
+    images: Vec<(String, u64)>,
+    /// The image being read.
+    current: Option<usize>,
+    /// The totals when it began.
+    base: SuspendStats,
+    /// The totals at the last report.
+    last: SuspendStats,
+}
+
+impl SuspendView {
+    /// Image `i` begins (the one before it is done).
+    fn begin(&mut self, i: usize) {
+        self.end_current();
+        self.current = Some(i);
+        self.base = self.last;
+        let (name, len) = &self.images[i];
+        let msg = format!("{name}: {} in {} chunks", mb(*len), chunk_count(*len));
+        self.rep.phase(&msg);
+    }
+
+    /// The totals moved on.
+    fn update(&mut self, stats: &SuspendStats) {
+        self.last = *stats;
+        if let Some(i) = self.current {
+            let (name, len) = &self.images[i];
+            let (name, len) = (name.clone(), *len);
+            self.rep.image(
+                &name,
+                stats.chunks_done() - self.base.chunks_done(),
+                chunk_count(len),
+                stats.bytes_read - self.base.bytes_read,
+                len,
+            );
+        }
+    }
+
+    /// Reports the image being read as done.
+    fn end_current(&mut self) {
+        if let Some(i) = self.current.take() {
+            let (l, b) = (self.last, self.base);
+            let msg = format!(
+                "{}: done, {} chunks, {} read, {} uploaded ({} chunks)",
+                self.images[i].0,
+                l.chunks_total - b.chunks_total,
+                mb(l.bytes_read - b.bytes_read),
+                mb(l.bytes_uploaded - b.bytes_uploaded),
+                l.chunks_uploaded - b.chunks_uploaded
+            );
+            self.rep.phase(&msg);
+        }
+    }
+}
+
+/// `roam suspend`.
+pub(crate) async fn suspend(args: SuspendArgs, config: &FileConfig) -> CliResult {
+    finish(suspend_inner(args, config).await)
+}
+
+/// `roam suspend`, with usage errors apart.
+async fn suspend_inner(args: SuspendArgs, config: &FileConfig) -> Result<i32, Fail> {
+    // Every file is opened and named before anything is written.
+    let mut files = Vec::new();
+    let mut images: Vec<(String, u64)> = Vec::new();
+    let mut paths: Vec<&Path> = Vec::new();
+    for path in &args.files {
+        let shown = path.display();
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .ok_or_else(|| {
+                CliError(format!(
+                    "{shown} has no usable file name (UTF-8) for its image"
+                ))
+            })?
+            .to_owned();
+        if !roam_store::valid_image_name(&name) {
+            return Err(Fail::Usage(format!(
+                "{shown}: {name:?} cannot name an image"
+            )));
+        }
+        if let Some(i) = images.iter().position(|(n, _)| *n == name) {
+            return Err(Fail::Usage(format!(
+                "{} and {shown} would both be image {name:?} (images are named by base name): \
+                 rename or link one",
+                paths[i].display()
+            )));
+        }
+        let file =
+            std::fs::File::open(path).map_err(|e| CliError(format!("cannot read {shown}: {e}")))?;
+        let meta = file
+            .metadata()
+            .map_err(|e| CliError(format!("cannot read {shown}: {e}")))?;
+        if meta.is_dir() {
+            return Err(Fail::Run(CliError(format!(
+                "{shown} is a directory: suspend takes files (images)"
+            ))));
+        }
+        images.push((name, meta.len()));
+        paths.push(path);
+        files.push(file);
+    }
+    let opened = open(&args.location, config, true)?;
+    let env = args.env.as_str();
+    let versions = opened
+        .store
+        .versions(env)
+        .await
+        .map_err(|e| opened.explain(e))?;
+    let previous = match versions.last() {
+        Some(&v) => Some(
+            opened
+                .store
+                .load_manifest(env, v)
+                .await
+                .map_err(|e| opened.explain(e))?,
+        ),
+        None => None,
+    };
+    let version = versions.last().map_or(1, |v| v + 1);
+    let view = Mutex::new(SuspendView {
+        rep: Reporter::new(),
+        images: images.clone(),
+        current: None,
+        base: SuspendStats::default(),
+        last: SuspendStats::default(),
+    });
+    let lock = || view.lock().unwrap_or_else(|p| p.into_inner());
+    lock().rep.phase(&format!(
+        "suspending {env} version {version} to {}{}",
+        opened.desc,
+        match versions.last() {
+            Some(v) => format!(" (incremental against version {v})"),
+            None => String::new(),
+        }
+    ));
+    let start = Instant::now();
+    let readers = files
+        .into_iter()
+        .zip(images.iter().map(|(n, _)| n.clone()))
+        .enumerate()
+        .map(|(i, (file, name))| {
+            lock().begin(i);
+            (name, tokio::fs::File::from_std(file))
+        });
+    let result = opened
+        .store
+        .suspend_with_progress(env, version, readers, previous.as_ref(), &mut |_, stats| {
+            lock().update(stats)
+        })
+        .await;
+    let elapsed = start.elapsed();
+    let (manifest, stats) = result.map_err(|e| {
+        lock().rep.end_bar();
+        opened.explain(e)
+    })?;
+    lock().end_current();
+    drop(view);
+    let stored = stats.chunks_unchanged + stats.chunks_present + stats.chunks_repeated;
+    let mut out = format!("suspended {env} version {version} to {}\n", opened.desc);
+    out += &format!("  images: {}\n", image_list(&manifest));
+    out += &format!(
+        "  chunks: {} total, {} uploaded, {stored} already stored ({} unchanged since the \
+         previous version, {} found in the store, {} repeats)\n",
+        stats.chunks_total,
+        stats.chunks_uploaded,
+        stats.chunks_unchanged,
+        stats.chunks_present,
+        stats.chunks_repeated
+    );
+    out += &format!(
+        "  read {} ({} bytes), uploaded {} ({} bytes, after compression) in {}: {}\n",
+        mb(stats.bytes_read),
+        stats.bytes_read,
+        mb(stats.bytes_uploaded),
+        stats.bytes_uploaded,
+        ms(elapsed),
+        rate(stats.bytes_read, elapsed)
+    );
+    print_out(&out);
+    Ok(0)
+}
+
+/// `disk 8.4 MB, memory 1.0 MB`.
+fn image_list(m: &Manifest) -> String {
+    if m.images.is_empty() {
+        return "none".into();
+    }
+    m.images
+        .iter()
+        .map(|i| format!("{} {} ({} bytes)", i.name, mb(i.len), i.len))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Writes to stdout, ignoring a closed pipe.
+fn print_out(text: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = out.write_all(text.as_bytes());
+    let _ = out.flush();
+}
+
+/// `roam resume`.
+pub(crate) async fn resume(args: ResumeArgs, config: &FileConfig) -> CliResult {
+    finish(resume_inner(args, config).await)
+}
+
+/// Whether an image name can be a file name in DIR (a manifest is
+/// authenticated, but a name from it must still not leave DIR).
+fn file_name_ok(name: &str) -> bool {
+    !name.contains('/') && name != "." && name != ".."
+}
+
+/// `roam resume`, with usage errors apart.
+async fn resume_inner(args: ResumeArgs, config: &FileConfig) -> Result<i32, Fail> {
+    let opened = open(&args.location, config, false)?;
+    let env = args.env.as_str();
+    let versions = opened.versions(env).await?;
+    let version = match args.version {
+        Some(v) if !versions.contains(&v) => {
+            return Err(Fail::Run(CliError(format!(
+                "environment {env} has no version {v} in {} (it has {})",
+                opened.desc,
+                versions
+                    .iter()
+                    .map(u64::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))))
+        }
+        Some(v) => v,
+        None => *versions.last().unwrap_or(&1),
+    };
+    let manifest = opened
+        .store
+        .load_manifest(env, version)
+        .await
+        .map_err(|e| opened.explain(e))?;
+    let dir = &args.dir;
+    std::fs::create_dir_all(dir)
+        .map_err(|e| CliError(format!("cannot create {}: {e}", dir.display())))?;
+    for image in &manifest.images {
+        if !file_name_ok(&image.name) {
+            return Err(Fail::Run(CliError(format!(
+                "{env} version {version} has an image named {:?}, which cannot be a file name",
+                image.name
+            ))));
+        }
+        let target = dir.join(&image.name);
+        if !args.force && std::fs::symlink_metadata(&target).is_ok() {
+            return Err(Fail::Run(CliError(format!(
+                "{} exists: resume would overwrite it (remove it, choose another DIR, or pass \
+                 --force)",
+                target.display()
+            ))));
+        }
+    }
+    let mut rep = Reporter::new();
+    rep.phase(&format!(
+        "resuming {env} version {version} from {} into {}",
+        opened.desc,
+        dir.display()
+    ));
+    let start = Instant::now();
+    let mut total = 0u64;
+    for image in &manifest.images {
+        let target = dir.join(&image.name);
+        let tmp = dir.join(format!(
+            ".{}.roam-resume.{}",
+            image.name,
+            std::process::id()
+        ));
+        rep.phase(&format!(
+            "{}: {} in {} chunks",
+            image.name,
+            mb(image.len),
+            image.chunks.len()
+        ));
+        let chunks = image.chunks.len() as u64;
+        let written = {
+            let work = restore_one(&opened, &manifest, &image.name, &tmp, &target, |done| {
+                rep.image(
+                    &image.name,
+                    done.div_ceil(roam_store::CHUNK_SIZE as u64),
+                    chunks,
+                    done,
+                    image.len,
+                );
+            });
+            tokio::select! {
+                r = work => r,
+                _ = tokio::signal::ctrl_c() => Err(CliError(format!(
+                    "interrupted while writing {}: nothing was left under its name",
+                    image.name
+                ))),
+            }
+        };
+        let written = match written {
+            Ok(n) => n,
+            Err(e) => {
+                let _ = std::fs::remove_file(&tmp);
+                rep.end_bar();
+                return Err(e.into());
+            }
+        };
+        total += written;
+        rep.phase(&format!("{}: done, {} written", image.name, mb(written)));
+    }
+    let elapsed = start.elapsed();
+    drop(rep);
+    print_out(&format!(
+        "resumed {env} version {version} from {} into {}\n  images: {}\n  wrote {} ({total} \
+         bytes, every chunk verified) in {}: {}\n",
+        opened.desc,
+        dir.display(),
+        image_list(&manifest),
+        mb(total),
+        ms(elapsed),
+        rate(total, elapsed)
+    ));
+    Ok(0)
+}
+
+/// Writes image `name` to `tmp` (mode 0600), syncs it and renames it to
+/// `target`; returns the bytes written.
+async fn restore_one(
+    opened: &Opened,
+    manifest: &Manifest,
+    name: &str,
+    tmp: &Path,
+    target: &Path,
+    mut progress: impl FnMut(u64) + Send,
+) -> Result<u64, CliError> {
+    let mut file = tokio::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(tmp)
+        .await
+        .map_err(|e| CliError(format!("cannot create {}: {e}", tmp.display())))?;
+    let written = opened
+        .store
+        .restore_image_with_progress(manifest, name, &mut file, &mut progress)
+        .await
+        .map_err(|e| opened.explain(e))?;
+    file.sync_all().await.map_err(|e| {
+        opened.explain(StoreError::ImageWrite {
+            image: name.to_owned(),
+            source: e,
+        })
+    })?;
+    drop(file);
+    tokio::fs::rename(tmp, target).await.map_err(|e| {
+        CliError(format!(
+            "cannot rename {} to {}: {e}",
+            tmp.display(),
+            target.display()
+        ))
+    })?;
+    Ok(written)
+}
+
+/// `roam store ...`.
+pub(crate) async fn run(args: StoreArgs, config: &FileConfig) -> CliResult {
+    finish(match args.action {
+        StoreAction::List { env, location } => list(env, location, config).await,
+        StoreAction::Gc {
+            env,
+            keep,
+            location,
+        } => gc(env, keep, location, config).await,
+    })
+}
+
+/// `roam store list`.
+async fn list(
+    env: Option<String>,
+    location: StoreLocationArgs,
+    config: &FileConfig,
+) -> Result<i32, Fail> {
+    let opened = open(&location, config, false)?;
+    let all: Vec<(String, u64)> = match &env {
+        Some(env) => opened
+            .versions(env)
+            .await?
+            .into_iter()
+            .map(|v| (env.clone(), v))
+            .collect(),
+        None => opened.all_versions().await?,
+    };
+    let mut out = format!("store {}\n", opened.desc);
+    if all.is_empty() {
+        out += "  (no environments)\n";
+    }
+    let mut last_env: Option<&str> = None;
+    for (env, version) in &all {
+        if last_env != Some(env.as_str()) {
+            out += &format!("{env}\n");
+            last_env = Some(env);
+        }
+        let m = opened
+            .store
+            .load_manifest(env, *version)
+            .await
+            .map_err(|e| opened.explain(e))?;
+        let size: u64 = m.images.iter().map(|i| i.len).sum();
+        out += &format!(
+            "  version {version}: {} ({} in {} chunks)\n",
+            image_list(&m),
+            mb(size),
+            m.images.iter().map(|i| i.chunks.len()).sum::<usize>()
+        );
+    }
+    print_out(&out);
+    Ok(0)
+}
+
+/// `roam store gc`.
+async fn gc(
+    env: String,
+    keep: u64,
+    location: StoreLocationArgs,
+    config: &FileConfig,
+) -> Result<i32, Fail> {
+    let opened = open(&location, config, false)?;
+    let versions = opened.versions(&env).await?;
+    let cut = versions
+        .len()
+        .saturating_sub(usize::try_from(keep).unwrap_or(usize::MAX));
+    let doomed = &versions[..cut];
+    // Every remaining manifest is opened before anything is deleted: one
+    // this secret cannot open would have its chunks deleted.
+    let mut kept = Vec::new();
+    for (e, v) in opened.all_versions().await? {
+        if e == env && doomed.contains(&v) {
+            continue;
+        }
+        let m = opened.store.load_manifest(&e, v).await.map_err(|err| {
+            CliError(format!(
+                "{}; nothing was deleted (gc must know every version's chunks)",
+                opened.explain(err).0
+            ))
+        })?;
+        kept.push(m);
+    }
+    let mut out = String::new();
+    for &v in doomed {
+        opened
+            .store
+            .delete_manifest(&env, v)
+            .await
+            .map_err(|e| opened.explain(e))?;
+        out += &format!("deleted {env} version {v} (its manifest)\n");
+    }
+    let GcReport {
+        chunks_examined,
+        chunks_kept,
+        deleted,
+    } = opened
+        .store
+        .gc(&kept)
+        .await
+        .map_err(|e| opened.explain(e))?;
+    out += &format!(
+        "deleted {} chunks no remaining version uses; kept {chunks_kept} of {chunks_examined} \
+         for {} versions ({} of {env})\n",
+        deleted.len(),
+        kept.len(),
+        kept.iter().filter(|m| m.env == env).count()
+    );
+    print_out(&out);
+    Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn image_names_stay_in_dir() {
+        assert!(file_name_ok("disk.img"));
+        for bad in ["a/b", "..", ".", "../x"] {
+            assert!(!file_name_ok(bad), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,609 @@
+//! End-to-end tests of `roam suspend`, `roam resume` and `roam store`: the
+//! real binary against a local directory store and (with `$ROAM_S3S_FS`)
+//! a real S3 server, s3s-fs, on a free 127.0.0.1 port. Images are seeded
+//! random bytes (`ROAM_TEST_SEED` replays a run); every resumed file is
+//! compared with what was suspended, byte for byte.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use sha2::{Digest, Sha256};
+
+/// The binary under test.
+const BIN: &str = env!("CARGO_BIN_EXE_roam");
+
+/// 128 KiB, roam-store's chunk size.
+const CHUNK: usize = 128 * 1024;
+
+/// The run's seed: `$ROAM_TEST_SEED` or a fixed one; printed so a failure
+/// replays.
+fn seed() -> u64 {
+    let seed = std::env::var("ROAM_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0x5eed_1234);
+    eprintln!("ROAM_TEST_SEED={seed}");
+    seed
+}
+
+/// `len` pseudo-random bytes (splitmix64 from `*state`).
+fn random(state: &mut u64, len: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = *state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        out.extend_from_slice(&(z ^ (z >> 31)).to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+fn sha(bytes: &[u8]) -> String {
+    hex::encode(Sha256::digest(bytes))
+}
+
+/// `roam ARGS` with the state directory `state` and `envs` set.
+fn roam(state: &Path, args: &[&str], envs: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(BIN);
+    cmd.args(args)
+        .env("ROAM_STATE_DIR", state)
+        .env("XDG_CONFIG_HOME", state.join("no-config"))
+        .env_remove("ROAM_S3_ENDPOINT")
+        .env_remove("AWS_ACCESS_KEY_ID")
+        .env_remove("AWS_SECRET_ACCESS_KEY");
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    cmd.output().unwrap()
+}
+
+/// Runs `roam ARGS`, expecting exit 0; returns stdout.
+fn ok(state: &Path, args: &[&str], envs: &[(&str, &str)]) -> String {
+    let out = roam(state, args, envs);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "roam {args:?}: {:?}\nstdout: {stdout}\nstderr: {stderr}",
+        out.status
+    );
+    stdout
+}
+
+/// Runs `roam ARGS`, expecting exit `code` and one line on stderr that
+/// contains `needle`; returns that line.
+fn fails(state: &Path, args: &[&str], envs: &[(&str, &str)], code: i32, needle: &str) -> String {
+    let out = roam(state, args, envs);
+    // The note of a newly made secret is not part of the error.
+    let stderr = String::from_utf8_lossy(&out.stderr)
+        .lines()
+        .filter(|l| !l.contains("created the store secret"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert_eq!(
+        out.status.code(),
+        Some(code),
+        "roam {args:?}: stderr: {stderr}"
+    );
+    assert!(
+        stderr.contains(needle),
+        "roam {args:?}: {stderr:?} lacks {needle:?}"
+    );
+    if code == 1 {
+        assert_eq!(stderr.lines().count(), 1, "one line: {stderr}");
+    }
+    stderr
+}
+
+/// The number after `label` in `text`, e.g. `uploaded` in "72 total, 2 uploaded".
+fn number_before(text: &str, label: &str) -> u64 {
+    let at = text
+        .find(label)
+        .unwrap_or_else(|| panic!("{label:?} not in {text}"));
+    text[..at]
+        .split_whitespace()
+        .last()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no number before {label:?} in {text}"))
+}
+
+/// The `N MB/s` figure of a summary.
+fn mb_per_s(summary: &str) -> f64 {
+    let at = summary.find(" MB/s").expect("MB/s in the summary");
+    summary[..at]
+        .split_whitespace()
+        .last()
+        .and_then(|n| n.parse().ok())
+        .expect("a rate")
+}
+
+/// Chunk objects in a local store directory.
+fn chunk_files(store: &Path) -> usize {
+    let mut n = 0;
+    for l1 in std::fs::read_dir(store.join("objects")).unwrap() {
+        for l2 in std::fs::read_dir(l1.unwrap().path()).unwrap() {
+            for leaf in std::fs::read_dir(l2.unwrap().path()).unwrap() {
+                if leaf
+                    .unwrap()
+                    .file_name()
+                    .to_string_lossy()
+                    .starts_with("chunks%")
+                {
+                    n += 1;
+                }
+            }
+        }
+    }
+    n
+}
+
+/// Two images: an 8 MB "disk" and a 1 MB "memory", in `dir`.
+struct Images {
+    dir: PathBuf,
+    disk: Vec<u8>,
+    memory: Vec<u8>,
+}
+
+impl Images {
+    fn new(dir: &Path, rng: &mut u64) -> Images {
+        let images = Images {
+            dir: dir.to_owned(),
+            disk: random(rng, 8 << 20),
+            memory: random(rng, 1 << 20),
+        };
+        images.write();
+        images
+    }
+
+    fn write(&self) {
+        std::fs::write(self.dir.join("disk"), &self.disk).unwrap();
+        std::fs::write(self.dir.join("memory"), &self.memory).unwrap();
+    }
+
+    fn paths(&self) -> [String; 2] {
+        ["disk", "memory"].map(|n| self.dir.join(n).display().to_string())
+    }
+
+    /// Rewrites chunks `a` and `b` of the disk.
+    fn change_two_chunks(&mut self, rng: &mut u64, a: usize, b: usize) {
+        for i in [a, b] {
+            self.disk[i * CHUNK..(i + 1) * CHUNK].copy_from_slice(&random(rng, CHUNK));
+        }
+        self.write();
+    }
+
+    /// Checks that `dir` holds exactly these images.
+    fn check(&self, dir: &Path, what: &str) {
+        for (name, bytes) in [("disk", &self.disk), ("memory", &self.memory)] {
+            let got = std::fs::read(dir.join(name)).unwrap();
+            assert_eq!(got.len(), bytes.len(), "{what}: {name} length");
+            assert_eq!(sha(&got), sha(bytes), "{what}: {name} sha256");
+        }
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["disk", "memory"], "{what}: no temporary files left");
+    }
+}
+
+/// Suspend, resume, change two chunks, suspend again (2 uploaded), resume
+/// both versions, against the store `store_args` names. Returns the
+/// (suspend, resume) MB/s of the first round.
+fn round_trip(state: &Path, work: &Path, store_args: &[&str], envs: &[(&str, &str)]) -> (f64, f64) {
+    let mut rng = seed();
+    let mut images = Images::new(&work.join("in"), &mut {
+        std::fs::create_dir(work.join("in")).unwrap();
+        rng
+    });
+    rng = rng.wrapping_add(1);
+    let [disk, memory] = images.paths();
+    let with = |args: &[&str]| -> Vec<String> {
+        args.iter()
+            .chain(store_args)
+            .map(|s| s.to_string())
+            .collect()
+    };
+    let run = |args: Vec<String>| {
+        ok(
+            state,
+            &args.iter().map(String::as_str).collect::<Vec<_>>(),
+            envs,
+        )
+    };
+
+    let out = run(with(&["suspend", "--env", "laptop", &disk, &memory]));
+    assert!(out.contains("suspended laptop version 1"), "{out}");
+    assert_eq!(number_before(&out, "total,"), 72, "{out}");
+    assert_eq!(number_before(&out, "uploaded,"), 72, "{out}");
+    assert_eq!(number_before(&out, "already stored"), 0, "{out}");
+    let suspend_rate = mb_per_s(&out);
+    let v1 = work.join("v1");
+    let out = run(with(&["resume", "--env", "laptop", v1.to_str().unwrap()]));
+    assert!(out.contains("resumed laptop version 1"), "{out}");
+    let resume_rate = mb_per_s(&out);
+    images.check(&v1, "version 1");
+    let (old_disk, old_memory) = (images.disk.clone(), images.memory.clone());
+
+    images.change_two_chunks(&mut rng, 3, 40);
+    let out = run(with(&["suspend", "--env", "laptop", &disk, &memory]));
+    assert!(out.contains("suspended laptop version 2"), "{out}");
+    assert_eq!(number_before(&out, "total,"), 72, "{out}");
+    assert_eq!(number_before(&out, "uploaded,"), 2, "{out}");
+    assert_eq!(number_before(&out, "already stored"), 70, "{out}");
+
+    let v2 = work.join("v2");
+    run(with(&["resume", "--env", "laptop", v2.to_str().unwrap()]));
+    images.check(&v2, "version 2 (newest)");
+    let v1_again = work.join("v1-again");
+    run(with(&[
+        "resume",
+        "--env",
+        "laptop",
+        "--version",
+        "1",
+        v1_again.to_str().unwrap(),
+    ]));
+    let new = (images.disk.clone(), images.memory.clone());
+    (images.disk, images.memory) = (old_disk, old_memory);
+    images.check(&v1_again, "version 1 after version 2");
+    (images.disk, images.memory) = new;
+    let v2_again = work.join("v2-again");
+    run(with(&[
+        "resume",
+        "--env",
+        "laptop",
+        "--version",
+        "2",
+        v2_again.to_str().unwrap(),
+    ]));
+    images.check(&v2_again, "version 2");
+
+    let out = run(with(&["store", "list"]));
+    for needle in [
+        "laptop",
+        "version 1: disk",
+        "version 2: disk",
+        "memory 1.0 MB",
+    ] {
+        assert!(out.contains(needle), "{needle:?} in {out}");
+    }
+    (suspend_rate, resume_rate)
+}
+
+#[test]
+fn local_store_round_trip_incremental_and_gc() {
+    let state = tempfile::tempdir().unwrap();
+    let work = tempfile::tempdir().unwrap();
+    let started = Instant::now();
+    let (suspend, resume) = round_trip(state.path(), work.path(), &[], &[]);
+    eprintln!("local store: suspend {suspend} MB/s, resume {resume} MB/s");
+
+    // The secret was made on the first suspend, private.
+    let secret = state.path().join("store.secret");
+    let meta = std::fs::metadata(&secret).unwrap();
+    assert_eq!(meta.len(), 32);
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+
+    // gc --keep 1: version 1's manifest goes, and the 2 chunks only it used.
+    let store = state.path().join("store");
+    let before = chunk_files(&store);
+    assert_eq!(before, 74, "72 chunks of version 1 and the 2 new ones");
+    let out = ok(
+        state.path(),
+        &["store", "gc", "--env", "laptop", "--keep", "1"],
+        &[],
+    );
+    assert!(out.contains("deleted laptop version 1"), "{out}");
+    assert_eq!(number_before(&out, "chunks no remaining"), 2, "{out}");
+    assert_eq!(chunk_files(&store), before - 2);
+    let out = ok(state.path(), &["store", "list"], &[]);
+    assert!(
+        !out.contains("version 1") && out.contains("version 2"),
+        "{out}"
+    );
+    let after = work.path().join("after-gc");
+    ok(
+        state.path(),
+        &["resume", "--env", "laptop", after.to_str().unwrap()],
+        &[],
+    );
+    let v2 = std::fs::read(work.path().join("v2/disk")).unwrap();
+    assert_eq!(sha(&std::fs::read(after.join("disk")).unwrap()), sha(&v2));
+    fails(
+        state.path(),
+        &[
+            "resume",
+            "--env",
+            "laptop",
+            "--version",
+            "1",
+            after.to_str().unwrap(),
+        ],
+        &[],
+        1,
+        "environment laptop has no version 1",
+    );
+    assert!(started.elapsed() < Duration::from_secs(60));
+}
+
+#[test]
+fn wrong_secret_existing_file_and_missing_env_are_precise_errors() {
+    let state = tempfile::tempdir().unwrap();
+    let work = tempfile::tempdir().unwrap();
+    let s = state.path();
+    let image = work.path().join("memory");
+    std::fs::write(&image, random(&mut seed(), 300_000)).unwrap();
+    let out = roam(s, &["suspend", "--env", "vm", image.to_str().unwrap()], &[]);
+    assert!(out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("created the store secret") && stderr.contains("losing it loses the data"),
+        "{stderr}"
+    );
+    let out = roam(s, &["suspend", "--env", "vm", image.to_str().unwrap()], &[]);
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("created the store secret"));
+
+    // Another secret: refused with the manifest named.
+    let other = work.path().join("other.secret");
+    std::fs::write(&other, [7u8; 32]).unwrap();
+    let dest = work.path().join("out");
+    let dest_s = dest.to_str().unwrap();
+    let line = fails(
+        s,
+        &[
+            "resume",
+            "--env",
+            "vm",
+            "--secret",
+            other.to_str().unwrap(),
+            dest_s,
+        ],
+        &[],
+        1,
+        "the store's manifest for vm v2 was not sealed with this secret",
+    );
+    assert!(line.contains("other.secret"), "{line}");
+    assert!(!dest.join("memory").exists());
+
+    // An existing file of an image's name: refused, untouched; --force writes.
+    std::fs::create_dir(&dest).unwrap();
+    std::fs::write(dest.join("memory"), b"mine").unwrap();
+    fails(
+        s,
+        &["resume", "--env", "vm", dest_s],
+        &[],
+        1,
+        "exists: resume would overwrite",
+    );
+    assert_eq!(std::fs::read(dest.join("memory")).unwrap(), b"mine");
+    ok(s, &["resume", "--env", "vm", "--force", dest_s], &[]);
+    assert_eq!(
+        sha(&std::fs::read(dest.join("memory")).unwrap()),
+        sha(&std::fs::read(&image).unwrap())
+    );
+
+    // No such environment or version; no secret; no store; bad arguments.
+    fails(
+        s,
+        &["resume", "--env", "nosuch", dest_s],
+        &[],
+        1,
+        "no environment nosuch in the store",
+    );
+    fails(
+        s,
+        &["resume", "--env", "vm", "--version", "9", dest_s],
+        &[],
+        1,
+        "environment vm has no version 9",
+    );
+    let store = s.join("store");
+    let fresh = tempfile::tempdir().unwrap();
+    fails(
+        fresh.path(),
+        &[
+            "resume",
+            "--env",
+            "vm",
+            "--store",
+            store.to_str().unwrap(),
+            dest_s,
+        ],
+        &[],
+        1,
+        "no store secret at",
+    );
+    fails(
+        s,
+        &["store", "list", "--store", "/nonexistent/roam-store"],
+        &[],
+        1,
+        "no store at /nonexistent/roam-store",
+    );
+    fails(
+        s,
+        &["suspend", "--env", "vm", "/nonexistent/disk.img"],
+        &[],
+        1,
+        "cannot read /nonexistent/disk.img",
+    );
+    let twin = work.path().join("twin");
+    std::fs::create_dir(&twin).unwrap();
+    std::fs::write(twin.join("memory"), b"x").unwrap();
+    fails(
+        s,
+        &[
+            "suspend",
+            "--env",
+            "vm",
+            image.to_str().unwrap(),
+            twin.join("memory").to_str().unwrap(),
+        ],
+        &[],
+        2,
+        "would both be image \"memory\"",
+    );
+    fails(
+        s,
+        &["suspend", "--env", "a/b", image.to_str().unwrap()],
+        &[],
+        2,
+        "",
+    );
+    fails(
+        s,
+        &[
+            "suspend",
+            "--env",
+            "vm",
+            "--store",
+            "s3://bucket",
+            image.to_str().unwrap(),
+        ],
+        &[],
+        2,
+        "needs an endpoint",
+    );
+}
+
+#[test]
+fn unreachable_s3_endpoint_is_named() {
+    let state = tempfile::tempdir().unwrap();
+    // A port nobody listens on (bound, then released).
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let endpoint = format!("http://127.0.0.1:{port}");
+    let image = state.path().join("img");
+    std::fs::write(&image, b"data").unwrap();
+    let started = Instant::now();
+    fails(
+        state.path(),
+        &[
+            "suspend",
+            "--env",
+            "vm",
+            "--store",
+            "s3://roam",
+            "--s3-endpoint",
+            &endpoint,
+            image.to_str().unwrap(),
+        ],
+        &[("AWS_ACCESS_KEY_ID", "k"), ("AWS_SECRET_ACCESS_KEY", "s")],
+        1,
+        &format!("s3://roam at {endpoint}"),
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+mod s3 {
+    use super::*;
+    use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+    use std::process::{Child, Stdio};
+
+    /// A real S3 server (s3s-fs) on a free 127.0.0.1 port, killed when dropped.
+    struct S3Server {
+        child: Child,
+        /// Its data directory (buckets are directories in it).
+        _root: tempfile::TempDir,
+        addr: SocketAddr,
+    }
+
+    const ACCESS_KEY: &str = "roam-test";
+    const SECRET_KEY: &str = "roam-test-secret-key";
+    const BUCKET: &str = "roam";
+
+    impl S3Server {
+        /// Starts `$ROAM_S3S_FS`, or says why the S3 test cannot run.
+        fn start() -> Result<S3Server, String> {
+            let Some(bin) = std::env::var_os("ROAM_S3S_FS").filter(|v| !v.is_empty()) else {
+                return Err(
+                    "ROAM_S3S_FS is not set (ROAM_S3S_FS=$(scripts/s3s-build) runs this test)"
+                        .into(),
+                );
+            };
+            // From here on the variable is set: failing to start is a failure.
+            let root = tempfile::tempdir().unwrap();
+            std::fs::create_dir(root.path().join(BUCKET)).unwrap();
+            for _attempt in 0..5 {
+                let port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+                    .and_then(|l| l.local_addr())
+                    .unwrap()
+                    .port();
+                let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+                let mut child = Command::new(&bin)
+                    .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+                    .args(["--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY])
+                    .arg(root.path())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::inherit())
+                    .spawn()
+                    .unwrap_or_else(|e| panic!("ROAM_S3S_FS={bin:?} does not start: {e}"));
+                let deadline = Instant::now() + Duration::from_secs(10);
+                loop {
+                    if TcpStream::connect(addr).is_ok() {
+                        return Ok(S3Server {
+                            child,
+                            _root: root,
+                            addr,
+                        });
+                    }
+                    if child.try_wait().unwrap().is_some() || Instant::now() > deadline {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        break; // the port was taken meanwhile: try another
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+            panic!("ROAM_S3S_FS={bin:?} did not start listening");
+        }
+    }
+
+    impl Drop for S3Server {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+
+    #[test]
+    fn s3_store_round_trip_incremental() {
+        let server = match S3Server::start() {
+            Ok(s) => s,
+            Err(why) => {
+                eprintln!("skipping: {why}");
+                return;
+            }
+        };
+        let state = tempfile::tempdir().unwrap();
+        let work = tempfile::tempdir().unwrap();
+        let endpoint = format!("http://{}", server.addr);
+        let store = format!("s3://{BUCKET}");
+        let (suspend, resume) = round_trip(
+            state.path(),
+            work.path(),
+            &["--store", &store],
+            &[
+                ("ROAM_S3_ENDPOINT", &endpoint),
+                ("AWS_ACCESS_KEY_ID", ACCESS_KEY),
+                ("AWS_SECRET_ACCESS_KEY", SECRET_KEY),
+            ],
+        );
+        eprintln!("S3 store (s3s-fs): suspend {suspend} MB/s, resume {resume} MB/s");
+        // Nothing was written to the local default store.
+        assert!(!state.path().join("store").exists());
+    }
+}
