@@ -386,6 +386,10 @@ impl Reporter {
             "roam: [{:>7.2} s] {msg}",
             self.start.elapsed().as_secs_f64()
         );
+        if !self.tty {
+            // The next plain progress line comes a while after this one.
+            self.drawn = Some(Instant::now());
+        }
     }
 
     /// `image`'s progress: `chunks` of `total_chunks` settled, `bytes` of
@@ -855,10 +859,10 @@ async fn list(
             .map_err(|e| opened.explain(e))?;
         let size: u64 = m.images.iter().map(|i| i.len).sum();
         out += &format!(
-            "  version {version}: {} ({} in {} chunks)\n",
-            image_list(&m),
+            "  version {version}: {} in {} chunks: {}\n",
             mb(size),
-            m.images.iter().map(|i| i.chunks.len()).sum::<usize>()
+            m.images.iter().map(|i| i.chunks.len()).sum::<usize>(),
+            image_list(&m)
         );
     }
     print_out(&out);

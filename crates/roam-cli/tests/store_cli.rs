@@ -266,9 +266,9 @@ fn round_trip(state: &Path, work: &Path, store_args: &[&str], envs: &[(&str, &st
     let out = run(with(&["store", "list"]));
     for needle in [
         "laptop",
-        "version 1: disk",
-        "version 2: disk",
-        "memory 1.0 MB",
+        "version 1: 9.4 MB in 72 chunks: disk 8.4 MB",
+        "version 2: 9.4 MB in 72 chunks: disk 8.4 MB",
+        "memory 1.0 MB (1048576 bytes)",
     ] {
         assert!(out.contains(needle), "{needle:?} in {out}");
     }
@@ -606,4 +606,60 @@ mod s3 {
         // Nothing was written to the local default store.
         assert!(!state.path().join("store").exists());
     }
+}
+
+#[test]
+fn help_teaches_with_examples() {
+    for sub in [
+        &["suspend", "--help"][..],
+        &["resume", "--help"],
+        &["store", "--help"],
+        &["store", "list", "--help"],
+        &["store", "gc", "--help"],
+    ] {
+        let out = Command::new(BIN).args(sub).output().unwrap();
+        assert!(out.status.success(), "{sub:?}");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains("Examples:"), "{sub:?}: {text}");
+    }
+}
+
+#[test]
+fn config_file_names_the_store_and_secret() {
+    let state = tempfile::tempdir().unwrap();
+    let s = state.path();
+    let store = s.join("elsewhere");
+    let secret = s.join("my.secret");
+    let config = s.join("config.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[store]\nlocation = {:?}\nsecret = {:?}\n",
+            store.display().to_string(),
+            secret.display().to_string()
+        ),
+    )
+    .unwrap();
+    let config = config.to_str().unwrap();
+    let image = s.join("img");
+    std::fs::write(&image, b"hello").unwrap();
+    ok(
+        s,
+        &[
+            "--config",
+            config,
+            "suspend",
+            "--env",
+            "cfg",
+            image.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(store.join("objects").is_dir() && !s.join("store").exists());
+    assert_eq!(std::fs::metadata(&secret).unwrap().len(), 32);
+    let out = ok(s, &["--config", config, "store", "list"], &[]);
+    assert!(
+        out.contains("cfg") && out.contains("img 0.0 MB (5 bytes)"),
+        "{out}"
+    );
 }
