@@ -77,10 +77,11 @@ fn ok(state: &Path, args: &[&str], envs: &[(&str, &str)]) -> String {
 /// contains `needle`; returns that line.
 fn fails(state: &Path, args: &[&str], envs: &[(&str, &str)], code: i32, needle: &str) -> String {
     let out = roam(state, args, envs);
-    // The note of a newly made secret is not part of the error.
+    // Progress lines and the note of a newly made secret are not part of
+    // the error.
     let stderr = String::from_utf8_lossy(&out.stderr)
         .lines()
-        .filter(|l| !l.contains("created the store secret"))
+        .filter(|l| !l.contains("created the store secret") && !l.starts_with("roam: ["))
         .collect::<Vec<_>>()
         .join("\n");
     assert_eq!(
@@ -661,5 +662,87 @@ fn config_file_names_the_store_and_secret() {
     assert!(
         out.contains("cfg") && out.contains("img 0.0 MB (5 bytes)"),
         "{out}"
+    );
+}
+
+/// A tmpfs mounted for one test, unmounted (lazily) when dropped, even if
+/// the test failed.
+struct Tmpfs {
+    /// The mount point (inside `_dir`).
+    path: PathBuf,
+    /// Holds the mount point's parent until after the unmount.
+    _dir: tempfile::TempDir,
+}
+
+impl Tmpfs {
+    /// Mounts a tmpfs of `size` (mount's syntax, e.g. `1m`), or says why not.
+    fn mount(size: &str) -> Result<Tmpfs, String> {
+        let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let path = dir.path().join("mnt");
+        std::fs::create_dir(&path).map_err(|e| e.to_string())?;
+        let out = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(&path)
+            .output()
+            .map_err(|e| format!("mount: {e}"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "mount -t tmpfs failed (not root?): {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        Ok(Tmpfs { path, _dir: dir })
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.path).status();
+    }
+}
+
+#[test]
+fn full_disk_on_resume_is_named_and_leaves_no_partial_image() {
+    let fs = match Tmpfs::mount("1m") {
+        Ok(fs) => fs,
+        Err(why) => {
+            eprintln!("skipping: {why}");
+            return;
+        }
+    };
+    let state = tempfile::tempdir().unwrap();
+    let s = state.path();
+    let mut rng = seed() ^ 3;
+    let (small, big) = (s.join("small"), s.join("big"));
+    std::fs::write(&small, random(&mut rng, 300_000)).unwrap();
+    std::fs::write(&big, random(&mut rng, 3_000_000)).unwrap();
+    ok(
+        s,
+        &[
+            "suspend",
+            "--env",
+            "vm",
+            small.to_str().unwrap(),
+            big.to_str().unwrap(),
+        ],
+        &[],
+    );
+    let line = fails(
+        s,
+        &["resume", "--env", "vm", fs.path.to_str().unwrap()],
+        &[],
+        1,
+        "writing image big",
+    );
+    assert!(line.contains("the disk is full"), "{line}");
+    // The image written before is whole; the one that failed left nothing.
+    let names: Vec<String> = std::fs::read_dir(&fs.path)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, ["small"]);
+    assert_eq!(
+        sha(&std::fs::read(fs.path.join("small")).unwrap()),
+        sha(&std::fs::read(&small).unwrap())
     );
 }
