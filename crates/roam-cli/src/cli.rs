@@ -60,6 +60,7 @@ Examples:
   roam serve                                  # relay on :7447 to 127.0.0.1:22 only
   ssh -o ProxyCommand='roam pipe %h %p' host  # ssh that survives network changes
   roam forward relay 127.0.0.1:5433 127.0.0.1:5432
+  roam suspend --env laptop disk.img memory.img   # into an encrypted store; `roam resume` anywhere
   roam status"
 )]
 pub(crate) struct Cli {

@@ -25,6 +25,10 @@
 //!   another secret, altered, or copied to another environment or version
 //!   is refused with a precise [`ManifestError`].
 //!
+//! [`Store::suspend_with_progress`] and [`Store::restore_image_with_progress`]
+//! report each chunk as it is settled or written (the `roam suspend` and
+//! `roam resume` commands draw their progress from them).
+//!
 //! The storage seam is [`ChunkBackend`], with two implementations:
 //! [`LocalDir`] (a directory, atomic writes) and `S3` (any S3-compatible
 //! service through `object_store`; cargo feature `s3`, on by default).

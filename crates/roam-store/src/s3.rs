@@ -3,7 +3,9 @@
 //!
 //! Object names map to keys unchanged (`chunks/<id>`,
 //! `manifests/<env>/<version>`). S3 writes are atomic by the protocol (an
-//! object appears whole when its PUT completes).
+//! object appears whole when its PUT completes). A failed request is retried
+//! 3 times (about a second), so an unreachable endpoint is an error soon,
+//! not a wait of minutes.
 
 use futures_util::StreamExt;
 use object_store::aws::{AmazonS3, AmazonS3Builder};
