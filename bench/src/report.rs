@@ -705,17 +705,20 @@ fn migrate_section(s: &mut String, o: &Outcome<crate::scenarios::migrate::Migrat
         s,
         "Three network namespaces on one bridge: a client host, host A and host B. A Python \
          server on A holds the memory shown and echoes on every connection from the client host; \
-         it moves to B with its connections and its service address, three ways per case: \
+         it moves to B with its connections and its service address, four ways per case: \
          `criu (reference)` drives {} directly (dump on A, images in a local directory, the \
          address moved, restore on B, the client host's neighbour entry forgotten; roam's \
          address lock on both sides); `roam migrate-process` runs the command on A against \
          `roam migrate-accept` on B (images over an encrypted roam session, the address moved \
          and announced with a gratuitous ARP, the packets that reached A during the freeze \
-         re-injected at B); `roam --no-reinject` is the command without the re-injection. \
+         re-injected at B); `roam --no-reinject` is the command without the re-injection; \
+         `roam --lazy-pages` is post-copy (the images travel without the server's private \
+         memory, which follows over the session once the server runs at B: column \
+         \"after (MB)\"; B's migrate-accept in a pid namespace of its own). \
          Moved: from the move's start until the address answers on B (roam: the command's wall \
          time). Freeze: the longest 1-byte round trip of a probe connection across the move, as \
          the client sees it (without re-injection it includes the client's TCP retransmission \
-         timeout). No lazy pages yet: the memory is copied inside the freeze. Targets (1 GB, \
+         timeout). Without --lazy-pages the memory is copied inside the freeze. Targets (1 GB, \
          1,000 connections, `roam migrate-process`, full runs): freeze ≤ {} ms (the paper), goal \
          ≤ {} ms.\n",
         m.criu,
@@ -724,12 +727,12 @@ fn migrate_section(s: &mut String, o: &Outcome<crate::scenarios::migrate::Migrat
     );
     let _ = writeln!(
         s,
-        "| connections | memory (MB) | mover | dump (ms) | transfer (ms) | restore (ms) | moved (ms) | freeze (ms) | re-injected | probe RTT before (ms) | images (MB) | intact |\n|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "| connections | memory (MB) | mover | dump (ms) | transfer (ms) | restore (ms) | moved (ms) | freeze (ms) | re-injected | probe RTT before (ms) | images (MB) | after (MB) | intact |\n|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     for r in &m.rows {
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} of {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} of {} |",
             r.connections,
             r.memory_mb,
             r.mover.label(),
@@ -742,6 +745,7 @@ fn migrate_section(s: &mut String, o: &Outcome<crate::scenarios::migrate::Migrat
                 .map_or_else(|| "–".to_string(), |n| n.to_string()),
             f(r.probe_rtt_ms, 2),
             f(r.image_bytes as f64 / 1e6, 1),
+            r.followed_mb.map_or_else(|| "–".to_string(), |m| f(m, 1)),
             r.intact,
             r.connections
         );

@@ -27,7 +27,12 @@
 //! - `roam`: `roam migrate-process` on A to `roam migrate-accept` on B —
 //!   images over an encrypted roam session, the address moved and
 //!   announced by the command, packets of the freeze re-injected at B;
-//! - `roam --no-reinject`: the same without the re-injection.
+//! - `roam --no-reinject`: the same without the re-injection;
+//! - `roam --lazy-pages`: post-copy — the images travel without the
+//!   server's private memory, B restores at once and the memory follows
+//!   over the session after the freeze (B's `migrate-accept` runs in a pid
+//!   namespace of its own: A's frozen server keeps its pid until B has
+//!   restored it).
 //!
 //! Reported per case and mover: dump and restore times, the transfer (roam
 //! only), the time from the start of the move until the address answers
@@ -35,7 +40,7 @@
 //! round trip across the move ("freeze" as the peer sees it: with packets
 //! left to retransmission it includes the client's TCP retransmission
 //! timeout), the images' size, packets re-injected and the connections
-//! intact. No lazy pages yet: the memory is copied inside the freeze.
+//! intact; with `--lazy-pages`, the memory that followed after the freeze.
 //!
 //! Needs root, nftables, python3 and CRIU >= 4.1 (`$ROAM_CRIU` or `criu` on
 //! `PATH`); skipped with the reason otherwise.
@@ -124,11 +129,18 @@ pub(crate) enum Mover {
     Roam,
     /// `roam migrate-process --no-reinject`.
     RoamNoReinject,
+    /// `roam migrate-process --lazy-pages` (post-copy).
+    RoamLazy,
 }
 
 impl Mover {
     /// Every mover, in the order each case runs them.
-    pub(crate) const ALL: [Mover; 3] = [Mover::Criu, Mover::Roam, Mover::RoamNoReinject];
+    pub(crate) const ALL: [Mover; 4] = [
+        Mover::Criu,
+        Mover::Roam,
+        Mover::RoamNoReinject,
+        Mover::RoamLazy,
+    ];
 
     /// The report's name for it.
     pub(crate) fn label(self) -> &'static str {
@@ -136,6 +148,7 @@ impl Mover {
             Mover::Criu => "criu (reference)",
             Mover::Roam => "roam migrate-process",
             Mover::RoamNoReinject => "roam --no-reinject",
+            Mover::RoamLazy => "roam --lazy-pages",
         }
     }
 }
@@ -164,8 +177,10 @@ pub(crate) struct Row {
     pub(crate) freeze_ms: f64,
     /// The probe's median round trip before the move.
     pub(crate) probe_rtt_ms: f64,
-    /// Bytes of the images directory.
+    /// Bytes of the images directory (roam: the images sent).
     pub(crate) image_bytes: u64,
+    /// MB of memory that followed after the freeze (`--lazy-pages` only).
+    pub(crate) followed_mb: Option<f64>,
     /// Connections that echoed their token after the move.
     pub(crate) intact: usize,
 }
@@ -253,8 +268,8 @@ fn measure(criu: &Criu, roam: &Path, mover: Mover, n: usize, mb: usize) -> io::R
 
         let moved = match mover {
             Mover::Criu => move_with_criu(criu, &lan, service, pid, &mut server)?,
-            Mover::Roam | Mover::RoamNoReinject => {
-                move_with_roam(roam, &lan, pid, &mut server, mover == Mover::RoamNoReinject)?
+            Mover::Roam | Mover::RoamNoReinject | Mover::RoamLazy => {
+                move_with_roam(roam, &lan, pid, &mut server, mover)?
             }
         };
         // A few round trips after the move, then the probe's verdict.
@@ -286,6 +301,7 @@ fn measure(criu: &Criu, roam: &Path, mover: Mover, n: usize, mb: usize) -> io::R
             freeze_ms: ms(freeze),
             probe_rtt_ms: ms(rtt),
             image_bytes: moved.image_bytes,
+            followed_mb: moved.followed_mb,
             intact,
         })
     })();
@@ -311,6 +327,21 @@ struct Moved {
     reinjected: Option<u64>,
     moved_ms: f64,
     image_bytes: u64,
+    followed_mb: Option<f64>,
+    /// A destination that must outlive the checks after the move (with
+    /// `--lazy-pages` the restored server lives in its pid namespace and
+    /// dies with it): killed when dropped.
+    _keep: Option<KillOnDrop>,
+}
+
+/// A child killed and reaped when dropped.
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 /// The reference move: CRIU driven directly, images in a local directory.
@@ -369,18 +400,23 @@ fn move_with_criu(
         reinjected: None,
         moved_ms: ms(moved),
         image_bytes: dumped.image_bytes,
+        followed_mb: None,
+        _keep: None,
     })
 }
 
 /// The move through `roam migrate-process` (on A) to `roam migrate-accept`
-/// (on B), with or without re-injection; the figures from its summary.
+/// (on B), as `mover` says (re-injection or not, post-copy); the figures
+/// from its summary.
 fn move_with_roam(
     roam: &Path,
     lan: &Lan,
     pid: i32,
     server: &mut Child,
-    no_reinject: bool,
+    mover: Mover,
 ) -> io::Result<Moved> {
+    let no_reinject = mover == Mover::RoamNoReinject;
+    let lazy = mover == Mover::RoamLazy;
     const A: usize = 1;
     const B: usize = 2;
     let state = tempfile::tempdir()?;
@@ -400,7 +436,29 @@ fn move_with_roam(
     let keys = state.path().join("migrate_keys");
     std::fs::write(&keys, &key.stdout)?;
     let listen = format!("{}:7448", lan.addr(B));
-    let mut accept = in_ns(B)
+    // Post-copy: B restores while A's frozen server still holds its pid;
+    // a pid namespace of its own gives B the pid space a host of its own
+    // would (everything in it dies with migrate-accept).
+    let mut accept = match lazy {
+        false => in_ns(B),
+        true => {
+            let mut c = Command::new("nsenter");
+            c.arg(format!("--net=/run/netns/{}", lan.ns(B)))
+                .args([
+                    "--",
+                    "unshare",
+                    "--pid",
+                    "--fork",
+                    "--kill-child",
+                    "--mount-proc",
+                ])
+                .arg(roam)
+                .env("ROAM_STATE_DIR", state.path())
+                .stdin(Stdio::null());
+            c
+        }
+    };
+    let mut accept = accept
         .arg("migrate-accept")
         .arg("--listen")
         .arg(&listen)
@@ -432,6 +490,9 @@ fn move_with_roam(
             .stderr(Stdio::piped());
         if no_reinject {
             cmd.arg("--no-reinject");
+        }
+        if lazy {
+            cmd.arg("--lazy-pages");
         }
         let t0 = Instant::now();
         let child = cmd.spawn()?;
@@ -480,11 +541,26 @@ fn move_with_roam(
                 .find(|p| p.ends_with("MB of images"))
                 .and_then(|p| p.split_whitespace().next()?.parse::<f64>().ok())
                 .map_or(0, |mb| (mb * 1e6) as u64),
+            followed_mb: stdout
+                .lines()
+                .find_map(|l| l.trim().strip_prefix("post-copy: "))
+                .and_then(|l| l.split_whitespace().next()?.parse().ok()),
+            _keep: None,
         })
     })();
-    let _ = accept.kill();
-    let _ = accept.wait();
-    result
+    // The restored server lives in migrate-accept's pid namespace when
+    // post-copy: it must outlive the checks.
+    match result {
+        Ok(mut m) if lazy => {
+            m._keep = Some(KillOnDrop(accept));
+            Ok(m)
+        }
+        other => {
+            let _ = accept.kill();
+            let _ = accept.wait();
+            other
+        }
+    }
 }
 
 /// A duration of the summary's freeze line, `NAME 12 ms` or `NAME 1.32 s`,

@@ -28,13 +28,6 @@ const SMALL: u64 = 64 << 10;
 pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliResult {
     let mut progress = Progress::new();
     let criu = Criu::locate().map_err(|e| CliError(format!("cannot move a process: {e}")))?;
-    if args.lazy_pages {
-        roam_criu::lazy_pages_pipe_check().map_err(|e| {
-            CliError(format!(
-                "cannot move a process with --lazy-pages: {e}; nothing was frozen"
-            ))
-        })?;
-    }
     let info = host::inspect(args.pid)?;
     let address = own_address(args.address.as_deref(), &info)?;
     // Clients that follow the process to another address: its key proves
@@ -670,6 +663,8 @@ struct PageServer {
     gate: tokio::sync::watch::Sender<bool>,
     /// When it started.
     started: Instant,
+    /// Room for its pipes, while it runs.
+    _room: roam_criu::PipeRoom,
 }
 
 impl PageServer {
@@ -681,6 +676,7 @@ impl PageServer {
         port: u16,
         pages: roam::RoamStream,
     ) -> Result<PageServer, String> {
+        let room = roam_criu::PipeRoom::make()?;
         let child = criu
             .lazy_page_server(dir, port)
             .map_err(|e| format!("cannot start CRIU's page server: {e}"))?;
@@ -735,6 +731,7 @@ impl PageServer {
             pump,
             gate,
             started: Instant::now(),
+            _room: room,
         })
     }
 
