@@ -105,6 +105,31 @@ struct Cli {
     /// Measuring window (seconds) of the many-sessions scenario instead of the mode's.
     #[arg(long)]
     many_seconds: Option<f64>,
+    /// Cases of the migrate scenario instead of the mode's, as
+    /// CONNECTIONSxMB (comma-separated), e.g. 1000x1000.
+    #[arg(long, value_delimiter = ',', value_parser = parse_migrate_case)]
+    migrate_cases: Vec<(usize, usize)>,
+    /// Only these movers of the migrate scenario (comma-separated): criu,
+    /// roam, no-reinject, lazy.
+    #[arg(long, value_delimiter = ',', value_parser = parse_mover)]
+    migrate_movers: Vec<scenarios::migrate::Mover>,
+}
+
+/// `1000x1000`: connections and MB of a migrate case.
+fn parse_migrate_case(s: &str) -> Result<(usize, usize), String> {
+    let (n, mb) = s
+        .split_once('x')
+        .ok_or_else(|| format!("{s}: expected CONNECTIONSxMB, e.g. 1000x1000"))?;
+    let num = |t: &str| t.trim().parse::<usize>().map_err(|e| format!("{s}: {e}"));
+    Ok((num(n)?.max(1), num(mb)?.max(1)))
+}
+
+/// A migrate mover by its short name.
+fn parse_mover(s: &str) -> Result<scenarios::migrate::Mover, String> {
+    scenarios::migrate::Mover::ALL
+        .into_iter()
+        .find(|m| m.short() == s)
+        .ok_or_else(|| format!("{s}: expected one of criu, roam, no-reinject, lazy"))
 }
 
 #[derive(Debug, Subcommand)]
@@ -162,6 +187,8 @@ pub(crate) struct Plan {
     pub(crate) shell_parked: usize,
     /// Scenario 10's cases: (connections, MB of process memory).
     pub(crate) migrate_cases: Vec<(usize, usize)>,
+    /// Scenario 10's movers, in the order each case runs them.
+    pub(crate) migrate_movers: Vec<scenarios::migrate::Mover>,
     /// Rounds of scenario 11 (`roam run`): each runs every way's full
     /// client process once.
     pub(crate) interpose_rounds: usize,
@@ -213,6 +240,7 @@ impl Plan {
             shell_rounds: 2,
             shell_parked: 100,
             migrate_cases: vec![(10, 10), (100, 100)],
+            migrate_movers: scenarios::migrate::Mover::ALL.to_vec(),
             interpose_rounds: 3,
             interpose_first_per_round: 3,
             interpose_later: 20,
@@ -260,6 +288,7 @@ impl Plan {
                 (100, 1000),
                 (1000, 1000),
             ],
+            migrate_movers: scenarios::migrate::Mover::ALL.to_vec(),
             interpose_rounds: 8,
             interpose_first_per_round: 5,
             interpose_later: 100,
@@ -299,6 +328,7 @@ impl Plan {
             shell_rounds: 1,
             shell_parked: 10,
             migrate_cases: vec![(10, 10)],
+            migrate_movers: scenarios::migrate::Mover::ALL.to_vec(),
             interpose_rounds: 1,
             interpose_first_per_round: 1,
             interpose_later: 3,
@@ -486,6 +516,12 @@ fn main() {
     }
     if let Some(s) = cli.many_seconds {
         plan.many_seconds = s.max(0.1);
+    }
+    if !cli.migrate_cases.is_empty() {
+        plan.migrate_cases = cli.migrate_cases.clone();
+    }
+    if !cli.migrate_movers.is_empty() {
+        plan.migrate_movers = cli.migrate_movers.clone();
     }
     let known = [
         "throughput",

@@ -142,6 +142,16 @@ impl Mover {
         Mover::RoamLazy,
     ];
 
+    /// Its name on the command line (`--migrate-movers`).
+    pub(crate) fn short(self) -> &'static str {
+        match self {
+            Mover::Criu => "criu",
+            Mover::Roam => "roam",
+            Mover::RoamNoReinject => "no-reinject",
+            Mover::RoamLazy => "lazy",
+        }
+    }
+
     /// The report's name for it.
     pub(crate) fn label(self) -> &'static str {
         match self {
@@ -195,13 +205,14 @@ pub(crate) struct Migrate {
 
 pub(crate) async fn run(ctx: Arc<Ctx>, _lab: Arc<Lab>) -> io::Result<Migrate> {
     let cases = ctx.plan.migrate_cases.clone();
+    let movers = ctx.plan.migrate_movers.clone();
     let roam = ctx.env.roam.clone();
-    tokio::task::spawn_blocking(move || measure_all(&cases, &roam))
+    tokio::task::spawn_blocking(move || measure_all(&cases, &movers, &roam))
         .await
         .map_err(|e| io::Error::other(format!("migrate scenario: {e}")))?
 }
 
-fn measure_all(cases: &[(usize, usize)], roam: &Path) -> io::Result<Migrate> {
+fn measure_all(cases: &[(usize, usize)], movers: &[Mover], roam: &Path) -> io::Result<Migrate> {
     netns::available().map_err(skip)?;
     for tool in ["nft", "python3", "nsenter"] {
         if !netns::installed(tool) {
@@ -211,7 +222,7 @@ fn measure_all(cases: &[(usize, usize)], roam: &Path) -> io::Result<Migrate> {
     let criu = Criu::locate().map_err(|e| skip(e.to_string()))?;
     let mut rows = Vec::new();
     for &(n, mb) in cases {
-        for mover in Mover::ALL {
+        for &mover in movers {
             let row = measure(&criu, roam, mover, n, mb)?;
             progress(&format!(
             "migrate {n} connections, {mb} MB, {}: dump {:.0} ms, restore {:.0} ms, moved {:.0} ms, \
@@ -421,12 +432,8 @@ fn move_with_roam(
     const B: usize = 2;
     let state = tempfile::tempdir()?;
     let in_ns = |i: usize| {
-        let mut c = Command::new("nsenter");
-        c.arg(format!("--net=/run/netns/{}", lan.ns(i)))
-            .arg("--")
-            .arg(roam)
-            .env("ROAM_STATE_DIR", state.path())
-            .stdin(Stdio::null());
+        let mut c = lan.command(i, roam);
+        c.env("ROAM_STATE_DIR", state.path()).stdin(Stdio::null());
         c
     };
     let key = in_ns(A).arg("keygen").output()?;
@@ -442,19 +449,8 @@ fn move_with_roam(
     let mut accept = match lazy {
         false => in_ns(B),
         true => {
-            let mut c = Command::new("nsenter");
-            c.arg(format!("--net=/run/netns/{}", lan.ns(B)))
-                .args([
-                    "--",
-                    "unshare",
-                    "--pid",
-                    "--fork",
-                    "--kill-child",
-                    "--mount-proc",
-                ])
-                .arg(roam)
-                .env("ROAM_STATE_DIR", state.path())
-                .stdin(Stdio::null());
+            let mut c = lan.command_own_pids(B, roam);
+            c.env("ROAM_STATE_DIR", state.path()).stdin(Stdio::null());
             c
         }
     };
@@ -479,8 +475,16 @@ fn move_with_roam(
         if !first.contains("listening on") {
             return Err(io::Error::other(format!("migrate-accept: {first}")));
         }
-        // Drained, so that its log never blocks it.
-        thread::spawn(move || io::copy(&mut err, &mut io::sink()));
+        // Drained, so that its log never blocks it; shown with
+        // `ROAM_BENCH_MIGRATE_PHASES=1`.
+        let phases = std::env::var_os("ROAM_BENCH_MIGRATE_PHASES").is_some();
+        thread::spawn(move || {
+            for line in io::BufRead::lines(err).map_while(Result::ok) {
+                if phases {
+                    progress(&format!("[migrate-accept] {line}"));
+                }
+            }
+        });
         let mut cmd = in_ns(A);
         cmd.arg("migrate-process")
             .arg(pid.to_string())
@@ -493,6 +497,10 @@ fn move_with_roam(
         }
         if lazy {
             cmd.arg("--lazy-pages");
+        }
+        // Experiments: more arguments for the command (whitespace-separated).
+        if let Ok(extra) = std::env::var("ROAM_BENCH_MIGRATE_ARGS") {
+            cmd.args(extra.split_whitespace());
         }
         let t0 = Instant::now();
         let child = cmd.spawn()?;
@@ -518,6 +526,15 @@ fn move_with_roam(
                 String::from_utf8_lossy(&out.stderr),
                 stdout
             )));
+        }
+        // The command's own account: its summary, and its phases with
+        // `ROAM_BENCH_MIGRATE_PHASES=1` (where the freeze goes).
+        progress(&format!("migrate-process said:\n{}", stdout.trim_end()));
+        if std::env::var_os("ROAM_BENCH_MIGRATE_PHASES").is_some() {
+            progress(&format!(
+                "migrate-process phases:\n{}",
+                String::from_utf8_lossy(&out.stderr).trim_end()
+            ));
         }
         let field = |name: &str| summary_ms(&stdout, name);
         Ok(Moved {

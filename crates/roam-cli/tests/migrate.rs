@@ -174,18 +174,8 @@ impl Setup {
         let keys = dst_state.path().join("migrate_keys");
         std::fs::write(&keys, &keygen.stdout).expect("authorized keys");
         let mut cmd = if own_pids {
-            let mut c = Command::new("nsenter");
-            c.arg(format!("--net=/run/netns/{}", lan.ns(B)))
-                .args([
-                    "--",
-                    "unshare",
-                    "--pid",
-                    "--fork",
-                    "--kill-child",
-                    "--mount-proc",
-                ])
-                .arg(env!("CARGO_BIN_EXE_roam"))
-                .env("ROAM_STATE_DIR", dst_state.path())
+            let mut c = lan.command_own_pids(B, env!("CARGO_BIN_EXE_roam"));
+            c.env("ROAM_STATE_DIR", dst_state.path())
                 .stdin(Stdio::null());
             c
         } else {

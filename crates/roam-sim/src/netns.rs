@@ -620,6 +620,37 @@ impl Lan {
         Ok(())
     }
 
+    /// A command running `program` on host `i`: in its network namespace
+    /// only (`nsenter --net`, which execs: the child's pid is the
+    /// program's), sharing this machine's mounts and pid space.
+    pub fn command(&self, i: usize, program: impl AsRef<OsStr>) -> Command {
+        let mut c = Command::new("nsenter");
+        c.arg(format!("--net=/run/netns/{}", self.ns(i)))
+            .arg("--")
+            .arg(program);
+        c
+    }
+
+    /// A command running `program` on host `i` with a pid space of its own,
+    /// as on a machine of its own (`nsenter --net` then `unshare --pid
+    /// --fork --kill-child --mount-proc`): a process it restores may take a
+    /// pid still used on another host, and every process in it dies with
+    /// it. The child is `unshare`, `program` its child.
+    pub fn command_own_pids(&self, i: usize, program: impl AsRef<OsStr>) -> Command {
+        let mut c = Command::new("nsenter");
+        c.arg(format!("--net=/run/netns/{}", self.ns(i)))
+            .args([
+                "--",
+                "unshare",
+                "--pid",
+                "--fork",
+                "--kill-child",
+                "--mount-proc",
+            ])
+            .arg(program);
+        c
+    }
+
     /// Runs `f` on a helper thread inside host `i`'s namespace (see
     /// [`NetPair::in_ns`]).
     pub fn in_ns<T: Send>(&self, i: usize, f: impl FnOnce() -> T + Send) -> io::Result<T> {

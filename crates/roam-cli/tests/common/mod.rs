@@ -148,11 +148,8 @@ pub(crate) fn slow_reader(
 /// state directory `state`.
 #[allow(dead_code)]
 pub(crate) fn roam_in(lan: &roam_sim::netns::Lan, i: usize, state: &Path) -> Command {
-    let mut c = Command::new("nsenter");
-    c.arg(format!("--net=/run/netns/{}", lan.ns(i)))
-        .arg("--")
-        .arg(BIN)
-        .env("ROAM_STATE_DIR", state)
+    let mut c = lan.command(i, BIN);
+    c.env("ROAM_STATE_DIR", state)
         .stdin(std::process::Stdio::null());
     c
 }
