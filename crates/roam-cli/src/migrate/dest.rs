@@ -520,21 +520,34 @@ impl Received {
             Data(Vec<u8>),
             /// Leave the current file's next bytes a hole.
             Skip(u64),
+            /// Write these whole files.
+            Whole(Vec<(String, Vec<u8>)>),
         }
         let (tx, mut rx) = tokio::sync::mpsc::channel::<Op>(64);
         let dir = self.path.clone();
         let writer = std::thread::spawn(move || -> Result<(), String> {
             use std::io::Write;
+            let create = |name: &str| {
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .open(dir.join(name))
+                    .map_err(|e| format!("cannot create image {name} here: {e}"))
+            };
             let mut cur: Option<(String, std::fs::File)> = None;
             while let Some(op) = rx.blocking_recv() {
                 match op {
                     Op::Open(name) => {
-                        let f = std::fs::OpenOptions::new()
-                            .write(true)
-                            .create_new(true)
-                            .open(dir.join(&name))
-                            .map_err(|e| format!("cannot create image {name} here: {e}"))?;
+                        let f = create(&name)?;
                         cur = Some((name, f));
+                    }
+                    Op::Whole(files) => {
+                        cur = None;
+                        for (name, bytes) in files {
+                            create(&name)?
+                                .write_all(&bytes)
+                                .map_err(|e| format!("cannot write image {name} here: {e}"))?;
+                        }
                     }
                     Op::Data(d) => {
                         if let Some((name, f)) = cur.as_mut() {
@@ -584,6 +597,9 @@ impl Received {
                                 other => return Err(format!("expected image data, got {other:?}")),
                             }
                         }
+                    }
+                    Frame::Files(files) => {
+                        tx.send(Op::Whole(files)).await.map_err(|_| gone())?;
                     }
                     Frame::Sent => return Ok(()),
                     Frame::Abort { reason } => return Err(format!("the source gave up: {reason}")),

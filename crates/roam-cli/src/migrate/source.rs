@@ -20,8 +20,9 @@ const ANSWER_TIMEOUT: Duration = Duration::from_secs(120);
 /// Bytes per data frame.
 const CHUNK: usize = 256 << 10;
 
-/// Image files up to this size are read without leaving the runtime's
-/// thread (a blocking-pool trip costs more than the read).
+/// Image files up to this size (without holes) travel whole, many to a
+/// [`Frame::Files`], and are read without leaving the runtime's thread (a
+/// blocking-pool trip costs more than the read).
 const SMALL: u64 = 64 << 10;
 
 /// The source: moves process `args.pid` to `args.to`.
@@ -1274,9 +1275,35 @@ async fn send_images(
     let send = async {
         let mut done = 0u64;
         let mut buf = vec![0u8; CHUNK];
-        // The images are local files, read in place (most are a few
-        // hundred bytes: one per socket).
-        for (name, size) in &files {
+        // The small images (most are a few hundred bytes: one per socket)
+        // travel whole, many to a frame; local files, read in place.
+        let (small, large): (Vec<_>, Vec<_>) = files
+            .iter()
+            .partition(|(name, size)| *size <= SMALL && !holes.iter().any(|(n, _, _)| n == name));
+        let mut batch: Vec<(String, Vec<u8>)> = Vec::new();
+        let mut batch_bytes = 0usize;
+        for (i, (name, size)) in small.iter().enumerate() {
+            let bytes = std::fs::read(dir.join(name))
+                .map_err(|e| format!("cannot read image {name}: {e}"))?;
+            if bytes.len() as u64 != *size {
+                return Err(format!("image {name} changed size while it was sent"));
+            }
+            batch_bytes += wire::files_entry_overhead(name) + bytes.len();
+            done += bytes.len() as u64;
+            batch.push((name.clone(), bytes));
+            let next = small.get(i + 1).map_or(usize::MAX, |(n, s)| {
+                wire::files_entry_overhead(n) + *s as usize
+            });
+            if batch_bytes.saturating_add(next) > wire::MAX_PAYLOAD {
+                wr.send(&Frame::Files(std::mem::take(&mut batch)))
+                    .await
+                    .map_err(|e| format!("sending the images failed: {e}"))?;
+                batch_bytes = 0;
+                progress.bytes(done, total);
+            }
+        }
+        // The others in chunks, their holes left out.
+        for (name, size) in large {
             wr.send(&Frame::File {
                 name: name.clone(),
                 size: *size,
