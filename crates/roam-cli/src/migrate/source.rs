@@ -163,7 +163,7 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
         // The sessions' connections here cannot be rebuilt at another
         // address: cut now (the lock keeps new ones out), the process sees
         // them fail and its sessions wait for their clients to resume.
-        cut_connections(&address, &mut progress);
+        cut_connections(&address, &mut progress).await;
     }
     progress.phase(&format!("freezing and dumping {}", info.label()));
 
@@ -356,29 +356,18 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
         &mut timings,
     )
     .await;
-    drop(images);
-    wr.close(writer).await;
-    let _ = session.close(0, "moved").await;
-    let total = progress.elapsed();
-    drop(progress);
-    let status = report(
-        &args,
-        &info,
-        &address,
-        &to,
+    let moved = Moved {
+        args: &args,
+        info: &info,
+        address: &address,
+        to: &to,
         new_pid,
-        &done,
-        &timings,
-        dumped.image_bytes,
-        total,
-        None,
-    )?;
-    match follow {
-        Some(f) => redirect(f, &address, args.redirect_for)
-            .await
-            .map(|()| status),
-        None => Ok(status),
-    }
+        done: &done,
+        timings: &timings,
+        image_bytes: dumped.image_bytes,
+        post_copy: None,
+    };
+    conclude(images, wr, writer, &session, progress, follow, &moved).await
 }
 
 /// Where the clients of a process whose connections are roam sessions
@@ -397,7 +386,7 @@ struct Follow {
 /// connection the process holds could not be rebuilt at another address;
 /// cut, it fails in the process, whose session waits for a resume. Gives
 /// the process a moment to close them before it is frozen.
-fn cut_connections(address: &IfAddr, progress: &mut Progress) {
+async fn cut_connections(address: &IfAddr, progress: &mut Progress) {
     let out = std::process::Command::new("ss")
         .args(["-K", "-t", "-n", "state", "established", "src"])
         .arg(address.addr.to_string())
@@ -428,7 +417,7 @@ fn cut_connections(address: &IfAddr, progress: &mut Progress) {
         "cut {} here; its clients will resume at the destination",
         plural(cut, "session connection", "session connections")
     ));
-    std::thread::sleep(Duration::from_millis(50));
+    tokio::time::sleep(Duration::from_millis(50)).await;
 }
 
 /// After a move with `--sessions-to`: answers every resume at the process's
@@ -571,22 +560,71 @@ async fn hand_over(
     }
 }
 
-/// Prints the summary of a move that happened and its warnings; the exit
-/// status. `post_copy`: the memory that followed after the freeze, and how
-/// long it took.
-#[allow(clippy::too_many_arguments)]
-fn report(
-    args: &MigrateProcessArgs,
-    info: &ProcessInfo,
-    address: &IfAddr,
-    to: &str,
+/// A move that happened, as its summary tells it.
+#[derive(Clone, Copy)]
+struct Moved<'a> {
+    /// The command's arguments.
+    args: &'a MigrateProcessArgs,
+    /// The process as it was here.
+    info: &'a ProcessInfo,
+    /// Its address.
+    address: &'a IfAddr,
+    /// The destination.
+    to: &'a str,
+    /// Its pid there.
     new_pid: i32,
-    done: &HandedOver,
-    timings: &Timings,
+    /// What the hand-over did.
+    done: &'a HandedOver,
+    /// The phases.
+    timings: &'a Timings,
+    /// Bytes of the images sent.
     image_bytes: u64,
-    total: Duration,
+    /// Post-copy: the memory that followed after the freeze, and how long
+    /// it took.
     post_copy: Option<(u64, Duration)>,
+}
+
+/// The end of a move that happened, with or without post-copy: drops the
+/// images, closes the writer and the session, prints the summary and, with
+/// `--sessions-to`, sends the clients that resume here on to the
+/// destination. The exit status.
+async fn conclude(
+    images: ImagesDir,
+    wr: Outbox,
+    writer: tokio::task::JoinHandle<std::io::Result<()>>,
+    session: &roam::SessionHandle,
+    progress: Progress,
+    follow: Option<Follow>,
+    moved: &Moved<'_>,
 ) -> CliResult {
+    drop(images);
+    wr.close(writer).await;
+    let _ = session.close(0, "moved").await;
+    let total = progress.elapsed();
+    drop(progress);
+    let status = report(moved, total)?;
+    match follow {
+        Some(f) => redirect(f, moved.address, moved.args.redirect_for)
+            .await
+            .map(|()| status),
+        None => Ok(status),
+    }
+}
+
+/// Prints the summary of a move that happened and its warnings; the exit
+/// status.
+fn report(moved: &Moved<'_>, total: Duration) -> CliResult {
+    let Moved {
+        args,
+        info,
+        address,
+        to,
+        new_pid,
+        done,
+        timings,
+        image_bytes,
+        post_copy,
+    } = *moved;
     println!(
         "moved {} to {to} (pid {new_pid} there) {}: {}",
         info.label(),
@@ -890,29 +928,18 @@ async fn finish_lazily(
             )));
         }
     };
-    drop(images);
-    wr.close(writer).await;
-    let _ = session.close(0, "moved").await;
-    let total = progress.elapsed();
-    drop(progress);
-    let status = report(
+    let moved = Moved {
         args,
         info,
         address,
         to,
-        m.new_pid,
-        &done,
-        &m.timings,
+        new_pid: m.new_pid,
+        done: &done,
+        timings: &m.timings,
         image_bytes,
-        total,
-        Some(followed),
-    )?;
-    match m.follow {
-        Some(f) => redirect(f, address, args.redirect_for)
-            .await
-            .map(|()| status),
-        None => Ok(status),
-    }
+        post_copy: Some(followed),
+    };
+    conclude(images, wr, writer, session, progress, m.follow, &moved).await
 }
 
 /// Catches SIGINT, SIGTERM and SIGHUP from now on: each sets the latch
