@@ -395,6 +395,15 @@ Examples:
   AWS_ACCESS_KEY_ID=.. AWS_SECRET_ACCESS_KEY=.. \\
     roam suspend --env laptop --store s3://my-bucket --s3-endpoint https://s3.example disk.img
 
+  # a running QEMU VM (started with -qmp unix:/vm/qmp.sock,server=on,wait=off):
+  roam suspend --env lab --vm /vm/qmp.sock /vm/disk.img  # stop, store memory + disk, quit
+
+With --vm QMP_SOCKET, roam stops the VM, has QEMU write its memory and device
+state (QEMU's migration stream) to a file beside the first FILE, and stores
+that as image vm-memory with the disk FILEs in one version; the VM quits once
+the version is written. If anything fails the VM is continued where it was.
+Resume it anywhere with `roam resume --vm` (see its --help).
+
 Each FILE becomes an image named by its base name (two files with one base
 name are refused). The images are cut into 128 KiB chunks; each chunk is
 compressed, encrypted and named with keys derived from its content and your
@@ -426,6 +435,19 @@ Examples:
   roam resume --env laptop --force ./vm          # overwrite images already there
   roam resume --env laptop --store s3://my-bucket --s3-endpoint https://s3.example ./vm
 
+  # a VM suspended with `roam suspend --vm`: write its images into /vm, then
+  # start QEMU on them; the guest runs on from where it was stopped
+  roam resume --env lab --force --vm /vm -- qemu-system-x86_64 -m 128 \
+    -kernel vmlinuz -initrd initrd.gz -drive file=/vm/disk.img,format=raw,if=virtio \
+    -qmp unix:/vm/qmp.sock,server=on,wait=off
+
+With --vm, the QEMU command after `--` must configure the same machine as the
+one suspended (memory size, devices, kernel), with its disks at their paths
+in DIR; roam adds -incoming (loading DIR/vm-memory) and a QMP socket of its
+own, starts the guest once the memory is loaded, then waits for QEMU and exits
+with its status (SIGINT and SIGTERM go to QEMU). A -qmp socket of your own
+lets you `roam suspend --vm` it again later.
+
 DIR is created if missing. Each image is written to a temporary file in DIR
 (mode 0600) and renamed to its name once complete, so a failure (a missing
 or corrupt chunk, a full disk, Ctrl-C) never leaves a partial file under an
@@ -434,7 +456,8 @@ SHA-256 against the manifest) before a byte of it is written. Existing files
 of an image's name are refused unless --force. Needs the store secret the
 environment was suspended with (see `roam suspend --help`).
 
-Exit status: 0 written; 1 an error (message on stderr); 2 bad arguments.")]
+Exit status: 0 written (with --vm: QEMU's own status); 1 an error (message
+on stderr); 2 bad arguments.")]
     Resume(ResumeArgs),
     /// List or garbage-collect the environments in a store.
     #[command(after_help = "\
@@ -738,9 +761,12 @@ pub(crate) struct SuspendArgs {
     /// The environment (1-128 characters of A-Z a-z 0-9 . _ -).
     #[arg(long, value_name = "NAME", value_parser = parse_env_name)]
     pub(crate) env: String,
-    /// The images to store (named by their base names).
+    /// The images to store (named by their base names); with --vm, the VM's disk images.
     #[arg(value_name = "FILE", required = true)]
     pub(crate) files: Vec<PathBuf>,
+    /// A running QEMU's QMP socket: stop the VM, store its memory (image vm-memory) with FILEs, then quit it.
+    #[arg(long, value_name = "QMP_SOCKET")]
+    pub(crate) vm: Option<PathBuf>,
     #[command(flatten)]
     pub(crate) location: StoreLocationArgs,
 }
@@ -759,6 +785,12 @@ pub(crate) struct ResumeArgs {
     /// Where to write the images (created if missing).
     #[arg(value_name = "DIR")]
     pub(crate) dir: PathBuf,
+    /// Then start the QEMU command after `--` on the version's memory image (vm-memory) and let the guest run on.
+    #[arg(long, requires = "qemu")]
+    pub(crate) vm: bool,
+    /// With --vm: the QEMU command line (the VM's configuration, as when it was suspended).
+    #[arg(last = true, value_name = "QEMU_COMMAND", requires = "vm")]
+    pub(crate) qemu: Vec<String>,
     #[command(flatten)]
     pub(crate) location: StoreLocationArgs,
 }

@@ -43,6 +43,7 @@ mod stdio;
 mod store;
 mod takeover;
 mod target;
+mod vm;
 
 pub mod parsers;
 

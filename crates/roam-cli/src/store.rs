@@ -23,6 +23,7 @@ use roam_store::{
 use crate::cli::SuspendArgs;
 use crate::cli::{CliError, CliResult, ResumeArgs, StoreAction, StoreArgs, StoreLocationArgs};
 use crate::config::FileConfig;
+use crate::vm::{self, Qmp, VM_MEMORY_IMAGE};
 
 /// Either backend, so one `Store` type serves both.
 #[derive(Debug)]
@@ -513,9 +514,7 @@ pub(crate) async fn suspend(args: SuspendArgs, config: &FileConfig) -> CliResult
 /// `roam suspend`, with usage errors apart.
 async fn suspend_inner(args: SuspendArgs, config: &FileConfig) -> Result<i32, Fail> {
     // Every file is opened and named before anything is written.
-    let mut files = Vec::new();
-    let mut images: Vec<(String, u64)> = Vec::new();
-    let mut paths: Vec<&Path> = Vec::new();
+    let mut inputs: Vec<(PathBuf, String)> = Vec::new();
     for path in &args.files {
         let shown = path.display();
         let name = path
@@ -532,13 +531,86 @@ async fn suspend_inner(args: SuspendArgs, config: &FileConfig) -> Result<i32, Fa
                 "{shown}: {name:?} cannot name an image"
             )));
         }
-        if let Some(i) = images.iter().position(|(n, _)| *n == name) {
+        if args.vm.is_some() && name == VM_MEMORY_IMAGE {
+            return Err(Fail::Usage(format!(
+                "{shown}: with --vm, the image name {VM_MEMORY_IMAGE} is the VM's memory: \
+                 rename the file"
+            )));
+        }
+        if let Some((first, _)) = inputs.iter().find(|(_, n)| *n == name) {
             return Err(Fail::Usage(format!(
                 "{} and {shown} would both be image {name:?} (images are named by base name): \
                  rename or link one",
-                paths[i].display()
+                first.display()
             )));
         }
+        inputs.push((path.clone(), name));
+    }
+    let Some(qmp_path) = args.vm.clone() else {
+        let opened = open(&args.location, config, true)?;
+        return suspend_images(&args, &opened, &inputs, None).await;
+    };
+    // The store and secret are opened before the VM is stopped.
+    let opened = open(&args.location, config, true)?;
+    let mut rep = Reporter::new();
+    let mut qmp = Qmp::connect(&qmp_path).await.map_err(|e| CliError(e.0))?;
+    let memory = vm::memory_file_for(args.files.first().map(PathBuf::as_path));
+    let _memory_guard = vm::RemoveOnDrop(memory.clone());
+    rep.phase(&format!(
+        "stopping the VM ({}) and writing its memory image",
+        qmp_path.display()
+    ));
+    let saved = match qmp.stop_and_save(&memory).await {
+        Ok(took) => took,
+        Err(e) => return Err(continue_vm(&mut qmp, e.0).await),
+    };
+    let mem_len = std::fs::metadata(&memory).map(|m| m.len()).unwrap_or(0);
+    rep.phase(&format!("memory image: {} in {}", mb(mem_len), ms(saved)));
+    drop(rep);
+    inputs.push((memory.clone(), VM_MEMORY_IMAGE.to_owned()));
+    match suspend_images(&args, &opened, &inputs, Some(saved)).await {
+        Ok(code) => {
+            // The environment is in the store: the VM here ends.
+            if let Err(e) = qmp.execute("quit", serde_json::json!({})).await {
+                eprintln_whole!(
+                    "roam: the version is stored, but QEMU did not quit: {e} (stop it yourself)"
+                );
+            }
+            Ok(code)
+        }
+        Err(Fail::Run(e)) => Err(continue_vm(&mut qmp, e.0).await),
+        Err(usage) => {
+            let _ = continue_vm(&mut qmp, String::new()).await;
+            Err(usage)
+        }
+    }
+}
+
+/// After a failed VM suspend: lets the VM run on, and words the error so.
+async fn continue_vm(qmp: &mut Qmp, error: String) -> Fail {
+    match qmp.execute("cont", serde_json::json!({})).await {
+        Ok(_) => Fail::Run(CliError(format!(
+            "{error}; no version was written and the VM runs on here"
+        ))),
+        Err(e) => Fail::Run(CliError(format!(
+            "{error}; no version was written, and the VM could not be continued ({e}): it is \
+             stopped here"
+        ))),
+    }
+}
+
+/// Stores `inputs` (file, image name) as the next version of `args.env`.
+/// `vm_saved`: how long QEMU took to write the memory image, for the summary.
+async fn suspend_images(
+    args: &SuspendArgs,
+    opened: &Opened,
+    inputs: &[(PathBuf, String)],
+    vm_saved: Option<Duration>,
+) -> Result<i32, Fail> {
+    let mut files = Vec::new();
+    let mut images: Vec<(String, u64)> = Vec::new();
+    for (path, name) in inputs {
+        let shown = path.display();
         let file =
             std::fs::File::open(path).map_err(|e| CliError(format!("cannot read {shown}: {e}")))?;
         let meta = file
@@ -549,11 +621,9 @@ async fn suspend_inner(args: SuspendArgs, config: &FileConfig) -> Result<i32, Fa
                 "{shown} is a directory: suspend takes files (images)"
             ))));
         }
-        images.push((name, meta.len()));
-        paths.push(path);
+        images.push((name.clone(), meta.len()));
         files.push(file);
     }
-    let opened = open(&args.location, config, true)?;
     let env = args.env.as_str();
     let versions = opened
         .store
@@ -630,6 +700,13 @@ async fn suspend_inner(args: SuspendArgs, config: &FileConfig) -> Result<i32, Fa
         ms(elapsed),
         rate(stats.bytes_read, elapsed)
     );
+    if let Some(saved) = vm_saved {
+        out += &format!(
+            "  VM: memory image written by QEMU in {}; the VM quits (resume it with `roam resume \
+             --vm`)\n",
+            ms(saved)
+        );
+    }
     print_out(&out);
     Ok(0)
 }
@@ -689,6 +766,13 @@ async fn resume_inner(args: ResumeArgs, config: &FileConfig) -> Result<i32, Fail
         .load_manifest(env, version)
         .await
         .map_err(|e| opened.explain(e))?;
+    if args.vm && !manifest.images.iter().any(|i| i.name == VM_MEMORY_IMAGE) {
+        return Err(Fail::Run(CliError(format!(
+            "{env} version {version} holds no VM memory image ({VM_MEMORY_IMAGE}): it was not \
+             suspended with --vm, so there is no running VM to resume (drop --vm to write its \
+             images)"
+        ))));
+    }
     let dir = &args.dir;
     std::fs::create_dir_all(dir)
         .map_err(|e| CliError(format!("cannot create {}: {e}", dir.display())))?;
@@ -771,7 +855,16 @@ async fn resume_inner(args: ResumeArgs, config: &FileConfig) -> Result<i32, Fail
         ms(elapsed),
         rate(total, elapsed)
     ));
-    Ok(0)
+    if !args.vm {
+        return Ok(0);
+    }
+    let mut rep = Reporter::new();
+    let code = vm::run_incoming(&args.qemu, dir, &dir.join(VM_MEMORY_IMAGE), |msg| {
+        rep.phase(msg)
+    })
+    .await
+    .map_err(|e| CliError(format!("{env} version {version}: {e}")))?;
+    Ok(code)
 }
 
 /// Writes image `name` to `tmp` (mode 0600), syncs it and renames it to

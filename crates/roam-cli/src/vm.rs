@@ -1,0 +1,399 @@
+//! `roam suspend --vm` / `roam resume --vm`: a QEMU virtual machine as an
+//! Internet Suspend/Resume environment, the copy-in policy of the paper.
+//!
+//! Suspend: over the VM's QMP socket, `stop` the guest, then write its
+//! memory and device state with QEMU's own migration stream (`migrate` to
+//! `exec:cat > FILE`); the disk images (flushed by the stop) and that
+//! memory image go into the store as one version, and the stopped VM is
+//! told to `quit` once the version is written (`cont`, if anything failed:
+//! the VM then runs on where it was).
+//!
+//! Resume: the version's images are written into a directory (every chunk
+//! verified, as `roam resume` does), then the user's QEMU command is started
+//! with `-incoming exec:cat DIR/vm-memory` and a private QMP socket; once
+//! QEMU has loaded the memory, `cont` lets the guest run on from the
+//! instruction it was stopped at. `roam resume` then waits for QEMU and
+//! exits with its status.
+//!
+//! Non-goals here: demand fetch of the disk (the whole version is copied in
+//! first) and live (pre-copy) migration: the guest is stopped for the whole
+//! suspend. QMP is a line of JSON per message; this client sends one command
+//! at a time, skips events and bounds every wait in time.
+
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::UnixStream;
+
+/// The image name of a VM's memory (QEMU's migration stream) in a version.
+pub(crate) const VM_MEMORY_IMAGE: &str = "vm-memory";
+
+/// Longest a single QMP reply may take (10 s).
+const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Longest QEMU may take to write or load a memory image (10 min: a few GB
+/// at disk speed).
+const MIGRATION_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Interval between two polls of a migration's status (50 ms).
+const POLL_EVERY: Duration = Duration::from_millis(50);
+
+/// Longest one QMP line may be (1 MiB): a reply larger than that is not QEMU.
+const MAX_LINE: usize = 1 << 20;
+
+/// A failure talking to QEMU, worded for the user.
+#[derive(Debug)]
+pub(crate) struct VmError(pub(crate) String);
+
+impl std::fmt::Display for VmError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A QMP connection in command mode.
+pub(crate) struct Qmp {
+    /// Replies and events, a line each.
+    reader: BufReader<tokio::net::unix::OwnedReadHalf>,
+    /// Commands.
+    writer: tokio::net::unix::OwnedWriteHalf,
+    /// The socket's path, for messages.
+    path: PathBuf,
+}
+
+impl Qmp {
+    /// Connects to the QMP socket at `path` and enters command mode.
+    pub(crate) async fn connect(path: &Path) -> Result<Qmp, VmError> {
+        let shown = path.display();
+        let stream = tokio::time::timeout(REPLY_TIMEOUT, UnixStream::connect(path))
+            .await
+            .map_err(|_| VmError(format!("QMP socket {shown}: no answer in 10 s")))?
+            .map_err(|e| {
+                VmError(format!(
+                    "cannot connect to QEMU's QMP socket {shown}: {e} (start QEMU with \
+                     -qmp unix:{shown},server=on,wait=off)"
+                ))
+            })?;
+        let (read, writer) = stream.into_split();
+        let mut qmp = Qmp {
+            reader: BufReader::new(read),
+            writer,
+            path: path.to_owned(),
+        };
+        let greeting = qmp.read_message().await?;
+        if greeting.get("QMP").is_none() {
+            return Err(VmError(format!(
+                "{shown} is not a QMP socket (its first message was {greeting})"
+            )));
+        }
+        qmp.execute("qmp_capabilities", json!({})).await?;
+        Ok(qmp)
+    }
+
+    /// One JSON message from QEMU, within [`REPLY_TIMEOUT`].
+    async fn read_message(&mut self) -> Result<Value, VmError> {
+        let shown = self.path.display();
+        let mut line = Vec::new();
+        let read = tokio::time::timeout(REPLY_TIMEOUT, async {
+            let mut limited = (&mut self.reader).take(MAX_LINE as u64 + 1);
+            limited.read_until(b'\n', &mut line).await
+        })
+        .await
+        .map_err(|_| VmError(format!("QEMU ({shown}) did not answer within 10 s")))?
+        .map_err(|e| VmError(format!("QMP socket {shown}: {e}")))?;
+        if read == 0 {
+            return Err(VmError(format!(
+                "QEMU closed its QMP socket {shown} (did it exit?)"
+            )));
+        }
+        if line.len() > MAX_LINE {
+            return Err(VmError(format!(
+                "QMP socket {shown}: a message over 1 MiB (not QEMU?)"
+            )));
+        }
+        serde_json::from_slice(&line).map_err(|e| {
+            VmError(format!(
+                "QMP socket {shown}: not JSON ({e}): {}",
+                String::from_utf8_lossy(&line).trim_end()
+            ))
+        })
+    }
+
+    /// Runs `command` and returns its `return` value; a QMP error names it.
+    pub(crate) async fn execute(&mut self, command: &str, args: Value) -> Result<Value, VmError> {
+        let shown = self.path.display().to_string();
+        let mut msg = json!({ "execute": command, "arguments": args }).to_string();
+        msg.push('\n');
+        tokio::time::timeout(REPLY_TIMEOUT, self.writer.write_all(msg.as_bytes()))
+            .await
+            .map_err(|_| VmError(format!("QMP socket {shown}: write timed out")))?
+            .map_err(|e| VmError(format!("QMP socket {shown}: {e}")))?;
+        // Events may come before the reply; a bounded number is skipped.
+        for _ in 0..1000 {
+            let reply = self.read_message().await?;
+            if reply.get("event").is_some() {
+                continue;
+            }
+            if let Some(ret) = reply.get("return") {
+                return Ok(ret.clone());
+            }
+            if let Some(err) = reply.get("error") {
+                let desc = err
+                    .get("desc")
+                    .and_then(Value::as_str)
+                    .unwrap_or("no description");
+                return Err(VmError(format!("QEMU refused {command}: {desc}")));
+            }
+            return Err(VmError(format!(
+                "QMP socket {shown}: unexpected message {reply}"
+            )));
+        }
+        Err(VmError(format!(
+            "QMP socket {shown}: no reply to {command} among 1000 events"
+        )))
+    }
+
+    /// The run state (`running`, `paused`, `inmigrate`, ...).
+    pub(crate) async fn status(&mut self) -> Result<String, VmError> {
+        let ret = self.execute("query-status", json!({})).await?;
+        Ok(ret
+            .get("status")
+            .and_then(Value::as_str)
+            .unwrap_or("unknown")
+            .to_owned())
+    }
+
+    /// Stops the guest and writes its memory and device state to `file`
+    /// (created here with mode 0600). Returns the time it took.
+    pub(crate) async fn stop_and_save(&mut self, file: &Path) -> Result<Duration, VmError> {
+        let start = Instant::now();
+        let Some(file_str) = file.to_str() else {
+            return Err(VmError(format!(
+                "{} is not UTF-8: QEMU cannot be told to write there",
+                file.display()
+            )));
+        };
+        // Made here, private, so `cat >` only fills it.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(file)
+            .map_err(|e| VmError(format!("cannot create {}: {e}", file.display())))?;
+        self.execute("stop", json!({})).await?;
+        // QEMU throttles migration to 32 MiB/s by default; a stopped guest's
+        // state goes to a local file as fast as the disk takes it.
+        self.execute(
+            "migrate-set-parameters",
+            json!({ "max-bandwidth": 1u64 << 40 }),
+        )
+        .await?;
+        let uri = format!("exec:cat > {}", shell_quote(file_str));
+        self.execute("migrate", json!({ "uri": uri })).await?;
+        let deadline = start + MIGRATION_TIMEOUT;
+        loop {
+            let ret = self.execute("query-migrate", json!({})).await?;
+            match ret.get("status").and_then(Value::as_str) {
+                Some("completed") => return Ok(start.elapsed()),
+                Some("failed" | "cancelled") => {
+                    let why = ret
+                        .get("error-desc")
+                        .and_then(Value::as_str)
+                        .unwrap_or("no reason given");
+                    return Err(VmError(format!(
+                        "QEMU could not write its memory image to {}: {why}",
+                        file.display()
+                    )));
+                }
+                _ => {}
+            }
+            if Instant::now() > deadline {
+                let _ = self.execute("migrate_cancel", json!({})).await;
+                return Err(VmError(format!(
+                    "QEMU did not finish writing its memory image within {} s",
+                    MIGRATION_TIMEOUT.as_secs()
+                )));
+            }
+            tokio::time::sleep(POLL_EVERY).await;
+        }
+    }
+
+    /// Waits until an incoming migration is loaded, then lets the guest
+    /// run. `alive` says whether QEMU is still running.
+    pub(crate) async fn finish_incoming(
+        &mut self,
+        mut alive: impl FnMut() -> bool,
+    ) -> Result<(), VmError> {
+        let deadline = Instant::now() + MIGRATION_TIMEOUT;
+        loop {
+            match self.status().await?.as_str() {
+                "inmigrate" => {}
+                "running" => return Ok(()),
+                "paused" | "postmigrate" | "prelaunch" => {
+                    self.execute("cont", json!({})).await?;
+                    return Ok(());
+                }
+                other => {
+                    return Err(VmError(format!(
+                        "QEMU is in state {other} after loading the memory image, not paused or \
+                         running"
+                    )))
+                }
+            }
+            if !alive() {
+                return Err(VmError(
+                    "QEMU exited while loading the memory image (its message is above)".into(),
+                ));
+            }
+            if Instant::now() > deadline {
+                return Err(VmError(format!(
+                    "QEMU did not load the memory image within {} s",
+                    MIGRATION_TIMEOUT.as_secs()
+                )));
+            }
+            tokio::time::sleep(POLL_EVERY).await;
+        }
+    }
+}
+
+/// `s` quoted for `/bin/sh` (QEMU runs `exec:` URIs through it).
+pub(crate) fn shell_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', r"'\''"))
+}
+
+/// Where `roam suspend --vm` has QEMU write the memory image: beside the
+/// first disk image (the same file system, which has room for images),
+/// under a hidden name of this process.
+pub(crate) fn memory_file_for(first_disk: Option<&Path>) -> PathBuf {
+    let dir = first_disk
+        .and_then(Path::parent)
+        .filter(|d| !d.as_os_str().is_empty())
+        .map_or_else(|| PathBuf::from("."), Path::to_path_buf);
+    dir.join(format!(
+        ".{VM_MEMORY_IMAGE}.roam-suspend.{}",
+        std::process::id()
+    ))
+}
+
+/// Removes a file when dropped (the memory image of a suspend).
+pub(crate) struct RemoveOnDrop(pub(crate) PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Starts `qemu` (program and arguments) loading `memory` and lets the
+/// guest run; then waits for QEMU and returns its exit status. SIGINT and
+/// SIGTERM are passed on to QEMU.
+pub(crate) async fn run_incoming(
+    qemu: &[String],
+    dir: &Path,
+    memory: &Path,
+    mut report: impl FnMut(&str),
+) -> Result<i32, VmError> {
+    let (program, args) = qemu
+        .split_first()
+        .ok_or_else(|| VmError("--vm needs the QEMU command after `--`".into()))?;
+    let Some(memory_str) = memory.to_str() else {
+        return Err(VmError(format!("{} is not UTF-8", memory.display())));
+    };
+    let sock = dir.join(format!(".roam-resume-qmp.{}", std::process::id()));
+    let _ = std::fs::remove_file(&sock);
+    let _sock_guard = RemoveOnDrop(sock.clone());
+    let mut child = tokio::process::Command::new(program)
+        .args(args)
+        .arg("-incoming")
+        .arg(format!("exec:cat {}", shell_quote(memory_str)))
+        .arg("-qmp")
+        .arg(format!("unix:{},server=on,wait=off", sock.display()))
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| VmError(format!("cannot start {program}: {e}")))?;
+    let pid = child.id().unwrap_or(0);
+    report(&format!(
+        "started {program} (pid {pid}), loading the memory image"
+    ));
+    let start = Instant::now();
+    // QEMU makes the socket once it has parsed its options.
+    let connect_deadline = start + REPLY_TIMEOUT;
+    let mut qmp = loop {
+        if let Some(status) = child.try_wait().map_err(|e| VmError(e.to_string()))? {
+            return Err(VmError(format!(
+                "{program} exited ({status}) before it loaded the memory image (its message is \
+                 above)"
+            )));
+        }
+        if sock.exists() {
+            match Qmp::connect(&sock).await {
+                Ok(q) => break q,
+                Err(e) if Instant::now() > connect_deadline => return Err(e),
+                Err(_) => {}
+            }
+        } else if Instant::now() > connect_deadline {
+            return Err(VmError(format!("{program} made no QMP socket within 10 s")));
+        }
+        tokio::time::sleep(POLL_EVERY).await;
+    };
+    let _ = std::fs::remove_file(&sock);
+    qmp.finish_incoming(|| matches!(child.try_wait(), Ok(None)))
+        .await?;
+    report(&format!(
+        "the guest runs (memory loaded in {} ms); roam waits for QEMU to exit",
+        start.elapsed().as_millis()
+    ));
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(|e| VmError(format!("cannot watch SIGTERM: {e}")))?;
+    let status = loop {
+        tokio::select! {
+            s = child.wait() => break s.map_err(|e| VmError(format!("waiting for QEMU: {e}")))?,
+            _ = tokio::signal::ctrl_c() => pass_on(pid),
+            _ = term.recv() => pass_on(pid),
+        }
+    };
+    drop(qmp);
+    Ok(status.code().unwrap_or(1))
+}
+
+/// Sends SIGTERM to QEMU (which then quits cleanly).
+fn pass_on(pid: u32) {
+    if let Ok(pid) = i32::try_from(pid) {
+        if pid > 0 {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGTERM,
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quoting_survives_quotes_and_spaces() {
+        assert_eq!(shell_quote("/a b/c"), "'/a b/c'");
+        assert_eq!(shell_quote("it's"), r"'it'\''s'");
+    }
+
+    #[test]
+    fn memory_file_lies_beside_the_first_disk() {
+        let f = memory_file_for(Some(Path::new("/vm/disk.img")));
+        assert_eq!(f.parent(), Some(Path::new("/vm")));
+        assert!(f
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .starts_with(".vm-memory.roam-suspend."));
+        assert_eq!(
+            memory_file_for(Some(Path::new("disk.img"))).parent(),
+            Some(Path::new("."))
+        );
+    }
+}

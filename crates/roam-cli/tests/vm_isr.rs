@@ -1,0 +1,509 @@
+//! Internet Suspend/Resume of a real QEMU guest (TCG) with `roam suspend
+//! --vm` and `roam resume --vm`: the guest built by `scripts/guest-build`
+//! (`$ROAM_GUEST`) keeps a counter in memory and appends a numbered line to
+//! a file on its ext2 disk every second, checking the whole file each time
+//! and printing `roam-guest: tick N lines L ok` on its serial console.
+//!
+//! Site A runs the guest, suspends it into a local store (memory through
+//! QEMU's migration stream, disk chunked and encrypted); site B (another
+//! directory and, as root, another network namespace) resumes it: the
+//! counter goes on from A's last tick (no reboot) and the guest finds its
+//! file whole. B suspends it again (only changed chunks move) and A resumes
+//! it. The store's bytes never hold the text the guest wrote.
+//!
+//! Without `$ROAM_GUEST` the test says why and passes; with it set, a
+//! missing QEMU or a broken guest fails it.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// The binary under test.
+const BIN: &str = env!("CARGO_BIN_EXE_roam");
+
+/// What the guest writes into its file, line after line.
+const MARK: &[u8] = b"ROAMISR-MARK";
+
+/// Longest the guest may take to boot and tick (TCG on a shared 2-core
+/// machine boots it in about 6 s).
+const BOOT_TIMEOUT: Duration = Duration::from_secs(90);
+
+/// The guest's files, from `$ROAM_GUEST`; `None` (the test skips) without it.
+fn guest() -> Option<PathBuf> {
+    let Some(dir) = std::env::var_os("ROAM_GUEST").filter(|d| !d.is_empty()) else {
+        eprintln!(
+            "SKIP: $ROAM_GUEST is not set (ROAM_GUEST=$(scripts/guest-build) builds the guest; \
+             it needs qemu-system-x86 busybox-static cpio)"
+        );
+        return None;
+    };
+    let dir = PathBuf::from(dir);
+    for f in ["vmlinuz", "initrd.gz", "disk.img"] {
+        assert!(
+            dir.join(f).is_file(),
+            "$ROAM_GUEST={} lacks {f}: run scripts/guest-build",
+            dir.display()
+        );
+    }
+    let qemu = Command::new("qemu-system-x86_64").arg("--version").output();
+    assert!(
+        qemu.as_ref().is_ok_and(|o| o.status.success()),
+        "$ROAM_GUEST is set but qemu-system-x86_64 does not run: {qemu:?}"
+    );
+    Some(dir)
+}
+
+/// Kills a process (QEMU, or `roam resume` with its QEMU) and reaps it when
+/// dropped; QEMU's pid file names the QEMU a `roam resume` started.
+struct Proc {
+    child: Child,
+    pidfile: PathBuf,
+}
+
+impl Proc {
+    /// Waits up to `limit` for the process to exit by itself.
+    fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Some(pid) = std::fs::read_to_string(&self.pidfile)
+            .ok()
+            .and_then(|p| p.trim().parse::<i32>().ok())
+        {
+            if std::path::Path::new(&format!("/proc/{pid}")).exists() {
+                let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
+            }
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A site: a directory standing for a machine, with its copy of the disk.
+struct Site {
+    dir: PathBuf,
+}
+
+impl Site {
+    fn qmp(&self) -> PathBuf {
+        self.dir.join("qmp.sock")
+    }
+
+    fn disk(&self) -> PathBuf {
+        self.dir.join("disk.img")
+    }
+
+    /// QEMU's command line for the guest at this site (the same machine at
+    /// every site; only paths differ), its console going to `serial`.
+    fn qemu(&self, guest: &Path, serial: &str) -> Vec<String> {
+        let s = |p: PathBuf| p.display().to_string();
+        vec![
+            "qemu-system-x86_64".into(),
+            "-m".into(),
+            "128".into(),
+            "-nodefaults".into(),
+            "-display".into(),
+            "none".into(),
+            "-no-reboot".into(),
+            "-kernel".into(),
+            s(guest.join("vmlinuz")),
+            "-initrd".into(),
+            s(guest.join("initrd.gz")),
+            "-append".into(),
+            "console=ttyS0 quiet panic=-1".into(),
+            "-drive".into(),
+            format!("file={},format=raw,if=virtio", self.disk().display()),
+            "-serial".into(),
+            format!("file:{}", self.dir.join(serial).display()),
+            "-qmp".into(),
+            format!("unix:{},server=on,wait=off", self.qmp().display()),
+            "-pidfile".into(),
+            s(self.dir.join("qemu.pid")),
+        ]
+    }
+
+    /// The ticks on a console log: (n, lines, ok) in order.
+    fn ticks(&self, serial: &str) -> Vec<(u64, u64, bool)> {
+        let text = std::fs::read(self.dir.join(serial)).unwrap_or_default();
+        String::from_utf8_lossy(&text)
+            .lines()
+            .filter_map(|l| {
+                let rest = l.split("roam-guest: tick ").nth(1)?;
+                let f: Vec<&str> = rest.split_whitespace().collect();
+                Some((
+                    f.first()?.parse().ok()?,
+                    f.get(2)?.parse().ok()?,
+                    *f.get(3)? == "ok",
+                ))
+            })
+            .collect()
+    }
+
+    /// Waits until the console shows tick `n` or later; returns the ticks.
+    fn wait_tick(&self, serial: &str, n: u64, proc: &mut Proc) -> Vec<(u64, u64, bool)> {
+        let deadline = Instant::now() + BOOT_TIMEOUT;
+        loop {
+            let ticks = self.ticks(serial);
+            if ticks.last().is_some_and(|t| t.0 >= n) {
+                return ticks;
+            }
+            if let Ok(Some(status)) = proc.child.try_wait() {
+                panic!(
+                    "the guest's process exited ({status}) before tick {n}; console:\n{}",
+                    String::from_utf8_lossy(
+                        &std::fs::read(self.dir.join(serial)).unwrap_or_default()
+                    )
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no tick {n} within {BOOT_TIMEOUT:?}; console:\n{}",
+                String::from_utf8_lossy(&std::fs::read(self.dir.join(serial)).unwrap_or_default())
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+/// `roam ARGS` with the state directory `state`.
+fn roam(state: &Path) -> Command {
+    let mut cmd = Command::new(BIN);
+    cmd.env("ROAM_STATE_DIR", state)
+        .env("XDG_CONFIG_HOME", state.join("no-config"));
+    cmd
+}
+
+/// Runs a finished command, expecting success; returns its output.
+fn ok(what: &str, out: Output) -> Output {
+    assert!(
+        out.status.success(),
+        "{what}: {:?}\nstdout: {}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// The chunks uploaded for `image` in a suspend's progress lines
+/// ("IMAGE: done, T chunks, ... uploaded (U chunks)"): (T, U).
+fn image_chunks(stderr: &str, image: &str) -> (u64, u64) {
+    let line = stderr
+        .lines()
+        .find(|l| l.contains(&format!("] {image}: done,")))
+        .unwrap_or_else(|| panic!("no summary of {image} in:\n{stderr}"));
+    let num_before = |label: &str| -> u64 {
+        let at = line
+            .find(label)
+            .unwrap_or_else(|| panic!("{label} in {line}"));
+        line[..at]
+            .split_whitespace()
+            .last()
+            .unwrap()
+            .trim_start_matches('(')
+            .parse()
+            .unwrap()
+    };
+    (num_before(" chunks,"), num_before(" chunks)"))
+}
+
+/// Whether `needle` occurs in any file under `dir`.
+fn any_file_contains(dir: &Path, needle: &[u8]) -> Option<PathBuf> {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            if let Some(p) = any_file_contains(&path, needle) {
+                return Some(p);
+            }
+        } else if std::fs::read(&path)
+            .unwrap()
+            .windows(needle.len())
+            .any(|w| w == needle)
+        {
+            return Some(path);
+        }
+    }
+    None
+}
+
+/// Whether this process may make network namespaces (root).
+fn can_unshare_net() -> bool {
+    Command::new("unshare")
+        .args(["--net", "true"])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// `roam resume --vm` of the newest version into `site`, in a network
+/// namespace of its own when `netns`.
+fn resume_at(
+    state: &Path,
+    store: &Path,
+    site: &Site,
+    guest: &Path,
+    serial: &str,
+    netns: bool,
+) -> Proc {
+    let mut args: Vec<String> = Vec::new();
+    let program = if netns {
+        args.extend(["--net".into(), "--".into(), BIN.into()]);
+        "unshare".to_string()
+    } else {
+        BIN.to_string()
+    };
+    args.extend(
+        [
+            "resume",
+            "--env",
+            "lab",
+            "--store",
+            &store.display().to_string(),
+            "--force",
+            "--vm",
+            &site.dir.display().to_string(),
+            "--",
+        ]
+        .map(String::from),
+    );
+    args.extend(site.qemu(guest, serial));
+    let mut cmd = Command::new(program);
+    cmd.args(&args)
+        .env("ROAM_STATE_DIR", state)
+        .env("XDG_CONFIG_HOME", state.join("no-config"))
+        .stdout(Stdio::inherit())
+        .stderr(Stdio::inherit());
+    let _ = std::fs::remove_file(site.dir.join("qemu.pid"));
+    Proc {
+        child: cmd.spawn().unwrap(),
+        pidfile: site.dir.join("qemu.pid"),
+    }
+}
+
+/// `roam suspend --vm` of the guest at `site`; returns (stdout, stderr).
+fn suspend_at(state: &Path, store: &Path, site: &Site, proc: &mut Proc) -> (String, String) {
+    let start = Instant::now();
+    let out = ok(
+        "roam suspend --vm",
+        roam(state)
+            .args(["suspend", "--env", "lab", "--store"])
+            .arg(store)
+            .arg("--vm")
+            .arg(site.qmp())
+            .arg(site.disk())
+            .output()
+            .unwrap(),
+    );
+    let took = start.elapsed();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    eprintln!(
+        "suspend at {} took {took:?}:\n{stdout}{stderr}",
+        site.dir.display()
+    );
+    // The suspended VM quits (a `roam resume --vm` then exits with QEMU's status).
+    let status = proc.wait_exit(Duration::from_secs(20));
+    assert!(status.is_some(), "the VM did not quit after its suspend");
+    (stdout, stderr)
+}
+
+/// The last tick before a suspend, checked whole.
+fn last_tick(ticks: &[(u64, u64, bool)], what: &str) -> u64 {
+    for (n, lines, okay) in ticks {
+        assert!(*okay, "{what}: tick {n} found the file bad ({lines} lines)");
+    }
+    ticks.last().unwrap().0
+}
+
+#[test]
+fn a_qemu_guest_suspended_at_a_resumes_at_b_and_back() {
+    let Some(guest) = guest() else { return };
+    let test_start = Instant::now();
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let store = tmp.path().join("store");
+    let site_a = Site {
+        dir: tmp.path().join("site-a"),
+    };
+    let site_b = Site {
+        dir: tmp.path().join("site-b"),
+    };
+    std::fs::create_dir_all(&site_a.dir).unwrap();
+    std::fs::copy(guest.join("disk.img"), site_a.disk()).unwrap();
+    let netns = can_unshare_net();
+    if !netns {
+        eprintln!("note: not root: site B runs in this network namespace");
+    }
+
+    // Site A: boot the guest and let it count to 3.
+    let boot = Instant::now();
+    let args = site_a.qemu(&guest, "serial-a1");
+    let mut qemu_a = Proc {
+        child: Command::new(&args[0]).args(&args[1..]).spawn().unwrap(),
+        pidfile: site_a.dir.join("qemu.pid"),
+    };
+    site_a.wait_tick("serial-a1", 3, &mut qemu_a);
+    eprintln!("guest boot to tick 3: {:?}", boot.elapsed());
+
+    let (out1, err1) = suspend_at(&state, &store, &site_a, &mut qemu_a);
+    assert!(out1.contains("suspended lab version 1"), "{out1}");
+    let n_a = last_tick(&site_a.ticks("serial-a1"), "site A");
+    let (disk_total, _) = image_chunks(&err1, "disk.img");
+    assert_eq!(disk_total, 512, "a 64 MiB disk is 512 chunks");
+
+    // The guest's text is on A's disk in the clear, never in the store.
+    assert!(any_file_contains(&site_a.dir, MARK).is_some());
+    assert_eq!(
+        any_file_contains(&store, MARK),
+        None,
+        "the store holds the guest's plaintext"
+    );
+
+    // Site B: another directory (and network namespace); the counter goes
+    // on from A's last tick, without a reboot, and the file is whole.
+    let resume_b = Instant::now();
+    let mut at_b = resume_at(&state, &store, &site_b, &guest, "serial-b", netns);
+    let ticks_b = site_b.wait_tick("serial-b", n_a + 2, &mut at_b);
+    eprintln!("resume at B to its first tick: {:?}", resume_b.elapsed());
+    assert_eq!(
+        ticks_b.first().map(|t| t.0),
+        Some(n_a + 1),
+        "the counter at B goes on from A's last tick {n_a}: {ticks_b:?}"
+    );
+    let serial_b = std::fs::read_to_string(site_b.dir.join("serial-b")).unwrap();
+    assert!(
+        !serial_b.contains("booted"),
+        "the guest rebooted at B:\n{serial_b}"
+    );
+    if netns {
+        let pid = std::fs::read_to_string(site_b.dir.join("qemu.pid")).unwrap();
+        let ns = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/net")).unwrap();
+        assert_ne!(ns(pid.trim()), ns("self"), "QEMU at B in its own netns");
+    }
+
+    // B suspends again: the disk's changed chunks only (a few lines of
+    // log), not the 64 MiB.
+    let (out2, err2) = suspend_at(&state, &store, &site_b, &mut at_b);
+    assert!(out2.contains("suspended lab version 2"), "{out2}");
+    let n_b = last_tick(&site_b.ticks("serial-b"), "site B");
+    let (disk_total2, disk_up2) = image_chunks(&err2, "disk.img");
+    let (mem_total2, mem_up2) = image_chunks(&err2, "vm-memory");
+    eprintln!(
+        "second suspend: disk {disk_up2} of {disk_total2} chunks uploaded, memory {mem_up2} of \
+         {mem_total2}"
+    );
+    assert!(
+        disk_up2 <= 8,
+        "only the disk's changed chunks move: {disk_up2} of {disk_total2}"
+    );
+    assert!(
+        disk_up2 + mem_up2 < (disk_total2 + mem_total2) / 2,
+        "most chunks stay: {} of {}",
+        disk_up2 + mem_up2,
+        disk_total2 + mem_total2
+    );
+    assert_eq!(any_file_contains(&store, MARK), None);
+
+    // Back at A (its old files overwritten): on from B's last tick.
+    let mut at_a = resume_at(&state, &store, &site_a, &guest, "serial-a2", false);
+    let ticks_a2 = site_a.wait_tick("serial-a2", n_b + 2, &mut at_a);
+    assert_eq!(ticks_a2.first().map(|t| t.0), Some(n_b + 1), "{ticks_a2:?}");
+    last_tick(&ticks_a2, "site A again");
+    drop(at_a);
+    eprintln!("test wall time: {:?}", test_start.elapsed());
+}
+
+#[test]
+fn help_teaches_the_vm_commands() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (cmd, example) in [
+        (
+            "suspend",
+            "roam suspend --env lab --vm /vm/qmp.sock /vm/disk.img",
+        ),
+        (
+            "resume",
+            "roam resume --env lab --force --vm /vm -- qemu-system-x86_64",
+        ),
+    ] {
+        let out = ok(
+            "help",
+            roam(tmp.path()).args([cmd, "--help"]).output().unwrap(),
+        );
+        let help = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            help.contains(example),
+            "roam {cmd} --help lacks {example:?}:\n{help}"
+        );
+        assert!(
+            help.contains("vm-memory"),
+            "roam {cmd} --help names the memory image"
+        );
+    }
+}
+
+#[test]
+fn vm_mistakes_are_one_precise_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let store = tmp.path().join("store");
+    let disk = tmp.path().join("disk.img");
+    std::fs::write(&disk, vec![7u8; 300_000]).unwrap();
+    let one_line = |out: Output, needle: &str| {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let errors: Vec<&str> = stderr
+            .lines()
+            .filter(|l| !l.starts_with("roam: [") && !l.contains("created the store secret"))
+            .collect();
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert_eq!(errors.len(), 1, "one line: {stderr}");
+        assert!(
+            errors[0].contains(needle),
+            "{:?} lacks {needle:?}",
+            errors[0]
+        );
+    };
+    // No QEMU behind the socket: nothing is stored.
+    let out = roam(&state)
+        .args(["suspend", "--env", "lab", "--store"])
+        .arg(&store)
+        .arg("--vm")
+        .arg(tmp.path().join("no-qmp.sock"))
+        .arg(&disk)
+        .output()
+        .unwrap();
+    one_line(out, "cannot connect to QEMU's QMP socket");
+    // A version suspended without --vm has no VM to resume.
+    ok(
+        "plain suspend",
+        roam(&state)
+            .args(["suspend", "--env", "lab", "--store"])
+            .arg(&store)
+            .arg(&disk)
+            .output()
+            .unwrap(),
+    );
+    let out = roam(&state)
+        .args(["resume", "--env", "lab", "--store"])
+        .arg(&store)
+        .arg("--vm")
+        .arg(tmp.path().join("b"))
+        .args(["--", "qemu-system-x86_64"])
+        .output()
+        .unwrap();
+    one_line(out, "holds no VM memory image (vm-memory)");
+    assert!(
+        !tmp.path().join("b").join("disk.img").exists(),
+        "nothing written"
+    );
+}
