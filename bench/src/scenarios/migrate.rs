@@ -460,6 +460,12 @@ fn move_with_roam(
         .arg(&listen)
         .arg("--authorized-keys")
         .arg(&keys)
+        // Experiments: more arguments for `migrate-accept`.
+        .args(
+            std::env::var("ROAM_BENCH_ACCEPT_ARGS")
+                .unwrap_or_default()
+                .split_whitespace(),
+        )
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()?;

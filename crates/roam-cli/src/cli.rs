@@ -734,7 +734,7 @@ pub(crate) struct MigrateAcceptArgs {
     /// The client keys that may send a process here (one public key per line).
     #[arg(long, value_name = "FILE")]
     pub(crate) authorized_keys: PathBuf,
-    /// Where received images are written [default: the temporary directory].
+    /// Where received images are written [default: /dev/shm for a post-copy move (its images hold no memory), else the temporary directory].
     #[arg(long, value_name = "DIR")]
     pub(crate) images_dir: Option<PathBuf>,
     /// The interface moved-in addresses go on [default: the one on their subnet].
