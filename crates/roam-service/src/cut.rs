@@ -116,6 +116,36 @@ impl Process {
         self.snapshot.replace(snapshot)
     }
 
+    /// A process restarted by [`Cut::resume`] elsewhere, from the part
+    /// [`Process::part`] gave of it there (one encoded [`Cut`] per process
+    /// travels to the process that will run it). Refuses a part that
+    /// carries unsent bytes: only a whole cut can place those.
+    pub fn restarted(part: &Part, limits: Limits) -> Result<Process, Error> {
+        let mut p = Process::new(limits);
+        p.snapshot = part.snapshot.clone();
+        p.interval = part.interval;
+        for (id, w) in &part.writers {
+            if !w.unsent.is_empty() || w.sent < w.lsw {
+                return Err(Error::Misuse(
+                    "a running process's part: restart from Cut::resume, not Process::restarted",
+                ));
+            }
+            if p.writers.contains_key(id) {
+                return Err(Error::DuplicateChannel { channel: *id });
+            }
+            p.writers
+                .insert(*id, WriteEnd::at(*id, w.lsw, w.sent, part.interval, limits));
+        }
+        for (id, r) in &part.readers {
+            if p.readers.contains_key(id) {
+                return Err(Error::DuplicateChannel { channel: *id });
+            }
+            p.readers
+                .insert(*id, ReadEnd::at(*id, r.lsr, r.log.clone(), limits));
+        }
+        Ok(p)
+    }
+
     /// This process's part of a cut. Fails with [`Error::LogOverflow`] when
     /// a reader's log went over its cap since the last export.
     pub fn part(&self) -> Result<Part, Error> {
@@ -422,6 +452,37 @@ mod tests {
         let (_, mut r2) = (moved.remove(0), moved.remove(0));
         assert_eq!(read_all(&mut r2), b"answer");
         let _ = &mut r;
+    }
+
+    #[test]
+    fn a_restarted_process_travels_as_its_own_part() {
+        let (mut w, mut r) = pair();
+        w.writer(C).unwrap().write(b"0123456789").unwrap();
+        wire(&mut w, &mut r);
+        w.export(b"w", Interval::Deterministic);
+        r.reader(C).unwrap().read(&mut [0; 3]);
+        r.export(b"r", Interval::Deterministic);
+        r.reader(C).unwrap().read(&mut [0; 2]);
+        let moved = Cut::of([&w, &r])
+            .unwrap()
+            .resume(Limits::default())
+            .unwrap();
+        // Each restarted process's part, sent to the process that runs it.
+        let mut again: Vec<Process> = moved
+            .iter()
+            .map(|p| Process::restarted(&p.part().unwrap(), Limits::default()).unwrap())
+            .collect();
+        assert_eq!(read_all(&mut again[1]), b"3456789");
+        again[0].writer(C).unwrap().write(b"ab").unwrap();
+        assert_eq!(again[0].writer(C).unwrap().pending(), b"ab");
+        // A running process's part with unsent bytes is not a restart.
+        let mut busy = Process::new(Limits::default());
+        busy.associate_writer(C).unwrap().write(b"x").unwrap();
+        busy.export(b"", Interval::Deterministic);
+        assert!(matches!(
+            Process::restarted(&busy.part().unwrap(), Limits::default()),
+            Err(Error::Misuse(_))
+        ));
     }
 
     #[test]
