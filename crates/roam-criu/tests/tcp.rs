@@ -202,7 +202,19 @@ fn a_refused_post_dump_step_rolls_the_dump_back_and_the_connection_carries_on() 
                 ..DumpOptions::default()
             },
             &mut |dir| {
-                let before = stream.echoed.load(Ordering::Relaxed);
+                // Bytes echoed before the freeze may still sit in the
+                // client's receive buffer (tcp_rmem allows 32 MiB here): the
+                // client drains them first, then nothing may come back.
+                let mut before = stream.echoed.load(Ordering::Relaxed);
+                let settle = Instant::now();
+                while settle.elapsed() < Duration::from_secs(5) {
+                    thread::sleep(Duration::from_millis(100));
+                    let now = stream.echoed.load(Ordering::Relaxed);
+                    if now == before {
+                        break;
+                    }
+                    before = now;
+                }
                 thread::sleep(Duration::from_millis(300));
                 let after = stream.echoed.load(Ordering::Relaxed);
                 seen = Some((
