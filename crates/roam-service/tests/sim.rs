@@ -42,29 +42,40 @@ struct Producer {
 
 impl Producer {
     fn encode(&self) -> Vec<u8> {
-        let mut v = self.next_seq.to_be_bytes().to_vec();
-        v.extend_from_slice(&(self.partial.len() as u32).to_be_bytes());
-        v.extend_from_slice(&self.partial);
-        for m in &self.hist {
-            v.extend_from_slice(m);
-        }
-        v
+        encode_state(self.next_seq, &self.partial, &self.hist)
     }
 
     fn decode(b: &[u8]) -> Self {
-        let next_seq = u64::from_be_bytes(b[..8].try_into().unwrap());
-        let n = u32::from_be_bytes(b[8..12].try_into().unwrap()) as usize;
-        let partial = b[12..12 + n].to_vec();
-        let hist = b[12 + n..]
-            .chunks(8)
-            .map(|c| c.try_into().unwrap())
-            .collect();
+        let (next_seq, partial, hist) = decode_state(b);
         Producer {
             next_seq,
             partial,
             hist,
         }
     }
+}
+
+/// Both record processes' snapshots: a sequence number, the bytes of a
+/// partial record and the fingerprints of every record so far.
+fn encode_state(seq: u64, partial: &[u8], marks: &[Mark]) -> Vec<u8> {
+    let mut v = seq.to_be_bytes().to_vec();
+    v.extend_from_slice(&(partial.len() as u32).to_be_bytes());
+    v.extend_from_slice(partial);
+    for m in marks {
+        v.extend_from_slice(m);
+    }
+    v
+}
+
+/// The inverse of [`encode_state`].
+fn decode_state(b: &[u8]) -> (u64, Vec<u8>, Vec<Mark>) {
+    let seq = u64::from_be_bytes(b[..8].try_into().unwrap());
+    let n = u32::from_be_bytes(b[8..12].try_into().unwrap()) as usize;
+    let marks = b[12 + n..]
+        .chunks(8)
+        .map(|c| c.try_into().unwrap())
+        .collect();
+    (seq, b[12..12 + n].to_vec(), marks)
 }
 
 /// The forwarder's state: bytes read and not forwarded yet.
@@ -85,25 +96,15 @@ struct Consumer {
 
 impl Consumer {
     fn encode(&self) -> Vec<u8> {
-        let mut v = self.expect_seq.to_be_bytes().to_vec();
-        v.extend_from_slice(&(self.partial.len() as u32).to_be_bytes());
-        v.extend_from_slice(&self.partial);
-        for m in &self.consumed {
-            v.extend_from_slice(m);
-        }
-        v
+        encode_state(self.expect_seq, &self.partial, &self.consumed)
     }
 
     fn decode(b: &[u8]) -> Self {
-        let expect_seq = u64::from_be_bytes(b[..8].try_into().unwrap());
-        let n = u32::from_be_bytes(b[8..12].try_into().unwrap()) as usize;
+        let (expect_seq, partial, consumed) = decode_state(b);
         Consumer {
             expect_seq,
-            partial: b[12..12 + n].to_vec(),
-            consumed: b[12 + n..]
-                .chunks(8)
-                .map(|c| c.try_into().unwrap())
-                .collect(),
+            partial,
+            consumed,
         }
     }
 
