@@ -36,9 +36,15 @@
 //! The object layout, chunk format, manifest wire format and the crypto
 //! construction are specified byte by byte in `docs/STORE.md`.
 //!
-//! Non-goals (for now): the lookaside cache (fetching chunks from portable
-//! media by hash) and demand paging into a running VM are layers above this
-//! one; there is no locking between concurrent writers of one user (a
+//! Lookaside ([`Lookaside`], ISR's lookaside cache): a restore given local
+//! or portable files (an older resumed copy, a copy on removable media)
+//! takes every chunk found there by its SHA-256 instead of fetching it, and
+//! uses a chunk from there only if its bytes hash to the manifest's entry
+//! when read; [`Store::restore_image_from`] reports hits and the bytes the
+//! backend sent ([`RestoreStats`]).
+//!
+//! Non-goals (for now): demand paging into a running VM is a layer above
+//! this one; there is no locking between concurrent writers of one user (a
 //! garbage collection must not run during a suspend); the manifest hides
 //! image contents and chunk ordering but not the number and sizes of
 //! objects.
@@ -48,6 +54,7 @@
 mod backend;
 mod chunk;
 mod local;
+mod lookaside;
 mod manifest;
 #[cfg(feature = "s3")]
 mod s3;
@@ -59,6 +66,9 @@ pub use chunk::{
     CHUNK_SIZE, MAX_CHUNK_OBJECT_LEN,
 };
 pub use local::LocalDir;
+pub use lookaside::{
+    chunk_matches, Location, Lookaside, LookasideIndex, LookasideRead, LookasideScan,
+};
 pub use manifest::{
     chunk_count, manifest_object_name, open_manifest, seal_manifest, valid_env_name,
     valid_image_name, ImageEntry, Manifest, ManifestError, BODY_FORMAT, BODY_MAGIC, MAX_ENV_LEN,
@@ -66,4 +76,4 @@ pub use manifest::{
 };
 #[cfg(feature = "s3")]
 pub use s3::{S3Config, S3};
-pub use store::{GcReport, Store, StoreError, SuspendProgress, SuspendStats};
+pub use store::{GcReport, RestoreStats, Store, StoreError, SuspendProgress, SuspendStats};

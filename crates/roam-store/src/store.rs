@@ -14,6 +14,7 @@ use crate::chunk::{
     chunk_ref, object_name, open_chunk, seal_chunk, ChunkFault, ChunkRef, UserSecret, CHUNK_SIZE,
     MAX_CHUNK_OBJECT_LEN,
 };
+use crate::lookaside::{Lookaside, LookasideRead};
 use crate::manifest::{
     manifest_object_name, open_manifest, seal_manifest, valid_env_name, valid_image_name,
     ImageEntry, Manifest, ManifestError, MAX_IMAGE_LEN, MAX_MANIFEST_LEN,
@@ -70,6 +71,58 @@ impl SuspendStats {
 /// with the image being read and the totals so far each time a chunk is
 /// settled (stored or found stored).
 pub type SuspendProgress<'a> = dyn FnMut(&str, &SuspendStats) + Send + 'a;
+
+/// Where the chunks of a restore came from ([`Store::restore_image_from`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RestoreStats {
+    /// Chunks written so far.
+    pub chunks: u64,
+    /// Plaintext bytes written so far.
+    pub bytes: u64,
+    /// Of those chunks, taken from lookaside files (verified by hash).
+    pub chunks_lookaside: u64,
+    /// Plaintext bytes of the chunks taken from lookaside: the bytes the
+    /// store did not have to send.
+    pub bytes_lookaside: u64,
+    /// Chunks a lookaside file was indexed for but whose bytes there no
+    /// longer matched the manifest (fetched from the store instead).
+    pub chunks_rejected: u64,
+    /// Chunks fetched from the store.
+    pub chunks_fetched: u64,
+    /// Plaintext bytes of the chunks fetched from the store.
+    pub bytes_fetched: u64,
+    /// Object bytes the backend sent for them (compressed and sealed): what
+    /// crossed the network.
+    pub object_bytes_fetched: u64,
+}
+
+impl RestoreStats {
+    /// Adds `other`'s counts to these (totals over several images).
+    pub fn add(&mut self, other: &RestoreStats) {
+        self.chunks += other.chunks;
+        self.bytes += other.bytes;
+        self.chunks_lookaside += other.chunks_lookaside;
+        self.bytes_lookaside += other.bytes_lookaside;
+        self.chunks_rejected += other.chunks_rejected;
+        self.chunks_fetched += other.chunks_fetched;
+        self.bytes_fetched += other.bytes_fetched;
+        self.object_bytes_fetched += other.object_bytes_fetched;
+    }
+}
+
+/// Where one restored chunk came from.
+enum Source {
+    /// A lookaside file (its bytes passed the hash check).
+    Lookaside,
+    /// The store: the object's length, and whether a lookaside place was
+    /// indexed but failed the check.
+    Store {
+        /// Object bytes fetched.
+        object_len: u64,
+        /// Whether lookaside had a place for it that failed the check.
+        rejected: bool,
+    },
+}
 
 /// What a garbage collection did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -538,6 +591,21 @@ impl<B: ChunkBackend> Store<B> {
         image: &str,
         index: u64,
     ) -> Result<Vec<u8>, StoreError> {
+        self.fetch_chunk(manifest, image, index, None)
+            .await
+            .map(|(bytes, _)| bytes)
+    }
+
+    /// Chunk `index` of `image`, from `lookaside` if a file there holds it
+    /// and its bytes pass the hash check now, else fetched from the backend
+    /// and verified as [`Store::read_chunk`] does.
+    async fn fetch_chunk(
+        &self,
+        manifest: &Manifest,
+        image: &str,
+        index: u64,
+        lookaside: Option<&Lookaside>,
+    ) -> Result<(Vec<u8>, Source), StoreError> {
         let entry = manifest
             .image(image)
             .ok_or_else(|| StoreError::NoSuchImage(image.to_owned()))?;
@@ -552,6 +620,11 @@ impl<B: ChunkBackend> Store<B> {
                 index,
                 chunks: entry.chunks.len() as u64,
             });
+        };
+        let rejected = match lookaside.map(|l| l.read(chunk, len)) {
+            Some(LookasideRead::Found(bytes)) => return Ok((bytes, Source::Lookaside)),
+            Some(LookasideRead::Rejected) => true,
+            Some(LookasideRead::Absent) | None => false,
         };
         let object = match self
             .backend
@@ -576,12 +649,22 @@ impl<B: ChunkBackend> Store<B> {
             }
             Err(e) => return Err(e.into()),
         };
-        open_chunk(&self.secret, chunk, len, &object).map_err(|fault| StoreError::ChunkCorrupt {
-            image: image.to_owned(),
-            index,
-            id: chunk.id_hex(),
-            fault,
-        })
+        let object_len = object.len() as u64;
+        let bytes = open_chunk(&self.secret, chunk, len, &object).map_err(|fault| {
+            StoreError::ChunkCorrupt {
+                image: image.to_owned(),
+                index,
+                id: chunk.id_hex(),
+                fault,
+            }
+        })?;
+        Ok((
+            bytes,
+            Source::Store {
+                object_len,
+                rejected,
+            },
+        ))
     }
 
     /// Writes image `image` of `manifest` to `writer`, every chunk verified
@@ -607,6 +690,25 @@ impl<B: ChunkBackend> Store<B> {
         writer: &mut W,
         progress: &mut (dyn FnMut(u64) + Send + '_),
     ) -> Result<u64, StoreError> {
+        self.restore_image_from(manifest, image, writer, None, &mut |s| progress(s.bytes))
+            .await
+            .map(|s| s.bytes)
+    }
+
+    /// [`Store::restore_image_with_progress`], taking each chunk from
+    /// `lookaside` when a file there holds it (checked against the
+    /// manifest's hash as it is read; see [`Lookaside`]) and from the
+    /// backend otherwise. `progress` gets the counts after each chunk is
+    /// written; the result is the image's counts: where its chunks came
+    /// from and how many bytes crossed from the backend.
+    pub async fn restore_image_from<W: AsyncWrite + Unpin>(
+        &self,
+        manifest: &Manifest,
+        image: &str,
+        writer: &mut W,
+        lookaside: Option<&Lookaside>,
+        progress: &mut (dyn FnMut(&RestoreStats) + Send + '_),
+    ) -> Result<RestoreStats, StoreError> {
         let entry = manifest
             .image(image)
             .ok_or_else(|| StoreError::NoSuchImage(image.to_owned()))?;
@@ -618,17 +720,34 @@ impl<B: ChunkBackend> Store<B> {
         // latency is paid once per window, not per chunk); they are written
         // in order.
         let mut chunks = futures_util::stream::iter(0..entry.chunks.len() as u64)
-            .map(|index| self.read_chunk(manifest, image, index))
+            .map(|index| self.fetch_chunk(manifest, image, index, lookaside))
             .buffered(RESTORE_WINDOW);
-        let mut written = 0u64;
-        while let Some(bytes) = chunks.next().await {
-            let bytes = bytes?;
+        let mut stats = RestoreStats::default();
+        while let Some(chunk) = chunks.next().await {
+            let (bytes, source) = chunk?;
             writer.write_all(&bytes).await.map_err(write_err)?;
-            written += bytes.len() as u64;
-            progress(written);
+            let len = bytes.len() as u64;
+            stats.chunks += 1;
+            stats.bytes += len;
+            match source {
+                Source::Lookaside => {
+                    stats.chunks_lookaside += 1;
+                    stats.bytes_lookaside += len;
+                }
+                Source::Store {
+                    object_len,
+                    rejected,
+                } => {
+                    stats.chunks_fetched += 1;
+                    stats.bytes_fetched += len;
+                    stats.object_bytes_fetched += object_len;
+                    stats.chunks_rejected += u64::from(rejected);
+                }
+            }
+            progress(&stats);
         }
         writer.flush().await.map_err(write_err)?;
-        Ok(written)
+        Ok(stats)
     }
 
     /// Deletes every chunk object no manifest in `keep` references, and
