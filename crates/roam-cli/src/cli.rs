@@ -456,6 +456,20 @@ SHA-256 against the manifest) before a byte of it is written. Existing files
 of an image's name are refused unless --force. Needs the store secret the
 environment was suspended with (see `roam suspend --help`).
 
+Lookaside (--lookaside DIR, repeatable): before fetching a chunk, roam looks
+for it in the files under DIR (walked without following symbolic links; a
+file may be named instead), cut at the store's 128 KiB chunk boundaries and
+indexed by SHA-256 when the resume starts. An older resumed copy of the same
+environment, a copy on a USB disk or a read-only medium all serve: a chunk
+found there is read again and used only if its length and SHA-256 match the
+version's manifest; anything else (stale, altered, unreadable) is fetched
+from the store. A lookaside DIR that does not exist is a warning, not an
+error. The summary says how many chunks and bytes came from lookaside and how
+many were fetched:
+
+  roam resume --env laptop --lookaside ./vm-old --lookaside /media/usb/vm ./vm
+  roam resume --env laptop --force --lookaside ./vm ./vm   # refresh in place
+
 Exit status: 0 written (with --vm: QEMU's own status); 1 an error (message
 on stderr); 2 bad arguments.")]
     Resume(ResumeArgs),
@@ -785,6 +799,9 @@ pub(crate) struct ResumeArgs {
     /// Where to write the images (created if missing).
     #[arg(value_name = "DIR")]
     pub(crate) dir: PathBuf,
+    /// Take chunks from the files under DIR (or a file) before the store: an older resumed copy, a copy on portable media. Each is used only if it hashes to the manifest's entry. Repeatable.
+    #[arg(long, value_name = "DIR")]
+    pub(crate) lookaside: Vec<PathBuf>,
     /// Then start the QEMU command after `--` on the version's memory image (vm-memory) and let the guest run on.
     #[arg(long, requires = "qemu")]
     pub(crate) vm: bool,

@@ -276,6 +276,197 @@ fn round_trip(state: &Path, work: &Path, store_args: &[&str], envs: &[(&str, &st
     (suspend_rate, resume_rate)
 }
 
+/// A resume's lookaside counts from its summary line `lookaside: A of B
+/// chunks (X MB) taken locally, Y MB fetched: C bytes local, D chunks and
+/// ... bytes fetched, E bytes of objects ...`: (A, B, C, D, E).
+fn lookaside_counts(summary: &str) -> (u64, u64, u64, u64, u64) {
+    let line = summary
+        .lines()
+        .find(|l| l.trim_start().starts_with("lookaside: ") && l.contains("taken locally"))
+        .unwrap_or_else(|| panic!("no lookaside line in {summary}"));
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let n = |i: usize| -> u64 { words[i].parse().unwrap_or_else(|_| panic!("{line}")) };
+    assert_eq!(words[2], "of", "{line}");
+    (
+        n(1),
+        n(3),
+        number_before(line, "bytes local"),
+        number_before(line, "chunks and"),
+        number_before(line, "bytes of objects"),
+    )
+}
+
+/// `roam resume --lookaside` against the store `store_args` names: a fresh
+/// copy (every chunk local), a stale one (the older version: only the 2
+/// changed chunks fetched), a tampered one (its 2 altered chunks fetched),
+/// a refresh in place (DIR its own lookaside, with --force), a missing
+/// directory (one warning line, everything fetched). Every result is the
+/// new version, checked by SHA-256 against the originals. Returns the
+/// (fresh, stale) summaries.
+fn lookaside_scenario(
+    state: &Path,
+    work: &Path,
+    store_args: &[&str],
+    envs: &[(&str, &str)],
+) -> (String, String) {
+    let mut rng = seed();
+    std::fs::create_dir(work.join("in")).unwrap();
+    let mut images = Images::new(&work.join("in"), &mut rng);
+    let [disk, memory] = images.paths();
+    let run = |args: &[&str]| -> String {
+        let args: Vec<&str> = args.iter().chain(store_args).copied().collect();
+        ok(state, &args, envs)
+    };
+    run(&["suspend", "--env", "lab", &disk, &memory]);
+    // Version 1's files, as an older resumed copy would hold them.
+    let old = work.join("old");
+    std::fs::create_dir(&old).unwrap();
+    images.dir = old.clone();
+    images.write();
+    images.dir = work.join("in");
+    images.change_two_chunks(&mut rng, 3, 40);
+    run(&["suspend", "--env", "lab", &disk, &memory]);
+    let total = 72;
+    let all_bytes = (images.disk.len() + images.memory.len()) as u64;
+    let path = |p: &Path| p.to_str().unwrap().to_owned();
+
+    // (a) fresh: the new version's own files.
+    let fresh_dir = work.join("fresh");
+    let fresh = run(&[
+        "resume",
+        "--env",
+        "lab",
+        "--lookaside",
+        &path(&work.join("in")),
+        &path(&fresh_dir),
+    ]);
+    images.check(&fresh_dir, "fresh lookaside");
+    let (hits, chunks, local, fetched, object_bytes) = lookaside_counts(&fresh);
+    assert_eq!((hits, chunks, fetched, object_bytes), (total, total, 0, 0));
+    assert!(local * 10 >= all_bytes * 9, "≥ 90 % local: {fresh}");
+
+    // (b) stale: version 1's files; only the 2 changed chunks fetched.
+    let stale_dir = work.join("stale");
+    let stale = run(&[
+        "resume",
+        "--env",
+        "lab",
+        "--lookaside",
+        &path(&old),
+        &path(&stale_dir),
+    ]);
+    images.check(&stale_dir, "stale lookaside");
+    let (hits, _, local, fetched, object_bytes) = lookaside_counts(&stale);
+    assert_eq!((hits, fetched), (total - 2, 2), "{stale}");
+    assert_eq!(local, all_bytes - 2 * CHUNK as u64, "{stale}");
+    assert!(object_bytes >= 2 * CHUNK as u64, "random chunks: {stale}");
+
+    // (c) tampered: a fresh copy with 2 chunks altered; those come from
+    // the store.
+    let tampered = work.join("tampered");
+    std::fs::create_dir(&tampered).unwrap();
+    let mut bad = images.disk.clone();
+    bad[7 * CHUNK + 1000] ^= 0x20;
+    bad[50 * CHUNK] ^= 0x01;
+    std::fs::write(tampered.join("disk"), &bad).unwrap();
+    std::fs::write(tampered.join("memory"), &images.memory).unwrap();
+    let tampered_out = work.join("from-tampered");
+    let out = run(&[
+        "resume",
+        "--env",
+        "lab",
+        "--lookaside",
+        &path(&tampered),
+        &path(&tampered_out),
+    ]);
+    images.check(&tampered_out, "tampered lookaside");
+    let (hits, _, _, fetched, _) = lookaside_counts(&out);
+    assert_eq!((hits, fetched), (total - 2, 2), "{out}");
+
+    // A refresh in place: version 1 resumed into DIR, then version 2 over
+    // it with DIR as its own lookaside.
+    let inplace = work.join("inplace");
+    run(&["resume", "--env", "lab", "--version", "1", &path(&inplace)]);
+    let out = run(&[
+        "resume",
+        "--env",
+        "lab",
+        "--force",
+        "--lookaside",
+        &path(&inplace),
+        &path(&inplace),
+    ]);
+    images.check(&inplace, "refreshed in place");
+    let (hits, _, _, fetched, _) = lookaside_counts(&out);
+    assert_eq!((hits, fetched), (total - 2, 2), "{out}");
+
+    // (d) a directory that does not exist: a warning naming it, one line;
+    // the resume goes on from the other lookaside and the store.
+    let missing = work.join("no-such-media");
+    let missing_out = work.join("from-missing");
+    let args: Vec<String> = [
+        "resume",
+        "--env",
+        "lab",
+        "--lookaside",
+        &path(&missing),
+        "--lookaside",
+        &path(&old),
+        &path(&missing_out),
+    ]
+    .iter()
+    .chain(store_args)
+    .map(|s| s.to_string())
+    .collect();
+    let out = roam(
+        state,
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+        envs,
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let warnings: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("roam: warning:"))
+        .collect();
+    assert_eq!(
+        warnings,
+        [format!(
+            "roam: warning: lookaside {}: No such file or directory (os error 2) (not used; its \
+             chunks come from the store)",
+            missing.display()
+        )],
+        "{stderr}"
+    );
+    images.check(&missing_out, "a missing lookaside directory");
+    let (hits, _, _, fetched, _) = lookaside_counts(&stdout);
+    assert_eq!((hits, fetched), (total - 2, 2), "{stdout}");
+    (fresh, stale)
+}
+
+#[test]
+fn lookaside_fresh_stale_tampered_in_place_and_missing() {
+    let state = tempfile::tempdir().unwrap();
+    let work = tempfile::tempdir().unwrap();
+    let (fresh, stale) = lookaside_scenario(state.path(), work.path(), &[], &[]);
+    eprintln!("local store, fresh lookaside:\n{fresh}stale lookaside:\n{stale}");
+    // Without --lookaside, no lookaside line.
+    let plain = work.path().join("plain");
+    let out = ok(
+        state.path(),
+        &["resume", "--env", "lab", plain.to_str().unwrap()],
+        &[],
+    );
+    assert!(!out.contains("lookaside"), "{out}");
+    let help = ok(state.path(), &["resume", "--help"], &[]);
+    assert!(help.contains("--lookaside <DIR>"), "{help}");
+    assert!(
+        help.contains("roam resume --env laptop --lookaside"),
+        "{help}"
+    );
+}
+
 #[test]
 fn local_store_round_trip_incremental_and_gc() {
     let state = tempfile::tempdir().unwrap();
@@ -606,6 +797,32 @@ mod s3 {
         eprintln!("S3 store (s3s-fs): suspend {suspend} MB/s, resume {resume} MB/s");
         // Nothing was written to the local default store.
         assert!(!state.path().join("store").exists());
+    }
+
+    #[test]
+    fn s3_store_lookaside() {
+        let server = match S3Server::start() {
+            Ok(s) => s,
+            Err(why) => {
+                eprintln!("skipping: {why}");
+                return;
+            }
+        };
+        let state = tempfile::tempdir().unwrap();
+        let work = tempfile::tempdir().unwrap();
+        let endpoint = format!("http://{}", server.addr);
+        let store = format!("s3://{BUCKET}");
+        let (fresh, stale) = lookaside_scenario(
+            state.path(),
+            work.path(),
+            &["--store", &store],
+            &[
+                ("ROAM_S3_ENDPOINT", &endpoint),
+                ("AWS_ACCESS_KEY_ID", ACCESS_KEY),
+                ("AWS_SECRET_ACCESS_KEY", SECRET_KEY),
+            ],
+        );
+        eprintln!("S3 store (s3s-fs), fresh lookaside:\n{fresh}stale lookaside:\n{stale}");
     }
 }
 
