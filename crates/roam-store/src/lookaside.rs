@@ -187,7 +187,9 @@ fn read_full(r: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
 impl Lookaside {
     /// Indexes the files under `paths` (each a directory, walked without
     /// following symbolic links, or a file) for the chunks of `manifest`.
-    /// Only regular files are read. Blocking: reads up to every byte under
+    /// Only regular files are read (below a directory, links, devices and
+    /// FIFOs are passed over; named directly, a device or FIFO is reported
+    /// unusable). Blocking: reads up to every byte under
     /// `paths` (run it where blocking is fine, e.g. `spawn_blocking`).
     /// Never fails: what could not be read is in [`Lookaside::scan`].
     pub fn scan(paths: &[PathBuf], manifest: &Manifest) -> Lookaside {
@@ -245,6 +247,16 @@ impl Lookaside {
                         Err(e) if top => la.scan.unusable.push((p, e)),
                         Err(_) => la.scan.skipped += 1,
                     }
+                } else if top {
+                    // A device or FIFO named directly: reading one could
+                    // block or never end.
+                    la.scan.unusable.push((
+                        p,
+                        io::Error::new(
+                            io::ErrorKind::InvalidInput,
+                            "not a directory or a regular file",
+                        ),
+                    ));
                 }
                 top = false;
             }

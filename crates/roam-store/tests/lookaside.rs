@@ -293,6 +293,12 @@ async fn missing_path_is_reported_and_files_and_subdirectories_work() {
     let s = f.restore_checked(Some(&la)).await;
     // The disk from media/, the memory's two unchanged chunks from v1.
     assert_eq!(s.chunks_fetched, 1);
+    // A device named directly is refused, not read.
+    let la = Lookaside::scan(&[PathBuf::from("/dev/zero")], &f.m2);
+    let scan = la.scan_report();
+    assert_eq!(scan.unusable.len(), 1);
+    assert_eq!(scan.unusable[0].1.kind(), std::io::ErrorKind::InvalidInput);
+    assert_eq!(scan.files, 0);
     // Only a missing path: everything from the store, still correct.
     let la = Lookaside::scan(&[missing], &f.m2);
     let s = f.restore_checked(Some(&la)).await;
