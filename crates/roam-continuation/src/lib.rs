@@ -92,6 +92,7 @@ mod error;
 mod host;
 pub mod record;
 mod service;
+pub mod service_set;
 mod session;
 pub mod store;
 

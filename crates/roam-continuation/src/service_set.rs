@@ -1,0 +1,550 @@
+//! Service sets over real sockets (issue 15): the tokio layer over
+//! `roam-service`'s sans-IO core.
+//!
+//! Each process of a service set is a [`Member`]: its channel ends (one
+//! Unix stream socket per channel, used in one direction) behind one lock,
+//! with `write_all`, `read` and `export` for the application. A coordinator
+//! (the root process, or whoever moves sessions) talks to each member over
+//! a control socket ([`Control`]): it freezes every member, has each drain
+//! its readers and send its part, checks the whole cut, starts the
+//! destination's members from their restarted parts, ends the source's and
+//! thaws the destination's. A member that cannot give its part (its log
+//! over the cap) answers with the reason; the coordinator thaws the source
+//! and the session goes on there.
+//!
+//! The control protocol: frames of a `u32` big-endian length, a type byte
+//! and a body. Member to coordinator: `HELLO`(role name) first, `READY`
+//! once its channels are connected, then `ACK`, `PART`(an encoded
+//! one-part [`Cut`]) or `REFUSED`(a reason).
+//! Coordinator to member: `START`(empty for a fresh start, else its
+//! restarted part) first, then `FREEZE`, `CUT`, `THAW`, `END`.
+
+use std::collections::BTreeMap;
+use std::io;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use roam_service::{ChannelId, Cut, Interval, Limits, Part, Process};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
+use tokio::sync::Notify;
+
+/// Frame types.
+const HELLO: u8 = 1;
+const START: u8 = 2;
+const FREEZE: u8 = 3;
+const CUT: u8 = 4;
+const THAW: u8 = 5;
+const END: u8 = 6;
+const ACK: u8 = 7;
+const PART: u8 = 8;
+const REFUSED: u8 = 9;
+const READY: u8 = 10;
+/// Largest control frame (a part holds logs of up to the log cap).
+const MAX_FRAME: usize = 256 << 20;
+/// How long a coordinator waits for a member's answer.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// One process of a service set.
+#[derive(Clone)]
+pub struct Member {
+    /// The ends, the sockets and the freeze flag, taken only briefly.
+    inner: Arc<Mutex<Inner>>,
+    /// Woken when the member is thawed.
+    thawed: Arc<Notify>,
+}
+
+/// A member's state behind its lock.
+struct Inner {
+    /// The sans-IO ends and the last snapshot.
+    process: Process,
+    /// The socket of each channel this process reads.
+    readers: BTreeMap<ChannelId, Arc<UnixStream>>,
+    /// The socket of each channel this process writes.
+    writers: BTreeMap<ChannelId, Arc<UnixStream>>,
+    /// Frozen by the coordinator: no byte moves until thawed.
+    frozen: bool,
+}
+
+fn cut_error(e: roam_service::Error) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, e)
+}
+
+impl Member {
+    /// A member at its first start (no snapshot).
+    pub fn fresh(limits: Limits) -> Self {
+        Self::from_process(Process::new(limits), false)
+    }
+
+    /// A member restarted from its part of a moved cut; it stays frozen
+    /// until the coordinator thaws it.
+    pub fn restarted(part: &[u8], limits: Limits) -> io::Result<Self> {
+        let cut = Cut::decode(part).map_err(cut_error)?;
+        let [part] = &cut.parts[..] else {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "a restarted member's cut must hold exactly one part",
+            ));
+        };
+        let process = Process::restarted(part, limits).map_err(cut_error)?;
+        Ok(Self::from_process(process, true))
+    }
+
+    fn from_process(process: Process, frozen: bool) -> Self {
+        Member {
+            inner: Arc::new(Mutex::new(Inner {
+                process,
+                readers: BTreeMap::new(),
+                writers: BTreeMap::new(),
+                frozen,
+            })),
+            thawed: Arc::new(Notify::new()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `import_state`: the snapshot to resume from, `None` on a fresh start.
+    pub fn snapshot(&self) -> Option<Vec<u8>> {
+        self.lock().process.snapshot().map(<[u8]>::to_vec)
+    }
+
+    /// The interval the process is in.
+    pub fn interval(&self) -> Interval {
+        self.lock().process.interval()
+    }
+
+    /// `associate`: this process writes channel `id` over `socket`.
+    pub fn add_writer(&self, id: ChannelId, socket: UnixStream) -> io::Result<()> {
+        let mut inner = self.lock();
+        if inner.process.writer(id).is_err() {
+            inner.process.associate_writer(id).map_err(cut_error)?;
+        }
+        inner.writers.insert(id, Arc::new(socket));
+        Ok(())
+    }
+
+    /// `associate`: this process reads channel `id` from `socket`.
+    pub fn add_reader(&self, id: ChannelId, socket: UnixStream) -> io::Result<()> {
+        let mut inner = self.lock();
+        if inner.process.reader(id).is_err() {
+            inner.process.associate_reader(id).map_err(cut_error)?;
+        }
+        inner.readers.insert(id, Arc::new(socket));
+        Ok(())
+    }
+
+    /// Waits while the member is frozen.
+    async fn thaw(&self) {
+        loop {
+            let notified = self.thawed.notified();
+            if !self.lock().frozen {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// Writes all of `data` on channel `id` and sends what may go out (in
+    /// a nondeterministic interval it is held until the next export).
+    pub async fn write_all(&self, id: ChannelId, data: &[u8]) -> io::Result<()> {
+        let mut rest = data;
+        loop {
+            self.thaw().await;
+            let socket = {
+                let mut inner = self.lock();
+                if inner.frozen {
+                    continue;
+                }
+                let socket = inner
+                    .writers
+                    .get(&id)
+                    .cloned()
+                    .ok_or_else(|| io::Error::other(format!("no socket for channel {id}")))?;
+                let end = inner.process.writer(id).map_err(cut_error)?;
+                let n = end.write(rest).map_err(cut_error)?;
+                rest = &rest[n..];
+                while !end.pending().is_empty() {
+                    match socket.try_write(end.pending()) {
+                        Ok(k) => end.sent(k).map_err(cut_error)?,
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                        Err(e) => return Err(e),
+                    }
+                }
+                if rest.is_empty() && end.pending().is_empty() {
+                    return Ok(());
+                }
+                socket
+            };
+            socket.writable().await?;
+        }
+    }
+
+    /// Reads from channel `id` into `buf`; 0 at the end of the channel.
+    pub async fn read(&self, id: ChannelId, buf: &mut [u8]) -> io::Result<usize> {
+        let mut tmp = vec![0u8; 64 << 10];
+        loop {
+            self.thaw().await;
+            let socket = {
+                let mut inner = self.lock();
+                if inner.frozen {
+                    continue;
+                }
+                let socket = inner
+                    .readers
+                    .get(&id)
+                    .cloned()
+                    .ok_or_else(|| io::Error::other(format!("no socket for channel {id}")))?;
+                let end = inner.process.reader(id).map_err(cut_error)?;
+                if !end.unread().is_empty() {
+                    return Ok(end.read(buf));
+                }
+                match socket.try_read(&mut tmp) {
+                    Ok(0) => return Ok(0),
+                    Ok(n) => {
+                        end.receive(&tmp[..n]);
+                        continue;
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                    Err(e) => return Err(e),
+                }
+                socket
+            };
+            socket.readable().await?;
+        }
+    }
+
+    /// `export_state`: the snapshot and every channel's position at once;
+    /// `next` is the interval entered. Output released by the export is
+    /// sent before this returns.
+    pub async fn export(&self, snapshot: &[u8], next: Interval) -> io::Result<()> {
+        let ids: Vec<ChannelId> = {
+            let mut inner = self.lock();
+            inner.process.export(snapshot, next);
+            inner.writers.keys().copied().collect()
+        };
+        for id in ids {
+            self.write_all(id, &[]).await?;
+        }
+        Ok(())
+    }
+
+    /// Drains every reader socket into its end (the writers are frozen, so
+    /// whatever they sent is in the sockets), then gives this process's part.
+    fn cut(&self) -> Result<Vec<u8>, String> {
+        let mut inner = self.lock();
+        let Inner {
+            process, readers, ..
+        } = &mut *inner;
+        let mut tmp = vec![0u8; 64 << 10];
+        for (id, socket) in readers.iter() {
+            let end = process.reader(*id).map_err(|e| e.to_string())?;
+            loop {
+                match socket.try_read(&mut tmp) {
+                    Ok(0) => break,
+                    Ok(n) => end.receive(&tmp[..n]),
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) => return Err(format!("draining channel {id}: {e}")),
+                }
+            }
+        }
+        let part = process.part().map_err(|e| e.to_string())?;
+        Ok(Cut { parts: vec![part] }.encode())
+    }
+
+    /// Tells the coordinator this member's channels are connected.
+    pub async fn ready(&self, control: &mut UnixStream) -> io::Result<()> {
+        send(control, READY, &[]).await
+    }
+
+    /// Answers the coordinator on `control` until it says `END` (the
+    /// process's session moved away: the caller exits) or closes it.
+    pub async fn serve_control(&self, mut control: UnixStream) -> io::Result<()> {
+        loop {
+            let Some((kind, _)) = recv(&mut control).await? else {
+                return Ok(());
+            };
+            match kind {
+                FREEZE => {
+                    self.lock().frozen = true;
+                    send(&mut control, ACK, &[]).await?;
+                }
+                CUT => match self.cut() {
+                    Ok(part) => send(&mut control, PART, &part).await?,
+                    Err(why) => send(&mut control, REFUSED, why.as_bytes()).await?,
+                },
+                THAW => {
+                    self.lock().frozen = false;
+                    self.thawed.notify_waiters();
+                    send(&mut control, ACK, &[]).await?;
+                }
+                END => {
+                    send(&mut control, ACK, &[]).await?;
+                    return Ok(());
+                }
+                other => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!("unexpected control frame {other}"),
+                    ))
+                }
+            }
+        }
+    }
+}
+
+/// A member joins its coordinator: says its role, and gets back its start
+/// (a fresh member, or its restarted part, frozen until thawed).
+pub async fn join(control: &mut UnixStream, role: &str, limits: Limits) -> io::Result<Member> {
+    send(control, HELLO, role.as_bytes()).await?;
+    match recv(control).await? {
+        Some((START, body)) if body.is_empty() => Ok(Member::fresh(limits)),
+        Some((START, body)) => Member::restarted(&body, limits),
+        _ => Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "the coordinator did not start this member",
+        )),
+    }
+}
+
+/// The coordinator's end of one member's control socket.
+#[derive(Debug)]
+pub struct Control {
+    /// The socket.
+    socket: UnixStream,
+    /// The role the member named.
+    pub role: String,
+}
+
+impl Control {
+    /// Takes a member's `HELLO` and starts it: `part` is `None` for a fresh
+    /// start, else its restarted part (from [`restart_parts`]).
+    pub async fn accept(
+        mut socket: UnixStream,
+        part: impl FnOnce(&str) -> Option<Vec<u8>>,
+    ) -> io::Result<Self> {
+        let role = match tokio::time::timeout(ANSWER_TIMEOUT, recv(&mut socket)).await {
+            Ok(Ok(Some((HELLO, body)))) => String::from_utf8_lossy(&body).into_owned(),
+            Ok(Err(e)) => return Err(e),
+            Err(_) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "no HELLO from the member",
+                ))
+            }
+            _ => return Err(io::Error::new(io::ErrorKind::InvalidData, "expected HELLO")),
+        };
+        let body = part(&role).unwrap_or_default();
+        send(&mut socket, START, &body).await?;
+        Ok(Control { socket, role })
+    }
+
+    async fn ask(&mut self, kind: u8) -> io::Result<(u8, Vec<u8>)> {
+        send(&mut self.socket, kind, &[]).await?;
+        match tokio::time::timeout(ANSWER_TIMEOUT, recv(&mut self.socket)).await {
+            Ok(Ok(Some(answer))) => Ok(answer),
+            Ok(Ok(None)) => Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("member {} closed its control socket", self.role),
+            )),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!(
+                    "member {} did not answer within {ANSWER_TIMEOUT:?}",
+                    self.role
+                ),
+            )),
+        }
+    }
+
+    async fn expect_ack(&mut self, kind: u8) -> io::Result<()> {
+        match self.ask(kind).await? {
+            (ACK, _) => Ok(()),
+            (k, _) => Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("member {} answered {k} instead of ACK", self.role),
+            )),
+        }
+    }
+
+    /// Waits for the member's `READY` (its channels are connected).
+    pub async fn ready(&mut self) -> io::Result<()> {
+        match tokio::time::timeout(ANSWER_TIMEOUT, recv(&mut self.socket)).await {
+            Ok(Ok(Some((READY, _)))) => Ok(()),
+            Ok(Ok(Some((k, _)))) => Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("member {} sent {k} instead of READY", self.role),
+            )),
+            Ok(Ok(None)) => Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!(
+                    "member {} closed its control socket before it was ready",
+                    self.role
+                ),
+            )),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!(
+                    "member {} was not ready within {ANSWER_TIMEOUT:?}",
+                    self.role
+                ),
+            )),
+        }
+    }
+
+    /// Stops the member's channel traffic.
+    pub async fn freeze(&mut self) -> io::Result<()> {
+        self.expect_ack(FREEZE).await
+    }
+
+    /// Lets the member run again.
+    pub async fn thaw(&mut self) -> io::Result<()> {
+        self.expect_ack(THAW).await
+    }
+
+    /// Tells the member its session moved away (it exits).
+    pub async fn end(&mut self) -> io::Result<()> {
+        self.expect_ack(END).await
+    }
+
+    /// The member's part (it drains its readers first). `Ok(Err(reason))`
+    /// when it cannot give one, e.g. its log is over the cap.
+    pub async fn part(&mut self) -> io::Result<Result<Part, String>> {
+        match self.ask(CUT).await? {
+            (PART, body) => {
+                let cut = Cut::decode(&body).map_err(cut_error)?;
+                match <[Part; 1]>::try_from(cut.parts) {
+                    Ok([part]) => Ok(Ok(part)),
+                    Err(_) => Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        "a member's part must be a one-part cut",
+                    )),
+                }
+            }
+            (REFUSED, why) => Ok(Err(String::from_utf8_lossy(&why).into_owned())),
+            (k, _) => Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("member {} answered {k} instead of its part", self.role),
+            )),
+        }
+    }
+}
+
+/// How [`move_set`] ended.
+#[derive(Debug)]
+pub enum MoveOutcome {
+    /// The destination's members run the set (thawed); the source's were
+    /// ended.
+    Moved(Vec<Control>),
+    /// A member could not give its part, or the cut did not check: the
+    /// source's members were thawed and the set goes on there.
+    Refused(String),
+    /// The destination could not be started (a process died, did not
+    /// answer, or the caller's start failed): the source's members were
+    /// thawed and the set goes on there.
+    DestinationFailed(io::Error),
+}
+
+/// Moves a service set: freezes every member of `source` (in the set's
+/// order), takes each one's part, checks the whole cut, asks `start` to
+/// start the destination's processes from their restarted parts (one per
+/// member, same order; `start` returns their controls once each is
+/// [`Control::ready`]), then ends the source's members and thaws the
+/// destination's. Nothing at the source has changed state since its
+/// freeze until the ends, so every failure before them thaws the source
+/// and says why. An `Err` is a control socket of the source failing (a
+/// source member that died).
+pub async fn move_set<F, Fut>(
+    source: &mut [Control],
+    limits: Limits,
+    start: F,
+) -> io::Result<MoveOutcome>
+where
+    F: FnOnce(Vec<Vec<u8>>) -> Fut,
+    Fut: std::future::Future<Output = io::Result<Vec<Control>>>,
+{
+    for c in source.iter_mut() {
+        c.freeze().await?;
+    }
+    let mut parts = Vec::with_capacity(source.len());
+    let mut refused = None;
+    for c in source.iter_mut() {
+        match c.part().await? {
+            Ok(part) => parts.push(part),
+            Err(why) => refused = refused.or(Some(why)),
+        }
+    }
+    let plan = match refused {
+        Some(why) => Err(why),
+        None => restart_parts(parts, limits).map_err(|e| e.to_string()),
+    };
+    let outcome = match plan {
+        Err(why) => MoveOutcome::Refused(why),
+        Ok(plan) => match start(plan).await {
+            Ok(mut destination) => {
+                for c in source.iter_mut() {
+                    c.end().await?;
+                }
+                for c in destination.iter_mut() {
+                    c.thaw().await?;
+                }
+                return Ok(MoveOutcome::Moved(destination));
+            }
+            Err(e) => MoveOutcome::DestinationFailed(e),
+        },
+    };
+    for c in source.iter_mut() {
+        c.thaw().await?;
+    }
+    Ok(outcome)
+}
+
+/// Checks a whole cut (the parts in the service set's order) and gives
+/// each process's restarted part, encoded for [`Control::accept`].
+pub fn restart_parts(
+    parts: Vec<Part>,
+    limits: Limits,
+) -> Result<Vec<Vec<u8>>, roam_service::Error> {
+    let processes = Cut { parts }.resume(limits)?;
+    processes
+        .iter()
+        .map(|p| {
+            Ok(Cut {
+                parts: vec![p.part()?],
+            }
+            .encode())
+        })
+        .collect()
+}
+
+async fn send(socket: &mut UnixStream, kind: u8, body: &[u8]) -> io::Result<()> {
+    let mut frame = Vec::with_capacity(5 + body.len());
+    frame.extend_from_slice(&(body.len() as u32 + 1).to_be_bytes());
+    frame.push(kind);
+    frame.extend_from_slice(body);
+    socket.write_all(&frame).await
+}
+
+async fn recv(socket: &mut UnixStream) -> io::Result<Option<(u8, Vec<u8>)>> {
+    let mut len = [0u8; 4];
+    match socket.read_exact(&mut len).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e),
+    }
+    let len = u32::from_be_bytes(len) as usize;
+    if len == 0 || len > MAX_FRAME {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("control frame of {len} bytes"),
+        ));
+    }
+    let mut body = vec![0u8; len];
+    socket.read_exact(&mut body).await?;
+    let kind = body.remove(0);
+    Ok(Some((kind, body)))
+}
