@@ -34,7 +34,11 @@ pub(super) enum DialerWake {
 pub(crate) struct Dialer {
     /// `host:port` of the server (changed by a `MOVE_TO`).
     pub(crate) addr: String,
-    pub(crate) config: crate::ClientConfig,
+    /// The few settings a re-dial needs, not the whole
+    /// [`crate::ClientConfig`]: this lives as long as the session does
+    /// (suspended ones included), and the rest of the configuration (keys,
+    /// trust, protocol settings) is already in the session or not needed.
+    knobs: Knobs,
     /// Attempts since the last resume; 0 means the next one goes out at once.
     pub(super) attempt: u32,
     redial_at: Option<Instant>,
@@ -53,11 +57,25 @@ pub(crate) struct Dialer {
     /// The transport of the resume attempt in flight, until it is lost
     /// (a resume that did not complete there moves the ring on).
     pub(super) resuming: Option<roam_proto::TransportId>,
-    /// The rate-based move policy, if configured.
-    slowdown: Option<super::slowdown::Slowdown>,
+    /// The rate-based move policy, if configured. Boxed: rarely set, and
+    /// inline it would make every session's dialer ~90 bytes larger.
+    slowdown: Option<Box<super::slowdown::Slowdown>>,
     /// The address the session was opened at: first in the ring of
     /// addresses a failing re-dial walks ([`Dialer::rotate`]).
     first: String,
+}
+
+/// The settings of [`crate::ClientConfig`] a [`Dialer`] uses after it is built.
+struct Knobs {
+    /// `ClientConfig::backoff_initial`.
+    backoff_initial: Duration,
+    /// `ClientConfig::backoff_max`.
+    backoff_max: Duration,
+    /// `ClientConfig::connect_timeout`.
+    connect_timeout: Duration,
+    /// Idle time before TCP keepalive probes on a new connection: twice the
+    /// session's `suspend_after`, as on the first connection.
+    keepalive_idle: Duration,
 }
 
 /// Moves followed at once between two resumes; later ones wait the backoff.
@@ -75,9 +93,14 @@ impl Dialer {
             resuming: None,
             slowdown: config
                 .move_when_slow
-                .map(|p| super::slowdown::Slowdown::new(p, Instant::now())),
+                .map(|p| Box::new(super::slowdown::Slowdown::new(p, Instant::now()))),
             addr,
-            config,
+            knobs: Knobs {
+                backoff_initial: config.backoff_initial,
+                backoff_max: config.backoff_max,
+                connect_timeout: config.connect_timeout,
+                keepalive_idle: config.proto.session.suspend_after * 2,
+            },
             attempt: 0,
             redial_at: None,
             force: false,
@@ -97,17 +120,17 @@ impl Dialer {
         }
         let exp = (self.attempt - 1).min(16);
         let d = self
-            .config
+            .knobs
             .backoff_initial
             .saturating_mul(1 << exp)
-            .min(self.config.backoff_max);
+            .min(self.knobs.backoff_max);
         let half = d / 2;
         half + rand::thread_rng().gen_range(Duration::ZERO..=d - half)
     }
 
     fn start_dial(&mut self) {
         let addr = self.addr.clone();
-        let timeout = self.config.connect_timeout;
+        let timeout = self.knobs.connect_timeout;
         self.dial = Some(Box::pin(async move {
             match tokio::time::timeout(timeout, dial(&addr)).await {
                 Ok(r) => r,
@@ -208,7 +231,7 @@ impl Dialer {
         self.dial = None;
         match result {
             Ok((sock, peer)) => {
-                crate::sockopt::configure(&sock, self.config.proto.session.suspend_after * 2);
+                crate::sockopt::configure(&sock, self.knobs.keepalive_idle);
                 match sh.session.connect(now, network_peer(peer)) {
                     Ok(tid) => {
                         tracing::debug!("dialed {peer}, resuming on transport {tid:?}");

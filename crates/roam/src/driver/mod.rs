@@ -224,27 +224,35 @@ impl Driver {
         }
     }
 
-    pub(crate) async fn run(mut self) {
-        // One timer for the driver's whole life, moved rather than replaced:
-        // a new `Sleep` per iteration registered afresh each time, and
-        // registering one earlier than the runtime's next wake-up writes to
-        // its eventfd (two extra syscalls per ping-pong round trip, as the
-        // ACK deadline comes and goes). Moving a timer later costs nothing.
-        let timer = sleep_until(Instant::now());
-        tokio::pin!(timer);
-        loop {
-            let now = Instant::now();
-            let (deadline, done, new_session) = self.step(now);
-            if let (Some(handle), Kind::Server(s)) = (new_session, &self.kind) {
-                (s.on_session)(handle);
+    /// The driver's task. A plain function returning an `async move`
+    /// block rather than an `async fn`: an `async fn` keeps its argument
+    /// twice in its state (the argument and the body's copy), and this
+    /// future lives, inside its task, for as long as the session does,
+    /// suspended ones included.
+    pub(crate) fn run(self) -> impl std::future::Future<Output = ()> + Send {
+        let mut me = self;
+        async move {
+            // One timer for the driver's whole life, moved rather than replaced:
+            // a new `Sleep` per iteration registered afresh each time, and
+            // registering one earlier than the runtime's next wake-up writes to
+            // its eventfd (two extra syscalls per ping-pong round trip, as the
+            // ACK deadline comes and goes). Moving a timer later costs nothing.
+            let timer = sleep_until(Instant::now());
+            tokio::pin!(timer);
+            loop {
+                let now = Instant::now();
+                let (deadline, done, new_session) = me.step(now);
+                if let (Some(handle), Kind::Server(s)) = (new_session, &me.kind) {
+                    (s.on_session)(handle);
+                }
+                if done {
+                    break;
+                }
+                let wake = me.wait(deadline, timer.as_mut()).await;
+                me.on_wake(wake);
             }
-            if done {
-                break;
-            }
-            let wake = self.wait(deadline, timer.as_mut()).await;
-            self.on_wake(wake);
+            me.exit();
         }
-        self.exit();
     }
 
     /// Timers, transmit, events, re-dial scheduling. Returns the next deadline,
