@@ -67,7 +67,7 @@ pub async fn connect_over(
         if sh.connected {
             return Poll::Ready(None);
         }
-        if let Some(reason) = &sh.closed {
+        if let Some(reason) = sh.closed.as_deref() {
             return Poll::Ready(Some(reason.clone()));
         }
         if !sh.closed_wakers.iter().any(|w| w.will_wake(cx.waker())) {
@@ -142,7 +142,7 @@ pub async fn resume_journaled(
     );
     tokio::spawn(driver.run());
     loop {
-        if let Some(reason) = inner.lock().closed.clone() {
+        if let Some(reason) = inner.lock().closed.as_deref().cloned() {
             return Err(Error::Closed(reason));
         }
         match events.recv().await {
@@ -150,7 +150,7 @@ pub async fn resume_journaled(
             Ok(crate::SessionEvent::Closed { reason }) => return Err(Error::Closed(reason)),
             Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
             Err(tokio::sync::broadcast::error::RecvError::Closed) => {
-                let reason = inner.lock().closed.clone();
+                let reason = inner.lock().closed.as_deref().cloned();
                 return Err(Error::Closed(reason.unwrap_or(
                     roam_proto::CloseReason::Local {
                         code: roam_proto::code::INTERNAL,

@@ -144,8 +144,9 @@ pub(crate) struct Shared {
     pub(crate) orphans: HashSet<StreamId>,
     /// Tasks waiting for the session to end (and `connect`, for it to connect).
     pub(crate) closed_wakers: Vec<Waker>,
-    /// Set when the session is over.
-    pub(crate) closed: Option<CloseReason>,
+    /// Set when the session is over. Boxed: 8 bytes instead of 72 in every
+    /// session that is not over (suspended ones included).
+    pub(crate) closed: Option<Box<CloseReason>>,
     /// The first handshake completed.
     pub(crate) connected: bool,
     /// Addresses the server announced (client side).
@@ -331,7 +332,7 @@ impl SessionHandle {
     /// until a transport carries them.
     pub fn open_stream(&self, meta: &[u8]) -> Result<RoamStream, Error> {
         let mut sh = self.inner().lock();
-        if let Some(reason) = &sh.closed {
+        if let Some(reason) = sh.closed.as_deref() {
             return Err(Error::Closed(reason.clone()));
         }
         let id = sh.session.open_stream(meta)?;
@@ -348,7 +349,7 @@ impl SessionHandle {
             if let Some(id) = sh.incoming.pop_front() {
                 return Poll::Ready(Ok(id));
             }
-            if let Some(reason) = &sh.closed {
+            if let Some(reason) = sh.closed.as_deref() {
                 return Poll::Ready(Err(Error::Closed(reason.clone())));
             }
             if !sh.accept_wakers.iter().any(|w| w.will_wake(cx.waker())) {
@@ -433,7 +434,7 @@ impl SessionHandle {
         let inner = self.inner().clone();
         poll_fn(|cx| {
             let mut sh = inner.lock();
-            if let Some(reason) = &sh.closed {
+            if let Some(reason) = sh.closed.as_deref() {
                 return Poll::Ready(reason.clone());
             }
             if !sh.closed_wakers.iter().any(|w| w.will_wake(cx.waker())) {
@@ -601,7 +602,7 @@ impl SessionHandle {
     /// one handle per stream: two would interleave reads and writes.
     pub fn stream(&self, id: StreamId) -> Result<RoamStream, Error> {
         let mut sh = self.inner().lock();
-        if let Some(reason) = &sh.closed {
+        if let Some(reason) = sh.closed.as_deref() {
             return Err(Error::Closed(reason.clone()));
         }
         if sh.session.stream_meta(id).is_none() {
@@ -619,7 +620,7 @@ fn stream_failure(sh: &Shared, id: StreamId, e: StreamError) -> Error {
     if let (StreamError::UnknownStream, Some(code)) = (e, sh.resets.get(&id)) {
         return Error::Stream(StreamError::Reset(*code));
     }
-    match (&sh.closed, e) {
+    match (sh.closed.as_deref(), e) {
         (Some(reason), StreamError::SessionClosed | StreamError::UnknownStream) => {
             Error::Closed(reason.clone())
         }

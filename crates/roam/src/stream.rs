@@ -77,7 +77,7 @@ impl RoamStream {
         if let (StreamError::UnknownStream, Some(code)) = (e, sh.resets.get(&self.id)) {
             return StreamError::Reset(*code).into();
         }
-        match (&sh.closed, e) {
+        match (sh.closed.as_deref(), e) {
             (Some(reason), StreamError::SessionClosed | StreamError::UnknownStream) => {
                 io::Error::new(
                     io::ErrorKind::ConnectionAborted,

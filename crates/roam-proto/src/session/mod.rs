@@ -159,8 +159,9 @@ pub struct Session {
     role: Role,
     config: Config,
     state: State,
-    /// Set when closed; kept so later calls can report it.
-    close_reason: Option<CloseReason>,
+    /// Set when closed; kept so later calls can report it. Boxed: 8 bytes
+    /// instead of 72 for the whole life of a session that is not closed.
+    close_reason: Option<Box<CloseReason>>,
 
     // identity
     keypair: Option<Keypair>,
@@ -392,7 +393,7 @@ impl Session {
             ));
         }
         if let Some(reason) = &self.close_reason {
-            return Err(match reason {
+            return Err(match &**reason {
                 CloseReason::Error(e) => e.clone(),
                 _ => Error::ProtocolViolation("session is closed"),
             });
@@ -494,7 +495,7 @@ impl Session {
     }
     /// Why the session closed, once it has.
     pub fn close_reason(&self) -> Option<&CloseReason> {
-        self.close_reason.as_ref()
+        self.close_reason.as_deref()
     }
     /// The session id, once known (server: from accept; client: once connected).
     pub fn id(&self) -> Option<SessionId> {
@@ -762,7 +763,7 @@ impl Session {
                 }
             }
         }
-        self.close_reason = Some(reason.clone());
+        self.close_reason = Some(Box::new(reason.clone()));
         self.events.push_back(Event::Closed { reason });
         // Nothing will be sent again: free every send buffer now. Received
         // bytes stay readable (a graceful close follows the data it ends).

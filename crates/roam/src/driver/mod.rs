@@ -129,9 +129,9 @@ impl Driver {
             unaccepted: sh.incoming.drain(..).collect(),
             orphans: sh.orphans.iter().copied().collect(),
         };
-        sh.closed = Some(roam_proto::CloseReason::Local {
+        sh.closed = Some(Box::new(roam_proto::CloseReason::Local {
             code: roam_proto::code::NO_ERROR,
-        });
+        }));
         sh.detached = true;
         sh.wake_all();
         self.closed_sent = true;
@@ -324,9 +324,16 @@ impl Driver {
         }
         self.conns
             .retain(|c| !c.retire_by.is_some_and(|t| c.unwritten() == 0 || t <= now));
-        if self.conns.is_empty() && self.scratch.capacity() > 0 {
-            // Suspended: a record buffer is not needed until a transport is back.
-            self.scratch = Vec::new();
+        if self.conns.is_empty() {
+            // Suspended: a record buffer is not needed until a transport is
+            // back, nor room for connections (a `Conn` is ~170 bytes, and
+            // `retain` keeps the capacity).
+            if self.scratch.capacity() > 0 {
+                self.scratch = Vec::new();
+            }
+            if self.conns.capacity() > 0 {
+                self.conns = Vec::new();
+            }
         }
 
         let give_up = self.give_up_at.is_some_and(|t| t <= now);
@@ -578,7 +585,7 @@ impl Driver {
                     id_text(sh),
                     crate::error::describe_close(&reason)
                 );
-                sh.closed = Some(reason.clone());
+                sh.closed = Some(Box::new(reason.clone()));
                 sh.wake_all();
                 self.closed_sent = true;
                 events.send(SessionEvent::Closed { reason });
@@ -700,13 +707,13 @@ impl Driver {
     fn exit(mut self) {
         let mut sh = self.inner.lock();
         if sh.closed.is_none() {
-            sh.closed = Some(roam_proto::CloseReason::Local {
+            sh.closed = Some(Box::new(roam_proto::CloseReason::Local {
                 code: roam_proto::code::NO_ERROR,
-            });
+            }));
         }
         sh.wake_all();
         if !self.closed_sent {
-            if let Some(reason) = sh.closed.clone() {
+            if let Some(reason) = sh.closed.as_deref().cloned() {
                 self.inner.events.send(SessionEvent::Closed { reason });
             }
         }
