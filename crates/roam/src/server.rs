@@ -468,7 +468,7 @@ async fn new_session(
     let mut driver = Driver::new(
         inner,
         Conn::new(tid, sock, peer, Some(permit)),
-        Kind::Server(side),
+        Kind::Server(Box::new(side)),
     );
     driver.initial_input(&rest);
     tracing::debug!("new session {id} from {peer}");
@@ -607,8 +607,8 @@ fn run_restored(
     };
     tracing::debug!("restored session {id}");
     let driver = match conn {
-        Some(c) => Driver::new(inner, c, Kind::Server(side)),
-        None => Driver::restored(inner, Kind::Server(side)),
+        Some(c) => Driver::new(inner, c, Kind::Server(Box::new(side))),
+        None => Driver::restored(inner, Kind::Server(Box::new(side))),
     };
     tokio::spawn(driver.run());
 }
