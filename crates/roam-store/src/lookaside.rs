@@ -45,6 +45,7 @@ use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io::{self, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 
@@ -164,8 +165,9 @@ pub struct LookasideScan {
 pub struct Lookaside {
     /// Where wanted chunks are.
     index: LookasideIndex,
-    /// The files, by [`Location::source`].
-    sources: Vec<PathBuf>,
+    /// The files, by [`Location::source`] (shared with the blocking reads
+    /// of [`Lookaside::read_async`]).
+    sources: Vec<Arc<Path>>,
     /// What the scan found.
     scan: LookasideScan,
 }
@@ -269,7 +271,7 @@ impl Lookaside {
     fn index_file(&mut self, path: &Path, buf: &mut [u8]) -> io::Result<()> {
         let mut file = File::open(path)?;
         let source = self.sources.len();
-        self.sources.push(path.to_owned());
+        self.sources.push(Arc::from(path));
         self.scan.files += 1;
         let mut offset = 0u64;
         while !self.index.complete() {
@@ -302,26 +304,48 @@ impl Lookaside {
     /// pass [`chunk_matches`]; `Rejected` if a place was known but its bytes did
     /// not (changed since the scan, unreadable); `Absent` otherwise.
     /// Blocking (one read of at most [`CHUNK_SIZE`] bytes from a local
-    /// file, which a caller may do in place).
+    /// file); async code uses [`Lookaside::read_async`].
     pub fn read(&self, chunk: &ChunkRef, len: usize) -> LookasideRead {
-        let Some(loc) = self.index.locate(chunk, len) else {
-            return LookasideRead::Absent;
-        };
-        let Some(path) = self.sources.get(loc.source) else {
-            return LookasideRead::Absent;
-        };
-        let bytes = (|| {
-            let mut file = File::open(path)?;
-            file.seek(SeekFrom::Start(loc.offset))?;
-            let mut bytes = vec![0u8; len];
-            let n = read_full(&mut file, &mut bytes)?;
-            bytes.truncate(n);
-            Ok::<_, io::Error>(bytes)
-        })();
-        match bytes {
-            Ok(bytes) if chunk_matches(chunk, len, &bytes) => LookasideRead::Found(bytes),
-            _ => LookasideRead::Rejected,
+        match self.place(chunk, len) {
+            Some((path, offset)) => read_checked(&path, offset, *chunk, len),
+            None => LookasideRead::Absent,
         }
+    }
+
+    /// [`Lookaside::read`] on tokio's blocking threads, so reading and
+    /// hashing several chunks overlap (a restore keeps several in flight)
+    /// and the async threads never wait on the disk.
+    pub async fn read_async(&self, chunk: &ChunkRef, len: usize) -> LookasideRead {
+        let Some((path, offset)) = self.place(chunk, len) else {
+            return LookasideRead::Absent;
+        };
+        let chunk = *chunk;
+        tokio::task::spawn_blocking(move || read_checked(&path, offset, chunk, len))
+            .await
+            .unwrap_or(LookasideRead::Rejected)
+    }
+
+    /// The file and offset the index has for `chunk`, if any.
+    fn place(&self, chunk: &ChunkRef, len: usize) -> Option<(Arc<Path>, u64)> {
+        let loc = self.index.locate(chunk, len)?;
+        Some((self.sources.get(loc.source)?.clone(), loc.offset))
+    }
+}
+
+/// Reads `len` bytes at `offset` of `path`: `Found` only if they are
+/// `chunk` ([`chunk_matches`]), else `Rejected`.
+fn read_checked(path: &Path, offset: u64, chunk: ChunkRef, len: usize) -> LookasideRead {
+    let bytes = (|| {
+        let mut file = File::open(path)?;
+        file.seek(SeekFrom::Start(offset))?;
+        let mut bytes = vec![0u8; len];
+        let n = read_full(&mut file, &mut bytes)?;
+        bytes.truncate(n);
+        Ok::<_, io::Error>(bytes)
+    })();
+    match bytes {
+        Ok(bytes) if chunk_matches(&chunk, len, &bytes) => LookasideRead::Found(bytes),
+        _ => LookasideRead::Rejected,
     }
 }
 

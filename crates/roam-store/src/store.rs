@@ -621,10 +621,14 @@ impl<B: ChunkBackend> Store<B> {
                 chunks: entry.chunks.len() as u64,
             });
         };
-        let rejected = match lookaside.map(|l| l.read(chunk, len)) {
-            Some(LookasideRead::Found(bytes)) => return Ok((bytes, Source::Lookaside)),
-            Some(LookasideRead::Rejected) => true,
-            Some(LookasideRead::Absent) | None => false,
+        let found = match lookaside {
+            Some(l) => l.read_async(chunk, len).await,
+            None => LookasideRead::Absent,
+        };
+        let rejected = match found {
+            LookasideRead::Found(bytes) => return Ok((bytes, Source::Lookaside)),
+            LookasideRead::Rejected => true,
+            LookasideRead::Absent => false,
         };
         let object = match self
             .backend
