@@ -920,6 +920,16 @@ async fn scan_lookaside(
     manifest: &Manifest,
     rep: &mut Reporter,
 ) -> Result<Lookaside, Fail> {
+    for path in paths {
+        // A store directory's objects are sealed: none hashes to a chunk.
+        if path.join("objects").is_dir() && path.join("tmp").is_dir() {
+            eprintln_whole!(
+                "roam: warning: lookaside {} looks like a roam store: its chunks are encrypted \
+                 and cannot be found by hash (use it as --store, or name resumed files)",
+                path.display()
+            );
+        }
+    }
     let started = Instant::now();
     let (paths_owned, m) = (paths.to_vec(), manifest.clone());
     let la = tokio::task::spawn_blocking(move || Lookaside::scan(&paths_owned, &m))

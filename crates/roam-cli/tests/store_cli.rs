@@ -459,6 +459,32 @@ fn lookaside_fresh_stale_tampered_in_place_and_missing() {
         &[],
     );
     assert!(!out.contains("lookaside"), "{out}");
+    // The store directory itself as lookaside: sealed objects never match;
+    // a warning says what to do instead.
+    let store = state.path().join("store");
+    let from_store = work.path().join("from-store");
+    let out = roam(
+        state.path(),
+        &[
+            "resume",
+            "--env",
+            "lab",
+            "--lookaside",
+            store.to_str().unwrap(),
+            from_store.to_str().unwrap(),
+        ],
+        &[],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "roam: warning: lookaside {} looks like a roam store",
+            store.display()
+        )),
+        "{stderr}"
+    );
+    assert_eq!(lookaside_counts(&String::from_utf8_lossy(&out.stdout)).0, 0);
     let help = ok(state.path(), &["resume", "--help"], &[]);
     assert!(help.contains("--lookaside <DIR>"), "{help}");
     assert!(
