@@ -136,8 +136,13 @@ impl Member {
         Ok(())
     }
 
-    /// Waits while the member is frozen.
-    async fn thaw(&self) {
+    /// Waits while the member is frozen. A process calls it before every
+    /// effect outside the set's channels (a database statement, a file
+    /// write): a frozen process must not act, because its destination may
+    /// already be running from its part. A restarted member is frozen
+    /// until the coordinator thaws it, so this is also how its first
+    /// effect waits for the source to have ended.
+    pub async fn running(&self) {
         loop {
             let notified = self.thawed.notified();
             if !self.lock().frozen {
@@ -152,7 +157,7 @@ impl Member {
     pub async fn write_all(&self, id: ChannelId, data: &[u8]) -> io::Result<()> {
         let mut rest = data;
         loop {
-            self.thaw().await;
+            self.running().await;
             let socket = {
                 let mut inner = self.lock();
                 if inner.frozen {
@@ -186,7 +191,7 @@ impl Member {
     pub async fn read(&self, id: ChannelId, buf: &mut [u8]) -> io::Result<usize> {
         let mut tmp = vec![0u8; 64 << 10];
         loop {
-            self.thaw().await;
+            self.running().await;
             let socket = {
                 let mut inner = self.lock();
                 if inner.frozen {
@@ -219,11 +224,17 @@ impl Member {
     /// `export_state`: the snapshot and every channel's position at once;
     /// `next` is the interval entered. Output released by the export is
     /// sent before this returns.
+    /// A frozen member's export waits for the thaw (a process does not
+    /// change its part once frozen).
     pub async fn export(&self, snapshot: &[u8], next: Interval) -> io::Result<()> {
-        let ids: Vec<ChannelId> = {
+        let ids: Vec<ChannelId> = loop {
+            self.running().await;
             let mut inner = self.lock();
+            if inner.frozen {
+                continue;
+            }
             inner.process.export(snapshot, next);
-            inner.writers.keys().copied().collect()
+            break inner.writers.keys().copied().collect();
         };
         for id in ids {
             self.write_all(id, &[]).await?;

@@ -121,6 +121,7 @@ impl Coordinator {
         controls.sort_by_key(|c| ROLES.iter().position(|r| *r == c.role));
         if sabotage {
             children[1].start_kill()?;
+            children[1].wait().await?;
         }
         // A member that dies before it is ready fails the start at once,
         // not after the answer timeout (its peers wait on its sockets).
