@@ -5,13 +5,16 @@
 //! interval with payloads from this process's own randomness.
 //!
 //! ```text
-//! service_member ROLE SITE_DIR CONTROL_SOCKET OUT_DIR RECORDS [LOG_CAP]
+//! service_member ROLE SITE_DIR CONTROL_SOCKET OUT_DIR RECORDS [LOG_CAP [TRANSPORT]]
 //! ```
 //!
 //! The member joins the coordinator on CONTROL_SOCKET (fresh, or restarted
-//! from its part, frozen until thawed), sets up its channel sockets in
-//! SITE_DIR (`c1.sock`, `c2.sock`: the reader listens), says it is ready,
-//! and runs. `w` writes `OUT_DIR/w.hist` (its records' fingerprints) once
+//! from its part, frozen until thawed), sets up its channels in SITE_DIR,
+//! says it is ready, and runs. TRANSPORT is how the channels are made:
+//! `unix` (the default: `c1.sock`, `c2.sock`, the reader listens), `tcp`
+//! (the reader listens on a loopback port it writes to `c1.port`,
+//! `c2.port`) or `fifo` (named pipes `c1.fifo`, `c2.fifo`). LOG_CAP 0
+//! keeps the default cap. `w` writes `OUT_DIR/w.hist` (its records' fingerprints) once
 //! it has produced RECORDS records; `r` writes `OUT_DIR/r.consumed` once it
 //! has consumed them, or `OUT_DIR/r.error` if a record arrives out of
 //! order. The process exits when the coordinator ends it.
@@ -20,10 +23,11 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use rand::Rng;
-use roam_continuation::service_set::{join, Member};
+use roam_continuation::service_set::{join, Endpoint, Member};
 use roam_service::{ChannelId, Interval, Limits};
 use sha2::{Digest, Sha256};
-use tokio::net::{UnixListener, UnixStream};
+use tokio::net::unix::pipe;
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 
 const C1: ChannelId = ChannelId(1);
 const C2: ChannelId = ChannelId(2);
@@ -39,20 +43,96 @@ fn publish(path: &Path, bytes: &[u8]) {
     std::fs::rename(&tmp, path).expect("publish result");
 }
 
-async fn connect(path: &Path) -> UnixStream {
+/// How the members' channels are made.
+#[derive(Clone, Copy)]
+enum Transport {
+    /// Unix stream sockets; the reader listens.
+    Unix,
+    /// TCP over loopback; the reader listens on a port it publishes.
+    Tcp,
+    /// Named pipes.
+    Fifo,
+}
+
+/// Retries `attempt` every 10 ms for up to 10 s.
+async fn retry<T>(what: &str, mut attempt: impl AsyncFnMut() -> Option<T>) -> T {
     for _ in 0..1000 {
-        if let Ok(s) = UnixStream::connect(path).await {
-            return s;
+        if let Some(t) = attempt().await {
+            return t;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    panic!("{} never listened", path.display());
+    panic!("{what}: the reader never appeared");
 }
 
-async fn accept(path: &Path) -> UnixStream {
-    let _ = std::fs::remove_file(path);
-    let listener = UnixListener::bind(path).expect("bind channel socket");
-    listener.accept().await.expect("accept channel").0
+/// Makes the FIFO at `path` unless it exists.
+fn fifo(path: &Path) {
+    match nix::unistd::mkfifo(path, nix::sys::stat::Mode::from_bits_truncate(0o600)) {
+        Ok(()) | Err(nix::errno::Errno::EEXIST) => {}
+        Err(e) => panic!("mkfifo {}: {e}", path.display()),
+    }
+}
+
+/// The writing end of channel `name` at `site`.
+async fn writer_end(t: Transport, site: &Path, name: &str) -> Endpoint {
+    match t {
+        Transport::Unix => {
+            let path = site.join(format!("{name}.sock"));
+            retry(name, async || UnixStream::connect(&path).await.ok())
+                .await
+                .into()
+        }
+        Transport::Tcp => {
+            let path = site.join(format!("{name}.port"));
+            retry(name, async || {
+                let port: u16 = std::fs::read_to_string(&path).ok()?.parse().ok()?;
+                TcpStream::connect(("127.0.0.1", port)).await.ok()
+            })
+            .await
+            .into()
+        }
+        Transport::Fifo => {
+            let path = site.join(format!("{name}.fifo"));
+            fifo(&path);
+            // Opening a FIFO's write end fails (ENXIO) until it has a reader.
+            retry(name, async || {
+                pipe::OpenOptions::new().open_sender(&path).ok()
+            })
+            .await
+            .into()
+        }
+    }
+}
+
+/// The reading end of channel `name` at `site`.
+async fn reader_end(t: Transport, site: &Path, name: &str) -> Endpoint {
+    match t {
+        Transport::Unix => {
+            let path = site.join(format!("{name}.sock"));
+            let _ = std::fs::remove_file(&path);
+            let listener = UnixListener::bind(&path).expect("bind channel socket");
+            listener.accept().await.expect("accept channel").0.into()
+        }
+        Transport::Tcp => {
+            let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+            let port = listener.local_addr().expect("port").port();
+            publish(
+                &site.join(format!("{name}.port")),
+                port.to_string().as_bytes(),
+            );
+            listener.accept().await.expect("accept channel").0.into()
+        }
+        Transport::Fifo => {
+            let path = site.join(format!("{name}.fifo"));
+            fifo(&path);
+            // Read-write: no end of file before the writer opens.
+            pipe::OpenOptions::new()
+                .read_write(true)
+                .open_receiver(&path)
+                .expect("open the FIFO")
+                .into()
+        }
+    }
 }
 
 /// The producer: `next_seq` and its history in its snapshot.
@@ -188,29 +268,41 @@ async fn consumer(m: Member, out: PathBuf, records: u64) {
 async fn main() {
     let args: Vec<String> = std::env::args().collect();
     let [_, role, site, control, out, records, rest @ ..] = &args[..] else {
-        eprintln!("usage: service_member ROLE SITE_DIR CONTROL_SOCKET OUT_DIR RECORDS [LOG_CAP]");
+        eprintln!(
+            "usage: service_member ROLE SITE_DIR CONTROL_SOCKET OUT_DIR RECORDS [LOG_CAP [TRANSPORT]]"
+        );
         std::process::exit(2);
     };
     let mut limits = Limits::default();
-    if let Some(cap) = rest.first() {
-        limits.log_bytes = cap.parse().expect("LOG_CAP is a number");
+    match rest
+        .first()
+        .map(|cap| cap.parse().expect("LOG_CAP is a number"))
+    {
+        None | Some(0) => {}
+        Some(cap) => limits.log_bytes = cap,
     }
+    let transport = match rest.get(1).map(String::as_str) {
+        None | Some("unix") => Transport::Unix,
+        Some("tcp") => Transport::Tcp,
+        Some("fifo") => Transport::Fifo,
+        Some(other) => panic!("TRANSPORT {other:?}: unix, tcp or fifo"),
+    };
     let records: u64 = records.parse().expect("RECORDS is a number");
     let (site, out) = (PathBuf::from(site), PathBuf::from(out));
     let mut control = UnixStream::connect(control).await.expect("control socket");
     let m = join(&mut control, role, limits).await.expect("join");
     match role.as_str() {
-        "w" => m.add_writer(C1, connect(&site.join("c1.sock")).await),
+        "w" => m.add_writer(C1, writer_end(transport, &site, "c1").await),
         "f" => {
             let listening = tokio::spawn({
-                let p = site.join("c1.sock");
-                async move { accept(&p).await }
+                let site = site.clone();
+                async move { reader_end(transport, &site, "c1").await }
             });
-            let c2 = connect(&site.join("c2.sock")).await;
+            let c2 = writer_end(transport, &site, "c2").await;
             m.add_writer(C2, c2).expect("c2");
-            m.add_reader(C1, listening.await.expect("accept c1"))
+            m.add_reader(C1, listening.await.expect("c1"))
         }
-        "r" => m.add_reader(C2, accept(&site.join("c2.sock")).await),
+        "r" => m.add_reader(C2, reader_end(transport, &site, "c2").await),
         _ => panic!("unknown role {role}"),
     }
     .expect("associate");

@@ -2,7 +2,8 @@
 //! `roam-service`'s sans-IO core.
 //!
 //! Each process of a service set is a [`Member`]: its channel ends (one
-//! Unix stream socket per channel, used in one direction) behind one lock,
+//! [`Endpoint`] per channel, used in one direction: a Unix socket, a TCP
+//! connection, or a pipe or FIFO) behind one lock,
 //! with `write_all`, `read` and `export` for the application. A coordinator
 //! (the root process, or whoever moves sessions) talks to each member over
 //! a control socket ([`Control`]): it freezes every member, has each drain
@@ -26,7 +27,8 @@ use std::time::Duration;
 
 use roam_service::{ChannelId, Cut, Interval, Limits, Part, Process};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::UnixStream;
+use tokio::net::unix::pipe;
+use tokio::net::{TcpStream, UnixStream};
 use tokio::sync::Notify;
 
 /// Frame types.
@@ -45,6 +47,90 @@ const MAX_FRAME: usize = 256 << 20;
 /// How long a coordinator waits for a member's answer.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// What one end of a channel between two members runs on. Only its
+/// direction's half is used: a member reads a channel it reads and writes
+/// one it writes.
+#[derive(Debug)]
+pub enum Endpoint {
+    /// A Unix stream socket.
+    Unix(UnixStream),
+    /// A TCP connection (a back-end on another host).
+    Tcp(TcpStream),
+    /// The write end of a pipe or FIFO.
+    PipeWriter(pipe::Sender),
+    /// The read end of a pipe or FIFO.
+    PipeReader(pipe::Receiver),
+}
+
+impl From<UnixStream> for Endpoint {
+    fn from(s: UnixStream) -> Self {
+        Endpoint::Unix(s)
+    }
+}
+
+impl From<TcpStream> for Endpoint {
+    fn from(s: TcpStream) -> Self {
+        Endpoint::Tcp(s)
+    }
+}
+
+impl From<pipe::Sender> for Endpoint {
+    fn from(s: pipe::Sender) -> Self {
+        Endpoint::PipeWriter(s)
+    }
+}
+
+impl From<pipe::Receiver> for Endpoint {
+    fn from(s: pipe::Receiver) -> Self {
+        Endpoint::PipeReader(s)
+    }
+}
+
+fn wrong_way(what: &str) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::Unsupported,
+        format!("{what} on the wrong end of a pipe"),
+    )
+}
+
+impl Endpoint {
+    fn try_read(&self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Endpoint::Unix(s) => s.try_read(buf),
+            Endpoint::Tcp(s) => s.try_read(buf),
+            Endpoint::PipeReader(s) => s.try_read(buf),
+            Endpoint::PipeWriter(_) => Err(wrong_way("a read")),
+        }
+    }
+
+    fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Endpoint::Unix(s) => s.try_write(buf),
+            Endpoint::Tcp(s) => s.try_write(buf),
+            Endpoint::PipeWriter(s) => s.try_write(buf),
+            Endpoint::PipeReader(_) => Err(wrong_way("a write")),
+        }
+    }
+
+    async fn readable(&self) -> io::Result<()> {
+        match self {
+            Endpoint::Unix(s) => s.readable().await,
+            Endpoint::Tcp(s) => s.readable().await,
+            Endpoint::PipeReader(s) => s.readable().await,
+            Endpoint::PipeWriter(_) => Err(wrong_way("a read")),
+        }
+    }
+
+    async fn writable(&self) -> io::Result<()> {
+        match self {
+            Endpoint::Unix(s) => s.writable().await,
+            Endpoint::Tcp(s) => s.writable().await,
+            Endpoint::PipeWriter(s) => s.writable().await,
+            Endpoint::PipeReader(_) => Err(wrong_way("a write")),
+        }
+    }
+}
+
 /// One process of a service set.
 #[derive(Clone)]
 pub struct Member {
@@ -58,10 +144,10 @@ pub struct Member {
 struct Inner {
     /// The sans-IO ends and the last snapshot.
     process: Process,
-    /// The socket of each channel this process reads.
-    readers: BTreeMap<ChannelId, Arc<UnixStream>>,
-    /// The socket of each channel this process writes.
-    writers: BTreeMap<ChannelId, Arc<UnixStream>>,
+    /// The socket or pipe of each channel this process reads.
+    readers: BTreeMap<ChannelId, Arc<Endpoint>>,
+    /// The socket or pipe of each channel this process writes.
+    writers: BTreeMap<ChannelId, Arc<Endpoint>>,
     /// Frozen by the coordinator: no byte moves until thawed.
     frozen: bool,
 }
@@ -116,23 +202,25 @@ impl Member {
         self.lock().process.interval()
     }
 
-    /// `associate`: this process writes channel `id` over `socket`.
-    pub fn add_writer(&self, id: ChannelId, socket: UnixStream) -> io::Result<()> {
+    /// `associate`: this process writes channel `id` over `socket` (a
+    /// Unix socket, a TCP connection or a pipe's write end).
+    pub fn add_writer(&self, id: ChannelId, socket: impl Into<Endpoint>) -> io::Result<()> {
         let mut inner = self.lock();
         if inner.process.writer(id).is_err() {
             inner.process.associate_writer(id).map_err(cut_error)?;
         }
-        inner.writers.insert(id, Arc::new(socket));
+        inner.writers.insert(id, Arc::new(socket.into()));
         Ok(())
     }
 
-    /// `associate`: this process reads channel `id` from `socket`.
-    pub fn add_reader(&self, id: ChannelId, socket: UnixStream) -> io::Result<()> {
+    /// `associate`: this process reads channel `id` from `socket` (a Unix
+    /// socket, a TCP connection or a pipe's read end).
+    pub fn add_reader(&self, id: ChannelId, socket: impl Into<Endpoint>) -> io::Result<()> {
         let mut inner = self.lock();
         if inner.process.reader(id).is_err() {
             inner.process.associate_reader(id).map_err(cut_error)?;
         }
-        inner.readers.insert(id, Arc::new(socket));
+        inner.readers.insert(id, Arc::new(socket.into()));
         Ok(())
     }
 

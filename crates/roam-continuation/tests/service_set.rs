@@ -63,10 +63,16 @@ struct Coordinator {
     sites: [PathBuf; 2],
     out: PathBuf,
     log_cap: Option<usize>,
+    /// `unix`, `tcp` or `fifo`: what the channels run on.
+    transport: &'static str,
+    /// Starts so far: each start sets up its channels in a directory of
+    /// its own under its site's, so nothing of an earlier incarnation
+    /// (a socket, a FIFO, a published port) is found by a later one.
+    starts: std::sync::atomic::AtomicUsize,
 }
 
 impl Coordinator {
-    fn new(dir: &Path, log_cap: Option<usize>) -> Self {
+    fn new(dir: &Path, log_cap: Option<usize>, transport: &'static str) -> Self {
         let control_path = dir.join("control.sock");
         let sites = [dir.join("site-a"), dir.join("site-b")];
         for s in &sites {
@@ -80,6 +86,8 @@ impl Coordinator {
             sites,
             out,
             log_cap,
+            transport,
+            starts: Default::default(),
         }
     }
 
@@ -92,18 +100,22 @@ impl Coordinator {
         parts: Option<&[Vec<u8>]>,
         sabotage: bool,
     ) -> std::io::Result<Running> {
+        let n = self
+            .starts
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let channels = self.sites[site].join(n.to_string());
+        std::fs::create_dir_all(&channels)?;
         let mut children = Vec::new();
         for role in ROLES {
             let mut cmd = Command::new(member_binary());
             cmd.arg(role)
-                .arg(&self.sites[site])
+                .arg(&channels)
                 .arg(&self.control_path)
                 .arg(&self.out)
                 .arg(RECORDS.to_string())
                 .kill_on_drop(true);
-            if let Some(cap) = self.log_cap {
-                cmd.arg(cap.to_string());
-            }
+            cmd.arg(self.log_cap.unwrap_or(0).to_string())
+                .arg(self.transport);
             children.push(cmd.spawn()?);
         }
         let mut controls = Vec::new();
@@ -169,9 +181,14 @@ struct Moves {
 /// Runs the set from a fresh start, moves it `moves` times (the move whose
 /// index is `sabotage_at` gets a destination that dies), waits for the
 /// consumer, and checks exactly-once.
-async fn run(log_cap: Option<usize>, moves: u32, sabotage_at: Option<u32>) -> Moves {
+async fn run(
+    log_cap: Option<usize>,
+    moves: u32,
+    sabotage_at: Option<u32>,
+    transport: &'static str,
+) -> Moves {
     let dir = tempfile::tempdir().unwrap();
-    let co = Coordinator::new(dir.path(), log_cap);
+    let co = Coordinator::new(dir.path(), log_cap, transport);
     let limits = Limits {
         log_bytes: log_cap.unwrap_or(Limits::default().log_bytes),
         ..Limits::default()
@@ -263,7 +280,7 @@ async fn run(log_cap: Option<usize>, moves: u32, sabotage_at: Option<u32>) -> Mo
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_processes_move_between_sites_mid_stream_and_every_record_arrives_once() {
-    let report = run(None, 6, None).await;
+    let report = run(None, 6, None, "unix").await;
     eprintln!("{report:?}");
     assert!(report.done >= 3, "{report:?}");
     assert!(report.refused.is_empty(), "{report:?}");
@@ -271,7 +288,7 @@ async fn three_processes_move_between_sites_mid_stream_and_every_record_arrives_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_destination_killed_mid_move_leaves_the_set_running_at_the_source() {
-    let report = run(None, 4, Some(1)).await;
+    let report = run(None, 4, Some(1), "unix").await;
     eprintln!("{report:?}");
     assert_eq!(report.destination_failed, 1, "{report:?}");
     assert!(report.done >= 1, "{report:?}");
@@ -279,7 +296,7 @@ async fn a_destination_killed_mid_move_leaves_the_set_running_at_the_source() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_log_over_its_cap_refuses_the_move_with_the_reason_and_loses_nothing() {
-    let report = run(Some(64), 4, None).await;
+    let report = run(Some(64), 4, None, "unix").await;
     eprintln!("{report:?}");
     assert!(!report.refused.is_empty(), "{report:?}");
     assert!(
@@ -289,4 +306,20 @@ async fn a_log_over_its_cap_refuses_the_move_with_the_reason_and_loses_nothing()
             .all(|why| why.contains("over its cap")),
         "{report:?}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_set_over_tcp_connections_moves_and_every_record_arrives_once() {
+    let report = run(None, 4, None, "tcp").await;
+    eprintln!("{report:?}");
+    assert!(report.done >= 2, "{report:?}");
+    assert!(report.refused.is_empty(), "{report:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_set_over_named_pipes_moves_and_every_record_arrives_once() {
+    let report = run(None, 4, None, "fifo").await;
+    eprintln!("{report:?}");
+    assert!(report.done >= 2, "{report:?}");
+    assert!(report.refused.is_empty(), "{report:?}");
 }
