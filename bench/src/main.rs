@@ -11,6 +11,9 @@
 //! Scenario 11, `interpose`, runs one client program plain, under `roam
 //! run` and through `roam forward` between two network namespaces (set-up,
 //! round trips, throughput).
+//! Scenario 12, `service`, measures service continuations (roam-service
+//! and its tokio layer): each primitive's cost, and a two-member stream
+//! moved every 2 s against none.
 //!
 //! ## Design
 //! - **One load generator** (`load`): a target process (sink, source, echo)
@@ -88,7 +91,8 @@ struct Cli {
     #[arg(long)]
     roam: Option<PathBuf>,
     /// Only these scenarios (comma-separated): throughput, latency, setup,
-    /// resume, memory, many, cluster, takeover, shell, migrate, interpose.
+    /// resume, memory, many, cluster, takeover, shell, migrate, interpose,
+    /// service.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Only these peers (comma-separated result names, e.g. socat,roam-forward);
@@ -200,6 +204,11 @@ pub(crate) struct Plan {
     pub(crate) interpose_round_trips: usize,
     /// Seconds of each upload and download in scenario 11.
     pub(crate) interpose_seconds: f64,
+    /// Seconds of each stream run of scenario 12 (service continuations),
+    /// with moves every 2 s and without.
+    pub(crate) service_stream_seconds: f64,
+    /// Pairs of stream runs (moves, none) in scenario 12.
+    pub(crate) service_rounds: usize,
 }
 
 /// The state sizes of scenario 7 (bytes of attributes).
@@ -246,6 +255,8 @@ impl Plan {
             interpose_later: 20,
             interpose_round_trips: 1000,
             interpose_seconds: 0.3,
+            service_stream_seconds: 6.0,
+            service_rounds: 1,
         }
     }
 
@@ -294,6 +305,8 @@ impl Plan {
             interpose_later: 100,
             interpose_round_trips: 5000,
             interpose_seconds: 1.0,
+            service_stream_seconds: 20.0,
+            service_rounds: 2,
         }
     }
 
@@ -334,6 +347,8 @@ impl Plan {
             interpose_later: 3,
             interpose_round_trips: 100,
             interpose_seconds: 0.1,
+            service_stream_seconds: 2.5,
+            service_rounds: 1,
         }
     }
 
@@ -406,6 +421,7 @@ pub(crate) struct Scenarios {
     pub(crate) shell: Outcome<scenarios::shell::ShellBench>,
     pub(crate) migrate: Outcome<scenarios::migrate::Migrate>,
     pub(crate) interpose: Outcome<scenarios::interpose::Interpose>,
+    pub(crate) service: Outcome<scenarios::service::Service>,
 }
 
 impl Scenarios {
@@ -424,6 +440,7 @@ impl Scenarios {
             ("shell", s.shell.is_error()),
             ("migrate", s.migrate.is_error()),
             ("interpose", s.interpose.is_error()),
+            ("service", s.service.is_error()),
         ] {
             if err {
                 v.push(name);
@@ -535,6 +552,7 @@ fn main() {
         "shell",
         "migrate",
         "interpose",
+        "service",
     ];
     if let Some(bad) = cli.only.iter().find(|o| !known.contains(&o.as_str())) {
         eprintln!(
@@ -692,6 +710,10 @@ async fn run(cli: Cli, plan: Plan, nofile: u64) -> i32 {
         .await,
         interpose: scenario("interpose", &c.env, only, &lab, budget, |l| {
             scenarios::interpose::run(c.clone(), l)
+        })
+        .await,
+        service: scenario("service", &c.env, only, &lab, budget, |l| {
+            scenarios::service::run(c.clone(), l)
         })
         .await,
     };

@@ -604,7 +604,107 @@ fn markdown(r: &Results, plots: &[io::Result<PathBuf>]) -> String {
     shell_section(&mut s, &sc.shell);
     migrate_section(&mut s, &sc.migrate);
     interpose_section(&mut s, &sc.interpose);
+    service_section(&mut s, &sc.service);
     s
+}
+
+/// Bytes as powers of two (0, 1 KiB, 64 KiB, 1 MiB, ...).
+fn kib_label(b: usize) -> String {
+    match b {
+        0 => "0".into(),
+        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
+        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{} KiB", b >> 10),
+        b => format!("{b} B"),
+    }
+}
+
+/// Section 12: service continuations (the paper's Table 3 and Fig. 9-10).
+fn service_section(s: &mut String, o: &Outcome<crate::scenarios::service::Service>) {
+    let _ = writeln!(
+        s,
+        "\n## 12. Service continuations: primitives and a stream moved every 2 s (roam-service)\n"
+    );
+    if let Some(x) = status_line(o) {
+        *s += &x;
+    }
+    let Some(t) = o.ok() else {
+        return;
+    };
+    for n in &t.notes {
+        let _ = writeln!(s, "- {n}");
+    }
+    let _ = writeln!(
+        s,
+        "\nPrimitives, sans-IO in one process (medians). `associate`: {} ns per end (a fresh process with one writer and one reader end). Bytes through a writer end and a reader end (write, send, receive, read, log trimmed by an export every MiB): {} GB/s against {} GB/s for one plain copy of the same 64 KiB chunks (ratio {}).\n",
+        f(t.associate_ns, 0),
+        f(t.ends_gb_per_s, 2),
+        f(t.memcpy_gb_per_s, 2),
+        fr(t.ends_ratio)
+    );
+    let _ = writeln!(
+        s,
+        "| snapshot | eager export (`export`, copies) µs | lazy export (`export_owned`, swaps) µs | eager / lazy |\n|---:|---:|---:|---:|"
+    );
+    for r in &t.exports {
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} |",
+            kib_label(r.snapshot_bytes),
+            f(r.eager_ns / 1e3, 3),
+            f(r.lazy_ns / 1e3, 3),
+            f(r.ratio, 1)
+        );
+    }
+    let _ = writeln!(
+        s,
+        "\nA move's sans-IO work against the bytes the consumer read since its last export (µs):\n\n| logged | cut encoded | `Cut::of` | `encode` | `decode` | `resume` | total |\n|---:|---:|---:|---:|---:|---:|---:|"
+    );
+    for r in &t.cuts {
+        let _ = writeln!(
+            s,
+            "| {} | {} B | {} | {} | {} | {} | {} |",
+            kib_label(r.logged_bytes),
+            r.encoded_bytes,
+            f(r.of_us, 1),
+            f(r.encode_us, 1),
+            f(r.decode_us, 1),
+            f(r.resume_us, 1),
+            f(r.total_us, 1)
+        );
+    }
+    let _ = writeln!(
+        s,
+        "\nStream (TTCP-like, two members over a Unix socket, every byte checked):\n\n| moves | seconds | MB checked | MB/s | moves made | move ms (freeze to thaw) | cut bytes per move |\n|---|---:|---:|---:|---:|---|---|"
+    );
+    for r in &t.stream {
+        let list = |v: Vec<String>| {
+            if v.is_empty() {
+                "–".to_string()
+            } else {
+                v.join(", ")
+            }
+        };
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} | {} | {} | {} |",
+            r.move_every_s
+                .map_or("none".into(), |e| format!("every {e} s")),
+            f(r.seconds, 1),
+            f(r.bytes as f64 / 1e6, 0),
+            f(r.mb_per_s, 1),
+            r.moves,
+            list(r.move_ms.iter().map(|x| format!("{x:.1}")).collect()),
+            list(r.cut_bytes.iter().map(|x| x.to_string()).collect())
+        );
+    }
+    let _ = writeln!(
+        s,
+        "\nThroughput with moves every 2 s / without: **{}** (median MB/s of each). Moves: p50 {} ms, max {} ms over {}.",
+        f(t.stream_ratio, 3),
+        f(t.move_ms.median, 1),
+        f(t.move_ms.max, 1),
+        t.move_ms.n
+    );
 }
 
 /// Section 11: an unmodified program under `roam run` against plain TCP

@@ -10,6 +10,7 @@ pub(crate) mod many;
 pub(crate) mod memory;
 pub(crate) mod migrate;
 pub(crate) mod resume;
+pub(crate) mod service;
 pub(crate) mod setup;
 pub(crate) mod shell;
 pub(crate) mod takeover;
