@@ -674,7 +674,7 @@ fn service_section(s: &mut String, o: &Outcome<crate::scenarios::service::Servic
     }
     let _ = writeln!(
         s,
-        "\nStream (TTCP-like, two members over a Unix socket, every byte checked):\n\n| moves | seconds | MB checked | MB/s | moves made | move ms (freeze to thaw) | cut bytes per move |\n|---|---:|---:|---:|---:|---|---|"
+        "\nStream (TTCP-like, two members over a Unix socket, every byte checked):\n\n| moves | consumer exports every | seconds | MB checked | MB/s | moves made | move ms (freeze to thaw) | cut bytes per move |\n|---|---:|---:|---:|---:|---:|---|---|"
     );
     for r in &t.stream {
         let list = |v: Vec<String>| {
@@ -686,9 +686,10 @@ fn service_section(s: &mut String, o: &Outcome<crate::scenarios::service::Servic
         };
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} |",
             r.move_every_s
                 .map_or("none".into(), |e| format!("every {e} s")),
+            kib_label(r.consumer_export_bytes),
             f(r.seconds, 1),
             f(r.bytes as f64 / 1e6, 0),
             f(r.mb_per_s, 1),

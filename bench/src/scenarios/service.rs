@@ -45,6 +45,9 @@ const DATA: ChannelId = ChannelId(1);
 const PERIOD: usize = 251;
 /// Bytes the producer writes per call (and exports after).
 const CHUNK: usize = 64 << 10;
+/// Bytes between the consumer's exports in the large-log run (half the
+/// default log cap of 16 MiB).
+const BIG_LOG: usize = 8 << 20;
 /// Seconds between moves in the moving runs (the paper's shortest period).
 const MOVE_EVERY_S: f64 = 2.0;
 
@@ -81,6 +84,9 @@ pub(crate) struct CutRow {
 pub(crate) struct StreamRun {
     /// Seconds between moves; `None`: no move.
     pub(crate) move_every_s: Option<f64>,
+    /// Bytes the consumer reads between its exports (what a move carries
+    /// back in its log is up to this).
+    pub(crate) consumer_export_bytes: usize,
     pub(crate) seconds: f64,
     /// Bytes the consumer checked, in stream order, not counting re-reads.
     pub(crate) bytes: u64,
@@ -107,9 +113,11 @@ pub(crate) struct Service {
     /// ends / memcpy throughput.
     pub(crate) ends_ratio: f64,
     pub(crate) cuts: Vec<CutRow>,
-    /// Runs of the stream, alternating none / moves.
+    /// Runs of the stream, alternating none / moves, then moves with a
+    /// consumer that exports rarely (large logs).
     pub(crate) stream: Vec<StreamRun>,
-    /// Median MB/s with moves / without.
+    /// Median MB/s with moves / without (the consumer exporting every
+    /// chunk in both).
     pub(crate) stream_ratio: f64,
     /// Over every move of every run (ms).
     pub(crate) move_ms: Summary,
@@ -385,7 +393,7 @@ async fn producer(m: Member, shared: Arc<Shared>) -> io::Result<()> {
 }
 
 /// The consumer: checks every byte; its snapshot is its stream position.
-async fn consumer(m: Member, shared: Arc<Shared>) -> io::Result<()> {
+async fn consumer(m: Member, shared: Arc<Shared>, export_every: usize) -> io::Result<()> {
     let mut pos = m
         .snapshot()
         .and_then(|s| {
@@ -414,7 +422,7 @@ async fn consumer(m: Member, shared: Arc<Shared>) -> io::Result<()> {
         pos += n as u64;
         shared.checked.fetch_max(pos, Ordering::Relaxed);
         since_export += n;
-        if since_export >= CHUNK {
+        if since_export >= export_every {
             m.export(&pos.to_be_bytes(), Interval::Deterministic)
                 .await?;
             since_export = 0;
@@ -427,6 +435,7 @@ async fn start_site(
     parts: Option<Vec<Vec<u8>>>,
     limits: Limits,
     shared: &Arc<Shared>,
+    export_every: usize,
 ) -> io::Result<Site> {
     let (w_sock, r_sock) = UnixStream::pair()?;
     let mut socks = [Some(w_sock), Some(r_sock)];
@@ -463,7 +472,7 @@ async fn start_site(
             let r = if i == 0 {
                 producer(member, s.clone()).await
             } else {
-                consumer(member, s.clone()).await
+                consumer(member, s.clone(), export_every).await
             };
             if let Err(e) = r {
                 s.fail(format!("{role}: {e}"));
@@ -473,15 +482,20 @@ async fn start_site(
     Ok(Site { controls, tasks })
 }
 
-/// One stream run of `seconds`, moving the set every `every` seconds.
-async fn stream_run(seconds: f64, every: Option<f64>) -> io::Result<StreamRun> {
+/// One stream run of `seconds`, moving the set every `every` seconds; the
+/// consumer exports every `export_every` bytes.
+async fn stream_run(
+    seconds: f64,
+    every: Option<f64>,
+    export_every: usize,
+) -> io::Result<StreamRun> {
     let limits = Limits::default();
     let shared = Arc::new(Shared {
         checked: AtomicU64::new(0),
         failure: Mutex::new(None),
         stop: AtomicBool::new(false),
     });
-    let mut site = start_site(None, limits, &shared).await?;
+    let mut site = start_site(None, limits, &shared, export_every).await?;
     let t0 = Instant::now();
     let end = t0 + Duration::from_secs_f64(seconds);
     let mut move_ms = Vec::new();
@@ -510,7 +524,7 @@ async fn stream_run(seconds: f64, every: Option<f64>) -> io::Result<StreamRun> {
             let (slot, size, shared) = (&mut new_site, &mut size, &shared);
             move_set(&mut site.controls, limits, |parts| async move {
                 *size = parts.iter().map(Vec::len).sum();
-                let s = start_site(Some(parts), limits, shared).await?;
+                let s = start_site(Some(parts), limits, shared, export_every).await?;
                 let controls = s.controls;
                 *slot = Some(s.tasks);
                 Ok(controls)
@@ -550,6 +564,7 @@ async fn stream_run(seconds: f64, every: Option<f64>) -> io::Result<StreamRun> {
     }
     Ok(StreamRun {
         move_every_s: every,
+        consumer_export_bytes: export_every,
         seconds: elapsed,
         bytes,
         mb_per_s: bytes as f64 / elapsed / 1e6,
@@ -585,13 +600,20 @@ pub(crate) async fn run(ctx: Arc<Ctx>, _lab: Arc<Lab>) -> io::Result<Service> {
                 "service: stream {seconds} s, {}",
                 every.map_or("no move".into(), |e| format!("a move every {e} s"))
             ));
-            stream.push(stream_run(seconds, every).await?);
+            stream.push(stream_run(seconds, every, CHUNK).await?);
         }
     }
+    // Move time against logged bytes over real sockets: the consumer
+    // exports every BIG_LOG bytes, so each move carries up to that back.
+    progress(&format!(
+        "service: stream {seconds} s, a move every {MOVE_EVERY_S} s, consumer exports every {} MiB",
+        BIG_LOG >> 20
+    ));
+    stream.push(stream_run(seconds, Some(MOVE_EVERY_S), BIG_LOG).await?);
     let mbs = |moving: bool| -> Vec<f64> {
         stream
             .iter()
-            .filter(|r| r.move_every_s.is_some() == moving)
+            .filter(|r| r.move_every_s.is_some() == moving && r.consumer_export_bytes == CHUNK)
             .map(|r| r.mb_per_s)
             .collect()
     };
