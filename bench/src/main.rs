@@ -809,6 +809,8 @@ mod tests {
             assert!(p.interpose_rounds >= 3 && p.interpose_first_per_round >= 3);
             assert!(p.interpose_later > 0 && p.interpose_round_trips > 0);
         }
+        // Scenario 12: streams long enough for moves every 2 s.
+        assert!(q.service_stream_seconds >= 6.0 && f.service_stream_seconds >= 20.0);
     }
 
     #[test]
