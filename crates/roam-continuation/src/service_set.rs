@@ -150,7 +150,14 @@ struct Inner {
     writers: BTreeMap<ChannelId, Arc<Endpoint>>,
     /// Frozen by the coordinator: no byte moves until thawed.
     frozen: bool,
+    /// What a socket read lands in before its reader end takes it: one
+    /// buffer for the member's life (sized at its first read), not one
+    /// per read.
+    scratch: Vec<u8>,
 }
+
+/// The most one socket read takes.
+const READ_CHUNK: usize = 64 << 10;
 
 fn cut_error(e: roam_service::Error) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, e)
@@ -183,6 +190,7 @@ impl Member {
                 readers: BTreeMap::new(),
                 writers: BTreeMap::new(),
                 frozen,
+                scratch: Vec::new(),
             })),
             thawed: Arc::new(Notify::new()),
         }
@@ -277,7 +285,6 @@ impl Member {
 
     /// Reads from channel `id` into `buf`; 0 at the end of the channel.
     pub async fn read(&self, id: ChannelId, buf: &mut [u8]) -> io::Result<usize> {
-        let mut tmp = vec![0u8; 64 << 10];
         loop {
             self.running().await;
             let socket = {
@@ -285,19 +292,25 @@ impl Member {
                 if inner.frozen {
                     continue;
                 }
-                let socket = inner
-                    .readers
+                let Inner {
+                    process,
+                    readers,
+                    scratch,
+                    ..
+                } = &mut *inner;
+                let socket = readers
                     .get(&id)
                     .cloned()
                     .ok_or_else(|| io::Error::other(format!("no socket for channel {id}")))?;
-                let end = inner.process.reader(id).map_err(cut_error)?;
+                let end = process.reader(id).map_err(cut_error)?;
                 if !end.unread().is_empty() {
                     return Ok(end.read(buf));
                 }
-                match socket.try_read(&mut tmp) {
+                scratch.resize(READ_CHUNK, 0);
+                match socket.try_read(scratch) {
                     Ok(0) => return Ok(0),
                     Ok(n) => {
-                        end.receive(&tmp[..n]);
+                        end.receive(&scratch[..n]);
                         continue;
                     }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
@@ -335,15 +348,18 @@ impl Member {
     fn cut(&self) -> Result<Vec<u8>, String> {
         let mut inner = self.lock();
         let Inner {
-            process, readers, ..
+            process,
+            readers,
+            scratch,
+            ..
         } = &mut *inner;
-        let mut tmp = vec![0u8; 64 << 10];
+        scratch.resize(READ_CHUNK, 0);
         for (id, socket) in readers.iter() {
             let end = process.reader(*id).map_err(|e| e.to_string())?;
             loop {
-                match socket.try_read(&mut tmp) {
+                match socket.try_read(scratch) {
                     Ok(0) => break,
-                    Ok(n) => end.receive(&tmp[..n]),
+                    Ok(n) => end.receive(&scratch[..n]),
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                     Err(e) => return Err(format!("draining channel {id}: {e}")),
                 }

@@ -15,6 +15,8 @@
 //! `postgresql`; without them the tests say why and pass, unless `CI` is
 //! set (CI installs both), where they fail.
 
+mod common;
+
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child as StdChild, Command as StdCommand, Stdio};
@@ -31,30 +33,9 @@ use tokio_postgres::NoTls;
 /// Transactions per request.
 const TRANSACTIONS: u64 = 12;
 
-/// The example's binary, built by cargo once per test run.
-fn frontend_binary() -> PathBuf {
-    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    BUILT
-        .get_or_init(|| {
-            let exe = std::env::current_exe().expect("test binary");
-            let dir = exe.parent().and_then(Path::parent).expect("target dir");
-            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-            let mut cmd = StdCommand::new(cargo);
-            cmd.args(["build", "-q", "-p", "roam-continuation"]);
-            cmd.args(["--example", "pg_frontend"]);
-            if dir.file_name().is_some_and(|n| n == "release") {
-                cmd.arg("--release");
-            }
-            let status = cmd.status().expect("cargo build");
-            assert!(status.success(), "building pg_frontend: {status}");
-            dir.join("examples").join("pg_frontend")
-        })
-        .clone()
-}
-
 /// Debian's PostgreSQL binaries, or why the test cannot run.
 fn pg_bin() -> Result<PathBuf, String> {
-    if !nix_is_root() {
+    if !nix::unistd::geteuid().is_root() {
         return Err("not root (PostgreSQL runs as the postgres user)".into());
     }
     let mut found: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
@@ -66,12 +47,6 @@ fn pg_bin() -> Result<PathBuf, String> {
     found
         .pop()
         .ok_or_else(|| "no /usr/lib/postgresql/*/bin/initdb".to_string())
-}
-
-fn nix_is_root() -> bool {
-    std::fs::metadata("/proc/self")
-        .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
-        .unwrap_or(false)
 }
 
 /// Skips (or, under CI, fails) when PostgreSQL cannot run here.
@@ -210,7 +185,7 @@ async fn start(
     part: Option<Vec<u8>>,
     sabotage: bool,
 ) -> std::io::Result<Frontend> {
-    let mut child = Command::new(frontend_binary())
+    let mut child = Command::new(common::example("pg_frontend"))
         .arg(control_path)
         .arg(port.to_string())
         .arg(run.to_string())
@@ -355,7 +330,7 @@ async fn requests(pg: &Postgres, runs: i32, sabotage: bool) -> Report {
     }
     // Built before the requests start, not inside one (it would stall
     // the others' timers).
-    tokio::task::spawn_blocking(frontend_binary)
+    tokio::task::spawn_blocking(|| common::example("pg_frontend"))
         .await
         .expect("build");
     let mut total = Report::default();

@@ -12,6 +12,8 @@
 //! dies mid-move leaves the set running at the source; a log over its cap
 //! refuses the move with the reason and loses nothing.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -23,30 +25,6 @@ use tokio::process::{Child, Command};
 
 const ROLES: [&str; 3] = ["w", "f", "r"];
 const RECORDS: u64 = 4000;
-
-/// The member example's binary, built by cargo once per test run: a
-/// test target alone (`cargo test --test service_set`) does not build the
-/// package's examples.
-fn member_binary() -> PathBuf {
-    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    BUILT
-        .get_or_init(|| {
-            // target/<profile>/deps/<test> -> target/<profile>/examples/
-            let exe = std::env::current_exe().expect("test binary");
-            let dir = exe.parent().and_then(Path::parent).expect("target dir");
-            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-            let mut cmd = std::process::Command::new(cargo);
-            cmd.args(["build", "-q", "-p", "roam-continuation"]);
-            cmd.args(["--example", "service_member"]);
-            if dir.file_name().is_some_and(|n| n == "release") {
-                cmd.arg("--release");
-            }
-            let status = cmd.status().expect("cargo build");
-            assert!(status.success(), "building service_member: {status}");
-            dir.join("examples").join("service_member")
-        })
-        .clone()
-}
 
 /// One site's running set: its processes and their control sockets, in
 /// the service set's order.
@@ -107,7 +85,7 @@ impl Coordinator {
         std::fs::create_dir_all(&channels)?;
         let mut children = Vec::new();
         for role in ROLES {
-            let mut cmd = Command::new(member_binary());
+            let mut cmd = Command::new(common::example("service_member"));
             cmd.arg(role)
                 .arg(&channels)
                 .arg(&self.control_path)
