@@ -54,6 +54,7 @@ const MOVE_EVERY_S: f64 = 2.0;
 /// One export size: eager against lazy.
 #[derive(Debug, Serialize)]
 pub(crate) struct ExportRow {
+    /// Bytes of the exported snapshot.
     pub(crate) snapshot_bytes: usize,
     /// Median ns of `Process::export` (copies the snapshot).
     pub(crate) eager_ns: f64,
@@ -72,8 +73,11 @@ pub(crate) struct CutRow {
     pub(crate) encoded_bytes: usize,
     /// Median µs of `Cut::of` over both processes.
     pub(crate) of_us: f64,
+    /// Median µs of `Cut::encode`.
     pub(crate) encode_us: f64,
+    /// Median µs of `Cut::decode`.
     pub(crate) decode_us: f64,
+    /// Median µs of `Cut::resume`.
     pub(crate) resume_us: f64,
     /// Median µs of the four together (each sample timed whole).
     pub(crate) total_us: f64,
@@ -87,10 +91,13 @@ pub(crate) struct StreamRun {
     /// Bytes the consumer reads between its exports (what a move carries
     /// back in its log is up to this).
     pub(crate) consumer_export_bytes: usize,
+    /// How long the run streamed.
     pub(crate) seconds: f64,
     /// Bytes the consumer checked, in stream order, not counting re-reads.
     pub(crate) bytes: u64,
+    /// `bytes` per second, in MB (10^6).
     pub(crate) mb_per_s: f64,
+    /// Moves made during the run.
     pub(crate) moves: usize,
     /// Each move's `move_set`, from the first freeze to the last thaw (ms).
     pub(crate) move_ms: Vec<f64>,
@@ -104,6 +111,7 @@ pub(crate) struct Service {
     /// Median ns per `associate` (a fresh process's writer and reader end,
     /// `Process::new` included).
     pub(crate) associate_ns: f64,
+    /// Eager against lazy export, one row per snapshot size.
     pub(crate) exports: Vec<ExportRow>,
     /// GB/s through a writer and a reader end (write, send, receive, read,
     /// with the reader's log trimmed by an export every MiB).
@@ -112,6 +120,7 @@ pub(crate) struct Service {
     pub(crate) memcpy_gb_per_s: f64,
     /// ends / memcpy throughput.
     pub(crate) ends_ratio: f64,
+    /// A move's sans-IO work, one row per logged size.
     pub(crate) cuts: Vec<CutRow>,
     /// Runs of the stream, alternating none / moves, then moves with a
     /// consumer that exports rarely (large logs).
@@ -121,6 +130,7 @@ pub(crate) struct Service {
     pub(crate) stream_ratio: f64,
     /// Over every move of every run (ms).
     pub(crate) move_ms: Summary,
+    /// What was run, for the report.
     pub(crate) notes: Vec<String>,
 }
 
