@@ -91,7 +91,6 @@ impl Preset {
 fn identities(preset: Preset) -> &'static Identities {
     static IDS: OnceLock<[Identities; 3]> = OnceLock::new();
     let ids = IDS.get_or_init(|| {
-        tune_malloc();
         let server_key = Keypair::from_private([0x5a; 32]);
         [Preset::Default, Preset::Small, Preset::Tiny].map(|preset| {
             let session = preset.config();
@@ -229,7 +228,7 @@ thread_local! {
 }
 
 /// Buffers a finished input's world leaves for the next one, so an input does
-/// not start by growing (and, past glibc's mmap threshold, page-faulting in)
+/// not start by growing (and, for large ones, page-faulting in)
 /// the same buffers again.
 #[derive(Default)]
 struct Spare {
@@ -260,23 +259,15 @@ impl Drop for World {
     }
 }
 
-/// Keeps glibc's allocator from handing large buffers (stream send buffers,
-/// link pipes, receive buffers: up to a few MiB under the default preset)
-/// back to the kernel after every input: with its defaults, each input's
-/// large allocations are fresh `mmap`s whose pages fault in on first touch.
-/// Memory bounds are the oracle's job (its own checks), not the allocator's.
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn tune_malloc() {
-    // SAFETY: mallopt only adjusts allocator parameters; called once, from
-    // the fuzzing thread, before the first input runs.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 64 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, 512 << 20);
-    }
-}
-
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn tune_malloc() {}
+/// The allocator of every fuzz target: the session scripts make many small,
+/// short-lived allocations (frames, records, events, the oracle's
+/// bookkeeping), and jemalloc serves them faster than glibc's malloc, which
+/// was ~9-18 % of a session target's time (fuzz/README.md, "Rates", third
+/// pass). It also keeps large buffers mapped between inputs, the job a
+/// `mallopt` tuning of glibc did before. Memory bounds are the oracle's job
+/// (its own checks), not the allocator's.
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 impl World {
     /// A client and server with a completed handshake under `preset`: a copy
