@@ -572,13 +572,15 @@ async fn client(
     Ok(())
 }
 
-/// Retries `attempt` every 10 ms for up to 10 s.
+/// Retries `attempt` every millisecond for up to 10 s (a peer's socket or
+/// FIFO appears within milliseconds of its start; the retry's period is
+/// part of every move's time).
 async fn retry<T>(what: &str, mut attempt: impl AsyncFnMut() -> Option<T>) -> T {
-    for _ in 0..1000 {
+    for _ in 0..10_000 {
         if let Some(t) = attempt().await {
             return t;
         }
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        tokio::time::sleep(Duration::from_millis(1)).await;
     }
     panic!("{what}: the peer never appeared");
 }
