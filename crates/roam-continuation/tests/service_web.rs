@@ -57,8 +57,8 @@ struct Running {
 struct Web {
     /// Static files (shared by both sites, as a site's document root).
     www: PathBuf,
-    /// The download, if any (`BIG`).
-    download: bool,
+    /// The download's length, if the client GETs `BIG`.
+    download: Option<u64>,
     /// Dynamic requests after the download.
     orders: u64,
     seed: u64,
@@ -111,7 +111,11 @@ impl Coordinator {
         std::fs::create_dir_all(&channels)?;
         let mut children = Vec::new();
         for role in ROLES {
-            let download = if self.web.download { BIG } else { "-" };
+            let download = if self.web.download.is_some() {
+                BIG
+            } else {
+                "-"
+            };
             let child = Command::new(common::example("web_server"))
                 .arg(role)
                 .arg(&channels)
@@ -203,6 +207,8 @@ struct Moves {
     refused: Vec<String>,
     /// Completed moves while the download was under way.
     mid_download: u32,
+    /// A move whose destination failed fell in the download.
+    failed_mid_download: bool,
     /// Completed moves while an order was under way (its request sent and
     /// its answer not yet recorded by the client).
     mid_order: u32,
@@ -213,30 +219,32 @@ struct Moves {
     total_ms: u128,
 }
 
-/// When to move next.
-enum Plan {
-    /// At these download progress points (bytes), in order.
-    AtBytes(Vec<u64>),
-    /// After each of these pauses (ms), until the client is done.
-    After(Vec<u64>),
+/// When to start a move.
+#[derive(Clone, Copy)]
+enum Moment {
+    /// Once the download has this many bytes.
+    Bytes(u64),
+    /// After a pause of this many milliseconds.
+    Pause(u64),
 }
 
-/// Runs the set from a fresh start, moving it by `plan` (the move whose
-/// index is `sabotage_at` gets a destination whose front-end dies), waits
-/// for the client and ends the set.
-async fn run(co: &Coordinator, plan: Plan, sabotage_at: Option<u32>) -> Moves {
+/// Runs the set from a fresh start, moving it at each of `plan`'s moments
+/// until the client is done (the move whose index is `sabotage_at` gets a
+/// destination whose front-end dies), waits for the client and ends the
+/// set.
+async fn run(co: &Coordinator, plan: &[Moment], sabotage_at: Option<u32>) -> Moves {
     let began = Instant::now();
     let mut set = co.start(0, None, false).await.expect("fresh start");
     let mut report = Moves::default();
     let limit = Instant::now() + Duration::from_secs(40);
     'moves: for i in 0u32.. {
         // Wait for the move's moment (or the end of the client's script).
-        match &plan {
-            Plan::AtBytes(points) => {
-                let Some(&point) = points.get(i as usize) else {
-                    break;
-                };
-                while co.downloaded() < point || !co.out.join("download.bin").exists() {
+        let Some(&moment) = plan.get(i as usize) else {
+            break;
+        };
+        match moment {
+            Moment::Bytes(point) => {
+                while co.downloaded() < point {
                     co.check_error(&report);
                     if co.done() {
                         break 'moves;
@@ -245,18 +253,16 @@ async fn run(co: &Coordinator, plan: Plan, sabotage_at: Option<u32>) -> Moves {
                     tokio::time::sleep(Duration::from_millis(1)).await;
                 }
             }
-            Plan::After(pauses) => {
-                let Some(&ms) = pauses.get(i as usize) else {
-                    break;
-                };
-                tokio::time::sleep(Duration::from_millis(ms)).await;
-            }
+            Moment::Pause(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
         }
         co.check_error(&report);
         if co.done() {
             break;
         }
-        let downloading = co.web.download && co.lines("answers") == 0 && co.downloaded() > 0;
+        let downloading = co
+            .web
+            .download
+            .is_some_and(|len| (1..len).contains(&co.downloaded()));
         let frozen_at = Instant::now();
         let to = 1 - set.site;
         let (mut started, mut part_bytes) = (None, 0);
@@ -282,7 +288,7 @@ async fn run(co: &Coordinator, plan: Plan, sabotage_at: Option<u32>) -> Moves {
                 if co.lines("ledger") > co.lines("answers") {
                     report.mid_order += 1;
                 }
-                if downloading && co.lines("answers") == 0 {
+                if downloading {
                     report.mid_download += 1;
                 }
                 let (children, site) = started.expect("started");
@@ -306,6 +312,7 @@ async fn run(co: &Coordinator, plan: Plan, sabotage_at: Option<u32>) -> Moves {
             MoveOutcome::DestinationFailed(e) => {
                 eprintln!("move {i}: destination failed: {e}");
                 report.destination_failed += 1;
+                report.failed_mid_download |= downloading;
             }
         }
     }
@@ -416,14 +423,14 @@ async fn a_large_download_moves_between_sites_and_every_byte_arrives_once() {
     let digest = big_file(&www, BIG_LEN, seed);
     let web = |www: &Path| Web {
         www: www.to_path_buf(),
-        download: true,
+        download: Some(BIG_LEN as u64),
         orders: 0,
         seed,
     };
 
     // Not moved: the throughput to compare with.
     let still = Coordinator::new(&dir.path().join("still"), web(&www));
-    let r = run(&still, Plan::AtBytes(Vec::new()), None).await;
+    let r = run(&still, &[], None).await;
     check_download(&still, BIG_LEN, digest);
     let still_ms = r.total_ms;
 
@@ -434,7 +441,8 @@ async fn a_large_download_moves_between_sites_and_every_byte_arrives_once() {
         .map(|_| rng.gen_range(BIG_LEN as u64 / 20..BIG_LEN as u64 * 4 / 5))
         .collect();
     points.sort_unstable();
-    let r = run(&co, Plan::AtBytes(points), None).await;
+    let plan: Vec<Moment> = points.into_iter().map(Moment::Bytes).collect();
+    let r = run(&co, &plan, None).await;
     check_download(&co, BIG_LEN, digest);
     summary("download", &r);
     let mib = BIG_LEN as f64 / (1 << 20) as f64;
@@ -459,14 +467,16 @@ async fn dynamic_requests_move_at_random_points_and_each_order_lands_once() {
         dir.path(),
         Web {
             www,
-            download: false,
+            download: None,
             orders: 300,
             seed,
         },
     );
     let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
-    let pauses = (0..200).map(|_| rng.gen_range(0..20)).collect();
-    let r = run(&co, Plan::After(pauses), None).await;
+    let plan: Vec<Moment> = (0..200)
+        .map(|_| Moment::Pause(rng.gen_range(0..20)))
+        .collect();
+    let r = run(&co, &plan, None).await;
     let landed = check_orders(&co);
     summary("orders", &r);
     eprintln!("orders: a restarted back-end found its order already recorded {landed} times");
@@ -490,19 +500,25 @@ async fn a_destination_front_end_killed_mid_move_leaves_the_service_at_the_sourc
         dir.path(),
         Web {
             www,
-            download: true,
+            download: Some(len as u64),
             orders: 100,
             seed,
         },
     );
     let mut rng = StdRng::seed_from_u64(seed ^ 0x4b11);
-    let pauses = (0..100).map(|_| rng.gen_range(0..20)).collect();
-    let r = run(&co, Plan::After(pauses), Some(0)).await;
+    // The sabotaged move (the first) at a seeded point of the download,
+    // then moves at random moments through the orders.
+    let mut plan = vec![Moment::Bytes(
+        rng.gen_range(len as u64 / 10..len as u64 / 2),
+    )];
+    plan.extend((0..100).map(|_| Moment::Pause(rng.gen_range(0..20))));
+    let r = run(&co, &plan, Some(0)).await;
     check_download(&co, len, digest);
     let landed = check_orders(&co);
     summary("kill -9", &r);
     eprintln!("kill -9: {landed} orders found already recorded at a restart");
     assert_eq!(r.destination_failed, 1, "{r:?}");
+    assert!(r.failed_mid_download, "{r:?}");
     assert!(r.done >= 3, "{r:?}");
     assert!(r.mid_order >= 1, "{r:?}");
 }
