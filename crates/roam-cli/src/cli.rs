@@ -448,6 +448,23 @@ own, starts the guest once the memory is loaded, then waits for QEMU and exits
 with its status (SIGINT and SIGTERM go to QEMU). A -qmp socket of your own
 lets you `roam suspend --vm` it again later.
 
+Demand fetch (--vm --demand-fetch): only the memory image is written before
+QEMU starts. Each image the QEMU command opens as `-drive file=DIR/<image>`
+is served to QEMU over NBD from a Unix socket in DIR instead (roam rewrites
+that `file=` to `file.driver=nbd,file.server.type=unix,file.server.path=
+SOCK,file.export=<image>` and keeps the drive's other suboptions): a chunk
+is fetched, verified and cached in DIR the first time the guest reads it,
+and once the guest runs the remaining chunks are fetched in order in the
+background. When QEMU exits, roam finishes that fill (progress on stderr)
+and renames the cache file to DIR/<image>, an ordinary complete image, as
+copy-in would have left it plus the guest's writes. It pays when the disk is
+large and the link slow: the guest starts after its memory image instead of
+after every disk chunk. A chunk that fails verification is an I/O error for
+the guest (and a line on stderr), never wrong data. `roam suspend --vm` of
+such a VM needs the fill done (DIR/<image> appears when it is):
+
+  roam resume --env lab --force --vm --demand-fetch /vm -- qemu-system-x86_64 ...
+
 DIR is created if missing. Each image is written to a temporary file in DIR
 (mode 0600) and renamed to its name once complete, so a failure (a missing
 or corrupt chunk, a full disk, Ctrl-C) never leaves a partial file under an
@@ -805,6 +822,9 @@ pub(crate) struct ResumeArgs {
     /// Then start the QEMU command after `--` on the version's memory image (vm-memory) and let the guest run on.
     #[arg(long, requires = "qemu")]
     pub(crate) vm: bool,
+    /// With --vm: start QEMU once the memory image is in and serve its `-drive file=DIR/<image>` disks over NBD, fetching each chunk when the guest first reads it and the rest in the background (pays for large disks over slow links).
+    #[arg(long, requires = "vm")]
+    pub(crate) demand_fetch: bool,
     /// With --vm: the QEMU command line (the VM's configuration, as when it was suspended).
     #[arg(last = true, value_name = "QEMU_COMMAND", requires = "vm")]
     pub(crate) qemu: Vec<String>,

@@ -22,6 +22,7 @@ mod cluster;
 mod config;
 mod connect;
 mod control;
+mod demand;
 mod demo;
 mod forward;
 mod intercept;

@@ -12,18 +12,20 @@
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use roam_store::{
-    chunk_count, BackendError, ChunkBackend, GcReport, LocalDir, Lookaside, Manifest,
-    ManifestError, RestoreStats, S3Config, Store, StoreError, SuspendStats, UserSecret, S3,
+    chunk_count, BackendError, ChunkBackend, GcReport, LocalDir, Lookaside, LookasideRead,
+    Manifest, ManifestError, RestoreStats, S3Config, Store, StoreError, SuspendStats, UserSecret,
+    CHUNK_SIZE, S3,
 };
 
 use crate::cli::SuspendArgs;
 use crate::cli::{CliError, CliResult, ResumeArgs, StoreAction, StoreArgs, StoreLocationArgs};
 use crate::config::FileConfig;
-use crate::vm::{self, Qmp, VM_MEMORY_IMAGE};
+use crate::demand::{DemandCounts, DemandImage, Fetch};
+use crate::vm::{self, Incoming, Qmp, VM_MEMORY_IMAGE};
 
 /// Either backend, so one `Store` type serves both.
 #[derive(Debug)]
@@ -73,8 +75,8 @@ impl ChunkBackend for AnyBackend {
 
 /// An opened store and what messages need to name.
 struct Opened {
-    /// The store.
-    store: Store<AnyBackend>,
+    /// The store (shared with the demand-fetch server's tasks).
+    store: Arc<Store<AnyBackend>>,
     /// `/path/to/store` or `s3://bucket at https://endpoint`.
     desc: String,
     /// The secret's file.
@@ -205,7 +207,7 @@ fn open(args: &StoreLocationArgs, config: &FileConfig, create: bool) -> Result<O
         .unwrap_or_else(|| crate::paths::state_dir(config).join("store.secret"));
     let secret = load_secret(&secret_path, create && args.secret.is_none())?;
     Ok(Opened {
-        store: Store::new(backend, secret),
+        store: Arc::new(Store::new(backend, secret)),
         desc,
         secret_path,
     })
@@ -775,6 +777,29 @@ async fn resume_inner(args: ResumeArgs, config: &FileConfig) -> Result<i32, Fail
     let dir = &args.dir;
     std::fs::create_dir_all(dir)
         .map_err(|e| CliError(format!("cannot create {}: {e}", dir.display())))?;
+    // Demand fetch: the images QEMU opens as `-drive file=DIR/<image>` are
+    // served over NBD instead of copied in.
+    let pid = std::process::id();
+    let socket_for = |name: &str| dir.join(format!(".roam-nbd-{name}.{pid}.sock"));
+    let (qemu, served) = if args.demand_fetch {
+        let names: Vec<&str> = manifest
+            .images
+            .iter()
+            .map(|i| i.name.as_str())
+            .filter(|n| *n != VM_MEMORY_IMAGE && file_name_ok(n))
+            .collect();
+        let (qemu, served) = vm::nbd_drives(&args.qemu, dir, &names, socket_for);
+        if served.is_empty() {
+            eprintln_whole!(
+                "roam: warning: --demand-fetch: the QEMU command opens no image of the version \
+                 as -drive file={}/<image>; every image is copied in first",
+                dir.display()
+            );
+        }
+        (qemu, served)
+    } else {
+        (args.qemu.clone(), Vec::new())
+    };
     for image in &manifest.images {
         if !file_name_ok(&image.name) {
             return Err(Fail::Run(CliError(format!(
@@ -801,10 +826,15 @@ async fn resume_inner(args: ResumeArgs, config: &FileConfig) -> Result<i32, Fail
     let lookaside = if args.lookaside.is_empty() {
         None
     } else {
-        Some(scan_lookaside(&args.lookaside, &manifest, &mut rep).await?)
+        Some(Arc::new(
+            scan_lookaside(&args.lookaside, &manifest, &mut rep).await?,
+        ))
     };
     let mut totals = RestoreStats::default();
     for image in &manifest.images {
+        if served.contains(&image.name) {
+            continue;
+        }
         let target = dir.join(&image.name);
         let tmp = dir.join(format!(
             ".{}.roam-resume.{}",
@@ -824,7 +854,7 @@ async fn resume_inner(args: ResumeArgs, config: &FileConfig) -> Result<i32, Fail
                 &manifest,
                 &image.name,
                 (&tmp, &target),
-                lookaside.as_ref(),
+                lookaside.as_deref(),
                 |done| rep.image(&image.name, done.chunks, chunks, done.bytes, image.len),
             );
             tokio::select! {
@@ -874,17 +904,289 @@ async fn resume_inner(args: ResumeArgs, config: &FileConfig) -> Result<i32, Fail
     if lookaside.is_some() {
         out += &lookaside_summary(&totals);
     }
+    if !served.is_empty() {
+        out += &format!(
+            "  served to QEMU on demand (NBD), not written yet: {}\n",
+            served.join(", ")
+        );
+    }
     print_out(&out);
     if !args.vm {
         return Ok(0);
     }
+    if !served.is_empty() {
+        let demand = Demand {
+            opened: &opened,
+            manifest: Arc::new(manifest.clone()),
+            lookaside,
+            dir,
+            what: format!("{env} version {version}"),
+            started: start,
+        };
+        return demand.run(&qemu, &served, socket_for).await;
+    }
     let mut rep = Reporter::new();
-    let code = vm::run_incoming(&args.qemu, dir, &dir.join(VM_MEMORY_IMAGE), |msg| {
-        rep.phase(msg)
-    })
+    let code = vm::run_incoming(
+        &qemu,
+        dir,
+        &dir.join(VM_MEMORY_IMAGE),
+        |msg| rep.phase(msg),
+        |_| {},
+    )
     .await
     .map_err(|e| CliError(format!("{env} version {version}: {e}")))?;
     Ok(code)
+}
+
+/// A `roam resume --vm --demand-fetch` past copy-in of the memory image.
+struct Demand<'a> {
+    /// The store.
+    opened: &'a Opened,
+    /// The version's manifest.
+    manifest: Arc<Manifest>,
+    /// `--lookaside`, consulted before the store.
+    lookaside: Option<Arc<Lookaside>>,
+    /// DIR.
+    dir: &'a Path,
+    /// `ENV version N`, for messages.
+    what: String,
+    /// When the resume began.
+    started: Instant,
+}
+
+impl Demand<'_> {
+    /// The verified chunks of `image`: from lookaside if a file there
+    /// holds one whose SHA-256 matches now, else from the store (tag, then
+    /// SHA-256 against the manifest), as copy-in takes them.
+    fn fetch(&self, image: &str) -> Fetch {
+        let store = self.opened.store.clone();
+        let manifest = self.manifest.clone();
+        let lookaside = self.lookaside.clone();
+        let image = image.to_owned();
+        let what = self.what.clone();
+        Arc::new(move |index| {
+            let (store, manifest, lookaside) = (store.clone(), manifest.clone(), lookaside.clone());
+            let (image, what) = (image.clone(), what.clone());
+            Box::pin(async move {
+                if let Some(la) = &lookaside {
+                    let entry = manifest.image(&image);
+                    let chunk = entry.and_then(|e| e.chunks.get(index as usize));
+                    let len = entry.and_then(|e| e.chunk_len(index));
+                    if let (Some(chunk), Some(len)) = (chunk, len) {
+                        if let LookasideRead::Found(bytes) = la.read_async(chunk, len).await {
+                            return Ok((bytes, true));
+                        }
+                    }
+                }
+                store
+                    .read_chunk(&manifest, &image, index)
+                    .await
+                    .map(|b| (b, false))
+                    .map_err(|e| format!("{what}: {e}"))
+            })
+        })
+    }
+
+    /// Serves `served` over NBD, runs `qemu`, fills the images in the
+    /// background once the guest runs and finishes the fill after QEMU
+    /// exits; returns QEMU's exit status.
+    async fn run(
+        self,
+        qemu: &[String],
+        served: &[String],
+        socket_for: impl Fn(&str) -> PathBuf,
+    ) -> Result<i32, Fail> {
+        let pid = std::process::id();
+        let report: Arc<dyn Fn(&str) + Send + Sync> =
+            Arc::new(|line: &str| eprintln_whole!("roam: {line}"));
+        let mut images = Vec::new();
+        let mut servers = Vec::new();
+        let mut guards = Vec::new();
+        for name in served {
+            let entry = self
+                .manifest
+                .image(name)
+                .ok_or_else(|| CliError(format!("{}: no image {name}", self.what)))?;
+            let target = self.dir.join(name);
+            // A stale image of this name must not be taken for the new one
+            // (by a suspend) while the new one fills; --force was checked.
+            let _ = std::fs::remove_file(&target);
+            let tmp = self.dir.join(format!(".{name}.roam-demand.{pid}"));
+            let image = DemandImage::create(
+                name,
+                entry.len,
+                CHUNK_SIZE as u64,
+                (&tmp, &target),
+                self.fetch(name),
+                report.clone(),
+            )
+            .map_err(CliError)?;
+            let image = Arc::new(image);
+            let sock = socket_for(name);
+            let _ = std::fs::remove_file(&sock);
+            let listener = tokio::net::UnixListener::bind(&sock).map_err(|e| {
+                CliError(format!(
+                    "cannot listen on {} for QEMU's NBD client: {e} (a Unix socket path is at \
+                     most 107 bytes: choose a shorter DIR)",
+                    sock.display()
+                ))
+            })?;
+            guards.push(vm::RemoveOnDrop(sock));
+            servers.push(AbortOnDrop(tokio::spawn(crate::demand::serve(
+                listener,
+                image.clone(),
+            ))));
+            images.push(image);
+        }
+        let mut rep = Reporter::new();
+        rep.phase(&format!(
+            "serving {} over NBD from sockets in {} (demand fetch)",
+            served.join(", "),
+            self.dir.display()
+        ));
+        let mut at_start: Vec<DemandCounts> = Vec::new();
+        let mut at_run: Vec<DemandCounts> = Vec::new();
+        let mut qemu_started = None;
+        let mut guest_ran = None;
+        let mut fill = None;
+        let begun = self.started;
+        let result = vm::run_incoming(
+            qemu,
+            self.dir,
+            &self.dir.join(VM_MEMORY_IMAGE),
+            |msg| rep.phase(msg),
+            |at| match at {
+                Incoming::Started => {
+                    qemu_started = Some(begun.elapsed());
+                    at_start = images.iter().map(|i| i.counts()).collect();
+                }
+                Incoming::Running => {
+                    guest_ran = Some(begun.elapsed());
+                    at_run = images.iter().map(|i| i.counts()).collect();
+                    fill = Some(AbortOnDrop(tokio::spawn(fill_all(images.clone()))));
+                }
+            },
+        )
+        .await;
+        let code = match result {
+            Ok(code) => code,
+            Err(e) => {
+                drop(fill);
+                for i in &images {
+                    let _ = std::fs::remove_file(i.tmp_path());
+                }
+                return Err(CliError(format!("{}: {e}", self.what)).into());
+            }
+        };
+        // QEMU has exited: the rest of the fill, with progress.
+        let mut fill = fill.unwrap_or_else(|| AbortOnDrop(tokio::spawn(fill_all(images.clone()))));
+        let total_chunks: u64 = images.iter().map(|i| i.chunk_count()).sum();
+        let total_bytes: u64 = served
+            .iter()
+            .filter_map(|n| self.manifest.image(n))
+            .map(|e| e.len)
+            .sum();
+        let present = |images: &[Arc<DemandImage>]| -> u64 {
+            images.iter().map(|i| i.counts().present).sum()
+        };
+        if present(&images) < total_chunks {
+            rep.phase(&format!(
+                "QEMU exited ({code}); fetching the {} chunks not yet present",
+                total_chunks - present(&images)
+            ));
+        }
+        let filled = loop {
+            tokio::select! {
+                r = &mut fill.0 => break r.unwrap_or_else(|e| Err(format!("the fill task failed: {e}"))),
+                _ = tokio::time::sleep(Duration::from_millis(100)) => {
+                    let p = present(&images);
+                    rep.image("disks", p, total_chunks, p.saturating_mul(CHUNK_SIZE as u64).min(total_bytes), total_bytes);
+                }
+            }
+        };
+        drop(servers);
+        drop(guards);
+        rep.end_bar();
+        drop(rep);
+        if let Err(e) = filled {
+            return Err(CliError(format!(
+                "{}: the disk is incomplete: {e} (QEMU exited {code}; the fetched part is in \
+                 {})",
+                self.what,
+                images
+                    .iter()
+                    .map(|i| i.tmp_path().display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))
+            .into());
+        }
+        let mut out = format!(
+            "demand fetch of {}: QEMU started {} after the resume began, the guest ran after {}\n",
+            self.what,
+            qemu_started.map_or("-".into(), ms),
+            guest_ran.map_or("-".into(), ms),
+        );
+        for (k, image) in images.iter().enumerate() {
+            let end = image.counts();
+            let s = at_start.get(k).copied().unwrap_or_default();
+            let r = at_run.get(k).copied().unwrap_or_default();
+            out += &format!(
+                "  {}: {} of {} chunks present at QEMU start, {} when the guest ran; {} chunks ({}) \
+                 fetched on demand before the guest ran, {} ({}) on demand in all, {} ({}) in the \
+                 background; {} chunks written by the guest{}; {} complete\n",
+                image.name(),
+                s.present,
+                image.chunk_count(),
+                r.present,
+                r.demand_chunks,
+                mb(r.demand_bytes),
+                end.demand_chunks,
+                mb(end.demand_bytes),
+                end.background_chunks,
+                mb(end.background_bytes),
+                end.dirty,
+                if self.lookaside.is_some() {
+                    format!(", {} from lookaside", end.lookaside_chunks)
+                } else {
+                    String::new()
+                },
+                self.dir.join(image.name()).display()
+            );
+        }
+        print_out(&out);
+        Ok(code)
+    }
+}
+
+/// Aborts a task when dropped (the NBD servers, an unfinished fill).
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Fetches the chunks of `images` not yet present, in order, and renames
+/// each complete image to its name.
+async fn fill_all(images: Vec<Arc<DemandImage>>) -> Result<(), String> {
+    for image in images {
+        let started = Instant::now();
+        image.fill(|_| {}).await?;
+        let path = image.finish()?;
+        let c = image.counts();
+        eprintln_whole!(
+            "roam: {}: background fill done in {}: {} chunks on demand, {} in the background; \
+             {} is complete",
+            image.name(),
+            ms(started.elapsed()),
+            c.demand_chunks,
+            c.background_chunks,
+            path.display()
+        );
+    }
+    Ok(())
 }
 
 /// The summary's lookaside line: `  lookaside: 70 of 72 chunks (9.2 MB)

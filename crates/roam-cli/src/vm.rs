@@ -288,14 +288,26 @@ impl Drop for RemoveOnDrop {
     }
 }
 
+/// A point in [`run_incoming`] a caller may act on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Incoming {
+    /// QEMU was started (it loads the memory image next).
+    Started,
+    /// The memory image is loaded and the guest runs.
+    Running,
+}
+
 /// Starts `qemu` (program and arguments) loading `memory` and lets the
 /// guest run; then waits for QEMU and returns its exit status. SIGINT and
-/// SIGTERM are passed on to QEMU.
+/// SIGTERM are passed on to QEMU. `on` is called when QEMU has started and
+/// when the guest runs (`roam resume --demand-fetch` counts its chunks
+/// there and starts the background fill).
 pub(crate) async fn run_incoming(
     qemu: &[String],
     dir: &Path,
     memory: &Path,
     mut report: impl FnMut(&str),
+    mut on: impl FnMut(Incoming),
 ) -> Result<i32, VmError> {
     let (program, args) = qemu
         .split_first()
@@ -316,6 +328,7 @@ pub(crate) async fn run_incoming(
         .spawn()
         .map_err(|e| VmError(format!("cannot start {program}: {e}")))?;
     let pid = child.id().unwrap_or(0);
+    on(Incoming::Started);
     report(&format!(
         "started {program} (pid {pid}), loading the memory image"
     ));
@@ -343,6 +356,7 @@ pub(crate) async fn run_incoming(
     let _ = std::fs::remove_file(&sock);
     qmp.finish_incoming(|| matches!(child.try_wait(), Ok(None)))
         .await?;
+    on(Incoming::Running);
     report(&format!(
         "the guest runs (memory loaded in {} ms); roam waits for QEMU to exit",
         start.elapsed().as_millis()
@@ -358,6 +372,97 @@ pub(crate) async fn run_incoming(
     };
     drop(qmp);
     Ok(status.code().unwrap_or(1))
+}
+
+/// Rewrites the `-drive file=DIR/<image>,...` options of `qemu` whose file
+/// is one of `images` in `dir` so that QEMU opens the image over NBD from
+/// `socket_for(image)` instead (`file.driver=nbd,file.server.type=unix,
+/// file.server.path=SOCK,file.export=IMAGE`; every other suboption, such as
+/// `format=raw,if=virtio`, is kept). Returns the new command and the images
+/// it now takes from a socket, in order of first use.
+pub(crate) fn nbd_drives(
+    qemu: &[String],
+    dir: &Path,
+    images: &[&str],
+    socket_for: impl Fn(&str) -> PathBuf,
+) -> (Vec<String>, Vec<String>) {
+    let canonical_dir = std::fs::canonicalize(dir).ok();
+    let is_image = |value: &str| -> Option<&str> {
+        let path = Path::new(value);
+        let name = path.file_name()?.to_str()?;
+        let image = images.iter().find(|i| **i == name)?;
+        let parent = path.parent().filter(|p| !p.as_os_str().is_empty());
+        let same_dir = parent == Some(dir)
+            || (canonical_dir.is_some()
+                && std::fs::canonicalize(parent.unwrap_or(Path::new("."))).ok() == canonical_dir);
+        same_dir.then_some(*image)
+    };
+    let mut out = Vec::with_capacity(qemu.len());
+    let mut served: Vec<String> = Vec::new();
+    let mut next_is_drive = false;
+    for arg in qemu {
+        if !std::mem::take(&mut next_is_drive) {
+            next_is_drive = arg == "-drive" || arg == "--drive";
+            out.push(arg.clone());
+            continue;
+        }
+        let mut parts = split_suboptions(arg);
+        let found = parts
+            .iter()
+            .position(|p| p.strip_prefix("file=").and_then(&is_image).is_some());
+        let Some(at) = found else {
+            out.push(arg.clone());
+            continue;
+        };
+        let image = is_image(&parts[at]["file=".len()..])
+            .unwrap_or_default()
+            .to_owned();
+        let sock = socket_for(&image);
+        parts.splice(
+            at..=at,
+            [
+                "file.driver=nbd".to_owned(),
+                "file.server.type=unix".to_owned(),
+                format!("file.server.path={}", sock.display()),
+                format!("file.export={image}"),
+            ],
+        );
+        out.push(join_suboptions(&parts));
+        if !served.contains(&image) {
+            served.push(image);
+        }
+    }
+    (out, served)
+}
+
+/// QEMU's `a=b,c=d` suboptions, `,,` standing for a comma inside a value.
+fn split_suboptions(s: &str) -> Vec<String> {
+    let mut parts = vec![String::new()];
+    let mut chars = s.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == ',' {
+            if chars.peek() == Some(&',') {
+                chars.next();
+                if let Some(p) = parts.last_mut() {
+                    p.push(',');
+                }
+            } else {
+                parts.push(String::new());
+            }
+        } else if let Some(p) = parts.last_mut() {
+            p.push(c);
+        }
+    }
+    parts
+}
+
+/// The inverse of [`split_suboptions`].
+fn join_suboptions(parts: &[String]) -> String {
+    parts
+        .iter()
+        .map(|p| p.replace(',', ",,"))
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// Sends SIGTERM to QEMU (which then quits cleanly).
@@ -380,6 +485,43 @@ mod tests {
     fn quoting_survives_quotes_and_spaces() {
         assert_eq!(shell_quote("/a b/c"), "'/a b/c'");
         assert_eq!(shell_quote("it's"), r"'it'\''s'");
+    }
+
+    #[test]
+    fn drives_of_the_version_are_rewritten_to_nbd() {
+        let args: Vec<String> = [
+            "qemu-system-x86_64",
+            "-drive",
+            "file=/vm/disk.img,format=raw,if=virtio",
+            "-drive",
+            "if=virtio,file=/elsewhere/disk.img",
+            "--drive",
+            "file=/vm/data,,1.img,format=raw",
+            "-append",
+            "-drive file=/vm/disk.img",
+        ]
+        .map(String::from)
+        .to_vec();
+        let (out, served) = nbd_drives(&args, Path::new("/vm"), &["disk.img", "data,1.img"], |i| {
+            PathBuf::from(format!("/vm/.nbd-{i}.sock"))
+        });
+        assert_eq!(served, ["disk.img", "data,1.img"]);
+        assert_eq!(
+            out[2],
+            "file.driver=nbd,file.server.type=unix,file.server.path=/vm/.nbd-disk.img.sock,\
+             file.export=disk.img,format=raw,if=virtio"
+        );
+        assert_eq!(
+            out[4], "if=virtio,file=/elsewhere/disk.img",
+            "another directory"
+        );
+        assert_eq!(
+            out[6],
+            "file.driver=nbd,file.server.type=unix,file.server.path=/vm/.nbd-data,,1.img.sock,\
+             file.export=data,,1.img,format=raw"
+        );
+        assert_eq!(out[8], "-drive file=/vm/disk.img", "not an option");
+        assert_eq!(out.len(), args.len());
     }
 
     #[test]

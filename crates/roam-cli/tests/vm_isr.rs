@@ -255,6 +255,20 @@ fn resume_at(
     serial: &str,
     netns: bool,
 ) -> Proc {
+    resume_with(state, store, site, (guest, serial), netns, &[], None)
+}
+
+/// [`resume_at`] with `extra` options (`--demand-fetch`), roam's stdout and
+/// stderr going to `log` if given.
+fn resume_with(
+    state: &Path,
+    store: &Path,
+    site: &Site,
+    (guest, serial): (&Path, &str),
+    netns: bool,
+    extra: &[&str],
+    log: Option<&Path>,
+) -> Proc {
     let mut args: Vec<String> = Vec::new();
     let program = if netns {
         args.extend(["--net".into(), "--".into(), BIN.into()]);
@@ -271,18 +285,26 @@ fn resume_at(
             &store.display().to_string(),
             "--force",
             "--vm",
-            &site.dir.display().to_string(),
-            "--",
         ]
         .map(String::from),
     );
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args.extend([site.dir.display().to_string(), "--".into()]);
     args.extend(site.qemu(guest, serial));
     let mut cmd = Command::new(program);
     cmd.args(&args)
         .env("ROAM_STATE_DIR", state)
-        .env("XDG_CONFIG_HOME", state.join("no-config"))
-        .stdout(Stdio::inherit())
-        .stderr(Stdio::inherit());
+        .env("XDG_CONFIG_HOME", state.join("no-config"));
+    match log {
+        Some(path) => {
+            std::fs::create_dir_all(&site.dir).unwrap();
+            let f = std::fs::File::create(path).unwrap();
+            cmd.stdout(f.try_clone().unwrap()).stderr(f);
+        }
+        None => {
+            cmd.stdout(Stdio::inherit()).stderr(Stdio::inherit());
+        }
+    }
     let _ = std::fs::remove_file(site.dir.join("qemu.pid"));
     Proc {
         child: cmd.spawn().unwrap(),
@@ -423,6 +445,119 @@ fn a_qemu_guest_suspended_at_a_resumes_at_b_and_back() {
     eprintln!("test wall time: {:?}", test_start.elapsed());
 }
 
+/// The numbers of the demand-fetch summary line of `image`: "IMAGE: P of
+/// N chunks present at QEMU start, R when the guest ran; D chunks ..."
+/// as (P, N, R, D).
+fn demand_line(log: &str, image: &str) -> (u64, u64, u64, u64) {
+    let line = log
+        .lines()
+        .find(|l| {
+            l.trim_start().starts_with(&format!("{image}: ")) && l.contains("present at QEMU start")
+        })
+        .unwrap_or_else(|| panic!("no demand-fetch summary of {image} in:\n{log}"));
+    let nums: Vec<u64> = line
+        .split(|c: char| !c.is_ascii_digit() && c != '.')
+        .filter(|w| !w.is_empty() && !w.contains('.'))
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    (nums[0], nums[1], nums[2], nums[3])
+}
+
+#[test]
+fn a_guest_resumed_by_demand_fetch_runs_before_its_disk_is_in() {
+    let Some(guest) = guest() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let store = tmp.path().join("store");
+    let site_a = Site {
+        dir: tmp.path().join("site-a"),
+    };
+    let site_b = Site {
+        dir: tmp.path().join("site-b"),
+    };
+    std::fs::create_dir_all(&site_a.dir).unwrap();
+    std::fs::copy(guest.join("disk.img"), site_a.disk()).unwrap();
+    let args = site_a.qemu(&guest, "serial-a1");
+    let mut qemu_a = Proc {
+        child: Command::new(&args[0]).args(&args[1..]).spawn().unwrap(),
+        pidfile: site_a.dir.join("qemu.pid"),
+    };
+    site_a.wait_tick("serial-a1", 3, &mut qemu_a);
+    suspend_at(&state, &store, &site_a, &mut qemu_a);
+    let n_a = last_tick(&site_a.ticks("serial-a1"), "site A");
+
+    // Site B by demand fetch: QEMU runs on the memory image and the disk
+    // comes over NBD as the guest touches it.
+    let log = tmp.path().join("resume-b.log");
+    let resume_b = Instant::now();
+    let mut at_b = resume_with(
+        &state,
+        &store,
+        &site_b,
+        (&guest, "serial-b"),
+        false,
+        &["--demand-fetch"],
+        Some(&log),
+    );
+    let ticks_b = site_b.wait_tick("serial-b", n_a + 2, &mut at_b);
+    eprintln!(
+        "demand-fetch resume at B to its first tick: {:?}",
+        resume_b.elapsed()
+    );
+    assert_eq!(
+        ticks_b.first().map(|t| t.0),
+        Some(n_a + 1),
+        "the counter at B goes on from A's last tick {n_a}: {ticks_b:?}"
+    );
+    last_tick(&ticks_b, "site B (demand fetch)");
+    // The background fill completes the disk while the guest runs.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !site_b.disk().exists() {
+        assert!(
+            Instant::now() < deadline,
+            "the background fill did not finish: {}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Suspend at B (through QEMU, whose disk is the NBD export): roam
+    // resume prints its summary when QEMU exits.
+    let (out2, _) = suspend_at(&state, &store, &site_b, &mut at_b);
+    assert!(out2.contains("suspended lab version 2"), "{out2}");
+    let n_b = last_tick(&site_b.ticks("serial-b"), "site B");
+    let status = at_b.wait_exit(Duration::from_secs(60));
+    let text = std::fs::read_to_string(&log).unwrap();
+    eprintln!("roam resume --demand-fetch at B:\n{text}");
+    assert_eq!(status.map(|s| s.success()), Some(true), "{text}");
+    let (at_start, total, at_run, demand_before_run) = demand_line(&text, "disk.img");
+    assert_eq!(total, 512, "{text}");
+    assert!(
+        at_start < total && at_run < total,
+        "QEMU started before the disk was in: {at_start}, {at_run} of {total} chunks"
+    );
+    eprintln!(
+        "demand fetch: {at_start} of {total} disk chunks present at QEMU start, {at_run} when the \
+         guest ran ({demand_before_run} fetched on demand before it ran)"
+    );
+    assert!(text.contains("background fill done"), "{text}");
+    // Nothing of the server is left in DIR.
+    for entry in std::fs::read_dir(&site_b.dir).unwrap() {
+        let name = entry.unwrap().file_name().to_string_lossy().into_owned();
+        assert!(
+            !name.contains("roam-nbd") && !name.contains("roam-demand"),
+            "{name} left in {}",
+            site_b.dir.display()
+        );
+    }
+
+    // B's disk file, as filled and written, went into version 2: back at
+    // A by copy-in the counter goes on and the guest finds its file whole.
+    let mut at_a = resume_at(&state, &store, &site_a, &guest, "serial-a2", false);
+    let ticks_a2 = site_a.wait_tick("serial-a2", n_b + 2, &mut at_a);
+    assert_eq!(ticks_a2.first().map(|t| t.0), Some(n_b + 1), "{ticks_a2:?}");
+    last_tick(&ticks_a2, "site A after demand fetch at B");
+}
+
 #[test]
 fn help_teaches_the_vm_commands() {
     let tmp = tempfile::tempdir().unwrap();
@@ -449,6 +584,11 @@ fn help_teaches_the_vm_commands() {
             help.contains("vm-memory"),
             "roam {cmd} --help names the memory image"
         );
+        if cmd == "resume" {
+            for needle in ["--demand-fetch", "over NBD", "It pays when"] {
+                assert!(help.contains(needle), "resume --help lacks {needle:?}");
+            }
+        }
     }
 }
 
