@@ -332,7 +332,7 @@ an encrypted roam session (no shared filesystem). The destination locks the
 address, adds it to its interface, restores the process, and only then is the
 process here let go: CRIU ends it without a packet, the address comes off this
 host, and the destination lifts its lock and announces the address (gratuitous
-ARP). Phases and bytes are shown as they happen; a summary gives the freeze
+ARP; for IPv6 an unsolicited Neighbor Advertisement). Phases and bytes are shown as they happen; a summary gives the freeze
 (first lock to the destination's go), each phase's share and the image bytes.
 
 If anything fails before the destination has the process — it refuses, its disk

@@ -302,7 +302,7 @@ async fn receive(
     // to it must not go to the old host.
     let announced = target.as_ref().map_or(Ok(()), host::announce);
     let reinjected = match (target.as_ref().map(|t| t.addr), captured.is_empty()) {
-        (Some(std::net::IpAddr::V4(v4)), false) => match super::packets::reinject(&captured, v4) {
+        (Some(addr), false) => match super::packets::reinject(&captured, addr) {
             Ok(n) => n,
             Err(e) => {
                 eprintln!("roam migrate-accept: warning: re-injecting captured packets: {e}");

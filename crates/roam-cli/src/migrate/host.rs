@@ -295,21 +295,21 @@ pub(crate) fn del_address(a: &IfAddr) -> Result<(), CliError> {
     ip(&["addr", "del", &a.cidr(), "dev", &a.dev]).map(|_| ())
 }
 
-/// Tells the neighbours on `a`'s link that its address is here now: one
-/// gratuitous ARP request (sender and target both the address, from this
-/// host's link-layer address, broadcast), sent at once from this process
-/// through a packet socket. Without it the neighbours keep sending to the
-/// old host until their cache entry goes stale (tens of seconds). IPv6 is
-/// not announced (the neighbours re-resolve).
+/// Tells the neighbours on `a`'s link that its address is here now, sent at
+/// once from this process through a packet socket, from this host's
+/// link-layer address: for IPv4 one gratuitous ARP request (sender and
+/// target both the address, broadcast); for IPv6 one unsolicited Neighbor
+/// Advertisement with the override flag to all nodes (RFC 4861 §7.2.6),
+/// which replaces the link-layer address of any neighbour cache entry for
+/// it. Without it the neighbours keep sending to the old host until their
+/// cache entry goes stale (tens of seconds).
 pub(crate) fn announce(a: &IfAddr) -> Result<(), CliError> {
     use nix::sys::socket::{self, AddressFamily, MsgFlags, SockFlag, SockProtocol, SockType};
     use std::os::fd::AsRawFd;
-    let IpAddr::V4(v4) = a.addr else {
-        return Ok(());
-    };
+    let addr = a.addr;
     let fail = |what: &str, e: nix::Error| {
         CliError(format!(
-            "cannot announce {v4} on {} ({what}: {e}); neighbours will find the address \
+            "cannot announce {addr} on {} ({what}: {e}); neighbours will find the address \
              within tens of seconds",
             a.dev
         ))
@@ -330,7 +330,10 @@ pub(crate) fn announce(a: &IfAddr) -> Result<(), CliError> {
         SockProtocol::EthAll,
     )
     .map_err(|e| fail("opening a packet socket", e))?;
-    let frame = garp_frame(mac, v4);
+    let frame = match addr {
+        IpAddr::V4(v4) => garp_frame(mac, v4),
+        IpAddr::V6(v6) => unsolicited_na_frame(mac, v6),
+    };
     socket::sendto(fd.as_raw_fd(), &frame, &link, MsgFlags::empty())
         .map_err(|e| fail("sending", e))?;
     Ok(())
@@ -355,9 +358,74 @@ pub(crate) fn garp_frame(mac: [u8; 6], addr: Ipv4Addr) -> Vec<u8> {
     f
 }
 
+/// An Ethernet frame carrying an unsolicited IPv6 Neighbor Advertisement
+/// for `addr` from `mac`: from `addr` to all nodes (ff02::1), hop limit
+/// 255, flags override only (not solicited, not a router), with a target
+/// link-layer address option naming `mac`.
+pub(crate) fn unsolicited_na_frame(mac: [u8; 6], addr: Ipv6Addr) -> Vec<u8> {
+    let all_nodes = Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 0, 1);
+    // ICMPv6: type 136, code 0, checksum, flags (O), target, option 2.
+    let mut icmp = Vec::with_capacity(32);
+    icmp.extend_from_slice(&[136, 0, 0, 0]);
+    icmp.extend_from_slice(&0x2000_0000u32.to_be_bytes());
+    icmp.extend_from_slice(&addr.octets());
+    icmp.extend_from_slice(&[2, 1]);
+    icmp.extend_from_slice(&mac);
+    // The checksum covers the pseudo-header: both addresses, the 32-bit
+    // length and the next header (58).
+    let mut words = Vec::with_capacity(72);
+    words.extend_from_slice(&addr.octets());
+    words.extend_from_slice(&all_nodes.octets());
+    words.extend_from_slice(&u32::try_from(icmp.len()).unwrap_or(0).to_be_bytes());
+    words.extend_from_slice(&[0, 0, 0, 58]);
+    words.extend_from_slice(&icmp);
+    let mut acc: u32 = words
+        .chunks_exact(2)
+        .map(|w| u32::from(u16::from_be_bytes([w[0], w[1]])))
+        .sum();
+    while acc >> 16 != 0 {
+        acc = (acc & 0xffff) + (acc >> 16);
+    }
+    icmp[2..4].copy_from_slice(&(!(acc as u16)).to_be_bytes());
+
+    let mut f = Vec::with_capacity(14 + 40 + icmp.len());
+    f.extend_from_slice(&[0x33, 0x33, 0, 0, 0, 1]); // all nodes' multicast MAC
+    f.extend_from_slice(&mac);
+    f.extend_from_slice(&0x86ddu16.to_be_bytes()); // IPv6
+    f.extend_from_slice(&[0x60, 0, 0, 0]);
+    f.extend_from_slice(&u16::try_from(icmp.len()).unwrap_or(0).to_be_bytes());
+    f.extend_from_slice(&[58, 255]); // ICMPv6, hop limit 255
+    f.extend_from_slice(&addr.octets());
+    f.extend_from_slice(&all_nodes.octets());
+    f.extend_from_slice(&icmp);
+    f
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_unsolicited_neighbor_advertisement_overrides_from_our_link_address() {
+        let mac = [2, 0, 0, 0, 0, 7];
+        let addr: Ipv6Addr = "fd00::2".parse().unwrap();
+        let f = unsolicited_na_frame(mac, addr);
+        assert_eq!(f.len(), 14 + 40 + 32);
+        assert_eq!(&f[..6], &[0x33, 0x33, 0, 0, 0, 1]);
+        assert_eq!(&f[6..12], &mac);
+        assert_eq!(&f[12..14], &[0x86, 0xdd]);
+        assert_eq!(&f[18..20], &[0, 32], "payload length");
+        assert_eq!(&f[20..22], &[58, 255], "ICMPv6, hop limit 255");
+        assert_eq!(&f[22..38], &addr.octets(), "from the address");
+        let icmp = &f[54..];
+        assert_eq!(icmp[0], 136, "a Neighbor Advertisement");
+        assert_eq!(icmp[4], 0x20, "override, not solicited, not a router");
+        assert_eq!(&icmp[8..24], &addr.octets(), "target");
+        assert_eq!(&icmp[24..26], &[2, 1], "target link-layer address option");
+        assert_eq!(&icmp[26..32], &mac);
+        // As a few lines of Python compute it over the same message.
+        assert_eq!(u16::from_be_bytes([icmp[2], icmp[3]]), 0x5a93);
+    }
 
     #[test]
     fn proc_net_rows_give_address_state_and_inode() {
@@ -418,6 +486,60 @@ mod tests {
         assert_eq!(&f[22..28], &mac, "sender hardware address");
         assert_eq!(&f[28..32], &[10, 1, 2, 3], "sender protocol address");
         assert_eq!(&f[38..42], &[10, 1, 2, 3], "target protocol address");
+    }
+
+    /// The IPv6 announcement on a real link: a neighbour whose cache holds
+    /// a stale link-layer address for the address (the old host's) learns
+    /// this host's from the one advertisement.
+    #[test]
+    fn an_ipv6_announcement_updates_a_neighbours_stale_cache_entry() {
+        use roam_sim::netns::{NetPair, Side, IFACE};
+        if let Err(why) = roam_sim::netns::available() {
+            eprintln!("SKIP: {why}");
+            return;
+        }
+        let pair = NetPair::new("na6").expect("namespaces");
+        let (c, s) = (pair.ns(Side::Client), pair.ns(Side::Server));
+        let run = |cmd: String| {
+            let o = std::process::Command::new("sh")
+                .arg("-c")
+                .arg(&cmd)
+                .output()
+                .expect("sh");
+            assert!(
+                o.status.success(),
+                "`{cmd}`: {}",
+                String::from_utf8_lossy(&o.stderr)
+            );
+            String::from_utf8_lossy(&o.stdout).trim().to_owned()
+        };
+        run(format!(
+            "ip -n {c} addr add fd00::1/64 dev {IFACE} nodad && \
+             ip -n {s} addr add fd00::2/64 dev {IFACE} nodad && \
+             ip -n {c} -6 neigh replace fd00::2 lladdr 02:00:00:00:00:99 dev {IFACE} nud stale"
+        ));
+        let mac = run(format!(
+            "ip netns exec {s} cat /sys/class/net/{IFACE}/address"
+        ));
+        let entry = || run(format!("ip -n {c} -6 neigh show fd00::2 dev {IFACE}"));
+        assert!(entry().contains("02:00:00:00:00:99"), "{}", entry());
+        let a = IfAddr {
+            dev: IFACE.to_owned(),
+            addr: "fd00::2".parse().unwrap(),
+            prefix: 64,
+        };
+        pair.in_ns(Side::Server, || announce(&a))
+            .expect("server namespace")
+            .expect("announce");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(3);
+        while !entry().contains(&mac) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the neighbour still has {:?}, not {mac}",
+                entry()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
     }
 
     #[test]

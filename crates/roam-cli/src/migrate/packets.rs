@@ -3,21 +3,23 @@
 //! (the paper's §3.3), so that its peers' segments sent during the freeze
 //! are not left to their retransmission timers.
 //!
-//! Capture: a packet socket (`AF_PACKET`, `SOCK_DGRAM`, all IPv4) in the
-//! source's network namespace sees each packet as it arrives, before
-//! netfilter — where the address lock then drops it. Every TCP and UDP
+//! Capture: a packet socket (`AF_PACKET`, `SOCK_DGRAM`, all IPv4 or all
+//! IPv6, the moving address's family) in the source's network namespace
+//! sees each packet as it arrives, before netfilter — where the address lock
+//! then drops it. Every TCP and UDP
 //! packet to the moving address is kept (from the lock until the address
 //! leaves the source), duplicates (loopback shows a packet twice) once.
-//! Re-injection: a raw IPv4 socket (`IPPROTO_RAW`: the packet's own header,
-//! its source the peer's address) sends each one to the address, which is
-//! local at the destination, so the kernel delivers it as if it had just
-//! arrived. Its TCP or UDP checksum is computed afresh first (a captured
-//! packet from a sender with checksum offload may carry only a partial
-//! one). IPv4 only.
+//! Re-injection: a raw socket of the address's family (`IPPROTO_RAW`: the
+//! packet's own header, its source the peer's address) sends each one to the
+//! address, which is local at the destination, so the kernel delivers it as
+//! if it had just arrived. Its TCP or UDP checksum is computed afresh first
+//! (a captured packet from a sender with checksum offload may carry only a
+//! partial one). An IPv6 packet is taken only when its fixed header is
+//! followed directly by TCP or UDP (no extension headers, so no fragments).
 
 use std::collections::HashSet;
 use std::io::Read;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,6 +35,9 @@ const MAX_BYTES: usize = 64 << 20;
 /// `ETH_P_IP`, in network byte order as a packet socket's protocol.
 const ETH_P_IP_BE: i32 = (0x0800u16).to_be() as i32;
 
+/// `ETH_P_IPV6`, likewise.
+const ETH_P_IPV6_BE: i32 = (0x86ddu16).to_be() as i32;
+
 /// A capture running on a thread of its own.
 pub(crate) struct Capture {
     /// Tells the thread to stop.
@@ -42,14 +47,13 @@ pub(crate) struct Capture {
 }
 
 impl Capture {
-    /// Starts capturing TCP and UDP packets to `addr` (IPv4) in this
-    /// namespace.
-    pub(crate) fn start(addr: Ipv4Addr) -> std::io::Result<Capture> {
-        let sock = Socket::new(
-            Domain::PACKET,
-            Type::DGRAM,
-            Some(Protocol::from(ETH_P_IP_BE)),
-        )?;
+    /// Starts capturing TCP and UDP packets to `addr` in this namespace.
+    pub(crate) fn start(addr: IpAddr) -> std::io::Result<Capture> {
+        let family = match addr {
+            IpAddr::V4(_) => ETH_P_IP_BE,
+            IpAddr::V6(_) => ETH_P_IPV6_BE,
+        };
+        let sock = Socket::new(Domain::PACKET, Type::DGRAM, Some(Protocol::from(family)))?;
         // Wakes up to look at the stop flag.
         sock.set_read_timeout(Some(Duration::from_millis(5)))?;
         sock.set_recv_buffer_size(8 << 20)?;
@@ -69,7 +73,7 @@ impl Capture {
 }
 
 /// The capture thread's loop.
-fn capture(sock: &Socket, addr: Ipv4Addr, stop: &AtomicBool) -> Vec<Vec<u8>> {
+fn capture(sock: &Socket, addr: IpAddr, stop: &AtomicBool) -> Vec<Vec<u8>> {
     let mut kept = Vec::new();
     let mut seen = HashSet::new();
     let mut bytes = 0usize;
@@ -101,9 +105,38 @@ const TCP: u8 = 6;
 /// `IPPROTO_UDP`.
 const UDP: u8 = 17;
 
-/// Whether `p` is a whole IPv4 TCP or UDP packet (unfragmented, its
-/// transport header complete) to `addr`.
-pub(crate) fn is_carried_to(p: &[u8], addr: Ipv4Addr) -> bool {
+/// Whether `p` is a whole TCP or UDP packet (unfragmented, its transport
+/// header complete) to `addr`, of `addr`'s family.
+pub(crate) fn is_carried_to(p: &[u8], addr: IpAddr) -> bool {
+    match addr {
+        IpAddr::V4(a) => is_carried_to_v4(p, a),
+        IpAddr::V6(a) => is_carried_to_v6(p, a),
+    }
+}
+
+/// [`is_carried_to`] for an IPv6 address: the fixed header's next header is
+/// TCP or UDP (extension headers, fragments among them, are not followed),
+/// and the payload length is the packet's (jumbograms are not taken).
+fn is_carried_to_v6(p: &[u8], addr: Ipv6Addr) -> bool {
+    if p.len() < 40 || p[0] >> 4 != 6 {
+        return false;
+    }
+    let payload = usize::from(u16::from_be_bytes([p[4], p[5]]));
+    let header = match p[6] {
+        TCP => 20,
+        UDP if payload >= 8 => {
+            if usize::from(u16::from_be_bytes([p[44], p[45]])) != payload {
+                return false;
+            }
+            8
+        }
+        _ => return false,
+    };
+    payload == p.len() - 40 && payload >= header && p[24..40] == addr.octets()
+}
+
+/// [`is_carried_to`] for an IPv4 address.
+fn is_carried_to_v4(p: &[u8], addr: Ipv4Addr) -> bool {
     if p.len() < 20 || p[0] >> 4 != 4 {
         return false;
     }
@@ -144,20 +177,34 @@ fn sum(mut acc: u32, data: &[u8]) -> u32 {
     acc
 }
 
+/// The length of `p`'s IP header (an IPv6 packet's fixed header: extension
+/// headers are never taken), the transport protocol, and where the source
+/// and destination addresses lie (the pseudo-header's).
+fn ip_header(p: &[u8]) -> (usize, u8, std::ops::Range<usize>) {
+    if p[0] >> 4 == 6 {
+        (40, p[6], 8..40)
+    } else {
+        (usize::from(p[0] & 0x0f) * 4, p[9], 12..20)
+    }
+}
+
 /// Where the checksum sits in `p`'s transport header, and the protocol.
 fn checksum_at(p: &[u8]) -> (usize, u8) {
-    let ihl = usize::from(p[0] & 0x0f) * 4;
-    match p[9] {
-        UDP => (ihl + 6, UDP),
-        _ => (ihl + 16, TCP),
+    let (hl, proto, _) = ip_header(p);
+    match proto {
+        UDP => (hl + 6, UDP),
+        _ => (hl + 16, TCP),
     }
 }
 
 /// The ones' complement sum of `p`'s pseudo-header and transport segment.
+/// The two families' pseudo-headers sum alike: both addresses, the
+/// protocol and the transport length (IPv6's 32-bit length is below 2^16
+/// here, so it adds as one word).
 fn transport_sum(p: &[u8], proto: u8) -> u32 {
-    let ihl = usize::from(p[0] & 0x0f) * 4;
+    let (ihl, _, addrs) = ip_header(p);
     let len = p.len() - ihl;
-    let acc = sum(0, &p[12..20]);
+    let acc = sum(0, &p[addrs]);
     let acc = sum(
         acc + u32::from(proto) + u32::try_from(len).unwrap_or(0),
         &[],
@@ -185,12 +232,17 @@ fn checksum_ok(p: &[u8]) -> bool {
     transport_sum(p, proto) == 0xffff
 }
 
-/// Delivers `packets` (IPv4 TCP or UDP packets to `addr`, local here) as if they
+/// Delivers `packets` (TCP or UDP packets to `addr`, local here) as if they
 /// had just arrived. Returns how many were sent.
-pub(crate) fn reinject(packets: &[Vec<u8>], addr: Ipv4Addr) -> std::io::Result<usize> {
-    // IPPROTO_RAW: the packets carry their own IP header.
-    let sock = Socket::new(Domain::IPV4, Type::RAW, Some(Protocol::from(255)))?;
-    let to = SockAddr::from(SocketAddr::new(IpAddr::V4(addr), 0));
+pub(crate) fn reinject(packets: &[Vec<u8>], addr: IpAddr) -> std::io::Result<usize> {
+    // IPPROTO_RAW: the packets carry their own IP header (for IPv6 too:
+    // Linux sets IPV6_HDRINCL on such a socket).
+    let domain = match addr {
+        IpAddr::V4(_) => Domain::IPV4,
+        IpAddr::V6(_) => Domain::IPV6,
+    };
+    let sock = Socket::new(domain, Type::RAW, Some(Protocol::from(255)))?;
+    let to = SockAddr::from(SocketAddr::new(addr, 0));
     let mut sent = 0;
     for p in packets {
         if !is_carried_to(p, addr) {
@@ -246,6 +298,97 @@ pub(crate) fn unpack(mut payload: &[u8]) -> Option<Vec<Vec<u8>>> {
 mod tests {
     use super::*;
 
+    /// An IPv4 address as [`is_carried_to`] takes it.
+    fn v4(a: u8, b: u8, c: u8, d: u8) -> IpAddr {
+        IpAddr::V4(Ipv4Addr::new(a, b, c, d))
+    }
+
+    /// `fd00::<last>`.
+    fn fd00(last: u16) -> Ipv6Addr {
+        Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, last)
+    }
+
+    /// An IPv6 packet from fd00::1 to fd00::2 carrying `transport`
+    /// (protocol `proto`).
+    fn packet6(proto: u8, transport: &[u8]) -> Vec<u8> {
+        let mut p = vec![0u8; 40];
+        p[0] = 0x60;
+        p[4..6].copy_from_slice(&u16::try_from(transport.len()).unwrap().to_be_bytes());
+        p[6] = proto;
+        p[7] = 64;
+        p[8..24].copy_from_slice(&fd00(1).octets());
+        p[24..40].copy_from_slice(&fd00(2).octets());
+        p.extend_from_slice(transport);
+        p
+    }
+
+    /// A UDP datagram fd00::1:40000 -> fd00::2:7100 carrying `data`.
+    fn datagram6(data: &[u8]) -> Vec<u8> {
+        let mut u = Vec::new();
+        u.extend_from_slice(&40000u16.to_be_bytes());
+        u.extend_from_slice(&7100u16.to_be_bytes());
+        u.extend_from_slice(&u16::try_from(8 + data.len()).unwrap().to_be_bytes());
+        u.extend_from_slice(&[0, 0]);
+        u.extend_from_slice(data);
+        packet6(UDP, &u)
+    }
+
+    /// A SYN fd00::1:40000 -> fd00::2:7100, seq 12345, window 65535.
+    fn syn6() -> Vec<u8> {
+        let mut t = vec![0u8; 20];
+        t[0..2].copy_from_slice(&40000u16.to_be_bytes());
+        t[2..4].copy_from_slice(&7100u16.to_be_bytes());
+        t[4..8].copy_from_slice(&12345u32.to_be_bytes());
+        t[12] = 5 << 4;
+        t[13] = 0x02;
+        t[14..16].copy_from_slice(&65535u16.to_be_bytes());
+        packet6(TCP, &t)
+    }
+
+    #[test]
+    fn ipv6_checksums_match_an_independent_implementation() {
+        // Both values computed by a few lines of Python over the same
+        // pseudo-header (addresses, 32-bit length, next header) and segment.
+        let mut d = datagram6(b"abc");
+        assert!(is_carried_to(&d, IpAddr::V6(fd00(2))));
+        fix_checksum(&mut d);
+        assert_eq!(u16::from_be_bytes([d[46], d[47]]), 0x8974);
+        assert!(checksum_ok(&d));
+        d[42] ^= 1;
+        assert!(!checksum_ok(&d));
+        let mut syn = syn6();
+        assert!(is_carried_to(&syn, IpAddr::V6(fd00(2))));
+        fix_checksum(&mut syn);
+        assert_eq!(u16::from_be_bytes([syn[56], syn[57]]), 0xcda8);
+    }
+
+    #[test]
+    fn only_whole_ipv6_tcp_and_udp_packets_to_the_address_are_taken() {
+        let to = IpAddr::V6(fd00(2));
+        let d = datagram6(b"hello");
+        assert!(is_carried_to(&d, to));
+        assert!(!is_carried_to(&d, IpAddr::V6(fd00(3))));
+        assert!(
+            !is_carried_to(&d, v4(10, 0, 0, 2)),
+            "an IPv6 packet is not an IPv4 one"
+        );
+        assert!(!is_carried_to(&datagram(b"x"), to), "nor the other way");
+        let mut bad_len = d.clone();
+        bad_len[45] += 1;
+        assert!(!is_carried_to(&bad_len, to), "UDP length disagrees");
+        let mut short = d.clone();
+        short.pop();
+        assert!(!is_carried_to(&short, to), "payload length disagrees");
+        let mut frag = d.clone();
+        frag[6] = 44; // a fragment header
+        assert!(!is_carried_to(&frag, to));
+        let mut icmp = d.clone();
+        icmp[6] = 58;
+        assert!(!is_carried_to(&icmp, to));
+        assert!(!is_carried_to(&syn6()[..59], to), "a cut TCP header");
+        assert!(!is_carried_to(&d[..39], to));
+    }
+
     /// A TCP segment from 10.0.0.1:40000 to 10.0.0.2:7100 carrying `data`.
     fn segment(data: &[u8]) -> Vec<u8> {
         let total = 40 + data.len();
@@ -270,7 +413,7 @@ mod tests {
     fn checksums_verify_and_catch_a_changed_byte() {
         for data in [&b""[..], b"x", b"hello, world", &[0xff; 1001]] {
             let mut p = segment(data);
-            assert!(is_carried_to(&p, Ipv4Addr::new(10, 0, 0, 2)));
+            assert!(is_carried_to(&p, v4(10, 0, 0, 2)));
             fix_checksum(&mut p);
             assert!(checksum_ok(&p), "{data:?}");
             let last = p.len() - 1;
@@ -279,7 +422,7 @@ mod tests {
         }
         for data in [&b""[..], b"x", b"hello, world", &[0xff; 1001]] {
             let mut p = datagram(data);
-            assert!(is_carried_to(&p, Ipv4Addr::new(10, 0, 0, 2)));
+            assert!(is_carried_to(&p, v4(10, 0, 0, 2)));
             fix_checksum(&mut p);
             assert!(checksum_ok(&p), "UDP {data:?}");
             assert_ne!(u16::from_be_bytes([p[26], p[27]]), 0, "0 would mean none");
@@ -321,21 +464,158 @@ mod tests {
     #[test]
     fn only_whole_tcp_and_udp_packets_to_the_address_are_taken() {
         let p = segment(b"abc");
-        assert!(is_carried_to(&p, Ipv4Addr::new(10, 0, 0, 2)));
-        assert!(!is_carried_to(&p, Ipv4Addr::new(10, 0, 0, 3)));
+        assert!(is_carried_to(&p, v4(10, 0, 0, 2)));
+        assert!(!is_carried_to(&p, v4(10, 0, 0, 3)));
         let d = datagram(b"abc");
-        assert!(is_carried_to(&d, Ipv4Addr::new(10, 0, 0, 2)));
+        assert!(is_carried_to(&d, v4(10, 0, 0, 2)));
         let mut bad_len = d.clone();
         bad_len[25] += 1;
-        assert!(!is_carried_to(&bad_len, Ipv4Addr::new(10, 0, 0, 2)));
+        assert!(!is_carried_to(&bad_len, v4(10, 0, 0, 2)));
         let mut icmp = p.clone();
         icmp[9] = 1;
-        assert!(!is_carried_to(&icmp, Ipv4Addr::new(10, 0, 0, 2)));
+        assert!(!is_carried_to(&icmp, v4(10, 0, 0, 2)));
         let mut frag = p.clone();
         frag[6] = 0x20;
-        assert!(!is_carried_to(&frag, Ipv4Addr::new(10, 0, 0, 2)));
-        assert!(!is_carried_to(&p[..30], Ipv4Addr::new(10, 0, 0, 2)));
-        assert!(!is_carried_to(&d[..27], Ipv4Addr::new(10, 0, 0, 2)));
+        assert!(!is_carried_to(&frag, v4(10, 0, 0, 2)));
+        assert!(!is_carried_to(&p[..30], v4(10, 0, 0, 2)));
+        assert!(!is_carried_to(&d[..27], v4(10, 0, 0, 2)));
+    }
+
+    /// Runs `cmd` (a shell line), failing the test with its stderr.
+    fn sh(cmd: &str) {
+        let o = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(cmd)
+            .output()
+            .expect("sh");
+        assert!(
+            o.status.success(),
+            "`{cmd}`: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+
+    /// A migration's freeze in miniature, over IPv6 on a veth pair between two
+    /// namespaces: the server's input for its address is dropped (as the
+    /// source's lock does) while the client sends UDP datagrams and TCP
+    /// bytes; the capture keeps them; the drop is lifted and the captured
+    /// packets are re-injected; the server's sockets receive exactly what
+    /// was sent. The client's retransmission timer is held at 3 s and its
+    /// tail loss probes are off, so the TCP bytes, arriving well before
+    /// that, came through re-injection.
+    #[test]
+    fn ipv6_packets_dropped_during_a_freeze_are_captured_and_reinjected_whole() {
+        use roam_sim::netns::{NetPair, Side, IFACE};
+        use std::io::Write;
+        if let Err(why) = roam_sim::netns::available() {
+            eprintln!("SKIP: {why}");
+            return;
+        }
+        if !roam_sim::netns::installed("nft") {
+            eprintln!("SKIP: nft (nftables) is not installed");
+            return;
+        }
+        let pair = NetPair::new("pkt6").expect("namespaces");
+        let (c, s) = (pair.ns(Side::Client), pair.ns(Side::Server));
+        let (caddr, saddr) = (fd00(1), fd00(2));
+        sh(&format!(
+            "ip -n {c} addr add {caddr}/64 dev {IFACE} nodad && \
+             ip -n {s} addr add {saddr}/64 dev {IFACE} nodad && \
+             ip -n {c} -6 route replace fd00::/64 dev {IFACE} rto_min 3s && \
+             ip netns exec {c} sysctl -qw net.ipv4.tcp_early_retrans=0"
+        ));
+        let (udp, listener) = pair
+            .in_ns(Side::Server, || {
+                (
+                    std::net::UdpSocket::bind((saddr, 0)).expect("udp"),
+                    std::net::TcpListener::bind((saddr, 0)).expect("tcp"),
+                )
+            })
+            .expect("server namespace");
+        let (udp_to, tcp_to) = (udp.local_addr().unwrap(), listener.local_addr().unwrap());
+        let (cudp, mut ctcp) = pair
+            .in_ns(Side::Client, || {
+                (
+                    std::net::UdpSocket::bind((caddr, 0)).expect("client udp"),
+                    std::net::TcpStream::connect(tcp_to).expect("connect"),
+                )
+            })
+            .expect("client namespace");
+        let (mut stcp, _) = listener.accept().expect("accept");
+        sh(&format!(
+            "ip netns exec {s} nft -f - <<'EOF'
+table inet roam_pkt6_test {{
+    chain input {{
+        type filter hook input priority 0; policy accept;
+        ip6 daddr {saddr} meta l4proto {{ tcp, udp }} drop
+    }}
+}}
+EOF"
+        ));
+        let capture = pair
+            .in_ns(Side::Server, || Capture::start(IpAddr::V6(saddr)))
+            .expect("server namespace")
+            .expect("capture");
+        let sent_at = std::time::Instant::now();
+        let datagrams: Vec<Vec<u8>> = (0u8..3)
+            .map(|i| vec![b'a' + i; 100 + usize::from(i)])
+            .collect();
+        for d in &datagrams {
+            cudp.send_to(d, udp_to).expect("send");
+        }
+        let bytes: Vec<u8> = (0..3000u32).map(|i| (i % 251) as u8).collect();
+        ctcp.write_all(&bytes).expect("write");
+        std::thread::sleep(Duration::from_millis(300));
+        stcp.set_nonblocking(true).unwrap();
+        udp.set_nonblocking(true).unwrap();
+        let mut buf = vec![0u8; 65536];
+        assert!(
+            stcp.read(&mut buf).is_err() && udp.recv(&mut buf).is_err(),
+            "the drop (the lock) let something through"
+        );
+        sh(&format!(
+            "ip netns exec {s} nft delete table inet roam_pkt6_test"
+        ));
+        let packets = capture.finish();
+        assert!(
+            packets.len() >= 4,
+            "3 datagrams and the TCP bytes captured: {} packets",
+            packets.len()
+        );
+        let n = pair
+            .in_ns(Side::Server, || reinject(&packets, IpAddr::V6(saddr)))
+            .expect("server namespace")
+            .expect("re-inject");
+        assert_eq!(n, packets.len());
+        udp.set_nonblocking(false).unwrap();
+        udp.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+        for d in &datagrams {
+            let got = udp.recv(&mut buf).expect("a re-injected datagram");
+            assert_eq!(&buf[..got], &d[..], "datagrams whole and in order");
+        }
+        udp.set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
+        assert!(udp.recv(&mut buf).is_err(), "each datagram once");
+        stcp.set_nonblocking(false).unwrap();
+        stcp.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let mut got = Vec::new();
+        while got.len() < bytes.len() {
+            match stcp.read(&mut buf) {
+                Ok(0) => break,
+                Ok(k) => got.extend_from_slice(&buf[..k]),
+                Err(e) => panic!(
+                    "TCP bytes not delivered after {} of {}: {e}",
+                    got.len(),
+                    bytes.len()
+                ),
+            }
+        }
+        assert_eq!(got, bytes, "every TCP byte once, in order");
+        assert!(
+            sent_at.elapsed() < Duration::from_millis(2800),
+            "delivered only after {:?}: by retransmission, not re-injection",
+            sent_at.elapsed()
+        );
     }
 
     #[test]

@@ -146,8 +146,10 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
     let frozen_at = Instant::now();
     // Packets for the address from now on are dropped here; a copy of each
     // goes to the destination to be delivered there.
-    let capture = match (args.no_reinject || follow.is_some(), address.addr) {
-        (false, std::net::IpAddr::V4(v4)) => match super::packets::Capture::start(v4) {
+    let capture = if args.no_reinject || follow.is_some() {
+        None
+    } else {
+        match super::packets::Capture::start(address.addr) {
             Ok(c) => Some(c),
             Err(e) => {
                 progress.phase(&format!(
@@ -156,8 +158,7 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
                 ));
                 None
             }
-        },
-        _ => None,
+        }
     };
     if follow.is_some() {
         // The sessions' connections here cannot be rebuilt at another
