@@ -17,13 +17,13 @@
 mod common;
 
 use std::io::{BufRead, BufReader};
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use common::roam_in;
-use roam_sim::echo::{alive, start_echo_holding, EchoStream, UdpEcho};
+use roam_sim::echo::{alive, start_echo_family, start_echo_holding, EchoStream, UdpEcho};
 use roam_sim::netns::{self, ChildGuard, Lan};
 
 const CLIENT: usize = 0;
@@ -94,7 +94,8 @@ fn wait_listening(lan: &Lan, addr: SocketAddr, what: &str) {
 /// through it from the client host, and `roam migrate-accept` on B.
 struct Setup {
     lan: Lan,
-    service: Ipv4Addr,
+    /// The server's own address on A (IPv4, or IPv6 for the IPv6 move).
+    service: IpAddr,
     /// Waits for the original server process (this test is its parent):
     /// reaped the moment it ends, its pid is free for the restore, as on
     /// a real host whose init reaps it.
@@ -156,9 +157,56 @@ impl Setup {
         own_pids: bool,
         start: impl FnOnce(&Lan, Ipv4Addr) -> (Child, Option<EchoStream>),
     ) -> Setup {
+        Setup::with_server_at(name, images_dir, own_pids, false, |lan, service| {
+            let IpAddr::V4(v4) = service else {
+                unreachable!("an IPv4 service address")
+            };
+            start(lan, v4)
+        })
+    }
+
+    /// The echo server on an IPv6 service address (`fd00:198::100/64` on A;
+    /// every host has an address of that /64 too), with its verified
+    /// stream, and B's `roam migrate-accept` (reached over IPv4).
+    fn ipv6(name: &str) -> Setup {
+        Setup::with_server_at(name, None, false, true, |lan, service| {
+            let addr = SocketAddr::from((service, PORT));
+            let server = start_echo_family(lan.ns(A), PORT, 0, true, || {
+                lan.tcp_connect(CLIENT, addr, Duration::from_secs(1))
+            });
+            let sock = lan
+                .tcp_connect(CLIENT, addr, Duration::from_secs(5))
+                .expect("connect over IPv6");
+            let stream = EchoStream::start(sock);
+            stream.wait_echoed(2 << 20, Duration::from_secs(30));
+            (server, Some(stream))
+        })
+    }
+
+    /// The LAN, the service address on A (IPv6 when `v6`: then every host
+    /// gets `fd00:198::(i+1)/64` beside its IPv4 address, without duplicate
+    /// address detection), the server `start` starts there, and B's
+    /// `roam migrate-accept`.
+    fn with_server_at(
+        name: &str,
+        images_dir: Option<&Path>,
+        own_pids: bool,
+        v6: bool,
+        start: impl FnOnce(&Lan, IpAddr) -> (Child, Option<EchoStream>),
+    ) -> Setup {
         let lan = Lan::new(name, 4).expect("LAN");
-        let service = lan.subnet_addr(100);
-        lan.add_addr(A, service).expect("service address on A");
+        let service = if v6 {
+            for i in 0..4 {
+                add_addr6(&lan, i, host6(u16::try_from(i + 1).expect("host")));
+            }
+            let service = host6(0x100);
+            add_addr6(&lan, A, service);
+            IpAddr::V6(service)
+        } else {
+            let service = lan.subnet_addr(100);
+            lan.add_addr(A, service).expect("service address on A");
+            IpAddr::V4(service)
+        };
         let (server, stream) = start(&lan, service);
         let pid = i32::try_from(server.id()).expect("pid");
         let reaper = Some(reap(server));
@@ -358,9 +406,14 @@ impl Setup {
                 .expect("migrate-process never froze the server");
             // One datagram during the freeze, sent once: the lock drops it
             // at A, and only its capture and re-injection can answer it.
+            let any = if self.service.is_ipv6() {
+                "[::]:0"
+            } else {
+                "0.0.0.0:0"
+            };
             let udp = self
                 .lan
-                .in_ns(CLIENT, || std::net::UdpSocket::bind("0.0.0.0:0"))
+                .in_ns(CLIENT, || std::net::UdpSocket::bind(any))
                 .expect("client namespace")
                 .expect("UDP socket");
             udp.send_to(b"in the freeze", addr)
@@ -502,6 +555,22 @@ fn wait_empty(dir: &Path, within: Duration, what: &str) {
     }
 }
 
+/// `fd00:198::last`: an address of the IPv6 move's /64.
+fn host6(last: u16) -> Ipv6Addr {
+    Ipv6Addr::new(0xfd00, 0x198, 0, 0, 0, 0, 0, last)
+}
+
+/// Adds `addr/64` to host `i`, usable at once (no duplicate address
+/// detection).
+fn add_addr6(lan: &Lan, i: usize, addr: Ipv6Addr) {
+    let ok = Command::new("ip")
+        .args(["-n", lan.ns(i), "addr", "add", &format!("{addr}/64")])
+        .args(["dev", "roam0", "nodad"])
+        .status()
+        .expect("ip addr add");
+    assert!(ok.success(), "cannot add {addr} to host {i}");
+}
+
 /// Waits for `child` on a thread of its own.
 fn reap(mut child: Child) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
@@ -527,7 +596,7 @@ fn a_running_server_moves_to_another_host_with_its_connection_and_address() {
     // client's already, so it sends no ARP request of its own from the
     // service address (any ARP packet from an address updates the other
     // hosts' entries for it): only the announcement can update the watcher.
-    let neigh = |host: usize, addr: Ipv4Addr, mac: &str, nud: &str| {
+    let neigh = |host: usize, addr: IpAddr, mac: &str, nud: &str| {
         let ok = Command::new("ip")
             .args(["-n", s.lan.ns(host), "neigh", "replace"])
             .arg(addr.to_string())
@@ -537,7 +606,7 @@ fn a_running_server_moves_to_another_host_with_its_connection_and_address() {
         assert!(ok.success());
     };
     neigh(WATCHER, s.service, &mac_a, "stale");
-    neigh(B, s.lan.addr(CLIENT), &s.mac(CLIENT), "permanent");
+    neigh(B, s.lan.addr(CLIENT).into(), &s.mac(CLIENT), "permanent");
     let mut udp = UdpEcho::new(
         s.lan
             .in_ns(CLIENT, || std::net::UdpSocket::bind("0.0.0.0:0"))
@@ -637,6 +706,85 @@ fn a_running_server_moves_to_another_host_with_its_connection_and_address() {
          packets re-injected); a connection opened during the freeze took {syn_connect:?}; \
          stream flowing again {resumed:?} after the command; 20 UDP requests answered with \
          {sends} sends"
+    );
+}
+
+/// The move over IPv6: the server (listening on `::`) moves with its
+/// connection, its listening and UDP sockets and its IPv6 address; B
+/// announces the address with an unsolicited Neighbor Advertisement (an
+/// idle host's stale entry for it takes B's link-layer address); the
+/// datagram and the SYN sent during the freeze are captured at A and
+/// re-injected at B; every byte of the stream comes back once, in order.
+#[test]
+fn an_ipv6_server_moves_with_its_connections_and_its_address_is_announced() {
+    if !can_run() {
+        return;
+    }
+    let mut s = Setup::ipv6("mig_v6");
+    let (mac_a, mac_b) = (s.mac(A), s.mac(B));
+    let neigh = |host: usize, addr: IpAddr, mac: &str, nud: &str| {
+        let ok = Command::new("ip")
+            .args(["-n", s.lan.ns(host), "neigh", "replace"])
+            .arg(addr.to_string())
+            .args(["lladdr", mac, "dev", "roam0", "nud", nud])
+            .status()
+            .expect("ip neigh replace");
+        assert!(ok.success());
+    };
+    neigh(WATCHER, s.service, &mac_a, "stale");
+    neigh(B, host6(1).into(), &s.mac(CLIENT), "permanent");
+    s.echo().reset_gap();
+    let (out, syn_connect, freeze_udp) = s.migrate_with_syn_in_freeze(&[]);
+    let done = Instant::now();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "migrate-process failed: {stderr}");
+    assert!(
+        stdout.contains(&format!("{}/64", s.service))
+            && stdout.contains("1 TCP connection, 1 listening socket, 1 UDP socket"),
+        "the summary names the IPv6 address and the sockets: {stdout}"
+    );
+    assert!(
+        s.runs_on(B, s.pid) && !s.runs_on(A, s.pid),
+        "the server is not on B alone"
+    );
+    assert!(
+        !s.has_service(A) && s.has_service(B),
+        "the address did not move to B"
+    );
+    assert!(!s.has_lock(A) && !s.has_lock(B), "an address lock was left");
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while !s.neighbour(WATCHER).contains(&mac_b) {
+        assert!(
+            Instant::now() < deadline,
+            "the watcher still has {} for the service (A {mac_a}, B {mac_b}): no announcement",
+            s.neighbour(WATCHER).trim()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let at = s.echo().echoed();
+    s.echo().wait_echoed(at + (1 << 20), Duration::from_secs(8));
+    let resumed = done.elapsed();
+    let pause = s.echo().longest_gap();
+    let (captured, reinjected) = reinjection(&stdout);
+    assert!(captured >= 1, "nothing captured in the freeze: {stdout}");
+    assert_eq!(reinjected, captured, "{stdout}");
+    freeze_udp
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let mut buf = [0u8; 64];
+    let n = freeze_udp
+        .recv(&mut buf)
+        .expect("no answer to the datagram sent during the freeze");
+    assert_eq!(&buf[..n], b"in the freeze");
+    let sent = s.finish_stream_and_reconnect("the moved server accepts IPv6 connections");
+    let at = s.echo().echoed();
+    s.echo()
+        .wait_echoed(at + (1 << 20), Duration::from_secs(10));
+    eprintln!(
+        "moved over IPv6: {sent} bytes verified; the client's longest pause {pause:?} \
+         ({reinjected} packets re-injected); a connection opened during the freeze took \
+         {syn_connect:?}; stream flowing again {resumed:?} after the command"
     );
 }
 
@@ -960,7 +1108,10 @@ fn a_refused_move_freezes_nothing_and_says_why() {
         "{stderr}"
     );
     // B has the address already.
-    s.lan.add_addr(B, s.service).expect("address on B");
+    let IpAddr::V4(service) = s.service else {
+        unreachable!("an IPv4 service address")
+    };
+    s.lan.add_addr(B, service).expect("address on B");
     let out = s.migrate(&[]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");

@@ -15,8 +15,9 @@ use std::time::{Duration, Instant};
 
 /// The echo server: over TCP one connection at a time, every byte sent
 /// back; over UDP (same port, a thread of its own) every datagram sent back
-/// to its sender. Arguments: the port, and optionally megabytes of memory
-/// to hold (random bytes, so that a checkpoint has to copy them). The
+/// to its sender. Arguments: the port, optionally megabytes of memory to
+/// hold (random bytes, so that a checkpoint has to copy them), and
+/// optionally `6` to serve on IPv6 (`::`) instead of IPv4. The
 /// datagram `roam:check-memory` is answered `intact` while that memory
 /// still hashes as it did at start, else `CORRUPT` (a restore that lost or
 /// zeroed a page).
@@ -24,18 +25,20 @@ pub const ECHO_SERVER: &str = r#"
 import hashlib, os, socket, sys, threading
 ballast = os.urandom(int(sys.argv[2]) << 20) if len(sys.argv) > 2 else b""
 digest = hashlib.sha256(ballast).digest()
+v6 = len(sys.argv) > 3 and sys.argv[3] == "6"
+fam, anyaddr = (socket.AF_INET6, "::") if v6 else (socket.AF_INET, "0.0.0.0")
 def udp():
-    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    u.bind(("0.0.0.0", int(sys.argv[1])))
+    u = socket.socket(fam, socket.SOCK_DGRAM)
+    u.bind((anyaddr, int(sys.argv[1])))
     while True:
         d, a = u.recvfrom(65536)
         if d == b"roam:check-memory":
             d = b"intact" if hashlib.sha256(ballast).digest() == digest else b"CORRUPT"
         u.sendto(d, a)
 threading.Thread(target=udp, daemon=True).start()
-s = socket.socket()
+s = socket.socket(fam)
 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("0.0.0.0", int(sys.argv[1])))
+s.bind((anyaddr, int(sys.argv[1])))
 s.listen(8)
 while True:
     c, _ = s.accept()
@@ -64,11 +67,23 @@ pub fn start_echo_holding(
     ballast_mb: u32,
     connect: impl Fn() -> std::io::Result<TcpStream>,
 ) -> Child {
+    start_echo_family(ns, port, ballast_mb, false, connect)
+}
+
+/// [`start_echo_holding`], serving on IPv6 (`::`, TCP and UDP) when `v6`.
+pub fn start_echo_family(
+    ns: &str,
+    port: u16,
+    ballast_mb: u32,
+    v6: bool,
+    connect: impl Fn() -> std::io::Result<TcpStream>,
+) -> Child {
     let child = Command::new("nsenter")
         .arg(format!("--net=/run/netns/{ns}"))
         .args(["--", "setsid", "python3", "-c", ECHO_SERVER])
         .arg(port.to_string())
         .arg(ballast_mb.to_string())
+        .arg(if v6 { "6" } else { "4" })
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
