@@ -15,9 +15,12 @@
 //! instruction it was stopped at. `roam resume` then waits for QEMU and
 //! exits with its status.
 //!
-//! Non-goals here: demand fetch of the disk (the whole version is copied in
-//! first) and live (pre-copy) migration: the guest is stopped for the whole
-//! suspend. QMP is a line of JSON per message; this client sends one command
+//! With `--demand-fetch`, [`nbd_drives`] points the command's `-drive
+//! file=DIR/<image>` options at roam's NBD sockets instead (the `demand`
+//! module serves them) and only the memory image is copied in first.
+//!
+//! Non-goals here: live (pre-copy) migration: the guest is stopped for the
+//! whole suspend. QMP is a line of JSON per message; this client sends one command
 //! at a time, skips events and bounds every wait in time.
 
 use std::os::unix::fs::OpenOptionsExt;
