@@ -13,8 +13,8 @@
 
 use libfuzzer_sys::fuzz_target;
 use roam_nbd::{
-    decode_request, decode_simple_reply, Command, encode_request, encode_simple_reply, Export, Handshake,
-    HandshakeEvent, REPLY_MAGIC,
+    decode_request, decode_simple_reply, encode_request, encode_simple_reply, Command, Export,
+    Handshake, HandshakeEvent, REPLY_MAGIC,
 };
 
 fn exports() -> Vec<Export> {
@@ -66,7 +66,10 @@ fn handshake(data: &[u8]) {
 fn check_replies(mut out: &[u8]) {
     while out.len() >= 20 && out[..8] == REPLY_MAGIC.to_be_bytes() {
         let len = u32::from_be_bytes(out[16..20].try_into().unwrap()) as usize;
-        assert!(out.len() >= 20 + len, "option reply shorter than its length");
+        assert!(
+            out.len() >= 20 + len,
+            "option reply shorter than its length"
+        );
         out = &out[20 + len..];
     }
     // What remains is an EXPORT_NAME answer (10 or 134 bytes) or nothing.
