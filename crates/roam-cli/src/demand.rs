@@ -15,8 +15,9 @@
 //! lock, held across the fetch: concurrent readers of one missing chunk
 //! fetch it once, and the background fill never overwrites a chunk the
 //! guest already wrote. [`DemandImage::fill`] fetches the remaining chunks
-//! in order; [`DemandImage::finish`] renames the complete file to its
-//! image name, an ordinary file a later `roam suspend --vm` reads.
+//! in order, a few at once; [`DemandImage::finish`] renames the complete
+//! file to its image name, an ordinary file a later `roam suspend --vm`
+//! reads.
 //!
 //! The NBD protocol is `roam_nbd`'s sans-IO codec; [`serve`] drives it over
 //! each accepted connection, one request at a time (replies in order). The
@@ -43,6 +44,10 @@ use roam_nbd::{
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::Mutex;
+
+/// Chunks the background fill fetches at once (8, as copy-in's window: a
+/// remote store's latency is paid once per window, not once per chunk).
+const FILL_WINDOW: usize = 8;
 
 /// One fetched chunk: its verified bytes and whether they came from a
 /// lookaside file (else from the store).
@@ -312,14 +317,33 @@ impl DemandImage {
             .map_err(|e| format!("syncing {}: {e}", self.tmp.display()))
     }
 
-    /// Fetches every chunk not yet present, in order (the background fill),
-    /// calling `progress` after each chunk.
-    pub(crate) async fn fill(&self, mut progress: impl FnMut(&DemandCounts)) -> Result<(), String> {
-        for index in 0..self.chunk_count() {
-            self.ensure(index, Why::Background).await?;
-            progress(&self.counts());
+    /// Fetches every chunk not yet present (the background fill), in order
+    /// with [`FILL_WINDOW`] chunks in flight; the first failure ends it.
+    pub(crate) async fn fill(self: &Arc<Self>) -> Result<(), String> {
+        let next = Arc::new(AtomicU64::new(0));
+        let mut workers = tokio::task::JoinSet::new();
+        for _ in 0..FILL_WINDOW {
+            let (image, next) = (self.clone(), next.clone());
+            workers.spawn(async move {
+                loop {
+                    let index = next.fetch_add(1, Ordering::Relaxed);
+                    if index >= image.chunk_count() {
+                        return Ok(());
+                    }
+                    image.ensure(index, Why::Background).await?;
+                }
+            });
         }
-        Ok(())
+        let mut failed = None;
+        while let Some(done) = workers.join_next().await {
+            let done = done.unwrap_or_else(|e| Err(format!("a fill task failed: {e}")));
+            if let (Err(e), None) = (done, &failed) {
+                // The other workers stop at their next chunk.
+                next.store(u64::MAX / 2, Ordering::Relaxed);
+                failed = Some(e);
+            }
+        }
+        failed.map_or(Ok(()), Err)
     }
 
     /// After [`DemandImage::fill`]: syncs the cache file and renames it to

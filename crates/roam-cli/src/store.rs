@@ -1098,6 +1098,7 @@ impl Demand<'_> {
         let filled = loop {
             tokio::select! {
                 r = &mut fill.0 => break r.unwrap_or_else(|e| Err(format!("the fill task failed: {e}"))),
+                _ = tokio::signal::ctrl_c() => break Err("interrupted (Ctrl-C) during the background fill".into()),
                 _ = tokio::time::sleep(Duration::from_millis(100)) => {
                     let p = present(&images);
                     rep.image("disks", p, total_chunks, p.saturating_mul(CHUNK_SIZE as u64).min(total_bytes), total_bytes);
@@ -1173,7 +1174,7 @@ impl<T> Drop for AbortOnDrop<T> {
 async fn fill_all(images: Vec<Arc<DemandImage>>) -> Result<(), String> {
     for image in images {
         let started = Instant::now();
-        image.fill(|_| {}).await?;
+        image.fill().await?;
         let path = image.finish()?;
         let c = image.counts();
         eprintln_whole!(

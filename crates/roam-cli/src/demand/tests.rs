@@ -198,7 +198,7 @@ async fn qemu_reads_and_writes_every_byte_through_demand_fetch() {
 
     // The background fill fetches nothing twice and skips chunk 5; the
     // finished file is the image plus the writes.
-    s.image.fill(|_| {}).await.unwrap();
+    s.image.fill().await.unwrap();
     let c = s.image.counts();
     assert_eq!(c.present, 10);
     assert_eq!(c.demand_chunks + c.background_chunks, 9, "{c:?}");
@@ -229,7 +229,7 @@ async fn concurrent_reads_of_a_missing_chunk_fetch_it_once() {
     assert_eq!(s.fetches.load(Ordering::SeqCst), 1);
     // A fill racing reads still fetches each chunk once.
     let image = s.image.clone();
-    let fill = tokio::spawn(async move { image.fill(|_| {}).await });
+    let fill = tokio::spawn(async move { image.fill().await });
     let got = s.image.read(0, LEN as u32).await.unwrap();
     fill.await.unwrap().unwrap();
     assert!(got == *source);
@@ -254,7 +254,7 @@ async fn a_failed_fetch_is_an_io_error_for_qemu_and_a_line_for_the_user() {
     // Other chunks still serve, and the fill reports the bad chunk.
     let (ok, text) = qemu_io(&s.sock, &["read 0 4096"]).await;
     assert!(ok, "{text}");
-    assert!(s.image.fill(|_| {}).await.is_err());
+    assert!(s.image.fill().await.is_err());
     assert!(s.image.finish().is_err());
 }
 
