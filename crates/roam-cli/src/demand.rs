@@ -470,8 +470,8 @@ async fn connection(mut stream: UnixStream, image: &DemandImage) -> Result<(), S
                     Ok(data) => encode_simple_reply(r.cookie, 0, &data, &mut out),
                     Err(e) => {
                         (image.report)(&format!(
-                            "NBD {:?} of {} bytes at offset {} of {} failed (the guest sees an \
-                             I/O error): {e}",
+                            "NBD {:?} of {} bytes at offset {} of {} failed (an I/O error for QEMU, \
+                             never the data): {e}",
                             r.command, r.len, r.offset, image.name
                         ));
                         let errno = if e.contains("no chunk") { EINVAL } else { EIO };

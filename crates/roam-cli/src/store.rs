@@ -1063,7 +1063,17 @@ impl Demand<'_> {
                 Incoming::Running => {
                     guest_ran = Some(begun.elapsed());
                     at_run = images.iter().map(|i| i.counts()).collect();
-                    fill = Some(AbortOnDrop(tokio::spawn(fill_all(images.clone()))));
+                    let images = images.clone();
+                    fill = Some(AbortOnDrop(tokio::spawn(async move {
+                        let filled = fill_all(images).await;
+                        if let Err(e) = &filled {
+                            eprintln_whole!(
+                                "roam: the background fill stopped: {e} (the guest runs on; a \
+                                 chunk it reads is fetched then)"
+                            );
+                        }
+                        filled
+                    })));
                 }
             },
         )
@@ -1111,9 +1121,7 @@ impl Demand<'_> {
         drop(rep);
         if let Err(e) = filled {
             return Err(CliError(format!(
-                "{}: the disk is incomplete: {e} (QEMU exited {code}; the fetched part is in \
-                 {})",
-                self.what,
+                "the disk is incomplete: {e} (QEMU exited {code}; the fetched part is in {})",
                 images
                     .iter()
                     .map(|i| i.tmp_path().display().to_string())

@@ -558,6 +558,138 @@ fn a_guest_resumed_by_demand_fetch_runs_before_its_disk_is_in() {
     last_tick(&ticks_a2, "site A after demand fetch at B");
 }
 
+/// Flips a byte in the store object of every chunk of `image` in version
+/// `version` of `lab` (through roam-store, with the user's secret), except
+/// chunks the memory image shares; returns how many objects changed.
+fn tamper_image(state: &Path, store: &Path, version: u64, image: &str) -> usize {
+    use roam_store::{ChunkBackend, LocalDir, Store, UserSecret};
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let secret: [u8; 32] = std::fs::read(state.join("store.secret"))
+            .unwrap()
+            .try_into()
+            .unwrap();
+        let store = Store::new(
+            LocalDir::open(store).unwrap(),
+            UserSecret::from_bytes(secret),
+        );
+        let m = store.load_manifest("lab", version).await.unwrap();
+        let memory: std::collections::HashSet<String> = m
+            .image("vm-memory")
+            .unwrap()
+            .chunks
+            .iter()
+            .map(|c| c.object_name())
+            .collect();
+        let mut names: Vec<String> = m
+            .image(image)
+            .unwrap()
+            .chunks
+            .iter()
+            .map(|c| c.object_name())
+            .filter(|n| !memory.contains(n))
+            .collect();
+        names.sort();
+        names.dedup();
+        for name in &names {
+            let mut object = store.backend().get(name, u64::MAX).await.unwrap();
+            let at = object.len() / 2;
+            object[at] ^= 0x40;
+            store.backend().delete(name).await.unwrap();
+            store.backend().put_if_absent(name, object).await.unwrap();
+        }
+        names.len()
+    })
+}
+
+#[test]
+fn a_tampered_disk_chunk_fetched_on_demand_is_an_io_error_not_data() {
+    let Some(guest) = guest() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let store = tmp.path().join("store");
+    let site_a = Site {
+        dir: tmp.path().join("site-a"),
+    };
+    let site_b = Site {
+        dir: tmp.path().join("site-b"),
+    };
+    std::fs::create_dir_all(&site_a.dir).unwrap();
+    std::fs::copy(guest.join("disk.img"), site_a.disk()).unwrap();
+    let args = site_a.qemu(&guest, "serial-a1");
+    let mut qemu_a = Proc {
+        child: Command::new(&args[0]).args(&args[1..]).spawn().unwrap(),
+        pidfile: site_a.dir.join("qemu.pid"),
+    };
+    site_a.wait_tick("serial-a1", 3, &mut qemu_a);
+    suspend_at(&state, &store, &site_a, &mut qemu_a);
+    let tampered = tamper_image(&state, &store, 1, "disk.img");
+    assert!(tampered > 0, "no disk chunk of its own to tamper");
+
+    let log = tmp.path().join("resume-b.log");
+    let mut at_b = resume_with(
+        &state,
+        &store,
+        &site_b,
+        (&guest, "serial-b"),
+        false,
+        &["--demand-fetch"],
+        Some(&log),
+    );
+    // The first tampered chunk roam fetches (for the guest or the fill) is
+    // refused, and said so.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let text = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if text.contains("is corrupt") {
+            break text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no refusal of a tampered chunk within 60 s:\n{text}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(
+        text.contains("image \"disk.img\" chunk ") && text.contains("authentication failed"),
+        "{text}"
+    );
+    // QEMU reads the disk's first sector as it starts: the read of the
+    // tampered chunk is an I/O error for it, not data.
+    assert!(
+        text.contains("NBD Read of") && text.contains("an I/O error for QEMU"),
+        "{text}"
+    );
+    // Give QEMU a while to load the memory and run the guest (or give up).
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while Instant::now() < deadline
+        && !std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .contains("the guest runs")
+        && at_b.child.try_wait().ok().flatten().is_none()
+    {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let ran = std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .contains("the guest runs");
+    // QEMU quits: the fill cannot complete, and DIR/disk.img never appears.
+    let pid = std::fs::read_to_string(site_b.dir.join("qemu.pid")).unwrap();
+    let _ = Command::new("kill").arg(pid.trim()).status();
+    let status = at_b.wait_exit(Duration::from_secs(60));
+    let text = std::fs::read_to_string(&log).unwrap();
+    eprintln!("roam resume --demand-fetch with tampered disk chunks:\n{text}");
+    assert_eq!(status.and_then(|s| s.code()), Some(1), "{text}");
+    if ran {
+        assert!(text.contains("the disk is incomplete"), "{text}");
+    }
+    eprintln!("the guest ran despite the refused chunk: {ran}");
+    assert!(!site_b.disk().exists(), "an incomplete disk under its name");
+}
+
 #[test]
 fn help_teaches_the_vm_commands() {
     let tmp = tempfile::tempdir().unwrap();
