@@ -281,10 +281,21 @@ async fn mem_client(relays: Vec<String>, target: String) -> io::Result<()> {
     println!("started");
     while let Some(line) = lines.next_line().await? {
         let mut words = line.split_whitespace();
-        match (
+        let (cmd, count) = (
             words.next(),
             words.next().and_then(|w| w.parse::<usize>().ok()),
-        ) {
+        );
+        // `open N via K`: every new session through relay K only (a staged
+        // opening); plain `open N` spreads them over the relays.
+        let via = match (words.next(), words.next().map(str::parse::<usize>)) {
+            (Some("via"), Some(Ok(k))) if k < relays.len() => Some(k),
+            (None, _) => None,
+            _ => {
+                println!("error bad command {line:?}");
+                continue;
+            }
+        };
+        match (cmd, count) {
             (Some("open"), Some(n)) => {
                 let sem = Arc::new(tokio::sync::Semaphore::new(CONNECT_CONCURRENCY));
                 let mut set = tokio::task::JoinSet::new();
@@ -294,7 +305,7 @@ async fn mem_client(relays: Vec<String>, target: String) -> io::Result<()> {
                         .acquire_owned()
                         .await
                         .map_err(io::Error::other)?;
-                    let r = relays[i % relays.len().max(1)].clone();
+                    let r = relays[via.unwrap_or(i % relays.len().max(1))].clone();
                     let (t, c) = (target.clone(), client_config(&keypair));
                     set.spawn(async move {
                         let _permit = permit;
