@@ -272,7 +272,7 @@ impl Plan {
             setup_process_samples: 30,
             resume_rounds: 3,
             stream_counts: vec![1, 100, 1000, 10_000],
-            mem_serve_counts: vec![1000, 9000],
+            mem_serve_counts: vec![1000, 9000, 10_000],
             mem_counts: vec![10_000],
             many_clients: 1000,
             many_warmup_seconds: 5.0,
@@ -781,7 +781,7 @@ mod tests {
         assert_eq!(q.stream_counts, [1, 100, 1000, 10_000]);
         assert_eq!(q.many_clients, 1000);
         let f = Plan::full();
-        assert_eq!(f.mem_serve_counts, [1000, 9000]);
+        assert_eq!(f.mem_serve_counts, [1000, 9000, 10_000]);
         assert_eq!(f.mem_counts, [10_000]);
         for p in [&q, &f] {
             assert_eq!(

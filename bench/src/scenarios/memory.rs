@@ -26,12 +26,14 @@
 //! per address and per key, connections, targets), each stream piped to the
 //! target as in production. A piped session costs it two sockets (client and
 //! target), and this machine allows 20,000 open files per process and no
-//! more (no CAP_SYS_RESOURCE), so `roam serve` is measured up to 9,000
-//! sessions. Beyond that (10,000 sessions) the relay is `roam-bench agent
-//! relay --echo`: `roam::serve` echoing each stream inside the relay, one
-//! socket per session; the report names the relay of every row. The client
-//! reaches the relay through fault-proxy processes (2,500 sessions each, for
-//! the same limit).
+//! more (no CAP_SYS_RESOURCE), so `roam serve` holds at most 9,000 active
+//! sessions. Suspended sessions beyond that are opened in waves, one fault
+//! proxy's 2,500 at a time, each wave parked (its client socket gone) before
+//! the next opens ([`staged`]). At 10,000 sessions every state is also
+//! measured with `roam-bench agent relay --echo`: `roam::serve` echoing each
+//! stream inside the relay, one socket per session, parking nothing; the
+//! report names the relay of every row. The client reaches the relay
+//! through fault-proxy processes (2,500 sessions each, for the same limit).
 
 use std::io;
 use std::sync::Arc;
@@ -449,7 +451,7 @@ pub(crate) async fn run(ctx: Arc<Ctx>, lab: Arc<Lab>) -> io::Result<Memory> {
             state: "any, through roam serve",
             status: "not_measured",
             why: format!(
-                "10,000 sessions piped to real targets need 20,000 sockets in roam serve, this machine's hard limit of {limit} open files per process leaves none for anything else; 10,000 is measured with the echoing library relay (full mode), 9,000 through roam serve (full mode)"
+                "10,000 sessions piped to real targets need 20,000 sockets in roam serve while active, this machine's hard limit of {limit} open files per process leaves none for anything else; full mode measures 10,000 suspended ones through roam serve (opened in waves) and every state with the echoing library relay, 9,000 through roam serve"
             ),
         });
     }
