@@ -23,7 +23,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use common::roam_in;
-use roam_sim::echo::{alive, start_echo_family, start_echo_holding, EchoStream, UdpEcho};
+use roam_sim::echo::{alive, start_echo_family, EchoStream, UdpEcho};
 use roam_sim::netns::{self, ChildGuard, Lan};
 
 const CLIENT: usize = 0;
@@ -125,17 +125,8 @@ impl Setup {
     /// restore happens while the process, frozen, still holds its pid on
     /// A; every process there dies with migrate-accept).
     fn holding_in(name: &str, images_dir: Option<&Path>, ballast_mb: u32, own_pids: bool) -> Setup {
-        Setup::with_server_in(name, images_dir, own_pids, |lan, service| {
-            let addr = SocketAddr::from((service, PORT));
-            let server = start_echo_holding(lan.ns(A), PORT, ballast_mb, || {
-                lan.tcp_connect(CLIENT, addr, Duration::from_secs(1))
-            });
-            let sock = lan
-                .tcp_connect(CLIENT, addr, Duration::from_secs(5))
-                .expect("connect");
-            let stream = EchoStream::start(sock);
-            stream.wait_echoed(2 << 20, Duration::from_secs(30));
-            (server, Some(stream))
+        Setup::with_server_at(name, images_dir, own_pids, false, |lan, service| {
+            echo_server(lan, service, ballast_mb)
         })
     }
 
@@ -170,16 +161,7 @@ impl Setup {
     /// stream, and B's `roam migrate-accept` (reached over IPv4).
     fn ipv6(name: &str) -> Setup {
         Setup::with_server_at(name, None, false, true, |lan, service| {
-            let addr = SocketAddr::from((service, PORT));
-            let server = start_echo_family(lan.ns(A), PORT, 0, true, || {
-                lan.tcp_connect(CLIENT, addr, Duration::from_secs(1))
-            });
-            let sock = lan
-                .tcp_connect(CLIENT, addr, Duration::from_secs(5))
-                .expect("connect over IPv6");
-            let stream = EchoStream::start(sock);
-            stream.wait_echoed(2 << 20, Duration::from_secs(30));
-            (server, Some(stream))
+            echo_server(lan, service, 0)
         })
     }
 
@@ -553,6 +535,22 @@ fn wait_empty(dir: &Path, within: Duration, what: &str) {
         assert!(Instant::now() < deadline, "{what}");
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// The echo server on A's `service` address (served on `::` for an IPv6
+/// one) holding `ballast_mb` MB, and a stream through it from the client
+/// host, 2 MB already echoed and verified.
+fn echo_server(lan: &Lan, service: IpAddr, ballast_mb: u32) -> (Child, Option<EchoStream>) {
+    let addr = SocketAddr::from((service, PORT));
+    let server = start_echo_family(lan.ns(A), PORT, ballast_mb, service.is_ipv6(), || {
+        lan.tcp_connect(CLIENT, addr, Duration::from_secs(1))
+    });
+    let sock = lan
+        .tcp_connect(CLIENT, addr, Duration::from_secs(5))
+        .expect("connect");
+    let stream = EchoStream::start(sock);
+    stream.wait_echoed(2 << 20, Duration::from_secs(30));
+    (server, Some(stream))
 }
 
 /// `fd00:198::last`: an address of the IPv6 move's /64.

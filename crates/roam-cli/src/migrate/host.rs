@@ -500,19 +500,7 @@ mod tests {
         }
         let pair = NetPair::new("na6").expect("namespaces");
         let (c, s) = (pair.ns(Side::Client), pair.ns(Side::Server));
-        let run = |cmd: String| {
-            let o = std::process::Command::new("sh")
-                .arg("-c")
-                .arg(&cmd)
-                .output()
-                .expect("sh");
-            assert!(
-                o.status.success(),
-                "`{cmd}`: {}",
-                String::from_utf8_lossy(&o.stderr)
-            );
-            String::from_utf8_lossy(&o.stdout).trim().to_owned()
-        };
+        let run = |cmd: String| super::super::sh(&cmd);
         run(format!(
             "ip -n {c} addr add fd00::1/64 dev {IFACE} nodad && \
              ip -n {s} addr add fd00::2/64 dev {IFACE} nodad && \

@@ -176,3 +176,20 @@ pub(crate) fn ms(d: Duration) -> String {
         format!("{:.2} s", d.as_secs_f64())
     }
 }
+
+/// Runs `cmd` (a shell line) for a test, failing the test with its stderr;
+/// returns its stdout, trimmed.
+#[cfg(test)]
+pub(crate) fn sh(cmd: &str) -> String {
+    let o = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(cmd)
+        .output()
+        .expect("sh");
+    assert!(
+        o.status.success(),
+        "`{cmd}`: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).trim().to_owned()
+}

@@ -481,20 +481,6 @@ mod tests {
         assert!(!is_carried_to(&d[..27], v4(10, 0, 0, 2)));
     }
 
-    /// Runs `cmd` (a shell line), failing the test with its stderr.
-    fn sh(cmd: &str) {
-        let o = std::process::Command::new("sh")
-            .arg("-c")
-            .arg(cmd)
-            .output()
-            .expect("sh");
-        assert!(
-            o.status.success(),
-            "`{cmd}`: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-    }
-
     /// A migration's freeze in miniature, over IPv6 on a veth pair between two
     /// namespaces: the server's input for its address is dropped (as the
     /// source's lock does) while the client sends UDP datagrams and TCP
@@ -505,6 +491,7 @@ mod tests {
     /// that, came through re-injection.
     #[test]
     fn ipv6_packets_dropped_during_a_freeze_are_captured_and_reinjected_whole() {
+        use super::super::sh;
         use roam_sim::netns::{NetPair, Side, IFACE};
         use std::io::Write;
         if let Err(why) = roam_sim::netns::available() {
