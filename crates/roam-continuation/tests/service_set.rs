@@ -96,47 +96,14 @@ impl Coordinator {
                 .arg(self.transport);
             children.push(cmd.spawn()?);
         }
-        let mut controls = Vec::new();
-        for _ in ROLES {
-            let (socket, _) = tokio::time::timeout(Duration::from_secs(10), self.listener.accept())
-                .await
-                .map_err(|_| std::io::Error::other("a member never joined"))??;
-            let control = Control::accept(socket, |role| {
-                let i = ROLES.iter().position(|r| *r == role)?;
-                parts.map(|p| p[i].clone())
-            })
-            .await?;
-            controls.push(control);
-        }
-        controls.sort_by_key(|c| ROLES.iter().position(|r| *r == c.role));
-        if sabotage {
-            children[1].start_kill()?;
-            children[1].wait().await?;
-        }
-        // A member that dies before it is ready fails the start at once,
-        // not after the answer timeout (its peers wait on its sockets).
-        let ready = async {
-            for c in &mut controls {
-                c.ready().await?;
-            }
-            Ok::<(), std::io::Error>(())
-        };
-        let exited = async {
-            loop {
-                for (child, role) in children.iter_mut().zip(ROLES) {
-                    if let Some(status) = child.try_wait()? {
-                        return Err::<(), _>(std::io::Error::other(format!(
-                            "member {role} exited before it was ready: {status}"
-                        )));
-                    }
-                }
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        };
-        tokio::select! {
-            r = ready => r?,
-            r = exited => r?,
-        }
+        let controls = common::join_members(
+            &self.listener,
+            &ROLES,
+            parts,
+            &mut children,
+            sabotage.then_some(1),
+        )
+        .await?;
         Ok(Running {
             children,
             controls,

@@ -417,3 +417,60 @@ pub fn write_key(path: &Path) -> roam_proto::Keypair {
     writeln!(f, "{hex}").expect("write key");
     kp
 }
+
+/// The coordinator's side of starting a service set's processes (the
+/// service-set tests): accepts one control connection per member of
+/// `roles` on `listener` (each within 10 s), handing each its part of
+/// `parts` when the set restarts from a cut, and returns them in `roles`'
+/// order. `sabotage` kills that child (SIGKILL) once every member has
+/// joined. Then waits until every member is ready, failing at once if a
+/// child exits first (its peers would wait on its sockets).
+pub async fn join_members(
+    listener: &tokio::net::UnixListener,
+    roles: &[&str],
+    parts: Option<&[Vec<u8>]>,
+    children: &mut [tokio::process::Child],
+    sabotage: Option<usize>,
+) -> std::io::Result<Vec<roam_continuation::service_set::Control>> {
+    use roam_continuation::service_set::Control;
+    let mut controls = Vec::new();
+    for _ in roles {
+        let (socket, _) = tokio::time::timeout(Duration::from_secs(10), listener.accept())
+            .await
+            .map_err(|_| std::io::Error::other("a member never joined"))??;
+        let control = Control::accept(socket, |role| {
+            let i = roles.iter().position(|r| *r == role)?;
+            parts.map(|p| p[i].clone())
+        })
+        .await?;
+        controls.push(control);
+    }
+    controls.sort_by_key(|c| roles.iter().position(|r| *r == c.role));
+    if let Some(i) = sabotage {
+        children[i].start_kill()?;
+        children[i].wait().await?;
+    }
+    let ready = async {
+        for c in &mut controls {
+            c.ready().await?;
+        }
+        Ok::<(), std::io::Error>(())
+    };
+    let exited = async {
+        loop {
+            for (child, role) in children.iter_mut().zip(roles) {
+                if let Some(status) = child.try_wait()? {
+                    return Err::<(), _>(std::io::Error::other(format!(
+                        "member {role} exited before it was ready: {status}"
+                    )));
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::select! {
+        r = ready => r?,
+        r = exited => r?,
+    }
+    Ok(controls)
+}
