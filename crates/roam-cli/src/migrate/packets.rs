@@ -122,6 +122,11 @@ fn is_carried_to_v6(p: &[u8], addr: Ipv6Addr) -> bool {
         return false;
     }
     let payload = usize::from(u16::from_be_bytes([p[4], p[5]]));
+    // The header's length first: a shorter packet (cut, or lying about its
+    // length) is never read past its end.
+    if payload != p.len() - 40 {
+        return false;
+    }
     let header = match p[6] {
         TCP => 20,
         UDP if payload >= 8 => {
@@ -132,7 +137,7 @@ fn is_carried_to_v6(p: &[u8], addr: Ipv6Addr) -> bool {
         }
         _ => return false,
     };
-    payload == p.len() - 40 && payload >= header && p[24..40] == addr.octets()
+    payload >= header && p[24..40] == addr.octets()
 }
 
 /// [`is_carried_to`] for an IPv4 address.
@@ -144,6 +149,11 @@ fn is_carried_to_v4(p: &[u8], addr: Ipv4Addr) -> bool {
     let total = usize::from(u16::from_be_bytes([p[2], p[3]]));
     // More-fragments flag or a fragment offset: not a whole segment.
     let frag = u16::from_be_bytes([p[6], p[7]]) & 0x3fff;
+    // The header's lengths first: a shorter packet (cut, or lying about its
+    // length) is never read past its end.
+    if ihl < 20 || total != p.len() {
+        return false;
+    }
     let header = match p[9] {
         TCP => 20,
         // A UDP datagram's own length must agree with the IP header's.
@@ -155,11 +165,7 @@ fn is_carried_to_v4(p: &[u8], addr: Ipv4Addr) -> bool {
         }
         _ => return false,
     };
-    ihl >= 20
-        && total == p.len()
-        && total >= ihl + header
-        && frag == 0
-        && p[16..20] == addr.octets()
+    total >= ihl + header && frag == 0 && p[16..20] == addr.octets()
 }
 
 /// The ones' complement sum of `data` (16-bit big-endian words), folded.
@@ -387,6 +393,16 @@ mod tests {
         assert!(!is_carried_to(&icmp, to));
         assert!(!is_carried_to(&syn6()[..59], to), "a cut TCP header");
         assert!(!is_carried_to(&d[..39], to));
+        // Headers that claim more than the packet holds are refused, never
+        // read past its end.
+        let mut lying = datagram6(b"");
+        lying[4..6].copy_from_slice(&100u16.to_be_bytes());
+        assert!(!is_carried_to(&lying[..41], to));
+        assert!(!is_carried_to(&lying, to));
+        let mut lying4 = datagram(b"");
+        lying4[2..4].copy_from_slice(&1000u16.to_be_bytes());
+        assert!(!is_carried_to(&lying4[..22], v4(10, 0, 0, 2)));
+        assert!(!is_carried_to(&lying4, v4(10, 0, 0, 2)));
     }
 
     /// A TCP segment from 10.0.0.1:40000 to 10.0.0.2:7100 carrying `data`.
