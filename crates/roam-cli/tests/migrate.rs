@@ -437,6 +437,32 @@ impl Setup {
             .to_owned()
     }
 
+    /// Sets host `i`'s neighbour entry for `addr` to `mac` in state `nud`.
+    fn set_neighbour(&self, i: usize, addr: IpAddr, mac: &str, nud: &str) {
+        let ok = Command::new("ip")
+            .args(["-n", self.lan.ns(i), "neigh", "replace"])
+            .arg(addr.to_string())
+            .args(["lladdr", mac, "dev", "roam0", "nud", nud])
+            .status()
+            .expect("ip neigh replace");
+        assert!(ok.success());
+    }
+
+    /// Waits (at most 3 s) until the idle watcher has B's link-layer
+    /// address `mac_b` for the service: only B's announcement can put it
+    /// there (A's is `mac_a`).
+    fn wait_announced(&self, mac_a: &str, mac_b: &str) {
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while !self.neighbour(WATCHER).contains(mac_b) {
+            assert!(
+                Instant::now() < deadline,
+                "the watcher still has {} for the service (A {mac_a}, B {mac_b}): no announcement",
+                self.neighbour(WATCHER).trim()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// The link-layer address host `i` has cached for the service address.
     fn neighbour(&self, i: usize) -> String {
         let out = Command::new("ip")
@@ -594,15 +620,8 @@ fn a_running_server_moves_to_another_host_with_its_connection_and_address() {
     // client's already, so it sends no ARP request of its own from the
     // service address (any ARP packet from an address updates the other
     // hosts' entries for it): only the announcement can update the watcher.
-    let neigh = |host: usize, addr: IpAddr, mac: &str, nud: &str| {
-        let ok = Command::new("ip")
-            .args(["-n", s.lan.ns(host), "neigh", "replace"])
-            .arg(addr.to_string())
-            .args(["lladdr", mac, "dev", "roam0", "nud", nud])
-            .status()
-            .expect("ip neigh replace");
-        assert!(ok.success());
-    };
+    let neigh =
+        |host: usize, addr: IpAddr, mac: &str, nud: &str| s.set_neighbour(host, addr, mac, nud);
     neigh(WATCHER, s.service, &mac_a, "stale");
     neigh(B, s.lan.addr(CLIENT).into(), &s.mac(CLIENT), "permanent");
     let mut udp = UdpEcho::new(
@@ -650,15 +669,7 @@ fn a_running_server_moves_to_another_host_with_its_connection_and_address() {
         "B kept the images of a move",
     );
     // B announced the address: the idle watcher's cache moved to B.
-    let deadline = Instant::now() + Duration::from_secs(3);
-    while !s.neighbour(WATCHER).contains(&mac_b) {
-        assert!(
-            Instant::now() < deadline,
-            "the watcher still has {} for the service (A {mac_a}, B {mac_b}): no announcement",
-            s.neighbour(WATCHER).trim()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    s.wait_announced(&mac_a, &mac_b);
 
     let at = s.echo().echoed();
     s.echo().wait_echoed(at + (1 << 20), Duration::from_secs(8));
@@ -720,15 +731,8 @@ fn an_ipv6_server_moves_with_its_connections_and_its_address_is_announced() {
     }
     let mut s = Setup::ipv6("mig_v6");
     let (mac_a, mac_b) = (s.mac(A), s.mac(B));
-    let neigh = |host: usize, addr: IpAddr, mac: &str, nud: &str| {
-        let ok = Command::new("ip")
-            .args(["-n", s.lan.ns(host), "neigh", "replace"])
-            .arg(addr.to_string())
-            .args(["lladdr", mac, "dev", "roam0", "nud", nud])
-            .status()
-            .expect("ip neigh replace");
-        assert!(ok.success());
-    };
+    let neigh =
+        |host: usize, addr: IpAddr, mac: &str, nud: &str| s.set_neighbour(host, addr, mac, nud);
     neigh(WATCHER, s.service, &mac_a, "stale");
     neigh(B, host6(1).into(), &s.mac(CLIENT), "permanent");
     s.echo().reset_gap();
@@ -751,15 +755,7 @@ fn an_ipv6_server_moves_with_its_connections_and_its_address_is_announced() {
         "the address did not move to B"
     );
     assert!(!s.has_lock(A) && !s.has_lock(B), "an address lock was left");
-    let deadline = Instant::now() + Duration::from_secs(3);
-    while !s.neighbour(WATCHER).contains(&mac_b) {
-        assert!(
-            Instant::now() < deadline,
-            "the watcher still has {} for the service (A {mac_a}, B {mac_b}): no announcement",
-            s.neighbour(WATCHER).trim()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    s.wait_announced(&mac_a, &mac_b);
     let at = s.echo().echoed();
     s.echo().wait_echoed(at + (1 << 20), Duration::from_secs(8));
     let resumed = done.elapsed();
