@@ -323,18 +323,27 @@ impl World {
         let now = Instant::now();
         let mut client = Session::client(ids.client.clone());
         let tid = client.connect(now, None).expect("first connect");
+        // The previous input's buffers, emptied: a script grows them again
+        // otherwise (and zeroes the read buffer) on every input.
+        let mut spare = SPARE.with(|spare| std::mem::take(&mut *spare.borrow_mut()));
+        spare.to_server.clear();
+        spare.to_client.clear();
+        spare.chunk.clear();
+        let mut link = Link {
+            client_tid: Some(tid),
+            ..Link::default()
+        };
+        link.to_server.bytes = spare.to_server;
+        link.to_client.bytes = spare.to_client;
         let mut w = World {
             ids,
             now,
             client,
             server: None,
-            link: Link {
-                client_tid: Some(tid),
-                ..Link::default()
-            },
+            link,
             books: Default::default(),
-            chunk: Vec::new(),
-            readbuf: Vec::new(),
+            chunk: spare.chunk,
+            readbuf: spare.readbuf,
         };
         w.settle();
         w
@@ -690,10 +699,17 @@ impl World {
             }
         }
         if let Ok(tid) = self.client.connect(now, None) {
+            // A fresh link whose pipes keep the old ones' allocations.
+            let mut to_server = std::mem::take(&mut self.link.to_server.bytes);
+            let mut to_client = std::mem::take(&mut self.link.to_client.bytes);
+            to_server.clear();
+            to_client.clear();
             self.link = Link {
                 client_tid: Some(tid),
                 ..Link::default()
             };
+            self.link.to_server.bytes = to_server;
+            self.link.to_client.bytes = to_client;
         }
         self.settle();
     }
