@@ -14,6 +14,9 @@
 //! Scenario 12, `service`, measures service continuations (roam-service
 //! and its tokio layer): each primitive's cost, and a two-member stream
 //! moved every 2 s against none.
+//! Scenario 13, `isr`, suspends a QEMU guest to an S3 store in another
+//! network namespace and resumes it over `tbf`-limited links (copy-in,
+//! demand fetch, lookaside).
 //!
 //! ## Design
 //! - **One load generator** (`load`): a target process (sink, source, echo)
@@ -92,7 +95,7 @@ struct Cli {
     roam: Option<PathBuf>,
     /// Only these scenarios (comma-separated): throughput, latency, setup,
     /// resume, memory, many, cluster, takeover, shell, migrate, interpose,
-    /// service.
+    /// service, isr.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Only these peers (comma-separated result names, e.g. socat,roam-forward);
@@ -209,6 +212,8 @@ pub(crate) struct Plan {
     pub(crate) service_stream_seconds: f64,
     /// Pairs of stream runs (moves, none) in scenario 12.
     pub(crate) service_rounds: usize,
+    /// Link rates (Mbit/s, `tbf`) of scenario 13's resumes.
+    pub(crate) isr_rates_mbit: Vec<u32>,
 }
 
 /// The state sizes of scenario 7 (bytes of attributes).
@@ -257,6 +262,7 @@ impl Plan {
             interpose_seconds: 0.3,
             service_stream_seconds: 6.0,
             service_rounds: 1,
+            isr_rates_mbit: vec![100],
         }
     }
 
@@ -307,6 +313,7 @@ impl Plan {
             interpose_seconds: 1.0,
             service_stream_seconds: 20.0,
             service_rounds: 2,
+            isr_rates_mbit: vec![100, 10, 1],
         }
     }
 
@@ -349,6 +356,7 @@ impl Plan {
             interpose_seconds: 0.1,
             service_stream_seconds: 2.5,
             service_rounds: 1,
+            isr_rates_mbit: vec![100],
         }
     }
 
@@ -422,6 +430,7 @@ pub(crate) struct Scenarios {
     pub(crate) migrate: Outcome<scenarios::migrate::Migrate>,
     pub(crate) interpose: Outcome<scenarios::interpose::Interpose>,
     pub(crate) service: Outcome<scenarios::service::Service>,
+    pub(crate) isr: Outcome<scenarios::isr::Isr>,
 }
 
 impl Scenarios {
@@ -441,6 +450,7 @@ impl Scenarios {
             ("migrate", s.migrate.is_error()),
             ("interpose", s.interpose.is_error()),
             ("service", s.service.is_error()),
+            ("isr", s.isr.is_error()),
         ] {
             if err {
                 v.push(name);
@@ -553,6 +563,7 @@ fn main() {
         "migrate",
         "interpose",
         "service",
+        "isr",
     ];
     if let Some(bad) = cli.only.iter().find(|o| !known.contains(&o.as_str())) {
         eprintln!(
@@ -716,6 +727,10 @@ async fn run(cli: Cli, plan: Plan, nofile: u64) -> i32 {
             scenarios::service::run(c.clone(), l)
         })
         .await,
+        isr: scenario("isr", &c.env, only, &lab, budget, |l| {
+            scenarios::isr::run(c.clone(), l)
+        })
+        .await,
     };
     drop(lab);
     let errors = scen.errors();
@@ -811,6 +826,10 @@ mod tests {
         }
         // Scenario 12: streams long enough for moves every 2 s.
         assert!(q.service_stream_seconds >= 6.0 && f.service_stream_seconds >= 20.0);
+        // Scenario 13: the three link rates in full runs, one in
+        // quick runs (CI's time).
+        assert_eq!(f.isr_rates_mbit, [100, 10, 1]);
+        assert_eq!(q.isr_rates_mbit, [100]);
     }
 
     #[test]

@@ -234,7 +234,9 @@ fn block_label(b: usize) -> String {
     }
 }
 
-fn status_line<T>(o: &Outcome<T>) -> Option<String> {
+/// The line a section opens with when its scenario erred or was skipped
+/// (`None` when it ran); shared with sections written beside their scenario.
+pub(crate) fn status_line<T>(o: &Outcome<T>) -> Option<String> {
     match o {
         Outcome::Ok(_) => None,
         Outcome::Error { error } => Some(format!("**Status: error** — {error}\n")),
@@ -605,6 +607,7 @@ fn markdown(r: &Results, plots: &[io::Result<PathBuf>]) -> String {
     migrate_section(&mut s, &sc.migrate);
     interpose_section(&mut s, &sc.interpose);
     service_section(&mut s, &sc.service);
+    crate::scenarios::isr::section(&mut s, &sc.isr);
     s
 }
 

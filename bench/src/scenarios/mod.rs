@@ -5,6 +5,7 @@ use serde::Serialize;
 
 pub(crate) mod cluster;
 pub(crate) mod interpose;
+pub(crate) mod isr;
 pub(crate) mod latency;
 pub(crate) mod many;
 pub(crate) mod memory;
