@@ -1138,7 +1138,24 @@ fn a_restore_that_fails_at_the_destination_brings_the_server_back_at_the_source(
     }
     let received = tempfile::tempdir().expect("B's images dir");
     let mut s = Setup::new("mig_back", Some(received.path()));
-    // Something else listens on the server's port on B.
+    let _squatter = squat_port(&s);
+    let out = s.migrate(&[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("could not restore it") && stderr.contains("Address already in use"),
+        "names B's failure: {stderr}"
+    );
+    assert!(
+        stderr.contains(&format!("runs on here again (pid {})", s.pid)),
+        "says the server is back here: {stderr}"
+    );
+    s.assert_still_at_source();
+}
+
+/// Something else listening on the server's port on B (its restore there
+/// fails), until dropped.
+fn squat_port(s: &Setup) -> ChildGuard {
     let mut squatter = ChildGuard::spawn(
         Command::new("nsenter")
             .arg(format!("--net=/run/netns/{}", s.lan.ns(B)))
@@ -1156,18 +1173,32 @@ fn a_restore_that_fails_at_the_destination_brings_the_server_back_at_the_source(
         .read_line(&mut up)
         .expect("squatter's line");
     assert_eq!(up.trim(), "up");
-    let out = s.migrate(&[]);
+    squatter
+}
+
+/// Post-copy, a restore that fails at B (its port is taken there): A's
+/// lazy dump is rolled back — its page server, which CRIU starts even
+/// after a refused post-dump step, finds roam's end of its socket closed
+/// and ends at once — and the server runs on at A with its address and
+/// connection, every byte intact and its 96 MB of memory hashing as
+/// before; the error says what failed at B.
+#[test]
+fn with_lazy_pages_a_restore_that_fails_at_the_destination_leaves_the_server_at_the_source() {
+    if !can_run() {
+        return;
+    }
+    let mut s = Setup::holding_in("mig_lazyback", None, 96, true);
+    let _squatter = squat_port(&s);
+    let out = s.migrate(&["--lazy-pages"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(
-        stderr.contains("could not restore it") && stderr.contains("Address already in use"),
+        stderr.contains("runs on here with its connections")
+            && stderr.contains("could not restore it"),
         "names B's failure: {stderr}"
     );
-    assert!(
-        stderr.contains(&format!("runs on here again (pid {})", s.pid)),
-        "says the server is back here: {stderr}"
-    );
     s.assert_still_at_source();
+    assert_eq!(memory_verdict(&s), "intact", "after the move called off");
 }
 
 /// SIGTERM while the images travel (the server holds 300 MB, so they take

@@ -427,7 +427,7 @@ impl Criu {
     /// [`DumpOptions::leave_running`], the tree is gone afterwards: only a
     /// [`Criu::restore`] brings it back.
     pub fn dump(&self, pid: i32, images: &Path, opts: &DumpOptions) -> Result<Dumped, Error> {
-        self.dump_inner(pid, images, opts, None)
+        self.dump_inner(pid, images, opts, None, None)
     }
 
     /// [`Criu::dump`] for a move: once the images are complete, and while
@@ -446,7 +446,30 @@ impl Criu {
         opts: &DumpOptions,
         post_dump: &mut PostDump<'_>,
     ) -> Result<Dumped, Error> {
-        self.dump_inner(pid, images, opts, Some(post_dump))
+        self.dump_inner(pid, images, opts, Some(post_dump), None)
+    }
+
+    /// [`Criu::dump_then`] as a lazy dump (CRIU's `--lazy-pages`): the
+    /// images hold no private anonymous memory (their pagemaps mark it
+    /// lazy), so nothing of it is written inside the freeze. After
+    /// `post_dump` (whatever its verdict) CRIU serves that memory, from
+    /// the frozen tree, with its page-server protocol on `pages` (one end
+    /// of a stream socket pair; CRIU inherits it) until the other end has
+    /// it all and hangs up; only then does it kill the tree (or resume it,
+    /// after a refused step or a failed transfer), and this returns. The
+    /// caller must therefore answer the page requests that come before,
+    /// during `post_dump`, itself (from `/proc/PID/mem`: the tree is
+    /// frozen), and close its end once it has nothing more to ask, or
+    /// this never returns.
+    pub fn dump_lazily_then(
+        &self,
+        pid: i32,
+        images: &Path,
+        opts: &DumpOptions,
+        pages: OwnedFd,
+        post_dump: &mut PostDump<'_>,
+    ) -> Result<Dumped, Error> {
+        self.dump_inner(pid, images, opts, Some(post_dump), Some(pages))
     }
 
     fn dump_inner(
@@ -455,9 +478,25 @@ impl Criu {
         images: &Path,
         opts: &DumpOptions,
         mut post_dump: Option<&mut PostDump<'_>>,
+        pages: Option<OwnedFd>,
     ) -> Result<Dumped, Error> {
         let dir = open_dir(images, "dump")?;
         let mut o = self.base_opts(&dir, "dump.log");
+        // A lazy dump's page server serves on the inherited socket
+        // (`ps-socket N`): CRIU's RPC has no field for it (its `ps` is a
+        // TCP port on every address, and a page server that waits for a
+        // connection nobody makes would hold a refused dump frozen), but
+        // an RPC configuration file is applied after the request.
+        let conf = match &pages {
+            None => None,
+            Some(fd) => {
+                o.set_lazy_pages(true);
+                let conf = ConfigFile::write(&format!("ps-socket {}\n", fd.as_raw_fd()))
+                    .map_err(|source| Error::Io { op: "dump", source })?;
+                o.set_config_file(conf.0.to_string_lossy().into_owned());
+                Some(conf)
+            }
+        };
         o.set_pid(pid);
         o.set_leave_running(opts.leave_running);
         o.set_tcp_established(opts.tcp_established);
@@ -480,13 +519,15 @@ impl Criu {
             }
         };
         let t = Instant::now();
-        let resp = self.call_notified(
+        let resp = self.call_inheriting(
             "dump",
             rpc::Criu_req_type::DUMP,
             Some(o),
             Some(images),
             &mut on_notify,
+            pages,
         );
+        drop(conf);
         if let Some(reason) = refused {
             return Err(Error::Aborted { reason });
         }
@@ -664,8 +705,36 @@ impl Criu {
         images: Option<&Path>,
         on_notify: &mut dyn FnMut(&str) -> bool,
     ) -> Result<rpc::Criu_resp, Error> {
+        self.call_inheriting(op, kind, opts, images, on_notify, None)
+    }
+
+    /// [`Criu::call_notified`], with `inherit` (if any) open in CRIU at
+    /// the same descriptor number.
+    fn call_inheriting(
+        &self,
+        op: &'static str,
+        kind: rpc::Criu_req_type,
+        opts: Option<rpc::Criu_opts>,
+        images: Option<&Path>,
+        on_notify: &mut dyn FnMut(&str) -> bool,
+        inherit: Option<OwnedFd>,
+    ) -> Result<rpc::Criu_resp, Error> {
         let (ours, theirs) = Socket::pair(Domain::UNIX, Type::SEQPACKET, None)
             .map_err(|source| Error::Io { op, source })?;
+        // Survives exec (nsenter's, then CRIU's) where it is. Closed here
+        // once CRIU has started, so that CRIU's is the only copy. (A
+        // program started meanwhile by another thread of the caller would
+        // inherit it too; a short-lived one only delays CRIU's end-of-file
+        // until it exits.)
+        let inherit = match inherit {
+            None => None,
+            Some(fd) => {
+                let s = Socket::from(fd);
+                s.set_cloexec(false)
+                    .map_err(|source| Error::Io { op, source })?;
+                Some(s)
+            }
+        };
         // CRIU's end is its stdin (fd 0, named on the command line): no
         // descriptor has to survive exec any other way.
         let mut cmd = command_in(self.netns.as_deref(), self.path.as_os_str());
@@ -677,6 +746,7 @@ impl Criu {
         // The command holds our copy of CRIU's end until dropped: closed
         // now, CRIU's death reads as end-of-file instead of a wait forever.
         drop(cmd);
+        drop(inherit);
         let mut child = spawned.map_err(|source| Error::Spawn {
             path: self.path.clone(),
             source,
@@ -724,6 +794,29 @@ impl Criu {
             });
         }
         Ok(resp)
+    }
+}
+
+/// A CRIU configuration file for one request, removed when dropped.
+struct ConfigFile(PathBuf);
+
+impl ConfigFile {
+    fn write(text: &str) -> io::Result<ConfigFile> {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let path = std::env::temp_dir().join(format!(
+            "roam-criu-{}-{}.conf",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::write(&path, text)?;
+        Ok(ConfigFile(path))
+    }
+}
+
+impl Drop for ConfigFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
     }
 }
 

@@ -28,6 +28,7 @@
 pub(crate) mod dest;
 pub(crate) mod host;
 pub(crate) mod packets;
+pub(crate) mod pages;
 pub(crate) mod source;
 pub(crate) mod wire;
 

@@ -110,24 +110,25 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
         Err(e) => return Err(refused(e)),
     };
     progress.phase(&format!("{to} can host it ({ready})"));
-    // Post-copy: a second stream carries CRIU's page-server protocol from
-    // a page server on this host's loopback (at a port free now) to the
-    // destination's lazy-pages daemon.
-    let mut lazy = match args.lazy_pages {
-        false => None,
+    // Post-copy: a second stream carries CRIU's page-server protocol to
+    // the destination's lazy-pages daemon from the frozen process's memory
+    // (`pages::PageServer`: roam's answers during the post-dump step,
+    // then CRIU's lazy dump's, over a socket pair CRIU inherits).
+    let (mut lazy, criu_pages) = match args.lazy_pages {
+        false => (None, None),
         true => {
             let pages = session
                 .open_stream(wire::STREAM_PAGES)
                 .map_err(|e| refused(format!("cannot open its pages stream: {e}")))?;
-            let port = std::net::TcpListener::bind("127.0.0.1:0")
-                .and_then(|l| l.local_addr())
-                .map_err(|e| {
-                    CliError(format!(
-                        "cannot find a free loopback port for the page server: {e}; nothing was frozen"
-                    ))
-                })?
-                .port();
-            Some((pages, port))
+            let (ours, criu_end) = std::os::unix::net::UnixStream::pair().map_err(|e| {
+                CliError(format!(
+                    "cannot make a socket pair for the pages: {e}; nothing was frozen"
+                ))
+            })?;
+            let server = super::pages::PageServer::start(&info.pids, pages, ours).map_err(|e| {
+                CliError(format!("cannot serve its memory: {e}; nothing was frozen"))
+            })?;
+            (Some(server), Some(std::os::fd::OwnedFd::from(criu_end)))
         }
     };
 
@@ -183,14 +184,20 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
                 network_lock: NetworkLock::Skip,
                 ..DumpOptions::default()
             };
-            criu.dump_then(pid, &dir, &opts, &mut |p| {
+            let mut step = |p: &Path| {
                 images_tx
                     .blocking_send(p.to_path_buf())
                     .map_err(|_| "roam stopped waiting".to_string())?;
                 verdict_rx
                     .recv()
                     .unwrap_or_else(|_| Err("roam stopped waiting".into()))
-            })
+            };
+            match criu_pages {
+                // Post-copy: a lazy dump; its memory is served after the
+                // step, until the destination has all of it.
+                Some(fd) => criu.dump_lazily_then(pid, &dir, &opts, fd, &mut step),
+                None => criu.dump_then(pid, &dir, &opts, &mut step),
+            }
         })
     };
     let mut timings = Timings::default();
@@ -198,49 +205,42 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
     // post-dump step (its pid), its memory served from here.
     let mut restored_lazily = None;
     let mut serving = None;
-    // Post-copy: image bytes left out of the copy (the memory that follows).
-    let mut held_back = 0u64;
+    // Post-copy: room for the pipes of CRIU's page server, from the end of
+    // the post-dump step (not before: the dump grows larger page pipes
+    // with it, and is slower).
+    let mut room = None;
     if let Some(dir) = images_rx.recv().await {
         timings.dump = frozen_at.elapsed();
         let sent = Instant::now();
-        // Post-copy: the private memory stays out of the copy (holes in
-        // the pages images); the destination fetches it as it needs it.
-        let holes = match lazy.is_some() {
-            true => roam_criu::lazy_ranges(&dir),
-            false => Ok(Vec::new()),
-        };
-        if let Ok(h) = &holes {
-            held_back = h.iter().map(|(_, _, l)| l).sum();
-        }
-        let outcome = match holes {
-            Err(e) => Err(format!("cannot read the dump's pagemaps: {e}")),
-            Ok(holes) => tokio::select! {
-                r = send_images(&mut wr, &mut answers, &dir, &holes, &mut progress, &timings, &to) => r,
-                _ = interrupt.wait() => Err("interrupted by a signal".to_string()),
-            },
+        // Post-copy: the lazy dump wrote none of the private memory; the
+        // destination fetches it as it needs it.
+        let outcome = tokio::select! {
+            r = send_images(&mut wr, &mut answers, &dir, &[], &mut progress, &timings, &to) => r,
+            _ = interrupt.wait() => Err("interrupted by a signal".to_string()),
         };
         timings.transfer = sent.elapsed();
         let outcome = match (outcome, lazy.take()) {
-            (Ok(()), Some((pages, port))) => {
+            (Ok(()), Some(server)) => {
                 progress.phase(&format!(
                     "images sent; {to} restores {} while its memory stays here",
                     info.label()
                 ));
                 let asked = Instant::now();
-                let r = match PageServer::start(&criu_again, &dir, port, pages) {
-                    Err(e) => Err(e),
-                    Ok(server) => {
-                        let r = tokio::select! {
-                            r = restore_lazily(&mut wr, &mut answers, &to) => r,
-                            _ = interrupt.wait() => Err("interrupted by a signal".to_string()),
-                        };
-                        match r {
-                            Ok(_) => serving = Some(server),
-                            Err(_) => server.stop(),
-                        }
-                        r
-                    }
+                let r = tokio::select! {
+                    r = restore_lazily(&mut wr, &mut answers, &to) => r,
+                    _ = interrupt.wait() => Err("interrupted by a signal".to_string()),
                 };
+                let r = r.and_then(|restored| {
+                    let made = roam_criu::PipeRoom::make().map_err(|e| {
+                        format!("cannot make room for the page server's pipes: {e}")
+                    })?;
+                    room = Some(made);
+                    Ok(restored)
+                });
+                match r {
+                    Ok(_) => serving = Some(server),
+                    Err(_) => server.stop(),
+                }
                 if let Ok((pid, us)) = r {
                     timings.restore = Duration::from_micros(us);
                     timings.wait = asked.elapsed().saturating_sub(timings.restore);
@@ -248,9 +248,23 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
                 }
                 r.map(|_| ())
             }
-            (outcome, _) => outcome,
+            (outcome, server) => {
+                // Called off: CRIU's page server (it starts even after a
+                // refused step) sees its socket close and ends at once.
+                if let Some(server) = server {
+                    server.stop();
+                }
+                outcome
+            }
         };
         let _ = verdict_tx.send(outcome);
+        if let Some(server) = &serving {
+            server.hand_over();
+        }
+    }
+    if let Some(server) = lazy.take() {
+        // The dump failed before its post-dump step.
+        server.stop();
     }
     let ending = Instant::now();
     drop(verdict_tx);
@@ -269,7 +283,7 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
                 capture,
                 frozen_at,
                 timings,
-                held_back,
+                room,
             },
             wr,
             &mut answers,
@@ -684,8 +698,8 @@ struct LazyMove {
     new_pid: i32,
     /// Where its roam clients follow it (`--sessions-to`).
     follow: Option<Follow>,
-    /// CRIU's page server and the pump to the destination.
-    server: PageServer,
+    /// The memory's server (CRIU's lazy dump's page server, by now).
+    server: super::pages::PageServer,
     /// CRIU's dump, which ends the process here after the post-dump step.
     dump: tokio::task::JoinHandle<Result<roam_criu::Dumped, roam_criu::Error>>,
     /// The address lock here.
@@ -696,143 +710,8 @@ struct LazyMove {
     frozen_at: Instant,
     /// Phases so far.
     timings: Timings,
-    /// Bytes of the images left out of the copy (the memory that follows).
-    held_back: u64,
-}
-
-/// CRIU's page server for a post-copy move, serving the process's memory
-/// from the images here, and the task that carries its protocol over the
-/// pages stream to the destination's lazy-pages daemon.
-struct PageServer {
-    /// `criu page-server --lazy-pages` on loopback.
-    child: std::process::Child,
-    /// Connects to it and pumps; the bytes sent to the destination.
-    pump: tokio::task::JoinHandle<Result<u64, String>>,
-    /// Open: pages flow to the destination; closed: they wait (while the
-    /// address is handed over, whose few frames would otherwise queue
-    /// behind megabytes of memory and share the CPU with them).
-    gate: tokio::sync::watch::Sender<bool>,
-    /// When it started.
-    started: Instant,
-    /// Room for its pipes, while it runs.
-    _room: roam_criu::PipeRoom,
-}
-
-impl PageServer {
-    /// Starts the page server on `127.0.0.1:port` for the images in `dir`,
-    /// and the pump between it and `pages`.
-    fn start(
-        criu: &Criu,
-        dir: &Path,
-        port: u16,
-        pages: roam::RoamStream,
-    ) -> Result<PageServer, String> {
-        let room = roam_criu::PipeRoom::make()?;
-        let child = criu
-            .lazy_page_server(dir, port)
-            .map_err(|e| format!("cannot start CRIU's page server: {e}"))?;
-        let (gate, mut open) = tokio::sync::watch::channel(true);
-        let pump = tokio::spawn(async move {
-            // Its one connection is ours, once it listens.
-            let deadline = Instant::now() + Duration::from_secs(10);
-            let server = loop {
-                match tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
-                    Ok(s) => break s,
-                    Err(e) if Instant::now() >= deadline => {
-                        return Err(format!(
-                            "cannot reach CRIU's page server on port {port}: {e}"
-                        ))
-                    }
-                    Err(_) => tokio::time::sleep(Duration::from_millis(2)).await,
-                }
-            };
-            let _ = server.set_nodelay(true);
-            let (mut sr, mut sw) = server.into_split();
-            let (mut pr, mut pw) = tokio::io::split(pages);
-            // The daemon's requests go to the page server as they come.
-            let requests = async {
-                tokio::io::copy(&mut pr, &mut sw).await?;
-                sw.shutdown().await
-            };
-            // The pages go to the daemon while the gate is open.
-            let memory = async {
-                use tokio::io::AsyncReadExt;
-                let mut buf = vec![0u8; CHUNK];
-                let mut sent = 0u64;
-                loop {
-                    if open.wait_for(|o| *o).await.is_err() {
-                        return Ok(sent);
-                    }
-                    let n = sr.read(&mut buf).await?;
-                    if n == 0 {
-                        pw.shutdown().await?;
-                        return Ok::<u64, std::io::Error>(sent);
-                    }
-                    pw.write_all(&buf[..n]).await?;
-                    sent += n as u64;
-                }
-            };
-            let (asked, sent) = tokio::join!(requests, memory);
-            asked
-                .and(sent)
-                .map_err(|e| format!("the pages stream failed: {e}"))
-        });
-        Ok(PageServer {
-            child,
-            pump,
-            gate,
-            started: Instant::now(),
-            _room: room,
-        })
-    }
-
-    /// Holds the pages back (`false`) or lets them flow (`true`).
-    fn flow(&self, open: bool) {
-        let _ = self.gate.send(open);
-    }
-
-    /// Stops both (the move did not happen).
-    fn stop(mut self) {
-        self.pump.abort();
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    /// Waits until the destination has every page: the bytes sent and how
-    /// long serving took, or why it did not finish.
-    async fn finish(self) -> Result<(u64, Duration), String> {
-        let pumped = match self.pump.await {
-            Ok(r) => r,
-            Err(e) => Err(format!("the pages task failed: {e}")),
-        };
-        let took = self.started.elapsed();
-        // The page server ends once its daemon has hung up.
-        let mut child = self.child;
-        let status = tokio::task::spawn_blocking(move || {
-            let deadline = Instant::now() + Duration::from_secs(10);
-            loop {
-                match child.try_wait() {
-                    Ok(Some(s)) => return Ok(s),
-                    Ok(None) if Instant::now() < deadline => {
-                        std::thread::sleep(Duration::from_millis(5))
-                    }
-                    Ok(None) => {
-                        let _ = child.kill();
-                        let _ = child.wait();
-                        return Err("CRIU's page server did not end".to_string());
-                    }
-                    Err(e) => return Err(format!("cannot wait for CRIU's page server: {e}")),
-                }
-            }
-        })
-        .await
-        .map_err(|e| format!("the page server's thread failed: {e}"))??;
-        let bytes = pumped?;
-        if !status.success() {
-            return Err(format!("CRIU's page server failed ({status})"));
-        }
-        Ok((bytes, took))
-    }
+    /// Room for the pipes of CRIU's page server, while it serves.
+    room: Option<roam_criu::PipeRoom>,
 }
 
 /// Asks the destination to restore the process now, its memory to follow
@@ -887,48 +766,49 @@ async fn finish_lazily(
     )
     .await;
     m.server.flow(true);
-    // CRIU ended the process here meanwhile (an error now changes
-    // nothing: the process runs at the destination).
-    let ended = Instant::now();
-    let mut done = done;
-    let image_bytes = match m.dump.await {
-        Ok(Ok(d)) => d.image_bytes.saturating_sub(m.held_back),
-        Ok(Err(e)) => {
-            done.warnings.push(format!(
-                "CRIU's dump ended with an error after the move: {e}"
-            ));
-            0
-        }
-        Err(e) => {
-            done.warnings
-                .push(format!("the dump thread failed after the move: {e}"));
-            0
-        }
-    };
-    m.timings.end = ended.elapsed();
     progress.phase(&format!(
         "{} runs at {to}; sending the rest of its memory",
         info.label()
     ));
-    let followed = match m.server.finish().await {
-        Ok(f) => f,
-        Err(why) => {
-            // The images here still hold everything: kept, for a restore
-            // by hand.
-            images
-                .keep
-                .store(true, std::sync::atomic::Ordering::Relaxed);
+    // CRIU's lazy dump serves the memory from the frozen process here
+    // until the destination has all of it, then ends the process: the
+    // dump completes only then.
+    let followed = m.server.finish().await;
+    let ended = Instant::now();
+    let dumped = match m.dump.await {
+        Ok(r) => r.map_err(|e| e.to_string()),
+        Err(e) => Err(format!("the dump thread failed: {e}")),
+    };
+    drop(m.room);
+    m.timings.end = ended.elapsed();
+    let followed = match (followed, &dumped) {
+        (Ok(f), Ok(_)) => f,
+        (followed, _) => {
+            let why = match (followed, &dumped) {
+                (Err(why), _) => why,
+                (Ok(_), Err(e)) => format!("CRIU's page server failed: {e}"),
+                (Ok(_), Ok(_)) => unreachable!("handled above"),
+            };
+            // Without every page the copy at the destination is killed
+            // there; CRIU ends the frozen one here after a clean hang-up
+            // and resumes it after a broken one.
+            let here = match (&dumped, wait_gone(&info.pids)) {
+                (Err(_), false) => format!(
+                    "CRIU resumed the frozen copy here (pid {}), but without its address \
+                     and with its connections out of step with their peers",
+                    info.pid
+                ),
+                _ => "CRIU ended the copy here".to_string(),
+            };
             return Err(CliError(format!(
                 "{} was LOST: it had started at {to} (pid {}), but its memory stopped \
-                 following it ({why}); {to} kills a copy that misses pages. Its images, \
-                 memory included, are kept in {} (`criu restore -D DIR --tcp-established` \
-                 on a host with its address brings it back)",
+                 following it ({why}); {to} kills a copy that misses pages, and {here}",
                 info.label(),
                 m.new_pid,
-                images.path.display()
             )));
         }
     };
+    let image_bytes = dumped.map(|d| d.image_bytes).unwrap_or(0);
     let moved = Moved {
         args,
         info,
