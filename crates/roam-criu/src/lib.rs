@@ -199,11 +199,13 @@ pub struct RestoreOptions {
     /// As [`DumpOptions::file_locks`].
     pub file_locks: bool,
     /// Post-copy: the process's private memory is not read from the
-    /// images here (they may have holes there: see [`lazy_ranges`]); each
-    /// page is fetched when the restored process first touches it (or in
-    /// the background) by the lazy-pages daemon running on the same images
-    /// directory, which must be started first ([`Criu::lazy_pages_daemon`]),
-    /// from the source's [`Criu::lazy_page_server`].
+    /// images here (a lazy dump's hold none of it; a full dump's may have
+    /// holes there: see [`lazy_ranges`]); each page is fetched when the
+    /// restored process first touches it (or in the background) by the
+    /// lazy-pages daemon running on the same images directory, which must
+    /// be started first ([`Criu::lazy_pages_daemon`]), from the source's
+    /// page server ([`Criu::dump_lazily_then`]'s, or
+    /// [`Criu::lazy_page_server`] on a full dump's images).
     pub lazy_pages: bool,
 }
 
