@@ -19,8 +19,9 @@
 //! second suspend's chunks uploaded show the dedup), and write version 2's
 //! images into another directory (the *fresh* lookaside cache).
 //!
-//! Then for every link rate (`tbf` on both ends of the veth) version 2 is
-//! resumed into a fresh directory four ways: copy everything in first
+//! Then for every link rate (`tbf` on both ends of the veth), in rounds
+//! (the plan's count per rate; the policies' order rotated each round),
+//! version 2 is resumed into a fresh directory four ways: copy everything in first
 //! (`roam resume --vm`), demand fetch (`--demand-fetch`: QEMU starts once
 //! the memory image is in and the disk comes over NBD), and copy-in with
 //! the fresh and with the stale lookaside cache (`--lookaside`). Measured:
@@ -31,6 +32,7 @@
 //! and roam's own lookaside counts. The first tick also holds what was left
 //! of the guest's 1 s sleep when it was suspended; the suspend is started
 //! ~0.85 s after a tick so that this rest is small, and it is reported.
+//! Rows are medians over the rounds; every sample is in results.json.
 //!
 //! Needs root (namespaces, tc), QEMU, the guest (`$ROAM_GUEST` or
 //! `/var/cache/roam/guest-*`) and s3s-fs (`$ROAM_S3S_FS` or
@@ -150,8 +152,11 @@ pub(crate) struct ResumeRow {
     pub(crate) lookaside_bytes: Option<u64>,
     /// Lookaside: plaintext bytes fetched from the store (roam's count).
     pub(crate) fetched_bytes: Option<u64>,
-    /// Lookaside: 1 - wire bytes / the copy-in's wire bytes at this rate (%).
+    /// Lookaside: 1 - wire bytes / the copy-in's wire bytes at this rate
+    /// (%; of medians in a row, set when the rows are made).
     pub(crate) wire_saved_pct: Option<f64>,
+    /// Samples this row is the median of (1 for a sample).
+    pub(crate) n: usize,
 }
 
 /// One goal of the issue against this run.
@@ -180,15 +185,17 @@ pub(crate) struct Isr {
     /// (ms, estimated from when its last tick was seen): part of every
     /// first-tick time below.
     pub(crate) residual_sleep_ms: f64,
-    /// Every measured resume.
+    /// Medians per link rate and policy.
     pub(crate) resumes: Vec<ResumeRow>,
+    /// Every measured resume, in the order run.
+    pub(crate) samples: Vec<ResumeRow>,
     /// The issue's goals.
     pub(crate) goals: Vec<Goal>,
 }
 
 /// Runs the scenario (blocking work on a thread of its own).
 pub(crate) async fn run(ctx: Arc<Ctx>, _lab: Arc<Lab>) -> io::Result<Isr> {
-    let rates = ctx.plan.isr_rates_mbit.clone();
+    let rates = ctx.plan.isr_links.clone();
     let roam = ctx.env.roam.clone();
     let scratch = ctx.env.dir.clone();
     tokio::task::spawn_blocking(move || {
@@ -667,7 +674,8 @@ fn secs(from: Instant, to: Instant) -> f64 {
 }
 
 /// The whole scenario, in `dir`.
-fn measure(tools: &Tools, dir: &Path, rates: &[u32]) -> io::Result<Isr> {
+/// `rates`: (Mbit/s, rounds) of the resumes.
+fn measure(tools: &Tools, dir: &Path, rates: &[(u32, usize)]) -> io::Result<Isr> {
     let net = Net::start(tools, dir)?;
     progress(&format!(
         "isr: store (s3s-fs) at {} in the server namespace",
@@ -720,14 +728,17 @@ fn measure(tools: &Tools, dir: &Path, rates: &[u32]) -> io::Result<Isr> {
     let fresh = dir.join("lookaside-v2");
     write_images(&net, tools, dir, 2, &fresh)?;
 
-    let mut resumes: Vec<ResumeRow> = Vec::new();
-    for &rate in rates {
+    let mut samples: Vec<ResumeRow> = Vec::new();
+    for &(rate, rounds) in rates {
         net.rate(rate)?;
         // The longest a resume at this rate may take to its first tick.
         let limit = SLACK + Duration::from_secs_f64(MAX_RESUME_BYTES * 8.0 / (rate as f64 * 1e6));
-        let mut copy_in_wire = None;
-        for policy in Policy::ALL {
-            let site = Site::new(dir.join(format!("resume-{rate}-{policy:?}")))?;
+        for (round, policy) in (0..rounds).flat_map(|round| {
+            crate::peers::order(Policy::ALL.len(), round)
+                .into_iter()
+                .map(move |i| (round, Policy::ALL[i]))
+        }) {
+            let site = Site::new(dir.join(format!("resume-{rate}-{policy:?}-{round}")))?;
             let extra: Vec<String> = match policy {
                 Policy::CopyIn => vec![],
                 Policy::DemandFetch => vec!["--demand-fetch".into()],
@@ -758,12 +769,6 @@ fn measure(tools: &Tools, dir: &Path, rates: &[u32]) -> io::Result<Isr> {
                 } else {
                     (None, None)
                 };
-            if policy == Policy::CopyIn {
-                copy_in_wire = Some(wire_bytes);
-            }
-            let wire_saved_pct = lookaside_bytes
-                .and(copy_in_wire)
-                .map(|c| 100.0 * (1.0 - wire_bytes as f64 / c.max(1) as f64));
             let row = ResumeRow {
                 rate_mbit: rate,
                 policy,
@@ -774,7 +779,8 @@ fn measure(tools: &Tools, dir: &Path, rates: &[u32]) -> io::Result<Isr> {
                 wire_bytes,
                 lookaside_bytes,
                 fetched_bytes,
-                wire_saved_pct,
+                wire_saved_pct: None,
+                n: 1,
             };
             progress(&format!(
                 "isr: {rate} Mbit/s {}: guest runs {}, first tick {:.2} s, {:.1} MB received",
@@ -783,11 +789,12 @@ fn measure(tools: &Tools, dir: &Path, rates: &[u32]) -> io::Result<Isr> {
                 row.first_tick_s,
                 wire_bytes as f64 / 1e6
             ));
-            resumes.push(row);
+            samples.push(row);
             // Each resume wrote ~150 MB: keep the scratch small.
             let _ = std::fs::remove_dir_all(&site.dir);
         }
     }
+    let resumes = medians(rates, &samples);
     let goals = goals(&resumes);
     let notes = vec![
         format!(
@@ -809,8 +816,51 @@ fn measure(tools: &Tools, dir: &Path, rates: &[u32]) -> io::Result<Isr> {
         suspends: vec![first, second],
         residual_sleep_ms,
         resumes,
+        samples,
         goals,
     })
+}
+
+/// One row per link rate and policy: the median of each figure over its
+/// samples, and the lookaside's wire bytes saved against copy-in's median.
+fn medians(rates: &[(u32, usize)], samples: &[ResumeRow]) -> Vec<ResumeRow> {
+    use crate::stats::median;
+    let mut rows: Vec<ResumeRow> = Vec::new();
+    for &(rate, _) in rates {
+        let mut copy_in_wire = None;
+        for policy in Policy::ALL {
+            let of: Vec<&ResumeRow> = samples
+                .iter()
+                .filter(|r| r.rate_mbit == rate && r.policy == policy)
+                .collect();
+            let Some(first) = of.first() else { continue };
+            let med = |f: &dyn Fn(&ResumeRow) -> Option<f64>| -> Option<f64> {
+                let v: Vec<f64> = of.iter().filter_map(|r| f(r)).collect();
+                (!v.is_empty()).then(|| median(&v))
+            };
+            let wire = med(&|r| Some(r.wire_bytes as f64)).unwrap_or(0.0);
+            if policy == Policy::CopyIn {
+                copy_in_wire = Some(wire);
+            }
+            let lookaside_bytes = med(&|r| r.lookaside_bytes.map(|b| b as f64));
+            rows.push(ResumeRow {
+                rate_mbit: rate,
+                policy,
+                guest_runs_s: med(&|r| r.guest_runs_s),
+                first_tick_s: med(&|r| Some(r.first_tick_s)).unwrap_or(first.first_tick_s),
+                two_ticks_s: med(&|r| Some(r.two_ticks_s)).unwrap_or(first.two_ticks_s),
+                fill_done_s: med(&|r| r.fill_done_s),
+                wire_bytes: wire as u64,
+                lookaside_bytes: lookaside_bytes.map(|b| b as u64),
+                fetched_bytes: med(&|r| r.fetched_bytes.map(|b| b as f64)).map(|b| b as u64),
+                wire_saved_pct: lookaside_bytes
+                    .and(copy_in_wire)
+                    .map(|c| 100.0 * (1.0 - wire / c.max(1.0))),
+                n: of.len(),
+            });
+        }
+    }
+    rows
 }
 
 /// The issue's three goals against the resumes at 100 Mbit/s.
@@ -894,15 +944,16 @@ pub(crate) fn section(s: &mut String, o: &crate::Outcome<Isr>) {
     }
     let _ = writeln!(
         s,
-        "\nResumes of version 2 (s from the command's start; MB = 10^6 bytes):\n\n| link | policy | guest runs | first tick | first to third tick | fill done | received MB | lookaside local / fetched MB | wire saved |\n|---|---|---:|---:|---:|---:|---:|---:|---:|"
+        "\nResumes of version 2 (medians of n; s from the command's start; MB = 10^6 bytes):\n\n| link | policy | n | guest runs | first tick | first to third tick | fill done | received MB | lookaside local / fetched MB | wire saved |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     let opt = |v: Option<f64>| v.map_or("–".to_string(), |x| format!("{x:.2}"));
     for r in &t.resumes {
         let _ = writeln!(
             s,
-            "| {} Mbit/s | {} | {} | {:.2} | {:.2} | {} | {:.2} | {} | {} |",
+            "| {} Mbit/s | {} | {} | {} | {:.2} | {:.2} | {} | {:.2} | {} | {} |",
             r.rate_mbit,
             r.policy.label(),
+            r.n,
             opt(r.guest_runs_s),
             r.first_tick_s,
             r.two_ticks_s,
