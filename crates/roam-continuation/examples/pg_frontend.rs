@@ -31,6 +31,10 @@
 //! 64-bit `xid8` form does not wrap. Prepared transactions would work too
 //! but leave a transaction to clean up when the front-end dies.
 //!
+//! `ROAM_PG_THINK_MS` (default 0): milliseconds the front-end spends after
+//! its export before `COMMIT` and before sending it (a slow front-end; the
+//! tests use it so that moves land there and the "aborted" fate is taken).
+//!
 //! Every effect (each statement) waits while the member is frozen
 //! (`Member::running`, and `export`), so a frozen source acts no more. The
 //! process appends one line per restart to `OUT_DIR/resumes` ("committed",
@@ -167,6 +171,12 @@ async fn run(m: Member, port: u16, run: i32, transactions: u64, out: PathBuf) {
         }
     };
     export(k, None).await;
+    let think = Duration::from_millis(
+        std::env::var("ROAM_PG_THINK_MS")
+            .ok()
+            .and_then(|ms| ms.parse().ok())
+            .unwrap_or(0),
+    );
     while k < transactions {
         m.running().await;
         db.batch_execute("BEGIN").await.expect("BEGIN");
@@ -192,6 +202,14 @@ async fn run(m: Member, port: u16, run: i32, transactions: u64, out: PathBuf) {
             .get(0);
         // From here to the next export a restart asks PostgreSQL.
         export(k, Some(xid)).await;
+        if !think.is_zero() {
+            tokio::time::sleep(think).await;
+        }
+        // COMMIT is an effect like any statement: a source frozen here
+        // never sends it, its backend is ended by the destination and the
+        // transaction's fate is "aborted" (run again); frozen after this
+        // point, the fate says whether it went through.
+        m.running().await;
         db.batch_execute("COMMIT").await.expect("COMMIT");
         k += 1;
         export(k, None).await;

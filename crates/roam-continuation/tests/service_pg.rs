@@ -173,9 +173,20 @@ struct Frontend {
     control: Control,
 }
 
+/// How a batch of requests runs.
+#[derive(Debug, Clone, Copy, Default)]
+struct Mode {
+    /// The first move's destination dies once it has joined.
+    sabotage: bool,
+    /// Milliseconds each front-end waits between its export before
+    /// `COMMIT` and the `COMMIT` (`ROAM_PG_THINK_MS`).
+    think_ms: u64,
+}
+
 /// Starts one front-end for request `run`, fresh or from its restarted
 /// part; `sabotage` kills it once it has joined (a destination that dies
 /// mid-move).
+#[allow(clippy::too_many_arguments)]
 async fn start(
     listener: &UnixListener,
     control_path: &Path,
@@ -184,6 +195,7 @@ async fn start(
     out: &Path,
     part: Option<Vec<u8>>,
     sabotage: bool,
+    think_ms: u64,
 ) -> std::io::Result<Frontend> {
     let mut child = Command::new(common::example("pg_frontend"))
         .arg(control_path)
@@ -191,6 +203,7 @@ async fn start(
         .arg(run.to_string())
         .arg(TRANSACTIONS.to_string())
         .arg(out)
+        .env("ROAM_PG_THINK_MS", think_ms.to_string())
         .kill_on_drop(true)
         .spawn()?;
     let (socket, _) = tokio::time::timeout(Duration::from_secs(10), listener.accept())
@@ -236,17 +249,25 @@ struct Report {
 }
 
 /// Runs request `run` with moves at random moments (seeded), waits for it
-/// to finish and returns what the moves did. `sabotage` makes the first
-/// move's destination die.
-async fn request(port: u16, run: i32, seed: u64, sabotage: bool) -> Report {
+/// to finish and returns what the moves did, under `mode`.
+async fn request(port: u16, run: i32, seed: u64, mode: Mode) -> Report {
     let mut rng = StdRng::seed_from_u64(seed);
     let dir = tempfile::tempdir().unwrap();
     let control_path = dir.path().join("control.sock");
     let listener = UnixListener::bind(&control_path).unwrap();
     let out = dir.path().to_path_buf();
-    let mut fe = start(&listener, &control_path, port, run, &out, None, false)
-        .await
-        .expect("fresh start");
+    let mut fe = start(
+        &listener,
+        &control_path,
+        port,
+        run,
+        &out,
+        None,
+        false,
+        mode.think_ms,
+    )
+    .await
+    .expect("fresh start");
     let mut report = Report::default();
     let moves = rng.gen_range(1..=4);
     for i in 0..moves {
@@ -263,9 +284,18 @@ async fn request(port: u16, run: i32, seed: u64, sabotage: bool) -> Report {
                 let (listener, control_path, out) = (&listener, &control_path, &out);
                 async move {
                     let part = plan.pop();
-                    let sabotage = sabotage && i == 0;
-                    let Frontend { child, control } =
-                        start(listener, control_path, port, run, out, part, sabotage).await?;
+                    let sabotage = mode.sabotage && i == 0;
+                    let Frontend { child, control } = start(
+                        listener,
+                        control_path,
+                        port,
+                        run,
+                        out,
+                        part,
+                        sabotage,
+                        mode.think_ms,
+                    )
+                    .await?;
                     *started = Some(child);
                     Ok(vec![control])
                 }
@@ -318,7 +348,7 @@ async fn request(port: u16, run: i32, seed: u64, sabotage: bool) -> Report {
 
 /// Runs `runs` requests (seeds `0..runs`, four at a time), then checks in
 /// the database that each committed every transaction exactly once.
-async fn requests(pg: &Postgres, runs: i32, sabotage: bool) -> Report {
+async fn requests(pg: &Postgres, runs: i32, mode: Mode) -> Report {
     let (db, conn) = tokio_postgres::connect(&pg.config(), NoTls)
         .await
         .expect("connect");
@@ -339,7 +369,7 @@ async fn requests(pg: &Postgres, runs: i32, sabotage: bool) -> Report {
     loop {
         while tasks.len() < 4 && next < runs {
             let port = pg.port;
-            tasks.spawn(request(port, next, next as u64, sabotage));
+            tasks.spawn(request(port, next, next as u64, mode));
             next += 1;
         }
         let Some(done) = tasks.join_next().await else {
@@ -381,7 +411,7 @@ async fn every_transaction_commits_exactly_once_whatever_the_move_points() {
         .ok()
         .and_then(|n| n.parse().ok())
         .unwrap_or(200);
-    let report = requests(&pg, runs, false).await;
+    let report = requests(&pg, runs, Mode::default()).await;
     eprintln!("{runs} requests: {report:?}");
     assert!(report.moved >= runs as u32 / 2, "{report:?}");
     // The move fell between COMMIT sent and its reply read at least once,
@@ -393,7 +423,40 @@ async fn every_transaction_commits_exactly_once_whatever_the_move_points() {
 async fn a_destination_killed_mid_move_leaves_the_request_at_the_source() {
     let Some(bin) = need_pg() else { return };
     let pg = Postgres::start(&bin).await;
-    let report = requests(&pg, 8, true).await;
+    let report = requests(
+        &pg,
+        8,
+        Mode {
+            sabotage: true,
+            ..Mode::default()
+        },
+    )
+    .await;
     eprintln!("{report:?}");
     assert!(report.destination_failed >= 1, "{report:?}");
+}
+
+/// A front-end frozen after its export before `COMMIT` but before sending
+/// it (it spends 3 ms there, a slow front-end) never sends that `COMMIT`:
+/// the destination ends its backend, PostgreSQL reports the transaction
+/// aborted, and the destination runs it again. Checked in the database:
+/// every transaction still committed exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_before_commit_is_sent_runs_the_transaction_again_exactly_once() {
+    let Some(bin) = need_pg() else { return };
+    let pg = Postgres::start(&bin).await;
+    let report = requests(
+        &pg,
+        40,
+        Mode {
+            think_ms: 3,
+            ..Mode::default()
+        },
+    )
+    .await;
+    eprintln!("40 requests, 3 ms before each COMMIT: {report:?}");
+    assert!(
+        report.aborted > 0,
+        "no move fell before a COMMIT: {report:?}"
+    );
 }
