@@ -42,6 +42,7 @@ use std::io::{self, BufRead, BufReader, Read};
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -193,8 +194,33 @@ pub(crate) struct Isr {
     pub(crate) goals: Vec<Goal>,
 }
 
+/// Set when the scenario's future is dropped before its blocking work
+/// ended (its budget ran out): every wait of that work then fails, so it
+/// unwinds and its guards remove the namespaces, processes and files.
+static CANCELLED: AtomicBool = AtomicBool::new(false);
+
+/// Sets [`CANCELLED`] when dropped.
+struct CancelOnDrop;
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        CANCELLED.store(true, Ordering::Relaxed);
+    }
+}
+
+/// An error if the scenario was cancelled (checked in every wait loop).
+fn check_cancelled() -> io::Result<()> {
+    if CANCELLED.load(Ordering::Relaxed) {
+        Err(io::Error::other("cancelled: the scenario's budget ran out"))
+    } else {
+        Ok(())
+    }
+}
+
 /// Runs the scenario (blocking work on a thread of its own).
 pub(crate) async fn run(ctx: Arc<Ctx>, _lab: Arc<Lab>) -> io::Result<Isr> {
+    CANCELLED.store(false, Ordering::Relaxed);
+    let _cancel = CancelOnDrop;
     let rates = ctx.plan.isr_links.clone();
     let roam = ctx.env.roam.clone();
     let scratch = ctx.env.dir.clone();
@@ -452,6 +478,7 @@ impl Site {
             if let Some(&last) = self.ticks().last().filter(|&&t| t >= n) {
                 return Ok((Instant::now(), last));
             }
+            check_cancelled()?;
             let exited = proc.child.try_wait()?;
             if exited.is_some() || Instant::now() > deadline {
                 let console = std::fs::read(self.dir.join("serial")).unwrap_or_default();
@@ -545,6 +572,7 @@ impl Running {
             if let Some(t) = self.when(needle) {
                 return Ok(t);
             }
+            check_cancelled()?;
             if Instant::now() > deadline || self.child.try_wait()?.is_some() {
                 return Err(io::Error::other(format!(
                     "no {needle:?} within {limit:?}; it said: {}",
@@ -738,6 +766,7 @@ fn measure(tools: &Tools, dir: &Path, rates: &[(u32, usize)]) -> io::Result<Isr>
                 .into_iter()
                 .map(move |i| (round, Policy::ALL[i]))
         }) {
+            check_cancelled()?;
             let site = Site::new(dir.join(format!("resume-{rate}-{policy:?}-{round}")))?;
             let extra: Vec<String> = match policy {
                 Policy::CopyIn => vec![],
