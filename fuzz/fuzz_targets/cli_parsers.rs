@@ -4,7 +4,7 @@
 //! its journal's slot files,
 //! `roam shell`'s stream frames and request, the control frames between
 //! the relay and a shell's worker process, and `roam migrate-process`'s
-//! stream frames.
+//! stream frames and the page requests of a destination's lazy-pages daemon.
 //!
 //! The first input byte picks the parser, the rest is its input (as UTF-8,
 //! lossily). Properties: no parser panics, and each one that re-encodes what
@@ -76,6 +76,12 @@ fuzz_target!(|data: &[u8]| {
             }
             if let Ok((read, again)) = parsers::migrate_frames(rest) {
                 assert_eq!(read, again, "a migration frame re-encodes differently");
+            }
+            if let Ok(round_trips) = parsers::migrate_page_requests(rest) {
+                assert!(
+                    round_trips.iter().all(|&same| same),
+                    "a page request re-encodes differently"
+                );
             }
         }
         _ => {

@@ -91,6 +91,22 @@ pub fn shell_open(meta: &[u8]) -> Result<Option<Vec<u8>>, String> {
         .map(|o| o.map(|o| o.meta()))
 }
 
+/// Decodes the page requests a destination's lazy-pages daemon sends
+/// (`roam migrate-process --lazy-pages`: CRIU's 24-byte `page_server_iov`
+/// headers, as many whole ones as `bytes` holds); `Ok` carries each request
+/// re-encoded and decoded again, which must equal the first decoding.
+pub fn migrate_page_requests(bytes: &[u8]) -> Result<Vec<bool>, String> {
+    use crate::migrate::pages::Request;
+    bytes
+        .chunks_exact(24)
+        .map(|h| {
+            let h: &[u8; 24] = h.try_into().map_err(|_| "a short header".to_string())?;
+            let request = Request::decode(h)?;
+            Ok(Request::decode(&request.encode()) == Ok(request))
+        })
+        .collect()
+}
+
 /// Decodes the whole frames at the start of a process migration's stream
 /// (`roam migrate-process`); `Ok` carries the bytes they were decoded from
 /// and their re-encoding (the encoding is canonical: the two are equal).

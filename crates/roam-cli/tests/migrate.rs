@@ -980,16 +980,45 @@ fn a_roam_relay_moves_to_another_address_and_its_clients_follow_it() {
     }
 
     let b = format!("{}:{RELAY_PORT}", s.lan.addr(B));
-    let out = s.migrate(&[
+    let key_arg = key.display().to_string();
+    let service = s.service.to_string();
+    let args = [
         "--address",
-        &s.service.to_string(),
+        &service,
         "--sessions-to",
         &b,
         "--server-key",
-        &key.display().to_string(),
+        &key_arg,
         "--redirect-for",
         "8",
-    ]);
+    ];
+    let mut out = s.migrate(&args);
+    if !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("send queue data") {
+        // CRIU 4.1 at times fails to restore the not-sent send queue of a
+        // loopback connection whose both ends it restores (EPIPE, seen
+        // under parallel load, ~1 run in 10). A failed restore must leave
+        // the relay serving at A with the stream going on: checked, then
+        // the move is tried once more.
+        assert!(
+            s.runs_on(A, s.pid) && !s.runs_on(B, s.pid),
+            "a failed restore left the relay off A\n{}",
+            logs()
+        );
+        let at = s.echo().echoed();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while s.echo().echoed() < at + (1 << 20) {
+            assert!(
+                Instant::now() < deadline,
+                "the stream stopped after a failed restore\n{}",
+                logs()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        eprintln!(
+            "CRIU could not restore a loopback send queue; the relay runs on at A; moving again"
+        );
+        out = s.migrate(&args);
+    }
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
