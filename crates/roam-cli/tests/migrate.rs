@@ -969,15 +969,17 @@ fn a_roam_relay_moves_to_another_address_and_its_clients_follow_it() {
         .tcp_connect(CLIENT, local, Duration::from_secs(5))
         .expect("connect through the forward");
     s.stream = Some(EchoStream::start(sock));
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while s.echo().echoed() < 2 << 20 {
-        assert!(
-            Instant::now() < deadline,
-            "nothing echoed before the move\n{}",
-            logs()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    // Waits until `more` bytes beyond what has come back so far are
+    // echoed, else fails saying `what`, with both logs.
+    let wait_echoed = |s: &Setup, more: u64, what: &str| {
+        let until = s.echo().echoed() + more;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while s.echo().echoed() < until {
+            assert!(Instant::now() < deadline, "{what}\n{}", logs());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    wait_echoed(&s, 2 << 20, "nothing echoed before the move");
 
     let b = format!("{}:{RELAY_PORT}", s.lan.addr(B));
     let key_arg = key.display().to_string();
@@ -999,21 +1001,22 @@ fn a_roam_relay_moves_to_another_address_and_its_clients_follow_it() {
         // under parallel load, ~1 run in 10). A failed restore must leave
         // the relay serving at A with the stream going on: checked, then
         // the move is tried once more.
-        assert!(
-            s.runs_on(A, s.pid) && !s.runs_on(B, s.pid),
-            "a failed restore left the relay off A\n{}",
-            logs()
-        );
-        let at = s.echo().echoed();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while s.echo().echoed() < at + (1 << 20) {
+        // CRIU resumes the tree at A once the refused step ends: allow it
+        // a moment, then fail with what the command said.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !s.runs_on(A, s.pid) || s.runs_on(B, s.pid) {
             assert!(
                 Instant::now() < deadline,
-                "the stream stopped after a failed restore\n{}",
+                "a failed restore left the relay off A (on A: {}, on B: {})\n\
+                 migrate-process said:\n{}\n{}",
+                s.runs_on(A, s.pid),
+                s.runs_on(B, s.pid),
+                String::from_utf8_lossy(&out.stderr),
                 logs()
             );
-            std::thread::sleep(Duration::from_millis(20));
+            std::thread::sleep(Duration::from_millis(50));
         }
+        wait_echoed(&s, 1 << 20, "the stream stopped after a failed restore");
         eprintln!(
             "CRIU could not restore a loopback send queue; the relay runs on at A; moving again"
         );
@@ -1036,16 +1039,7 @@ fn a_roam_relay_moves_to_another_address_and_its_clients_follow_it() {
     );
     assert!(s.has_service(A) && !s.has_service(B), "the address moved");
     assert!(!s.has_lock(A) && !s.has_lock(B), "an address lock was left");
-    let at = s.echo().echoed();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while s.echo().echoed() < at + (2 << 20) {
-        assert!(
-            Instant::now() < deadline,
-            "the stream stopped at the move\n{}",
-            logs()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_echoed(&s, 2 << 20, "the stream stopped at the move");
     // The client's session now lives on a connection to B's own address.
     let conns = Command::new("nsenter")
         .arg(format!("--net=/run/netns/{}", s.lan.ns(CLIENT)))
