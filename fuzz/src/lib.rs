@@ -186,6 +186,23 @@ struct Link {
     to_client: Pipe,
 }
 
+impl Link {
+    /// A fresh link for the client's transport `tid`, its pipes emptied
+    /// into the allocations given (a previous link's), so they are not
+    /// grown again.
+    fn reusing(tid: TransportId, mut to_server: Vec<u8>, mut to_client: Vec<u8>) -> Link {
+        to_server.clear();
+        to_client.clear();
+        let mut link = Link {
+            client_tid: Some(tid),
+            ..Link::default()
+        };
+        link.to_server.bytes = to_server;
+        link.to_client.bytes = to_client;
+        link
+    }
+}
+
 /// Per-side bookkeeping for the stream oracle.
 #[derive(Default, Clone)]
 pub struct Book {
@@ -326,21 +343,13 @@ impl World {
         // The previous input's buffers, emptied: a script grows them again
         // otherwise (and zeroes the read buffer) on every input.
         let mut spare = SPARE.with(|spare| std::mem::take(&mut *spare.borrow_mut()));
-        spare.to_server.clear();
-        spare.to_client.clear();
         spare.chunk.clear();
-        let mut link = Link {
-            client_tid: Some(tid),
-            ..Link::default()
-        };
-        link.to_server.bytes = spare.to_server;
-        link.to_client.bytes = spare.to_client;
         let mut w = World {
             ids,
             now,
             client,
             server: None,
-            link,
+            link: Link::reusing(tid, spare.to_server, spare.to_client),
             books: Default::default(),
             chunk: spare.chunk,
             readbuf: spare.readbuf,
@@ -699,17 +708,11 @@ impl World {
             }
         }
         if let Ok(tid) = self.client.connect(now, None) {
-            // A fresh link whose pipes keep the old ones' allocations.
-            let mut to_server = std::mem::take(&mut self.link.to_server.bytes);
-            let mut to_client = std::mem::take(&mut self.link.to_client.bytes);
-            to_server.clear();
-            to_client.clear();
-            self.link = Link {
-                client_tid: Some(tid),
-                ..Link::default()
-            };
-            self.link.to_server.bytes = to_server;
-            self.link.to_client.bytes = to_client;
+            self.link = Link::reusing(
+                tid,
+                std::mem::take(&mut self.link.to_server.bytes),
+                std::mem::take(&mut self.link.to_client.bytes),
+            );
         }
         self.settle();
     }

@@ -417,9 +417,9 @@ impl Hash for CheapHash {
     }
 }
 
-/// Output `n` (≥ 1) of the stand-in HKDF: each word of `prk` mixed with
-/// `n` and its neighbour (splitmix64's finaliser), so outputs of one
-/// derivation differ and each depends on all of `prk`.
+/// Output `n` (≥ 1) of the stand-in HKDF: each word of `prk`, XORed with
+/// a fold of all four, mixed with `n` by splitmix64's finaliser, so the
+/// outputs of one derivation differ and each word depends on all of `prk`.
 fn expand(prk: &[u8; 32], n: u64) -> [u8; 32] {
     let (w, _) = prk.as_chunks::<8>();
     let w = [
