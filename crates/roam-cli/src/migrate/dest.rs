@@ -217,9 +217,10 @@ async fn receive(
             .map_or_else(|| Received::create(&std::env::temp_dir()), Ok)?,
     };
     images.receive_all(rd, first).await?;
-    // Every image is here: the source lets its process go (its pid must be
-    // free before ours can have it, when both hosts share a pid space) and
-    // then asks for the restore.
+    // Every image is here: the source asks for the restore at once, its
+    // process frozen there until ours runs (so it must not share this
+    // host's pid space: the restored pids are the frozen ones'); a restore
+    // that fails here rolls its dump back and it runs on there.
     wire::write_frame(wr, &Frame::Stored).await.map_err(send)?;
     let lazy = match next(rd).await? {
         Frame::Restore => false,

@@ -85,8 +85,7 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
     let (answers_tx, mut answers) = spawn_reader(rd);
     // A destination that dies or drops off the network must not keep the
     // process frozen while the session waits to resume: past a short grace
-    // the move is called off (or, after the process ended here, it is
-    // restored here).
+    // the move is called off (until the destination has restored it).
     watch_session(&session, answers_tx, wr.lost.clone());
     let refused = |why: String| {
         CliError(format!(
@@ -135,8 +134,8 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
     let images = ImagesDir::create(args.images_dir.as_deref(), args.pid)?;
     // From the lock on, a signal must not kill roam (the address would
     // stay locked): SIGINT, SIGTERM and SIGHUP call the move off while it
-    // can be (until the images are at the destination), and are ignored
-    // after that, while the hand-over completes.
+    // can be (until the destination has restored the process), and are
+    // ignored after that, while the hand-over completes.
     let interrupt = catch_signals()?;
     let lock = AddressLock::new(None, address.addr).map_err(|e| {
         CliError(format!(
@@ -171,10 +170,11 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
 
     // CRIU runs on a thread of its own; its post-dump step (the process
     // frozen, the images complete) hands the images directory over here
-    // and waits for the verdict.
+    // and waits for the verdict: `Ok` once the destination has restored
+    // the process (CRIU then ends it here), the reason otherwise (CRIU
+    // resumes it here, its connections untouched).
     let (images_tx, mut images_rx) = mpsc::channel::<PathBuf>(1);
     let (verdict_tx, verdict_rx) = std::sync::mpsc::channel::<Result<(), String>>();
-    let criu_again = criu.clone();
     let dump = {
         let dir = images.path.clone();
         let pid = args.pid;
@@ -201,9 +201,9 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
         })
     };
     let mut timings = Timings::default();
-    // Post-copy: the destination restored the process inside the
-    // post-dump step (its pid), its memory served from here.
-    let mut restored_lazily = None;
+    // The destination restored the process inside the post-dump step:
+    // its pid there (post-copy: its memory served from here).
+    let mut restored = None;
     let mut serving = None;
     // Post-copy: room for the pipes of CRIU's page server, from the end of
     // the post-dump step (not before: the dump grows larger page pipes
@@ -227,7 +227,7 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
                 ));
                 let asked = Instant::now();
                 let r = tokio::select! {
-                    r = restore_lazily(&mut wr, &mut answers, &to) => r,
+                    r = ask_restore(&mut wr, &mut answers, &to, Frame::RestoreLazy) => r,
                     _ = interrupt.wait() => Err("interrupted by a signal".to_string()),
                 };
                 let r = r.and_then(|restored| {
@@ -244,7 +244,27 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
                 if let Ok((pid, us)) = r {
                     timings.restore = Duration::from_micros(us);
                     timings.wait = asked.elapsed().saturating_sub(timings.restore);
-                    restored_lazily = Some(pid);
+                    restored = Some(pid);
+                }
+                r.map(|_| ())
+            }
+            (Ok(()), None) => {
+                // The process stays frozen here, its sockets in repair
+                // mode, until the destination has restored it: a restore
+                // that fails there rolls the dump back.
+                progress.phase(&format!(
+                    "images sent; {to} restores {} while it stays frozen here",
+                    info.label()
+                ));
+                let asked = Instant::now();
+                let r = tokio::select! {
+                    r = ask_restore(&mut wr, &mut answers, &to, Frame::Restore) => r,
+                    _ = interrupt.wait() => Err("interrupted by a signal".to_string()),
+                };
+                if let Ok((pid, us)) = r {
+                    timings.restore = Duration::from_micros(us);
+                    timings.wait = asked.elapsed().saturating_sub(timings.restore);
+                    restored = Some(pid);
                 }
                 r.map(|_| ())
             }
@@ -266,13 +286,12 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
         // The dump failed before its post-dump step.
         server.stop();
     }
-    let ending = Instant::now();
     drop(verdict_tx);
     // Post-copy: the process runs at the destination; CRIU ends it here
     // (its repair-mode sockets close without a packet, its memory is
     // unmapped: 0.1-0.2 s at 1 GB) while the address is handed over, not
     // before.
-    if let (Some(new_pid), Some(server)) = (restored_lazily, serving) {
+    if let (Some(new_pid), Some(server)) = (restored, serving) {
         return finish_lazily(
             LazyMove {
                 new_pid,
@@ -298,91 +317,104 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
         )
         .await;
     }
+    if let Some(new_pid) = restored {
+        // The process runs at the destination (behind its lock) and CRIU
+        // ends it here (its repair-mode sockets close without a packet)
+        // while the address is handed over.
+        progress.phase(&match follow {
+            None => format!(
+                "restored at {to} as pid {new_pid}; handing over {}",
+                address.addr
+            ),
+            Some(_) => format!("restored at {to} as pid {new_pid}; its clients follow it there"),
+        });
+        let mut done = hand_over(
+            &mut wr,
+            &mut answers,
+            &address,
+            follow.is_some(),
+            capture,
+            lock,
+            &to,
+            frozen_at,
+            &mut timings,
+        )
+        .await;
+        let handed = Instant::now();
+        let dumped = match dump.await {
+            Ok(r) => r.map_err(|e| e.to_string()),
+            Err(e) => Err(format!("the dump thread failed: {e}")),
+        };
+        let gone = wait_gone(&info.pids);
+        timings.end = handed.elapsed();
+        if let Err(e) = &dumped {
+            done.warnings
+                .push(format!("CRIU reported a failure after the move: {e}"));
+        }
+        if !gone {
+            done.warnings.push(format!(
+                "{} still runs here besides at {to}: CRIU did not end it (kill it; its \
+                 connections live at {to})",
+                info.label()
+            ));
+        }
+        let moved = Moved {
+            args: &args,
+            info: &info,
+            address: &address,
+            to: &to,
+            new_pid,
+            done: &done,
+            timings: &timings,
+            image_bytes: dumped.map_or(0, |d| d.image_bytes),
+            post_copy: None,
+        };
+        return conclude(images, wr, writer, &session, progress, follow, &moved).await;
+    }
+    // Called off (or the dump failed): CRIU resumed the process here.
     let dumped = dump
         .await
         .map_err(|e| CliError(format!("the dump thread failed: {e}")))?;
-    let dumped = match dumped {
-        Ok(d) => d,
-        Err(e) => {
-            let unlocked = lock.release();
-            let e = match e {
-                roam_criu::Error::Aborted { reason } => reason,
-                other => {
-                    images.keep_log("the dump");
-                    other.to_string()
-                }
-            };
-            let _ = wr.send(&Frame::Abort { reason: e.clone() }).await;
+    let unlocked = lock.release();
+    let e = match dumped {
+        Err(roam_criu::Error::Aborted { reason }) => reason,
+        Err(other) => {
+            images.keep_log("the dump");
+            other.to_string()
+        }
+        Ok(_) => {
+            // CRIU completed a dump without asking the post-dump step:
+            // the process ended here and runs nowhere; its images stay.
+            images
+                .keep
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            let _ = wr
+                .send(&Frame::Abort {
+                    reason: "the dump ended without its post-dump step".into(),
+                })
+                .await;
             wr.close(writer).await;
-            let mut msg = format!(
-                "{} was not moved and runs on here with its connections: {e}",
-                info.label()
-            );
-            if let Err(u) = unlocked {
-                msg.push_str(&format!(
-                    "\nAND its address stays locked: {u} (remove the table with `nft list tables`)"
-                ));
-            }
-            return Err(CliError(msg));
+            return Err(CliError(format!(
+                "{} is NOT RUNNING: CRIU ended it without the post-dump step that has {to} \
+                 restore it; its images are kept in {} (`criu restore -D DIR \
+                 --tcp-established` brings it back)",
+                info.label(),
+                images.path.display()
+            )));
         }
     };
-    // The images are at the destination and CRIU ended the process here
-    // (its sockets in repair mode: without a packet). From here on a
-    // failure brings the process back here from the same images.
-    let gone = wait_gone(&info.pids);
-    timings.end = ending.elapsed();
-    progress.phase(&format!("process ended here; {to} restores it"));
-    let restore_asked = Instant::now();
-    let restored = match wr.send(&Frame::Restore).await {
-        Err(e) => Err(format!("the stream to {to} failed: {e}")),
-        Ok(()) => match answer(&mut answers).await {
-            Ok(Frame::Restored { pid, restore_us }) => Ok((pid, restore_us)),
-            Ok(Frame::Failed { reason }) => Err(format!("{to} could not restore it: {reason}")),
-            Ok(other) => Err(format!("{to} answered {other:?} instead of restoring")),
-            Err(e) => Err(e),
-        },
-    };
-    let (new_pid, restore_us) = match restored {
-        Ok(r) => r,
-        Err(why) => {
-            return Err(
-                restore_here(criu_again, &images, lock, &info, &why, gone, &mut progress).await,
-            )
-        }
-    };
-    timings.restore = Duration::from_micros(restore_us);
-    timings.wait = restore_asked.elapsed().saturating_sub(timings.restore);
-    progress.phase(&match follow {
-        None => format!(
-            "restored at {to} as pid {new_pid}; handing over {}",
-            address.addr
-        ),
-        Some(_) => format!("restored at {to} as pid {new_pid}; its clients follow it there"),
-    });
-    let done = hand_over(
-        &mut wr,
-        &mut answers,
-        &address,
-        follow.is_some(),
-        capture,
-        lock,
-        &to,
-        frozen_at,
-        &mut timings,
-    )
-    .await;
-    let moved = Moved {
-        args: &args,
-        info: &info,
-        address: &address,
-        to: &to,
-        new_pid,
-        done: &done,
-        timings: &timings,
-        image_bytes: dumped.image_bytes,
-        post_copy: None,
-    };
-    conclude(images, wr, writer, &session, progress, follow, &moved).await
+    let _ = wr.send(&Frame::Abort { reason: e.clone() }).await;
+    wr.close(writer).await;
+    let mut msg = format!(
+        "{} was not moved and runs on here with its connections: {e}",
+        info.label()
+    );
+    if let Err(u) = unlocked {
+        msg.push_str(&format!(
+            "\nAND its address stays locked: {u} (remove the table with `nft list tables`)"
+        ));
+    }
+    Err(CliError(msg))
 }
 
 /// Where the clients of a process whose connections are roam sessions
@@ -662,16 +694,13 @@ fn report(moved: &Moved<'_>, total: Duration) -> CliResult {
         }
     );
     println!(
-        "  freeze {} (dump {}, transfer {}, end at the source {}, restore {}, waits {}, hand-over {}); {} of images; total {}",
+        // CRIU ends the process here during the hand-over, outside the
+        // freeze; "end at the source" is what was left of it after.
+        "  freeze {} (dump {}, transfer {}, end at the source {} after the hand-over, restore {}, waits {}, hand-over {}); {} of images; total {}",
         ms(done.freeze),
         ms(timings.dump),
         ms(timings.transfer),
-        match post_copy {
-            // Post-copy: CRIU ends the process here during the hand-over,
-            // outside the freeze; this is what was left of it after.
-            Some(_) => format!("{} after the hand-over", ms(timings.end)),
-            None => ms(timings.end),
-        },
+        ms(timings.end),
         ms(timings.restore),
         ms(timings.wait),
         ms(timings.handover),
@@ -714,14 +743,16 @@ struct LazyMove {
     room: Option<roam_criu::PipeRoom>,
 }
 
-/// Asks the destination to restore the process now, its memory to follow
-/// (post-copy); its pid there and the restore's time in µs.
-async fn restore_lazily(
+/// Asks the destination to restore the process now (`ask`: [`Frame::Restore`],
+/// or [`Frame::RestoreLazy`]: its memory to follow, post-copy), while it is
+/// frozen here; its pid there and the restore's time in µs, or why not.
+async fn ask_restore(
     wr: &mut Outbox,
     answers: &mut mpsc::Receiver<Answer>,
     to: &str,
+    ask: Frame,
 ) -> Result<(i32, u64), String> {
-    wr.send(&Frame::RestoreLazy)
+    wr.send(&ask)
         .await
         .map_err(|e| format!("the stream to {to} failed: {e}"))?;
     match answer(answers).await? {
@@ -844,20 +875,22 @@ fn catch_signals() -> Result<std::sync::Arc<Latch>, CliError> {
     Ok(latch)
 }
 
-/// Waits (up to 5 s) until every process of the dumped tree is gone from
-/// this host — reaped, the root by its parent, its descendants by whoever
-/// inherited them — so that a restore can give them their pids again where
-/// both hosts share one pid space, or here after a failed move. (A pid
-/// stays taken while any process still uses it as its process group or
-/// session: the root's stays taken until the last of its children that
-/// share its group is reaped.) Returns whether they went.
+/// Waits (up to 5 s) until every process of the dumped tree has ended here
+/// (dead: gone, or a zombie its parent has yet to reap — orphans are
+/// reaped by init, here up to a second or two later) after CRIU ended it:
+/// a copy left running here would run twice. Returns whether they ended.
 fn wait_gone(pids: &[i32]) -> bool {
     let deadline = Instant::now() + Duration::from_secs(5);
+    let ended = |p: &i32| {
+        // `PID (COMM) STATE ...`: the state follows the last parenthesis.
+        std::fs::read_to_string(format!("/proc/{p}/stat")).map_or(true, |st| {
+            st.rfind(") ")
+                .and_then(|i| st[i + 2..].chars().next())
+                .is_some_and(|state| matches!(state, 'Z' | 'X'))
+        })
+    };
     loop {
-        if pids
-            .iter()
-            .all(|p| !Path::new(&format!("/proc/{p}")).exists())
-        {
+        if pids.iter().all(ended) {
             return true;
         }
         if Instant::now() >= deadline {
@@ -865,57 +898,6 @@ fn wait_gone(pids: &[i32]) -> bool {
         }
         std::thread::sleep(Duration::from_millis(2));
     }
-}
-
-/// The destination failed after the process ended here: restores it here
-/// from the same images (the address never left, and stays locked until
-/// the restore is done). Returns the error to report either way.
-async fn restore_here(
-    criu: Criu,
-    images: &ImagesDir,
-    lock: AddressLock,
-    info: &ProcessInfo,
-    why: &str,
-    gone: bool,
-    progress: &mut Progress,
-) -> CliError {
-    progress.phase(&format!("{why}; restoring {} here", info.label()));
-    // A failed restore at the destination may still hold the pid for a
-    // moment when both hosts share a pid space.
-    let gone = gone && wait_gone(&info.pids);
-    let back = super::restore(criu, images.path.clone(), false).await;
-    let unlocked = lock.release();
-    let mut msg = match back {
-        Ok(r) => format!(
-            "{} was not moved and runs on here again (pid {}) with its connections, restored \
-             from its images: {why}",
-            info.label(),
-            r.pid
-        ),
-        Err(e) => {
-            images
-                .keep
-                .store(true, std::sync::atomic::Ordering::Relaxed);
-            format!(
-                "{} is NOT RUNNING: it was not moved, and restoring it here failed too; its \
-                 images are kept in {} (`criu restore -D DIR --tcp-established` brings it \
-                 back).\nThe move failed: {why}\nThe restore here failed: {e}{}",
-                info.label(),
-                images.path.display(),
-                if gone {
-                    ""
-                } else {
-                    " (its old pids were still taken: not every process of the tree had been reaped)"
-                },
-            )
-        }
-    };
-    if let Err(u) = unlocked {
-        msg.push_str(&format!(
-            "\nAND its address stays locked: {u} (remove the table with `nft list tables`)"
-        ));
-    }
-    CliError(msg)
 }
 
 /// The sending half of the migration stream, behind a writer task that
@@ -1042,8 +1024,8 @@ struct Timings {
     /// The destination's restore (as it measured it).
     restore: Duration,
     /// CRIU ending the process here (its sockets closed in repair mode)
-    /// until every process of the tree was reaped (post-copy: during the
-    /// hand-over, outside the freeze; what was left of it after).
+    /// until every process of the tree was reaped: during the hand-over,
+    /// outside the freeze; what was left of it after.
     end: Duration,
     /// The round trip of the restore request, less the restore.
     wait: Duration,
