@@ -1168,7 +1168,7 @@ fn a_restore_that_fails_at_the_destination_leaves_the_server_running_at_the_sour
     }
     let received = tempfile::tempdir().expect("B's images dir");
     let mut s = Setup::new("mig_back", Some(received.path()));
-    let _squatter = squat_port(&s);
+    let squatter = squat_port(&s);
     let started_before = started(s.pid);
     let out = s.migrate(&[]);
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -1187,6 +1187,22 @@ fn a_restore_that_fails_at_the_destination_leaves_the_server_running_at_the_sour
         "the server at A is not the process that ran before the move"
     );
     s.assert_still_at_source();
+    // The port free at B, the same server moves: the failed restore left
+    // nothing there in its way (its processes reaped, their pids free).
+    drop(squatter);
+    let out = s.migrate(&[]);
+    assert!(
+        out.status.success(),
+        "a move after a failed one: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        s.runs_on(B, s.pid) && !s.runs_on(A, s.pid),
+        "the server is not on B alone"
+    );
+    let at = s.echo().echoed();
+    s.echo()
+        .wait_echoed(at + (1 << 20), Duration::from_secs(10));
 }
 
 /// When process `pid` started (`/proc/PID/stat`'s field 22, in clock

@@ -253,6 +253,9 @@ async fn receive(
             let _ = lock.release();
         }
     };
+    // The restored pids must be free: a zombie of an earlier move (a
+    // failed restore's) would hold them.
+    reap_orphans();
     let t = Instant::now();
     let restored = super::restore(host.criu.clone(), images.path.clone(), lazy).await;
     let restored = match restored {
@@ -287,7 +290,7 @@ async fn receive(
         Err(e) => {
             // The source still has the process: ours must go, silently
             // (the lock drops its sockets' last packets).
-            kill_and_wait(pid);
+            kill_and_wait(pid, true);
             undo_address(lock);
             if let Some(l) = lazy_pages.take() {
                 l.stop();
@@ -415,6 +418,7 @@ impl LazyPages {
         .await
         .map_err(|e| format!("the lazy-pages thread failed: {e}"))?
         .map_err(|e| format!("cannot start CRIU's lazy-pages daemon: {e}"))?;
+        daemons(daemon.id(), true);
         let pump = tokio::spawn(async move {
             ours.set_nonblocking(true)?;
             let mut ours = tokio::net::UnixStream::from_std(ours)?;
@@ -428,6 +432,7 @@ impl LazyPages {
     fn stop(mut self) {
         let _ = self.daemon.kill();
         let _ = self.daemon.wait();
+        daemons(self.daemon.id(), false);
         self.pump.abort();
     }
 
@@ -438,8 +443,10 @@ impl LazyPages {
     fn watch(self, pid: i32, process: String, images: Received) {
         let LazyPages { mut daemon, pump } = self;
         let started = Instant::now();
+        let id = daemon.id();
         tokio::spawn(async move {
             let status = tokio::task::spawn_blocking(move || daemon.wait()).await;
+            daemons(id, false);
             let ok = matches!(&status, Ok(Ok(s)) if s.success());
             if ok {
                 let bytes = match tokio::time::timeout(Duration::from_secs(5), pump).await {
@@ -454,7 +461,8 @@ impl LazyPages {
                 drop(images);
             } else {
                 pump.abort();
-                kill_and_wait(pid);
+                // Not reaping: another move's CRIU may be ending now.
+                kill_and_wait(pid, false);
                 images.keep();
                 eprintln!(
                     "roam migrate-accept: {process} (pid {pid}) was KILLED: its memory stopped \
@@ -484,14 +492,81 @@ fn images_parent(post_copy: bool) -> Option<PathBuf> {
 }
 
 /// Kills `pid` and waits (up to 5 s) until it is gone.
-fn kill_and_wait(pid: i32) {
+fn kill_and_wait(pid: i32, reap: bool) {
     let _ = nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(pid),
         nix::sys::signal::Signal::SIGKILL,
     );
     let deadline = Instant::now() + Duration::from_secs(5);
-    while Path::new(&format!("/proc/{pid}")).exists() && Instant::now() < deadline {
+    loop {
+        if reap {
+            reap_orphans();
+        }
+        if !Path::new(&format!("/proc/{pid}")).exists() || Instant::now() >= deadline {
+            return;
+        }
         std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The lazy-pages daemons running here (their pids): children of this
+/// process that outlive their move, left by [`reap_orphans`] to the
+/// handles that wait for them.
+static DAEMONS: std::sync::Mutex<Vec<u32>> = std::sync::Mutex::new(Vec::new());
+
+/// Adds a lazy-pages daemon's pid to [`DAEMONS`] (`running`) or removes it.
+fn daemons(pid: u32, running: bool) {
+    let mut list = DAEMONS.lock().unwrap_or_else(|e| e.into_inner());
+    list.retain(|&p| p != pid);
+    if running {
+        list.push(pid);
+    }
+}
+
+/// Whether `pid` is a lazy-pages daemon of ours.
+fn is_daemon(pid: u32) -> bool {
+    DAEMONS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .contains(&pid)
+}
+
+/// Reaps the zombies this process inherited, when it is its pid
+/// namespace's first process (`unshare --pid --fork --mount-proc roam
+/// migrate-accept`, as where hosts share one pid space): the processes of
+/// a restored tree, or of a failed restore, end up its children, and a
+/// zombie keeps its pid, which a later restore of the same process needs.
+/// Called only between the programs one move runs here (CRIU, `ip`), which
+/// their own handles wait for, and never for a lazy-pages daemon (which
+/// outlives its move: see [`daemons`]). Elsewhere init reaps orphans and
+/// this does nothing.
+fn reap_orphans() {
+    use nix::sys::wait::{waitpid, WaitPidFlag};
+    if std::process::id() != 1 {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return;
+    };
+    for e in entries.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // `PID (COMM) STATE PPID ...`; COMM may hold anything, even `)`.
+        let Some(close) = stat.rfind(')') else {
+            continue;
+        };
+        let mut rest = stat[close + 1..].split_whitespace();
+        let (state, ppid) = (rest.next(), rest.next());
+        // (A failed restore's tasks are CRIU's forks, named `criu` still:
+        // a daemon is told apart by its pid.)
+        let daemon = u32::try_from(pid).is_ok_and(is_daemon);
+        if state == Some("Z") && ppid == Some("1") && !daemon {
+            let _ = waitpid(nix::unistd::Pid::from_raw(pid), Some(WaitPidFlag::WNOHANG));
+        }
     }
 }
 
