@@ -199,13 +199,11 @@ pub struct RestoreOptions {
     /// As [`DumpOptions::file_locks`].
     pub file_locks: bool,
     /// Post-copy: the process's private memory is not read from the
-    /// images here (a lazy dump's hold none of it; a full dump's may have
-    /// holes there: see [`lazy_ranges`]); each page is fetched when the
-    /// restored process first touches it (or in the background) by the
-    /// lazy-pages daemon running on the same images directory, which must
-    /// be started first ([`Criu::lazy_pages_daemon`]), from the source's
-    /// page server ([`Criu::dump_lazily_then`]'s, or
-    /// [`Criu::lazy_page_server`] on a full dump's images).
+    /// images here (a lazy dump's hold none of it); each page is fetched
+    /// when the restored process first touches it (or in the background)
+    /// by the lazy-pages daemon running on the same images directory,
+    /// which must be started first ([`Criu::lazy_pages_daemon`]), from the
+    /// source's page server ([`Criu::dump_lazily_then`]'s).
     pub lazy_pages: bool,
 }
 
@@ -634,30 +632,6 @@ impl Criu {
         Ok(child)
     }
 
-    /// Starts CRIU's page server for a post-copy restore elsewhere: it
-    /// listens on `127.0.0.1:port`, takes one connection (the destination's
-    /// lazy-pages daemon, through whatever carries it) and serves the
-    /// private memory of the process dumped into `images` from those
-    /// images, page by page as asked, until the daemon has all of it; then
-    /// it ends, status 0. Its log is `page-server.log` in `images`.
-    pub fn lazy_page_server(&self, images: &Path, port: u16) -> Result<Child, Error> {
-        let mut cmd = command_in(self.netns.as_deref(), self.path.as_os_str());
-        cmd.arg("page-server")
-            .arg("--lazy-pages")
-            .args(["--address", "127.0.0.1", "--port"])
-            .arg(port.to_string())
-            .arg("-D")
-            .arg(images)
-            .args(["-o", "page-server.log", "-v4"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        cmd.spawn().map_err(|source| Error::Spawn {
-            path: self.path.clone(),
-            source,
-        })
-    }
-
     /// Options common to dump and restore. `images` must stay open until
     /// the request is answered: CRIU opens the directory through the
     /// caller's descriptor (`/proc/<caller>/fd/<fd>`, the caller being the
@@ -820,137 +794,6 @@ impl Drop for ConfigFile {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.0);
     }
-}
-
-/// The magic numbers a pagemap image starts with (CRIU's `magic.h`).
-const IMG_COMMON_MAGIC: u32 = 0x5456_4319;
-/// A pagemap image's own magic.
-const PAGEMAP_MAGIC: u32 = 0x5608_4025;
-/// `pagemap_entry.flags`: the pages can be restored lazily.
-const PE_LAZY: u32 = 1 << 1;
-/// `pagemap_entry.flags`: the pages are in the pages image.
-const PE_PRESENT: u32 = 1 << 2;
-/// Bytes of a page.
-const PAGE: u64 = 4096;
-
-/// The parts of each pages image (`pages-N.img`) of a dump in `images`
-/// that a post-copy restore does not read — memory its lazy-pages daemon
-/// fetches instead — as (file name, byte offset, length), in file order.
-/// Read from the process pagemaps (`pagemap-PID.img`; shared memory's are
-/// left whole). A copy of the images may leave these ranges out.
-pub fn lazy_ranges(images: &Path) -> Result<Vec<(String, u64, u64)>, String> {
-    let mut out = Vec::new();
-    let entries =
-        std::fs::read_dir(images).map_err(|e| format!("cannot list {}: {e}", images.display()))?;
-    for e in entries.flatten() {
-        let name = e.file_name().to_string_lossy().into_owned();
-        let is_process_pagemap = name
-            .strip_prefix("pagemap-")
-            .and_then(|r| r.strip_suffix(".img"))
-            .is_some_and(|pid| pid.bytes().all(|b| b.is_ascii_digit()) && !pid.is_empty());
-        if !is_process_pagemap {
-            continue;
-        }
-        let bytes = std::fs::read(e.path()).map_err(|e| format!("cannot read {name}: {e}"))?;
-        let (pages_id, ranges) = parse_pagemap(&bytes).map_err(|why| format!("{name}: {why}"))?;
-        let pages = format!("pages-{pages_id}.img");
-        out.extend(
-            ranges
-                .into_iter()
-                .map(|(off, len)| (pages.clone(), off, len)),
-        );
-    }
-    out.sort();
-    Ok(out)
-}
-
-/// Decodes a pagemap image: the id of its pages image and the byte ranges
-/// of that image holding lazy pages (merged where adjacent). Sans-IO; any
-/// malformed input is an error, never a panic.
-pub fn parse_pagemap(img: &[u8]) -> Result<(u32, Vec<(u64, u64)>), String> {
-    let mut r = img;
-    let mut u32_le = |what: &str| -> Result<u32, String> {
-        let (head, rest) = r
-            .split_first_chunk::<4>()
-            .ok_or_else(|| format!("truncated at {what}"))?;
-        r = rest;
-        Ok(u32::from_le_bytes(*head))
-    };
-    if u32_le("the magic")? != IMG_COMMON_MAGIC || u32_le("the magic")? != PAGEMAP_MAGIC {
-        return Err("not a pagemap image (wrong magic)".into());
-    }
-    let next_entry = |r: &mut &[u8]| -> Result<Option<Vec<(u32, u64)>>, String> {
-        if r.is_empty() {
-            return Ok(None);
-        }
-        let (head, rest) = r.split_first_chunk::<4>().ok_or("truncated entry length")?;
-        let len = u32::from_le_bytes(*head) as usize;
-        if rest.len() < len {
-            return Err(format!("an entry of {len} bytes with {} left", rest.len()));
-        }
-        let (body, rest) = rest.split_at(len);
-        *r = rest;
-        protobuf_varints(body).map(Some)
-    };
-    let head = next_entry(&mut r)?.ok_or("no pagemap head")?;
-    let pages_id = head
-        .iter()
-        .find(|(f, _)| *f == 1)
-        .and_then(|(_, v)| u32::try_from(*v).ok())
-        .ok_or("a pagemap head without pages_id")?;
-    let mut ranges: Vec<(u64, u64)> = Vec::new();
-    let mut offset = 0u64;
-    while let Some(fields) = next_entry(&mut r)? {
-        let field = |n: u32| fields.iter().find(|(f, _)| *f == n).map(|(_, v)| *v);
-        let nr_pages = field(2).ok_or("an entry without nr_pages")?;
-        let flags = match field(4) {
-            Some(f) => u32::try_from(f).map_err(|_| "flags out of range")?,
-            // Images without flags: pages in the parent, or here.
-            None if field(3).unwrap_or(0) != 0 => 0,
-            None => PE_PRESENT,
-        };
-        if flags & PE_PRESENT == 0 {
-            continue;
-        }
-        let len = nr_pages.checked_mul(PAGE).ok_or("nr_pages out of range")?;
-        if flags & PE_LAZY != 0 && len > 0 {
-            match ranges.last_mut() {
-                Some((o, l)) if *o + *l == offset => *l += len,
-                _ => ranges.push((offset, len)),
-            }
-        }
-        offset = offset
-            .checked_add(len)
-            .ok_or("pages image past 2^64 bytes")?;
-    }
-    Ok((pages_id, ranges))
-}
-
-/// The varint fields of a protobuf message (field number, value); a
-/// message with any other wire type is refused (pagemaps have none).
-fn protobuf_varints(mut b: &[u8]) -> Result<Vec<(u32, u64)>, String> {
-    fn varint(b: &mut &[u8]) -> Result<u64, String> {
-        let mut v = 0u64;
-        for shift in (0..64).step_by(7) {
-            let (&byte, rest) = b.split_first().ok_or("a truncated varint")?;
-            *b = rest;
-            v |= u64::from(byte & 0x7f) << shift;
-            if byte & 0x80 == 0 {
-                return Ok(v);
-            }
-        }
-        Err("a varint longer than 10 bytes".into())
-    }
-    let mut out = Vec::new();
-    while !b.is_empty() {
-        let key = varint(&mut b)?;
-        if key & 7 != 0 {
-            return Err(format!("wire type {} in a pagemap entry", key & 7));
-        }
-        let field = u32::try_from(key >> 3).map_err(|_| "a field number out of range")?;
-        out.push((field, varint(&mut b)?));
-    }
-    Ok(out)
 }
 
 /// A network lock of roam's own: while held, every TCP packet to or from one
@@ -1316,75 +1159,5 @@ mod tests {
         assert!(!s.contains("line 18"), "only the last lines: {s}");
         // A message of CRIU's own that is not harmless stays as it is.
         assert_eq!(headline("Dumping FAILED.", &log), "Dumping FAILED.");
-    }
-}
-
-#[cfg(test)]
-mod pagemap_tests {
-    use super::*;
-
-    /// A pagemap image: the head (pages_id) and entries (vaddr, nr_pages, flags).
-    fn image(pages_id: u32, entries: &[(u64, u64, u32)]) -> Vec<u8> {
-        fn varint(out: &mut Vec<u8>, mut v: u64) {
-            while v >= 0x80 {
-                out.push((v as u8) | 0x80);
-                v >>= 7;
-            }
-            out.push(v as u8);
-        }
-        let mut out = Vec::new();
-        out.extend_from_slice(&IMG_COMMON_MAGIC.to_le_bytes());
-        out.extend_from_slice(&PAGEMAP_MAGIC.to_le_bytes());
-        let mut push = |fields: &[(u64, u64)]| {
-            let mut body = Vec::new();
-            for (f, v) in fields {
-                varint(&mut body, f << 3);
-                varint(&mut body, *v);
-            }
-            out.extend_from_slice(&(body.len() as u32).to_le_bytes());
-            out.extend_from_slice(&body);
-        };
-        push(&[(1, u64::from(pages_id))]);
-        for (vaddr, n, flags) in entries {
-            push(&[(1, *vaddr), (2, *n), (4, u64::from(*flags))]);
-        }
-        out
-    }
-
-    #[test]
-    fn lazy_ranges_are_byte_ranges_of_the_pages_image_in_its_order() {
-        let img = image(
-            7,
-            &[
-                (0x1000, 2, PE_PRESENT),            // bytes 0..8192, read at restore
-                (0x9000, 3, PE_PRESENT | PE_LAZY),  // 8192..20480
-                (0x20000, 1, PE_PRESENT | PE_LAZY), // 20480..24576, merged
-                (0x30000, 5, PE_LAZY),              // not in the image at all
-                (0x40000, 1, PE_PRESENT),           // 24576..28672
-                (0x50000, 4, PE_PRESENT | PE_LAZY), // 28672..45056
-            ],
-        );
-        assert_eq!(
-            parse_pagemap(&img),
-            Ok((7, vec![(8192, 16384), (28672, 16384)]))
-        );
-    }
-
-    #[test]
-    fn malformed_pagemaps_are_refused_with_a_reason() {
-        let good = image(1, &[(0x1000, 1, PE_PRESENT | PE_LAZY)]);
-        for cut in 0..good.len() {
-            if cut == 8 + 4 + 2 {
-                continue; // a whole head and nothing else: valid
-            }
-            assert!(parse_pagemap(&good[..cut]).is_err(), "cut at {cut}");
-        }
-        let mut wrong = good.clone();
-        wrong[4] ^= 1;
-        assert!(parse_pagemap(&wrong).unwrap_err().contains("magic"));
-        let mut huge = image(1, &[(0x1000, u64::MAX, PE_PRESENT | PE_LAZY)]);
-        assert!(parse_pagemap(&huge).is_err());
-        huge.truncate(8);
-        assert!(parse_pagemap(&huge).is_err());
     }
 }

@@ -625,8 +625,6 @@ impl Received {
             Open(String),
             /// Append to the current file.
             Data(Vec<u8>),
-            /// Leave the current file's next bytes a hole.
-            Skip(u64),
             /// Write these whole files.
             Whole(Vec<(String, Vec<u8>)>),
         }
@@ -662,19 +660,6 @@ impl Received {
                                 .map_err(|e| format!("cannot write image {name} here: {e}"))?;
                         }
                     }
-                    Op::Skip(n) => {
-                        if let Some((name, f)) = cur.as_mut() {
-                            use std::io::Seek;
-                            // A hole: the file is as long as announced even
-                            // if it ends in one.
-                            let end = f
-                                .seek(std::io::SeekFrom::Current(
-                                    i64::try_from(n).unwrap_or(i64::MAX),
-                                ))
-                                .and_then(|at| f.set_len(at.max(f.metadata()?.len())));
-                            end.map_err(|e| format!("cannot write image {name} here: {e}"))?;
-                        }
-                    }
                 }
             }
             Ok(())
@@ -696,11 +681,7 @@ impl Received {
                                     size -= d.len() as u64;
                                     tx.send(Op::Data(d)).await.map_err(|_| gone())?;
                                 }
-                                Frame::Skip(n) if n <= size => {
-                                    size -= n;
-                                    tx.send(Op::Skip(n)).await.map_err(|_| gone())?;
-                                }
-                                Frame::Data(_) | Frame::Skip(_) => {
+                                Frame::Data(_) => {
                                     return Err(format!("image {name} is longer than announced"))
                                 }
                                 Frame::Abort { reason } => {

@@ -20,7 +20,7 @@ const ANSWER_TIMEOUT: Duration = Duration::from_secs(120);
 /// Bytes per data frame.
 const CHUNK: usize = 256 << 10;
 
-/// Image files up to this size (without holes) travel whole, many to a
+/// Image files up to this size travel whole, many to a
 /// [`Frame::Files`], and are read without leaving the runtime's thread (a
 /// blocking-pool trip costs more than the read).
 const SMALL: u64 = 64 << 10;
@@ -215,7 +215,7 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
         // Post-copy: the lazy dump wrote none of the private memory; the
         // destination fetches it as it needs it.
         let outcome = tokio::select! {
-            r = send_images(&mut wr, &mut answers, &dir, &[], &mut progress, &timings, &to) => r,
+            r = send_images(&mut wr, &mut answers, &dir, &mut progress, &timings, &to) => r,
             _ = interrupt.wait() => Err("interrupted by a signal".to_string()),
         };
         timings.transfer = sent.elapsed();
@@ -1170,37 +1170,24 @@ async fn send_images(
     wr: &mut Outbox,
     answers: &mut mpsc::Receiver<Result<Frame, String>>,
     dir: &Path,
-    holes: &[(String, u64, u64)],
     progress: &mut Progress,
     timings: &Timings,
     to: &str,
 ) -> Result<(), String> {
     let files = image_files(dir).map_err(|e| format!("cannot list the images: {e}"))?;
-    let left_out: u64 = holes.iter().map(|(_, _, len)| len).sum();
-    let total = files
-        .iter()
-        .map(|(_, n)| n)
-        .sum::<u64>()
-        .saturating_sub(left_out);
+    let total: u64 = files.iter().map(|(_, n)| n).sum();
     progress.phase(&format!(
-        "dumped in {}; sending {} files, {} of images{}",
+        "dumped in {}; sending {} files, {} of images",
         ms(timings.dump),
         files.len(),
         mb(total),
-        if left_out > 0 {
-            format!(" ({} of memory to follow)", mb(left_out))
-        } else {
-            String::new()
-        }
     ));
     let send = async {
         let mut done = 0u64;
         let mut buf = vec![0u8; CHUNK];
         // The small images (most are a few hundred bytes: one per socket)
         // travel whole, many to a frame; local files, read in place.
-        let (small, large): (Vec<_>, Vec<_>) = files
-            .iter()
-            .partition(|(name, size)| *size <= SMALL && !holes.iter().any(|(n, _, _)| n == name));
+        let (small, large): (Vec<_>, Vec<_>) = files.iter().partition(|(_, size)| *size <= SMALL);
         let mut batch: Vec<(String, Vec<u8>)> = Vec::new();
         let mut batch_bytes = 0usize;
         for (i, (name, size)) in small.iter().enumerate() {
@@ -1223,7 +1210,7 @@ async fn send_images(
                 progress.bytes(done, total);
             }
         }
-        // The others in chunks, their holes left out.
+        // The others in chunks, read off the runtime's threads.
         for (name, size) in large {
             wr.send(&Frame::File {
                 name: name.clone(),
@@ -1231,45 +1218,13 @@ async fn send_images(
             })
             .await
             .map_err(|e| format!("sending the images failed: {e}"))?;
-            // Local files: a small one is read in place, a large one in
-            // chunks off the runtime's threads.
             let mut f = std::fs::File::open(dir.join(name))
                 .map_err(|e| format!("cannot read image {name}: {e}"))?;
-            // This file's holes, in order: (offset, length).
-            let mut gaps = holes
-                .iter()
-                .filter(|(n, _, _)| n == name)
-                .map(|(_, o, l)| (*o, *l))
-                .peekable();
             let mut left = *size;
             while left > 0 {
-                let at = *size - left;
-                if let Some(&(o, l)) = gaps.peek() {
-                    if o == at {
-                        let l = l.min(left);
-                        gaps.next();
-                        std::io::Seek::seek(
-                            &mut f,
-                            std::io::SeekFrom::Current(i64::try_from(l).unwrap_or(i64::MAX)),
-                        )
-                        .map_err(|e| format!("cannot read image {name}: {e}"))?;
-                        wr.send(&Frame::Skip(l))
-                            .await
-                            .map_err(|e| format!("sending the images failed: {e}"))?;
-                        left -= l;
-                        continue;
-                    }
-                }
-                let until_gap = gaps.peek().map_or(left, |&(o, _)| o.saturating_sub(at));
-                let want =
-                    usize::try_from(left.min(CHUNK as u64).min(until_gap.max(1))).unwrap_or(CHUNK);
-                let read = |f: &mut std::fs::File, b: &mut [u8]| std::io::Read::read_exact(f, b);
-                if *size <= SMALL {
-                    read(&mut f, &mut buf[..want])
-                } else {
-                    tokio::task::block_in_place(|| read(&mut f, &mut buf[..want]))
-                }
-                .map_err(|e| format!("cannot read image {name}: {e}"))?;
+                let want = usize::try_from(left.min(CHUNK as u64)).unwrap_or(CHUNK);
+                tokio::task::block_in_place(|| std::io::Read::read_exact(&mut f, &mut buf[..want]))
+                    .map_err(|e| format!("cannot read image {name}: {e}"))?;
                 wr.send(&Frame::Data(buf[..want].to_vec()))
                     .await
                     .map_err(|e| format!("sending the images failed: {e}"))?;

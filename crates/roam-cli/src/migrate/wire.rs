@@ -60,9 +60,6 @@ pub(crate) enum Frame {
     /// each — the many small images (one per socket) travel a frame per
     /// megabyte instead of two frames per file.
     Files(Vec<(String, Vec<u8>)>),
-    /// Source → destination: the current file's next `n` bytes are left
-    /// out (a hole: post-copy memory that the lazy-pages daemon fetches).
-    Skip(u64),
     /// Source → destination: every image was sent.
     Sent,
     /// Destination → source: every image is written here: the source may
@@ -118,7 +115,8 @@ const ABORT: u8 = 6;
 const RESTORE: u8 = 7;
 const PACKETS: u8 = 8;
 const RESTORE_LAZY: u8 = 9;
-const SKIP: u8 = 10;
+// 10 was `SKIP` (a hole in an image file), never sent since the lazy dump:
+// an unknown kind now.
 const FILES: u8 = 11;
 /// Kind bytes, destination → source.
 const READY: u8 = 16;
@@ -170,7 +168,6 @@ pub(crate) fn header(h: &[u8; HEADER]) -> Result<(u8, usize), WireError> {
             | ABORT
             | RESTORE
             | RESTORE_LAZY
-            | SKIP
             | FILES
             | PACKETS
             | READY
@@ -320,10 +317,6 @@ pub(crate) fn decode(kind: u8, payload: &[u8]) -> Result<Frame, WireError> {
         LIVE => Frame::Live {
             reinjected: f.u64()?,
         },
-        SKIP => match f.u64()? {
-            0 => return Err(f.bad("an empty hole")),
-            n => Frame::Skip(n),
-        },
         ABORT => Frame::Abort {
             reason: f.string()?,
         },
@@ -405,10 +398,6 @@ pub(crate) fn encode(frame: &Frame) -> Vec<u8> {
             p.extend_from_slice(&reinjected.to_be_bytes());
             LIVE
         }
-        Frame::Skip(n) => {
-            p.extend_from_slice(&n.to_be_bytes());
-            SKIP
-        }
         Frame::Abort { reason } => {
             put_string(&mut p, reason);
             ABORT
@@ -486,7 +475,6 @@ mod tests {
                 ("tcp-stream-1.img".into(), vec![1; 90]),
                 ("empty.img".into(), Vec::new()),
             ]),
-            Frame::Skip(1 << 30),
             Frame::Sent,
             Frame::Stored,
             Frame::Restore,
