@@ -4,7 +4,9 @@
 //! its journal's slot files,
 //! `roam shell`'s stream frames and request, the control frames between
 //! the relay and a shell's worker process, and `roam migrate-process`'s
-//! stream frames and the page requests of a destination's lazy-pages daemon.
+//! stream frames and the page requests of a destination's lazy-pages daemon,
+//! and the request and response frames of the remote chunk store (`roam
+//! store serve`).
 //!
 //! The first input byte picks the parser, the rest is its input (as UTF-8,
 //! lossily). Properties: no parser panics, and each one that re-encodes what
@@ -82,6 +84,14 @@ fuzz_target!(|data: &[u8]| {
                     round_trips.iter().all(|&same| same),
                     "a page request re-encodes differently"
                 );
+            }
+            // The remote store's frames (`roam store serve`): canonical.
+            let (request, response) = parsers::store_frames(rest);
+            if let Ok(again) = request {
+                assert_eq!(again, rest, "a store request re-encodes differently");
+            }
+            if let Ok(again) = response {
+                assert_eq!(again, rest, "a store response re-encodes differently");
             }
         }
         _ => {

@@ -394,6 +394,7 @@ Examples:
   roam suspend --env laptop --store /media/usb/roam disk.img
   AWS_ACCESS_KEY_ID=.. AWS_SECRET_ACCESS_KEY=.. \\
     roam suspend --env laptop --store s3://my-bucket --s3-endpoint https://s3.example disk.img
+  roam suspend --env laptop --store roam://store.example:7448 disk.img   # a `roam store serve`
 
   # a running QEMU VM (started with -qmp unix:/vm/qmp.sock,server=on,wait=off):
   roam suspend --env lab --vm /vm/qmp.sock /vm/disk.img  # stop, store memory + disk, quit
@@ -418,7 +419,9 @@ STORE is a directory (default <state dir>/store) or s3://BUCKET on any
 S3-compatible service: --s3-endpoint URL (default $ROAM_S3_ENDPOINT), region
 $ROAM_S3_REGION (default us-east-1), credentials $AWS_ACCESS_KEY_ID and
 $AWS_SECRET_ACCESS_KEY. The config file's [store] section can set the store,
-endpoint, region and secret.
+endpoint, region and secret. STORE may also be roam://HOST:PORT, a `roam store
+serve` reached through an authenticated roam session: a network drop pauses
+the transfer instead of failing it (up to --store-timeout, default 60 s).
 
 The store secret (32 bytes, <state dir>/store.secret, or --secret FILE) is
 created with mode 0600 by the first suspend. It encrypts and names everything
@@ -434,6 +437,7 @@ Examples:
   roam resume --env laptop --version 1 ./vm-old
   roam resume --env laptop --force ./vm          # overwrite images already there
   roam resume --env laptop --store s3://my-bucket --s3-endpoint https://s3.example ./vm
+  roam resume --env laptop --store roam://store.example:7448 ./vm   # survives network drops
 
   # a VM suspended with `roam suspend --vm`: write its images into /vm, then
   # start QEMU on them; the guest runs on from where it was stopped
@@ -776,7 +780,7 @@ pub(crate) struct MigrateAcceptArgs {
 /// Where the store is and which secret opens it (`suspend`, `resume`, `store`).
 #[derive(Debug, Args)]
 pub(crate) struct StoreLocationArgs {
-    /// The store: a directory or s3://BUCKET [default: <state dir>/store].
+    /// The store: a directory, s3://BUCKET, or roam://HOST:PORT (a `roam store serve`, reached through an authenticated roam session that survives network drops) [default: <state dir>/store].
     #[arg(long, value_name = "STORE")]
     pub(crate) store: Option<String>,
     /// The S3 service's URL for an s3:// store [default: $ROAM_S3_ENDPOINT].
@@ -785,6 +789,9 @@ pub(crate) struct StoreLocationArgs {
     /// The store secret (32 bytes) [default: <state dir>/store.secret].
     #[arg(long, value_name = "FILE")]
     pub(crate) secret: Option<PathBuf>,
+    /// For a roam:// store: fail an operation the store server has not answered within this long, reconnecting included (a network drop shorter than this only pauses the transfer) [default: 60s].
+    #[arg(long, value_name = "DURATION")]
+    pub(crate) store_timeout: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -871,6 +878,52 @@ deleted). Do not run it while a suspend to the same store is under way.")]
         #[command(flatten)]
         location: StoreLocationArgs,
     },
+    /// Serve a store (a directory or an S3 bucket) to roam clients: `--store roam://HOST:PORT` then suspends and resumes through it.
+    #[command(after_help = "\
+Examples:
+  # on the store host: clients must hold a key listed in clients.txt
+  roam store serve --store /srv/roam-store --authorized-keys clients.txt
+  roam store serve --listen 0.0.0.0:7448 --store s3://my-bucket --s3-endpoint https://s3.example \\
+      --authorized-keys clients.txt
+
+  # on a laptop (`roam keygen` prints the line for clients.txt)
+  roam suspend --env laptop --store roam://store.example:7448 disk.img memory.img
+  roam resume  --env laptop --store roam://store.example:7448 ./vm
+
+Clients reach the server through an authenticated roam session: they pin the
+server's key on first use (known_servers, as `roam pipe` does) and the server
+admits only the client keys in --authorized-keys (or any, with --any-client).
+Each operation is one stream of that session; when the network drops in the
+middle of a suspend or resume, the session resumes once it is back and the
+transfer carries on where it was (each client waits at most --store-timeout,
+60 s by default, for an answer). The server only relays objects the clients
+sealed: it never sees the store secret or a byte of plaintext. The frames are
+specified in docs/STORE-REMOTE.md. Stop it with SIGINT or SIGTERM.")]
+    Serve(StoreServeArgs),
+}
+
+/// `roam store serve`'s options.
+#[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("clients").required(true).args(["authorized_keys", "any_client"])))]
+pub(crate) struct StoreServeArgs {
+    /// Where to listen for roam clients [default: 0.0.0.0:7448].
+    #[arg(long, value_name = "ADDR")]
+    pub(crate) listen: Option<String>,
+    /// The store the objects live in: a directory (made if missing) or s3://BUCKET [default: <state dir>/store].
+    #[arg(long, value_name = "STORE")]
+    pub(crate) store: Option<String>,
+    /// The S3 service's URL for an s3:// store [default: $ROAM_S3_ENDPOINT].
+    #[arg(long, value_name = "URL")]
+    pub(crate) s3_endpoint: Option<String>,
+    /// Server key file [default: <state dir>/server.key, created with mode 0600].
+    #[arg(long, value_name = "FILE")]
+    pub(crate) key: Option<PathBuf>,
+    /// Only admit clients whose public key is listed (one hex key per line, as `roam keygen` prints).
+    #[arg(long, value_name = "FILE")]
+    pub(crate) authorized_keys: Option<PathBuf>,
+    /// Admit any client key (anyone who reaches the port can read, write and delete the store's sealed objects).
+    #[arg(long)]
+    pub(crate) any_client: bool,
 }
 
 /// Checks an environment name (it becomes part of object names).

@@ -42,6 +42,7 @@ mod shell;
 mod signals;
 mod stdio;
 mod store;
+mod store_remote;
 mod takeover;
 mod target;
 mod vm;

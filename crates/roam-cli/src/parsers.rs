@@ -121,6 +121,22 @@ pub fn migrate_frames(bytes: &[u8]) -> Result<(Vec<u8>, Vec<u8>), String> {
     Ok((read, again))
 }
 
+/// Decodes `bytes` as one request frame of the remote store protocol
+/// (`roam store serve`, docs/STORE-REMOTE.md), then as one response frame;
+/// each `Ok` carries the re-encoding of what decoded (the encoding is
+/// canonical: it equals `bytes`).
+pub fn store_frames(bytes: &[u8]) -> (Result<Vec<u8>, String>, Result<Vec<u8>, String>) {
+    use crate::store_remote::{Request, Response};
+    (
+        Request::decode(bytes)
+            .map(|r| r.encode())
+            .map_err(|e| e.to_string()),
+        Response::decode(bytes)
+            .map(|r| r.encode())
+            .map_err(|e| e.to_string()),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

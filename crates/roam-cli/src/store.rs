@@ -1,7 +1,8 @@
 //! `roam suspend`, `roam resume`, `roam store list|gc`: a suspended
 //! environment's images (disk, memory, any file) kept as versions in a
-//! `roam_store` chunk store, a local directory or an S3 bucket — the
-//! user-facing first step of Internet Suspend/Resume.
+//! `roam_store` chunk store, a local directory, an S3 bucket or a store
+//! server reached through a roam session (`roam://HOST:PORT`, see
+//! `store_remote`) — the user-facing first step of Internet Suspend/Resume.
 //!
 //! The versions of an environment are numbered from 1; a suspend writes the
 //! next one, incrementally against the newest (its chunks are skipped
@@ -25,15 +26,19 @@ use crate::cli::SuspendArgs;
 use crate::cli::{CliError, CliResult, ResumeArgs, StoreAction, StoreArgs, StoreLocationArgs};
 use crate::config::FileConfig;
 use crate::demand::{DemandCounts, DemandImage, Fetch};
+use crate::store_remote::RemoteBackend;
 use crate::vm::{self, Incoming, Qmp, VM_MEMORY_IMAGE};
 
-/// Either backend, so one `Store` type serves both.
+/// Any backend, so one `Store` type serves them all.
 #[derive(Debug)]
-enum AnyBackend {
+pub(crate) enum AnyBackend {
     /// A directory.
     Local(LocalDir),
     /// A bucket of an S3-compatible service.
     S3(S3),
+    /// A store server reached through a roam session (`roam://HOST:PORT`).
+    /// (Boxed: its config and session slot outweigh the other variants.)
+    Remote(Box<RemoteBackend>),
 }
 
 impl ChunkBackend for AnyBackend {
@@ -41,6 +46,7 @@ impl ChunkBackend for AnyBackend {
         match self {
             AnyBackend::Local(b) => b.put_if_absent(name, bytes).await,
             AnyBackend::S3(b) => b.put_if_absent(name, bytes).await,
+            AnyBackend::Remote(b) => b.put_if_absent(name, bytes).await,
         }
     }
 
@@ -48,6 +54,7 @@ impl ChunkBackend for AnyBackend {
         match self {
             AnyBackend::Local(b) => b.get(name, max_len).await,
             AnyBackend::S3(b) => b.get(name, max_len).await,
+            AnyBackend::Remote(b) => b.get(name, max_len).await,
         }
     }
 
@@ -55,6 +62,7 @@ impl ChunkBackend for AnyBackend {
         match self {
             AnyBackend::Local(b) => b.exists(name).await,
             AnyBackend::S3(b) => b.exists(name).await,
+            AnyBackend::Remote(b) => b.exists(name).await,
         }
     }
 
@@ -62,6 +70,7 @@ impl ChunkBackend for AnyBackend {
         match self {
             AnyBackend::Local(b) => b.list(prefix).await,
             AnyBackend::S3(b) => b.list(prefix).await,
+            AnyBackend::Remote(b) => b.list(prefix).await,
         }
     }
 
@@ -69,6 +78,7 @@ impl ChunkBackend for AnyBackend {
         match self {
             AnyBackend::Local(b) => b.delete(name).await,
             AnyBackend::S3(b) => b.delete(name).await,
+            AnyBackend::Remote(b) => b.delete(name).await,
         }
     }
 }
@@ -115,6 +125,13 @@ enum Location {
     Dir(PathBuf),
     /// `s3://BUCKET`.
     S3(S3Config),
+    /// `roam://HOST:PORT`: a store server (`roam store serve`).
+    Remote {
+        /// `HOST:PORT`.
+        addr: String,
+        /// The bound on each operation.
+        timeout: Duration,
+    },
 }
 
 /// Finds the store from the flags, the config file and the environment.
@@ -123,6 +140,32 @@ fn locate(args: &StoreLocationArgs, config: &FileConfig) -> Result<Location, Fai
     let Some(spec) = spec else {
         return Ok(Location::Dir(crate::paths::state_dir(config).join("store")));
     };
+    if let Some(addr) = spec.strip_prefix("roam://") {
+        let addr = addr.trim_end_matches('/');
+        let port_ok = addr
+            .rsplit_once(':')
+            .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+        if !port_ok || addr.contains('/') {
+            return Err(Fail::Usage(format!(
+                "invalid store server {spec:?}: use roam://HOST:PORT (e.g. roam://store.example:7448)"
+            )));
+        }
+        let timeout = match args.store_timeout.as_deref() {
+            Some(t) => crate::config::parse_duration(t)
+                .ok()
+                .filter(|d| !d.is_zero())
+                .ok_or_else(|| {
+                    Fail::Usage(format!(
+                        "invalid --store-timeout {t:?}: a duration such as 30s or 5m"
+                    ))
+                })?,
+            None => crate::store_remote::DEFAULT_TIMEOUT,
+        };
+        return Ok(Location::Remote {
+            addr: addr.to_owned(),
+            timeout,
+        });
+    }
     let Some(bucket) = spec.strip_prefix("s3://") else {
         return Ok(Location::Dir(PathBuf::from(spec)));
     };
@@ -168,11 +211,33 @@ fn locate(args: &StoreLocationArgs, config: &FileConfig) -> Result<Location, Fai
     }))
 }
 
-/// Opens the store; `create`: a local directory may be made (suspend),
-/// else it must exist. Loads (or, with `create`, makes) the secret.
-fn open(args: &StoreLocationArgs, config: &FileConfig, create: bool) -> Result<Opened, Fail> {
+/// Opens the backend alone, for `roam store serve` (which never holds a
+/// secret): a directory (made if missing) or an S3 bucket; a store server
+/// is refused. `Err` is the command's result (the message was printed for
+/// a usage problem).
+pub(crate) fn open_backend(
+    args: &StoreLocationArgs,
+    config: &FileConfig,
+) -> Result<(AnyBackend, String), CliResult> {
+    match backend(args, config, true) {
+        // Also when the config file's [store] names the server.
+        Ok((AnyBackend::Remote(_), desc)) => Err(finish(Err(Fail::Usage(format!(
+            "a store server keeps its objects in a directory or an S3 bucket, not another \
+             store server ({desc}): --store DIR or s3://BUCKET"
+        ))))),
+        r => r.map_err(|f| finish(Err(f))),
+    }
+}
+
+/// The backend of the store `args` name, and its description for messages;
+/// `create`: a local directory may be made, else it must exist.
+fn backend(
+    args: &StoreLocationArgs,
+    config: &FileConfig,
+    create: bool,
+) -> Result<(AnyBackend, String), Fail> {
     let location = locate(args, config)?;
-    let (backend, desc) = match location {
+    Ok(match location {
         Location::Dir(dir) => {
             let desc = dir.display().to_string();
             if !create && !dir.exists() {
@@ -199,7 +264,20 @@ fn open(args: &StoreLocationArgs, config: &FileConfig, create: bool) -> Result<O
             let s3 = S3::new(&cfg).map_err(|e| Fail::Usage(format!("S3 store {desc}: {e}")))?;
             (AnyBackend::S3(s3), desc)
         }
-    };
+        Location::Remote { addr, timeout } => {
+            let desc = format!("roam://{addr}");
+            (
+                AnyBackend::Remote(Box::new(RemoteBackend::new(addr, timeout, config))),
+                desc,
+            )
+        }
+    })
+}
+
+/// Opens the store; `create`: a local directory may be made (suspend),
+/// else it must exist. Loads (or, with `create`, makes) the secret.
+fn open(args: &StoreLocationArgs, config: &FileConfig, create: bool) -> Result<Opened, Fail> {
+    let (backend, desc) = backend(args, config, create)?;
     let secret_path = args
         .secret
         .clone()
@@ -1321,6 +1399,7 @@ async fn restore_one(
 pub(crate) async fn run(args: StoreArgs, config: &FileConfig) -> CliResult {
     finish(match args.action {
         StoreAction::List { env, location } => list(env, location, config).await,
+        StoreAction::Serve(a) => return crate::store_remote::serve(a, config).await,
         StoreAction::Gc {
             env,
             keep,
