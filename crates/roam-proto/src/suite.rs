@@ -62,6 +62,14 @@ pub(crate) fn noise(pattern: &str) -> Result<snow::Builder<'static>, snow::Error
     Ok(snow::Builder::new(pattern.parse()?))
 }
 
+/// A fresh X25519 private key for one handshake's ephemeral key, from the
+/// operating system's random source.
+pub(crate) fn ephemeral() -> Result<[u8; 32], crate::Error> {
+    let mut k = [0u8; 32];
+    crate::random_bytes(&mut k)?;
+    Ok(k)
+}
+
 /// The X25519 public key of `private`.
 pub(crate) fn public_key(private: [u8; 32]) -> [u8; 32] {
     curve25519_dalek::MontgomeryPoint::mul_base_clamped(private).to_bytes()

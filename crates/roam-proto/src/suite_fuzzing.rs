@@ -272,6 +272,17 @@ pub(crate) fn noise(pattern: &str) -> Result<snow::Builder<'static>, snow::Error
     ))
 }
 
+/// A stand-in ephemeral key: distinct per call (splitmix64 of a counter),
+/// no syscall.
+pub(crate) fn ephemeral() -> Result<[u8; 32], crate::Error> {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    let mut k = [0u8; 32];
+    CounterRng(NEXT.fetch_add(1, Ordering::Relaxed) << 20)
+        .try_fill_bytes(&mut k)
+        .map_err(|_| crate::Error::Random)?;
+    Ok(k)
+}
+
 /// The stand-in public key of `private`: lane-wise `(private | 1) * G mod 2^64`.
 pub(crate) fn public_key(private: [u8; 32]) -> [u8; 32] {
     const G: [u8; 32] = [0x9b; 32];

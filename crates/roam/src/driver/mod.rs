@@ -91,6 +91,15 @@ impl Driver {
         }
     }
 
+    /// Takes a new connection. Room for exactly one more: a session has
+    /// one connection but for the moments of a hand-over, and `push` into
+    /// an empty vector would make room for four (~680 bytes, kept by
+    /// every session that ever re-dialed).
+    fn adopt(&mut self, conn: Conn) {
+        self.conns.reserve_exact(1);
+        self.conns.push(conn);
+    }
+
     /// A driver for a restored session that has no connection yet (its
     /// resume arrives as a handoff).
     pub(crate) fn restored(inner: Arc<Inner>, kind: Kind) -> Self {
@@ -336,6 +345,14 @@ impl Driver {
             }
             if self.conns.capacity() > 0 {
                 self.conns = Vec::new();
+            }
+            // Nor the tables of the waker maps once nothing waits in them
+            // (a map keeps its table when emptied: ~120 bytes each).
+            if sh.read_wakers.is_empty() {
+                sh.read_wakers.shrink_to_fit();
+            }
+            if sh.write_wakers.is_empty() {
+                sh.write_wakers.shrink_to_fit();
             }
         }
 
@@ -679,7 +696,7 @@ impl Driver {
                 match w {
                     DialerWake::Dialed(result) => {
                         if let Some(conn) = d.on_dialed(&mut sh, result, std_now) {
-                            self.conns.push(conn);
+                            self.adopt(conn);
                         }
                     }
                     DialerWake::NetChange(alive) => d.on_net_change(&sh, &self.conns, alive),
@@ -692,7 +709,7 @@ impl Driver {
                 };
                 let mut sh = inner.lock();
                 if let Some(conn) = s.on_handoff(&mut sh, *h, std_now) {
-                    self.conns.push(conn);
+                    self.adopt(conn);
                 }
             }
             Wake::Shutdown => {
