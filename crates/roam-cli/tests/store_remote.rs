@@ -190,8 +190,8 @@ impl World {
 }
 
 /// Suspend at A, resume at B through the store server; a second resume at
-/// B has its connection black-holed after a quarter of the image came down
-/// and still restores every byte.
+/// B has its connection black-holed after a quarter of the image came down,
+/// a third has it reset, and each still restores every byte.
 #[test]
 fn resume_survives_network_drop() {
     let w = World::new();
@@ -293,8 +293,38 @@ fn resume_survives_network_drop() {
         want,
         "the resumed image differs"
     );
+
+    // The connection reset mid-transfer instead: the session re-dials at
+    // once.
+    let before = w.proxy.stats();
+    let t = Instant::now();
+    let mut child = Guard(
+        roam(&b)
+            .args(["resume", "--env", "work", "--store", &store])
+            .arg(b.join("reset"))
+            .env("XDG_CONFIG_HOME", b.join("no-config"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while w.proxy.stats().bytes_down < before.bytes_down + (len as u64) / 4 {
+        assert!(
+            child.0.try_wait().unwrap().is_none(),
+            "ended before the reset"
+        );
+        assert!(Instant::now() < deadline, "the resume never got going");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    w.proxy.reset_all();
+    assert_eq!(child.wait_exit(Duration::from_secs(60)), Some(0));
+    let reset = t.elapsed();
+    assert!(w.proxy.stats().accepted > before.accepted + 1);
+    assert_eq!(sha(&std::fs::read(b.join("reset/disk.img")).unwrap()), want);
     eprintln!(
-        "resume of {} MiB: {clean:?} clean; {dropped:?} with the network black-holed at {dropped_at:?}",
+        "resume of {} MiB: {clean:?} clean; {dropped:?} with the network black-holed at \
+         {dropped_at:?}; {reset:?} with the connection reset",
         len >> 20
     );
 }

@@ -2,7 +2,9 @@
 //! place that keeps named objects, and its errors.
 //!
 //! Two implementations: [`crate::LocalDir`] (a directory) and `S3`
-//! (any S3-compatible service). Objects are immutable once written: a name
+//! (any S3-compatible service). A third, in `roam-cli`
+//! (`store_remote.rs`), reaches either of them behind a `roam store serve`
+//! through a roam session (`docs/STORE-REMOTE.md`). Objects are immutable once written: a name
 //! is content-addressed (chunks) or a version (manifests), so "put if
 //! absent" is the only write.
 
