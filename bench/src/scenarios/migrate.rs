@@ -26,13 +26,13 @@
 //!   gratuitous ARP does);
 //! - `roam`: `roam migrate-process` on A to `roam migrate-accept` on B —
 //!   images over an encrypted roam session, the address moved and
-//!   announced by the command, packets of the freeze re-injected at B;
+//!   announced by the command, packets of the freeze re-injected at B (B's
+//!   `migrate-accept` runs in a pid namespace of its own: A's frozen server
+//!   keeps its pid until B has restored it);
 //! - `roam --no-reinject`: the same without the re-injection;
 //! - `roam --lazy-pages`: post-copy — the images travel without the
 //!   server's private memory, B restores at once and the memory follows
-//!   over the session after the freeze (B's `migrate-accept` runs in a pid
-//!   namespace of its own: A's frozen server keeps its pid until B has
-//!   restored it).
+//!   over the session after the freeze.
 //!
 //! Reported per case and mover: dump and restore times, the transfer (roam
 //! only), the time from the start of the move until the address answers
@@ -339,9 +339,9 @@ struct Moved {
     moved_ms: f64,
     image_bytes: u64,
     followed_mb: Option<f64>,
-    /// A destination that must outlive the checks after the move (with
-    /// `--lazy-pages` the restored server lives in its pid namespace and
-    /// dies with it): killed when dropped.
+    /// A destination that must outlive the checks after the move (the
+    /// restored server lives in its pid namespace and dies with it):
+    /// killed when dropped.
     _keep: Option<KillOnDrop>,
 }
 
@@ -443,17 +443,14 @@ fn move_with_roam(
     let keys = state.path().join("migrate_keys");
     std::fs::write(&keys, &key.stdout)?;
     let listen = format!("{}:7448", lan.addr(B));
-    // Post-copy: B restores while A's frozen server still holds its pid;
-    // a pid namespace of its own gives B the pid space a host of its own
-    // would (everything in it dies with migrate-accept).
-    let mut accept = match lazy {
-        false => in_ns(B),
-        true => {
-            let mut c = lan.command_own_pids(B, roam);
-            c.env("ROAM_STATE_DIR", state.path()).stdin(Stdio::null());
-            c
-        }
-    };
+    // B restores while A's frozen server still holds its pid (inside A's
+    // post-dump step, with or without post-copy): a pid namespace of its
+    // own gives B the pid space a host of its own would (everything in it
+    // dies with migrate-accept).
+    let mut accept = lan.command_own_pids(B, roam);
+    accept
+        .env("ROAM_STATE_DIR", state.path())
+        .stdin(Stdio::null());
     let mut accept = accept
         .arg("migrate-accept")
         .arg("--listen")
@@ -511,8 +508,8 @@ fn move_with_roam(
         let t0 = Instant::now();
         let child = cmd.spawn()?;
         // The server is this process's child: reaped the moment CRIU ends
-        // it, its pid is free for the restore on B (both hosts share one
-        // pid space), as a real host's init would reap it.
+        // it at A (after B restored it in its own pid namespace), as a
+        // real host's init would reap it.
         let waiter = thread::spawn(move || child.wait_with_output());
         let mut reaped = false;
         while !waiter.is_finished() {
@@ -571,10 +568,10 @@ fn move_with_roam(
             _keep: None,
         })
     })();
-    // The restored server lives in migrate-accept's pid namespace when
-    // post-copy: it must outlive the checks.
+    // The restored server lives in migrate-accept's pid namespace: it must
+    // outlive the checks.
     match result {
-        Ok(mut m) if lazy => {
+        Ok(mut m) => {
             m._keep = Some(KillOnDrop(accept));
             Ok(m)
         }
