@@ -394,7 +394,7 @@ Examples:
   roam suspend --env laptop --store /media/usb/roam disk.img
   AWS_ACCESS_KEY_ID=.. AWS_SECRET_ACCESS_KEY=.. \\
     roam suspend --env laptop --store s3://my-bucket --s3-endpoint https://s3.example disk.img
-  roam suspend --env laptop --store roam://store.example:7448 disk.img   # a `roam store serve`
+  roam suspend --env laptop --store roam://store.example:7449 disk.img   # a `roam store serve`
 
   # a running QEMU VM (started with -qmp unix:/vm/qmp.sock,server=on,wait=off):
   roam suspend --env lab --vm /vm/qmp.sock /vm/disk.img  # stop, store memory + disk, quit
@@ -437,7 +437,7 @@ Examples:
   roam resume --env laptop --version 1 ./vm-old
   roam resume --env laptop --force ./vm          # overwrite images already there
   roam resume --env laptop --store s3://my-bucket --s3-endpoint https://s3.example ./vm
-  roam resume --env laptop --store roam://store.example:7448 ./vm   # survives network drops
+  roam resume --env laptop --store roam://store.example:7449 ./vm   # survives network drops
 
   # a VM suspended with `roam suspend --vm`: write its images into /vm, then
   # start QEMU on them; the guest runs on from where it was stopped
@@ -883,12 +883,12 @@ deleted). Do not run it while a suspend to the same store is under way.")]
 Examples:
   # on the store host: clients must hold a key listed in clients.txt
   roam store serve --store /srv/roam-store --authorized-keys clients.txt
-  roam store serve --listen 0.0.0.0:7448 --store s3://my-bucket --s3-endpoint https://s3.example \\
+  roam store serve --listen 0.0.0.0:7449 --store s3://my-bucket --s3-endpoint https://s3.example \\
       --authorized-keys clients.txt
 
   # on a laptop (`roam keygen` prints the line for clients.txt)
-  roam suspend --env laptop --store roam://store.example:7448 disk.img memory.img
-  roam resume  --env laptop --store roam://store.example:7448 ./vm
+  roam suspend --env laptop --store roam://store.example:7449 disk.img memory.img
+  roam resume  --env laptop --store roam://store.example:7449 ./vm
 
 Clients reach the server through an authenticated roam session: they pin the
 server's key on first use (known_servers, as `roam pipe` does) and the server
@@ -906,7 +906,7 @@ specified in docs/STORE-REMOTE.md. Stop it with SIGINT or SIGTERM.")]
 #[derive(Debug, Args)]
 #[command(group(clap::ArgGroup::new("clients").required(true).args(["authorized_keys", "any_client"])))]
 pub(crate) struct StoreServeArgs {
-    /// Where to listen for roam clients [default: 0.0.0.0:7448].
+    /// Where to listen for roam clients [default: 0.0.0.0:7449; `roam serve` has 7447, `roam migrate-accept` 7448].
     #[arg(long, value_name = "ADDR")]
     pub(crate) listen: Option<String>,
     /// The store the objects live in: a directory (made if missing) or s3://BUCKET [default: <state dir>/store].

@@ -147,7 +147,7 @@ fn locate(args: &StoreLocationArgs, config: &FileConfig) -> Result<Location, Fai
             .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
         if !port_ok || addr.contains('/') {
             return Err(Fail::Usage(format!(
-                "invalid store server {spec:?}: use roam://HOST:PORT (e.g. roam://store.example:7448)"
+                "invalid store server {spec:?}: use roam://HOST:PORT (e.g. roam://store.example:7449)"
             )));
         }
         let timeout = match args.store_timeout.as_deref() {

@@ -38,7 +38,7 @@ use crate::config::FileConfig;
 pub(crate) const STREAM_META: &[u8] = b"roam-store/1";
 
 /// `roam store serve`'s default listening address.
-pub(crate) const DEFAULT_LISTEN: &str = "0.0.0.0:7448";
+pub(crate) const DEFAULT_LISTEN: &str = "0.0.0.0:7449";
 
 /// The client's default bound on one operation, connecting included.
 pub(crate) const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
