@@ -946,7 +946,10 @@ fn postgres(lan: &Lan, host: usize, dir: &Path) -> ChildGuard {
         .arg(&data)
         .arg("-k")
         .arg(dir)
-        .args(["-p", &PG_PORT.to_string(), "-c", "fsync=off", "-c"])
+        .args(["-p", &PG_PORT.to_string(), "-c", "fsync=off"])
+        // Dynamic shared memory as files in the data directory (removed
+        // with it), not /dev/shm segments that a killed server leaves.
+        .args(["-c", "dynamic_shared_memory_type=mmap", "-c"])
         .arg(format!("listen_addresses={}", lan.addr(host)))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
