@@ -189,6 +189,33 @@ impl World {
     }
 }
 
+/// Starts `roam resume` of `work` at site `b` into `b/<into>` through the
+/// world's proxy (stderr piped), and returns once a quarter of the image's
+/// `len` bytes have come down through the proxy, the resume still running.
+fn resume_until_a_quarter(w: &World, b: &Path, into: &str, len: usize) -> Guard {
+    let before = w.proxy.stats();
+    let mut child = Guard(
+        roam(b)
+            .args(["resume", "--env", "work", "--store", &w.store()])
+            .arg(b.join(into))
+            .env("XDG_CONFIG_HOME", b.join("no-config"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while w.proxy.stats().bytes_down < before.bytes_down + (len as u64) / 4 {
+        assert!(
+            child.0.try_wait().unwrap().is_none(),
+            "the resume into {into} ended before the fault"
+        );
+        assert!(Instant::now() < deadline, "the resume never got going");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    child
+}
+
 /// Suspend at A, resume at B through the store server; a second resume at
 /// B has its connection black-holed after a quarter of the image came down,
 /// a third has it reset, and each still restores every byte.
@@ -250,25 +277,7 @@ fn resume_survives_network_drop() {
     // for good once a quarter of the image has come down; a new one works.
     let before = w.proxy.stats();
     let t = Instant::now();
-    let mut child = Guard(
-        roam(&b)
-            .args(["resume", "--env", "work", "--store", &store])
-            .arg(b.join("dropped"))
-            .env("XDG_CONFIG_HOME", b.join("no-config"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    );
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while w.proxy.stats().bytes_down < before.bytes_down + (len as u64) / 4 {
-        assert!(
-            child.0.try_wait().unwrap().is_none(),
-            "the resume ended before the drop"
-        );
-        assert!(Instant::now() < deadline, "the resume never got going");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    let mut child = resume_until_a_quarter(&w, &b, "dropped", len);
     w.proxy.blackhole_current();
     let dropped_at = t.elapsed();
     assert!(
@@ -298,25 +307,7 @@ fn resume_survives_network_drop() {
     // once.
     let before = w.proxy.stats();
     let t = Instant::now();
-    let mut child = Guard(
-        roam(&b)
-            .args(["resume", "--env", "work", "--store", &store])
-            .arg(b.join("reset"))
-            .env("XDG_CONFIG_HOME", b.join("no-config"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while w.proxy.stats().bytes_down < before.bytes_down + (len as u64) / 4 {
-        assert!(
-            child.0.try_wait().unwrap().is_none(),
-            "ended before the reset"
-        );
-        assert!(Instant::now() < deadline, "the resume never got going");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    let mut child = resume_until_a_quarter(&w, &b, "reset", len);
     w.proxy.reset_all();
     assert_eq!(child.wait_exit(Duration::from_secs(60)), Some(0));
     let reset = t.elapsed();
