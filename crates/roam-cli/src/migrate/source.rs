@@ -219,27 +219,42 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
             _ = interrupt.wait() => Err("interrupted by a signal".to_string()),
         };
         timings.transfer = sent.elapsed();
-        let outcome = match (outcome, lazy.take()) {
-            (Ok(()), Some(server)) => {
+        let server = lazy.take();
+        let outcome = match outcome {
+            Ok(()) => {
+                // The process stays frozen here (its sockets in repair
+                // mode) until the destination has restored it: a restore
+                // that fails there rolls the dump back. Post-copy: its
+                // memory stays here, served to the destination.
                 progress.phase(&format!(
-                    "images sent; {to} restores {} while its memory stays here",
-                    info.label()
+                    "images sent; {to} restores {} while {}",
+                    info.label(),
+                    match server {
+                        Some(_) => "its memory stays here",
+                        None => "it stays frozen here",
+                    }
                 ));
+                let ask = match server {
+                    Some(_) => Frame::RestoreLazy,
+                    None => Frame::Restore,
+                };
                 let asked = Instant::now();
-                let r = tokio::select! {
-                    r = ask_restore(&mut wr, &mut answers, &to, Frame::RestoreLazy) => r,
+                let mut r = tokio::select! {
+                    r = ask_restore(&mut wr, &mut answers, &to, ask) => r,
                     _ = interrupt.wait() => Err("interrupted by a signal".to_string()),
                 };
-                let r = r.and_then(|restored| {
-                    let made = roam_criu::PipeRoom::make().map_err(|e| {
-                        format!("cannot make room for the page server's pipes: {e}")
-                    })?;
-                    room = Some(made);
-                    Ok(restored)
-                });
-                match r {
-                    Ok(_) => serving = Some(server),
-                    Err(_) => server.stop(),
+                if let Some(server) = server {
+                    r = r.and_then(|restored| {
+                        let made = roam_criu::PipeRoom::make().map_err(|e| {
+                            format!("cannot make room for the page server's pipes: {e}")
+                        })?;
+                        room = Some(made);
+                        Ok(restored)
+                    });
+                    match r {
+                        Ok(_) => serving = Some(server),
+                        Err(_) => server.stop(),
+                    }
                 }
                 if let Ok((pid, us)) = r {
                     timings.restore = Duration::from_micros(us);
@@ -248,33 +263,13 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
                 }
                 r.map(|_| ())
             }
-            (Ok(()), None) => {
-                // The process stays frozen here, its sockets in repair
-                // mode, until the destination has restored it: a restore
-                // that fails there rolls the dump back.
-                progress.phase(&format!(
-                    "images sent; {to} restores {} while it stays frozen here",
-                    info.label()
-                ));
-                let asked = Instant::now();
-                let r = tokio::select! {
-                    r = ask_restore(&mut wr, &mut answers, &to, Frame::Restore) => r,
-                    _ = interrupt.wait() => Err("interrupted by a signal".to_string()),
-                };
-                if let Ok((pid, us)) = r {
-                    timings.restore = Duration::from_micros(us);
-                    timings.wait = asked.elapsed().saturating_sub(timings.restore);
-                    restored = Some(pid);
-                }
-                r.map(|_| ())
-            }
-            (outcome, server) => {
+            Err(e) => {
                 // Called off: CRIU's page server (it starts even after a
                 // refused step) sees its socket close and ends at once.
                 if let Some(server) = server {
                     server.stop();
                 }
-                outcome
+                Err(e)
             }
         };
         let _ = verdict_tx.send(outcome);
