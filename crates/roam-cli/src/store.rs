@@ -83,6 +83,17 @@ impl ChunkBackend for AnyBackend {
     }
 }
 
+impl AnyBackend {
+    /// Ends what the backend holds open for this command: a store server's
+    /// session is closed (so the server frees it at once); nothing for the
+    /// others.
+    async fn close(&self) {
+        if let AnyBackend::Remote(b) = self {
+            b.close().await;
+        }
+    }
+}
+
 /// An opened store and what messages need to name.
 struct Opened {
     /// The store (shared with the demand-fetch server's tasks).
@@ -327,6 +338,15 @@ fn load_secret(path: &Path, create: bool) -> Result<UserSecret, Fail> {
             "cannot read the store secret {shown}: {e}"
         )))),
     }
+}
+
+/// Runs `work` (a command's part that uses `opened`), then ends the store's
+/// connection whatever `work` returned, so a store server frees its session
+/// at the end of the command, failures included.
+async fn closing<T>(opened: &Opened, work: impl std::future::Future<Output = T>) -> T {
+    let r = work.await;
+    opened.store.backend().close().await;
+    r
 }
 
 impl Opened {
@@ -628,8 +648,17 @@ async fn suspend_inner(args: SuspendArgs, config: &FileConfig) -> Result<i32, Fa
     }
     // The store and secret are opened before a VM is stopped.
     let opened = open(&args.location, config, true)?;
+    closing(&opened, suspend_opened(&args, &opened, inputs)).await
+}
+
+/// `roam suspend` once the inputs are checked and the store is open.
+async fn suspend_opened(
+    args: &SuspendArgs,
+    opened: &Opened,
+    mut inputs: Vec<(PathBuf, String)>,
+) -> Result<i32, Fail> {
     let Some(qmp_path) = args.vm.clone() else {
-        return suspend_images(&args, &opened, &inputs, None).await;
+        return suspend_images(args, opened, &inputs, None).await;
     };
     let mut rep = Reporter::new();
     let mut qmp = Qmp::connect(&qmp_path).await.map_err(|e| CliError(e.0))?;
@@ -647,7 +676,7 @@ async fn suspend_inner(args: SuspendArgs, config: &FileConfig) -> Result<i32, Fa
     rep.phase(&format!("memory image: {} in {}", mb(mem_len), ms(saved)));
     drop(rep);
     inputs.push((memory.clone(), VM_MEMORY_IMAGE.to_owned()));
-    match suspend_images(&args, &opened, &inputs, Some(saved)).await {
+    match suspend_images(args, opened, &inputs, Some(saved)).await {
         Ok(code) => {
             // The environment is in the store: the VM here ends.
             if let Err(e) = qmp.execute("quit", serde_json::json!({})).await {
@@ -823,6 +852,11 @@ fn file_name_ok(name: &str) -> bool {
 /// `roam resume`, with usage errors apart.
 async fn resume_inner(args: ResumeArgs, config: &FileConfig) -> Result<i32, Fail> {
     let opened = open(&args.location, config, false)?;
+    closing(&opened, resume_opened(&args, &opened)).await
+}
+
+/// `roam resume` once the store is open.
+async fn resume_opened(args: &ResumeArgs, opened: &Opened) -> Result<i32, Fail> {
     let env = args.env.as_str();
     let versions = opened.versions(env).await?;
     let version = match args.version {
@@ -928,7 +962,7 @@ async fn resume_inner(args: ResumeArgs, config: &FileConfig) -> Result<i32, Fail
         let chunks = image.chunks.len() as u64;
         let written = {
             let work = restore_one(
-                &opened,
+                opened,
                 &manifest,
                 &image.name,
                 (&tmp, &target),
@@ -994,7 +1028,7 @@ async fn resume_inner(args: ResumeArgs, config: &FileConfig) -> Result<i32, Fail
     }
     if !served.is_empty() {
         let demand = Demand {
-            opened: &opened,
+            opened,
             manifest: Arc::new(manifest.clone()),
             lookaside,
             dir,
@@ -1415,6 +1449,11 @@ async fn list(
     config: &FileConfig,
 ) -> Result<i32, Fail> {
     let opened = open(&location, config, false)?;
+    closing(&opened, list_opened(env, &opened)).await
+}
+
+/// `roam store list` once the store is open.
+async fn list_opened(env: Option<String>, opened: &Opened) -> Result<i32, Fail> {
     let all: Vec<(String, u64)> = match &env {
         Some(env) => opened
             .versions(env)
@@ -1459,6 +1498,11 @@ async fn gc(
     config: &FileConfig,
 ) -> Result<i32, Fail> {
     let opened = open(&location, config, false)?;
+    closing(&opened, gc_opened(env, keep, &opened)).await
+}
+
+/// `roam store gc` once the store is open.
+async fn gc_opened(env: String, keep: u64, opened: &Opened) -> Result<i32, Fail> {
     let versions = opened.versions(&env).await?;
     let cut = versions
         .len()

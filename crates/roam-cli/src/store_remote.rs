@@ -52,9 +52,13 @@ const MAX_REQUESTS_PER_SESSION: usize = 64;
 const REQUEST_READ_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// A server's suspended session with no open stream is dropped after this
-/// long: a client that exited without closing its session costs nothing
-/// for longer.
+/// long: a client that exited without closing its session (killed, or its
+/// network gone at the end) costs nothing for longer.
 const IDLE_SESSION_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How long a client waits at the end of a command for the server to
+/// acknowledge the close of its session (one round trip when connected).
+const CLOSE_WAIT: Duration = Duration::from_secs(3);
 
 /// Longest object a request may carry: a sealed manifest, the largest kind.
 const MAX_OBJECT_LEN: u64 = if MAX_MANIFEST_LEN > MAX_CHUNK_OBJECT_LEN {
@@ -531,6 +535,21 @@ impl RemoteBackend {
         Ok(s)
     }
 
+    /// Ends the session, if one is open, so that the server frees it at
+    /// once instead of after [`IDLE_SESSION_TIMEOUT`]: a connected session
+    /// is closed and its acknowledgement awaited (at most [`CLOSE_WAIT`]);
+    /// a suspended one (the network is gone) is abandoned without waiting.
+    /// Called once the command's last operation is done.
+    pub(crate) async fn close(&self) {
+        let Some(session) = self.session.lock().await.take() else {
+            return;
+        };
+        if session.stats().state == roam_proto::State::Active {
+            let _ = tokio::time::timeout(CLOSE_WAIT, session.close(roam_proto::code::NO_ERROR, ""))
+                .await;
+        }
+    }
+
     /// Sends `req` on a stream of its own and reads the answer.
     async fn exchange(&self, req: &Request) -> Result<Response, String> {
         let session = self.session().await?;
@@ -807,11 +826,20 @@ pub(crate) async fn serve(args: StoreServeArgs, config: &FileConfig) -> CliResul
                 k.len()
             )),
     );
+    // `roam status` (in this server's state directory) lists the sessions
+    // it holds, a client's until that client closes it or it expires.
+    let registry = crate::control::Registry::default();
+    let _control = crate::control::start(config, format!("store serve {local}"), registry.clone());
     let backend = Arc::new(backend);
     let shutdown = async {
         crate::signals::exit_signal().await;
     };
     roam::serve(listener, server, shutdown, move |session| {
+        let peer = session
+            .stats()
+            .peer_addr
+            .map_or_else(|| "?".to_string(), |a| a.to_string());
+        registry.add(format!("store client {peer}"), session.clone());
         tokio::spawn(serve_session(backend.clone(), session));
     })
     .await

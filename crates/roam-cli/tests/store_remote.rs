@@ -10,7 +10,9 @@
 //! - a server whose key is not the pinned one, and a client whose key the
 //!   server does not authorize, are refused with precise errors;
 //! - a store server unreachable for longer than `--store-timeout` is an
-//!   error naming it, in bounded time.
+//!   error naming it, in bounded time;
+//! - each command ends its session: the server's `roam status` lists it
+//!   while the command runs and no longer once it has exited, failed or not.
 //!
 //! Images are seeded random bytes (`ROAM_TEST_SEED` replays a run).
 
@@ -20,7 +22,7 @@ use std::path::Path;
 use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{free_port, keygen, roam, wait_for_port, Guard};
+use common::{free_port, keygen, roam, status_json, wait_for_port, Guard};
 use roam_sim::proxy::FaultProxy;
 use sha2::{Digest, Sha256};
 
@@ -402,4 +404,109 @@ fn unreachable_store_times_out() {
     w.proxy.blackhole(false);
     let listed = ok(&a, &["store", "list", "--store", &store]);
     assert!(listed.contains("small"), "{listed}");
+}
+
+/// The sessions `roam status --json` lists for the store server whose state
+/// directory is `state`.
+fn server_sessions(state: &Path) -> Vec<serde_json::Value> {
+    let status = status_json(state);
+    let procs = status["processes"].as_array().cloned().unwrap_or_default();
+    let server = procs
+        .iter()
+        .find(|p| {
+            p["command"]
+                .as_str()
+                .is_some_and(|c| c.starts_with("store serve"))
+        })
+        .unwrap_or_else(|| panic!("roam status lists no store server: {status}"));
+    server["sessions"].as_array().cloned().unwrap_or_default()
+}
+
+/// Waits (at most `limit`) until the store server lists no session; how
+/// long that took. Panics with the sessions still listed.
+fn sessions_gone(state: &Path, limit: Duration) -> Duration {
+    let t = Instant::now();
+    loop {
+        let sessions = server_sessions(state);
+        if sessions.is_empty() {
+            return t.elapsed();
+        }
+        assert!(
+            t.elapsed() < limit,
+            "the store server still holds {} sessions {:?} after the command: {sessions:?}",
+            sessions.len(),
+            t.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Each command closes its session when it ends: the store server's `roam
+/// status` lists the session of a resume while it runs, and none once a
+/// suspend, a resume, a list or a failed resume has exited (within 2 s;
+/// without the close, 60 s).
+#[test]
+fn commands_end_their_sessions() {
+    let w = World::new();
+    let (a, b) = (w.site("a"), w.site("b"));
+    let server = w.site("server");
+    let store = w.store();
+    let len = 8 << 20;
+    let img = image(seed() ^ 1, len);
+    std::fs::create_dir_all(a.join("env")).unwrap();
+    std::fs::write(a.join("env/disk.img"), &img).unwrap();
+    assert!(server_sessions(&server).is_empty());
+    let limit = Duration::from_secs(2);
+
+    let disk = a.join("env/disk.img");
+    ok(
+        &a,
+        &[
+            "suspend",
+            "--env",
+            "work",
+            "--store",
+            &store,
+            disk.to_str().unwrap(),
+        ],
+    );
+    let after_suspend = sessions_gone(&server, limit);
+
+    // While a resume runs, its session is listed, connected.
+    std::fs::copy(a.join("store.secret"), b.join("store.secret")).unwrap();
+    w.proxy.set_delay(Duration::from_millis(100));
+    let mut child = resume_until_a_quarter(&w, &b, "out", len);
+    let during = server_sessions(&server);
+    assert_eq!(during.len(), 1, "{during:?}");
+    assert_eq!(during[0]["state"], "active", "{during:?}");
+    w.proxy.set_delay(Duration::ZERO);
+    assert_eq!(child.wait_exit(Duration::from_secs(60)), Some(0));
+    let after_resume = sessions_gone(&server, limit);
+    assert_eq!(
+        sha(&std::fs::read(b.join("out/disk.img")).unwrap()),
+        sha(&img)
+    );
+
+    let listed = ok(&b, &["store", "list", "--store", &store]);
+    assert!(listed.contains("work"), "{listed}");
+    let after_list = sessions_gone(&server, limit);
+
+    // A command that fails after connecting ends its session too.
+    fails(
+        &b,
+        &[
+            "resume",
+            "--env",
+            "nothing",
+            "--store",
+            &store,
+            b.join("x").to_str().unwrap(),
+        ],
+        &["no environment nothing"],
+    );
+    let after_failure = sessions_gone(&server, limit);
+    eprintln!(
+        "sessions gone after: suspend {after_suspend:?}, resume {after_resume:?}, list \
+         {after_list:?}, failed resume {after_failure:?}"
+    );
 }
