@@ -1,4 +1,5 @@
-//! Client side shared by `pipe` and `forward`: key, known servers, connect.
+//! Client side shared by `pipe`, `forward` and the store client: key, known
+//! servers, connect.
 
 use std::path::Path;
 
@@ -31,6 +32,34 @@ impl ConnectFailure {
     }
 }
 
+/// What a client connects to, so that its messages name the server as the
+/// user knows it: a relay, or a store server behind `--store roam://`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ServerKind {
+    /// A relay (`roam serve`), or another server reached like one.
+    Relay,
+    /// A store server (`roam store serve`, `--store roam://HOST:PORT`).
+    Store,
+}
+
+impl ServerKind {
+    /// The server at `addr` (`host:port`) as messages name it.
+    pub(crate) fn name(self, addr: &str) -> String {
+        match self {
+            ServerKind::Relay => format!("relay {addr}"),
+            ServerKind::Store => format!("the store server roam://{addr}"),
+        }
+    }
+
+    /// What kind of server it is, in a sentence.
+    pub(crate) fn noun(self) -> &'static str {
+        match self {
+            ServerKind::Relay => "relay",
+            ServerKind::Store => "store server",
+        }
+    }
+}
+
 /// The key a relay is pinned to, and under which `known_servers` entry.
 pub(crate) struct Pin {
     /// The pinned key.
@@ -55,8 +84,12 @@ async fn resolve(relay: &str) -> Vec<std::net::SocketAddr> {
 /// The key pinned for `relay`, by its name first and else by any address it
 /// resolves to (as ssh's CheckHostIP): so `localhost:P` is not trusted anew
 /// when `127.0.0.1:P` was pinned with another key. Warns when the name and
-/// an address are pinned to different keys.
-pub(crate) async fn pinned_key(relay: &str, known: &KnownServers) -> Result<Option<Pin>, CliError> {
+/// an address are pinned to different keys (naming the server as `kind`).
+pub(crate) async fn pinned_key(
+    relay: &str,
+    known: &KnownServers,
+    kind: ServerKind,
+) -> Result<Option<Pin>, CliError> {
     let by_name = known.lookup(relay)?;
     let mut by_addr = Vec::new();
     for a in resolve(relay).await {
@@ -71,7 +104,8 @@ pub(crate) async fn pinned_key(relay: &str, known: &KnownServers) -> Result<Opti
         Some(key) => {
             for p in by_addr.iter().filter(|p| p.key != key) {
                 crate::notices::notice(&format!(
-                    "warning: relay {relay} is pinned with key {key}, but its address {} is pinned with key {} (in {}); using the key pinned for {relay}",
+                    "warning: {} is pinned with key {key}, but its address {} is pinned with key {} (in {}); using the key pinned for {relay}",
+                    kind.name(relay),
                     p.entry,
                     p.key,
                     known.path().display()
@@ -116,6 +150,42 @@ pub(crate) async fn connect_relay(
     connect_relay_over(relay, key, config, None).await
 }
 
+/// Connects to the store server at `addr` (`host:port`) as
+/// [`connect_relay`] does to a relay (the user's client key, the server's
+/// key pinned on first use); every message names it as the store server
+/// `roam://ADDR`, and `Err` is the whole message for the user.
+pub(crate) async fn connect_store_server(
+    addr: &str,
+    config: &FileConfig,
+) -> Result<roam::SessionHandle, CliError> {
+    let started = std::time::Instant::now();
+    match connect_server(addr, None, config, None, ServerKind::Store).await {
+        Ok(s) => Ok(s),
+        Err(ConnectFailure::Cli(e)) => Err(e),
+        Err(ConnectFailure::Roam(e)) => {
+            let name = ServerKind::Store.name(addr);
+            let handshake = roam_proto::Config::default().handshake_timeout;
+            Err(CliError(match e {
+                roam::Error::Unreachable { source, .. } => format!(
+                    "cannot reach {name}: {source}; check the host and port, and that \
+                     `roam store serve` runs there"
+                ),
+                e if e.protocol() == Some(&roam_proto::Error::HandshakeFailed)
+                    && started.elapsed() >= handshake =>
+                {
+                    format!(
+                        "{name} accepted the connection but did not answer the secure \
+                         handshake within {} s (the network drops its packets, or it is not a \
+                         roam store server)",
+                        handshake.as_secs()
+                    )
+                }
+                e => format!("{name} could not be used: {e}"),
+            }))
+        }
+    }
+}
+
 /// [`connect_relay`] over `first`, a connection to the relay the caller
 /// already made (`None`: dial `relay`); re-dials go to `relay`.
 pub(crate) async fn connect_relay_over(
@@ -124,9 +194,21 @@ pub(crate) async fn connect_relay_over(
     config: &FileConfig,
     first: Option<roam::Transport>,
 ) -> Result<roam::SessionHandle, ConnectFailure> {
+    connect_server(relay, key, config, first, ServerKind::Relay).await
+}
+
+/// [`connect_relay_over`] to a server of any `kind`, named so in its
+/// messages.
+async fn connect_server(
+    relay: &str,
+    key: Option<&Path>,
+    config: &FileConfig,
+    first: Option<roam::Transport>,
+    kind: ServerKind,
+) -> Result<roam::SessionHandle, ConnectFailure> {
     let state = crate::paths::state_dir(config);
     let known = KnownServers::new(&state);
-    let pinned = pinned_key(relay, &known).await?;
+    let pinned = pinned_key(relay, &known, kind).await?;
     let proto = client_proto(key, config, pinned.as_ref().map(|p| p.key))?;
     let public = proto.keypair.public();
     let connected = match first {
@@ -146,7 +228,8 @@ pub(crate) async fn connect_relay_over(
                             Ok(()) => added.push(name),
                             // Like ssh: the connection stands, the user is told.
                             Err(e) => crate::notices::notice(&format!(
-                                "warning: could not pin relay key for {name}: {}",
+                                "warning: could not pin {} key for {name}: {}",
+                                kind.noun(),
                                 e.0
                             )),
                         },
@@ -156,7 +239,8 @@ pub(crate) async fn connect_relay_over(
                 }
                 if pinned.is_none() && !added.is_empty() {
                     eprintln!(
-                        "roam: trusting relay {relay} on first use (key {k}); pinned for {}",
+                        "roam: trusting {} on first use (key {k}); pinned for {}",
+                        kind.name(relay),
                         added.join(" and ")
                     );
                 }
@@ -166,7 +250,7 @@ pub(crate) async fn connect_relay_over(
         Err(e) => match e.protocol() {
             Some(roam_proto::Error::ServerKeyMismatch { expected, actual }) => {
                 let entry = pinned.map_or_else(|| relay.to_string(), |p| p.entry);
-                let mut msg = known.mismatch_message(&entry, expected, actual);
+                let mut msg = known.mismatch_message(&entry, expected, actual, kind.noun());
                 if entry != relay {
                     msg.push_str(&format!(
                         "\n(The key was pinned for {entry}, an address {relay} resolves to.)"
@@ -175,10 +259,21 @@ pub(crate) async fn connect_relay_over(
                 Err(ConnectFailure::Cli(CliError(msg)))
             }
             Some(roam_proto::Error::Unauthorized) => Err(ConnectFailure::Cli(CliError(format!(
-                "relay {relay} refused our client key: add this line to its authorized keys file:\n{public}"
+                "{} refused our client key: add this line to its authorized keys file{}:\n{public}",
+                kind.name(relay),
+                match kind {
+                    ServerKind::Relay => "",
+                    ServerKind::Store => " (its --authorized-keys)",
+                }
             )))),
             Some(roam_proto::Error::ServerBusy) => Err(ConnectFailure::Cli(CliError(format!(
-                "relay {relay} is busy (at one of its connection or session limits); try again later, or ask its operator (`roam status` on the relay shows the limits)"
+                "{} is busy (at one of its connection or session limits); try again later, or ask its operator (`roam status` on the {} shows {})",
+                kind.name(relay),
+                kind.noun(),
+                match kind {
+                    ServerKind::Relay => "the limits",
+                    ServerKind::Store => "its sessions",
+                }
             )))),
             _ => Err(ConnectFailure::Roam(e)),
         },

@@ -263,15 +263,16 @@ impl KnownServers {
         server: &str,
         expected: &PublicKey,
         actual: &PublicKey,
+        noun: &str,
     ) -> String {
         format!(
             "\n@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@\n\
              @    WARNING: THE ROAM SERVER KEY FOR {server} HAS CHANGED!    \n\
              @@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@\n\
-             Someone may be intercepting this connection, or the relay's key was replaced.\n\
+             Someone may be intercepting this connection, or the {noun}'s key was replaced.\n\
              pinned key: {expected}\n\
              server key: {actual}\n\
-             Refusing to connect. If you know the relay was re-keyed, remove the line for\n\
+             Refusing to connect. If you know the {noun} was re-keyed, remove the line for\n\
              {server} from {path}\n\
              (e.g. sed -i '/^{server_re} /d' {path}) and connect again to trust the new key.",
             path = self.path.display(),

@@ -47,7 +47,10 @@ pub(crate) async fn run(args: PipeArgs, config: &FileConfig) -> CliResult {
             let state = crate::paths::state_dir(config);
             let known = crate::keys::KnownServers::new(&state);
             if fallback == Fallback::Auto {
-                if let Some(pin) = crate::connect::pinned_key(&relay, &known).await? {
+                if let Some(pin) =
+                    crate::connect::pinned_key(&relay, &known, crate::connect::ServerKind::Relay)
+                        .await?
+                {
                     return Err(CliError(format!(
                         "no roam relay answers at {relay} ({e}), but its key is pinned (as {} in {}): refusing to fall back to an unprotected direct connection. Check that `roam serve` runs there; pass --fallback always to connect directly anyway",
                         pin.entry,

@@ -522,15 +522,9 @@ impl RemoteBackend {
         if let Some(s) = slot.as_ref().filter(|s| !s.is_closed()) {
             return Ok(s.clone());
         }
-        let s = crate::connect::connect_relay(&self.addr, None, &self.config)
+        let s = crate::connect::connect_store_server(&self.addr, &self.config)
             .await
-            .map_err(|e| {
-                format!(
-                    "cannot reach the store server roam://{}: {}",
-                    self.addr,
-                    e.into_cli().0
-                )
-            })?;
+            .map_err(|e| e.0)?;
         *slot = Some(s.clone());
         Ok(s)
     }

@@ -108,7 +108,8 @@ fn ok(state: &Path, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// Runs `roam ARGS`, expecting exit 1 with `needles` on stderr; returns
+/// Runs `roam ARGS`, expecting exit 1 with `needles` on stderr and no word
+/// of a relay (a store client's errors name the store server); returns
 /// stderr.
 fn fails(state: &Path, args: &[&str], needles: &[&str]) -> String {
     let out = run(state, args);
@@ -121,6 +122,10 @@ fn fails(state: &Path, args: &[&str], needles: &[&str]) -> String {
     for n in needles {
         assert!(stderr.contains(n), "roam {args:?}: {stderr:?} lacks {n:?}");
     }
+    assert!(
+        !stderr.to_lowercase().contains("relay"),
+        "roam {args:?}: {stderr:?} speaks of a relay"
+    );
     stderr
 }
 
@@ -324,7 +329,8 @@ fn resume_survives_network_drop() {
 
 /// A server with another key than the pinned one is refused with the
 /// key-change warning; a client key the server does not list is refused
-/// with the line to add.
+/// with the line to add; a first use says whose key it trusts. Each message
+/// names the store server, none a relay.
 #[test]
 fn wrong_keys_are_refused() {
     let w = World::new();
@@ -357,7 +363,14 @@ fn wrong_keys_are_refused() {
     let err = fails(
         &a,
         &args,
-        &["HAS CHANGED", &store, &wrong, "Refusing to connect"],
+        &[
+            "HAS CHANGED",
+            &store,
+            &wrong,
+            "Refusing to connect",
+            "the store server's key was replaced",
+            "If you know the store server was re-keyed",
+        ],
     );
     eprintln!("{err}");
 
@@ -365,9 +378,48 @@ fn wrong_keys_are_refused() {
     let c = w.dir.path().join("c");
     std::fs::create_dir_all(&c).unwrap();
     let key = keygen(&c);
-    fails(&c, &args, &["refused our client key", &key, &store]);
+    let refused = format!("the store server {store} refused our client key");
+    let err = fails(&c, &args, &[&refused, "--authorized-keys", &key]);
+    eprintln!("{err}");
     // Nothing reached the store.
     assert!(files_under(&w.dir.path().join("holder")).is_empty());
+
+    // First use: the key trusted is the store server's.
+    let out = run(&w.site("b"), &args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!("trusting the store server {store} on first use")),
+        "{stderr}"
+    );
+    assert!(!stderr.to_lowercase().contains("relay"), "{stderr}");
+}
+
+/// A port where nothing listens is "cannot reach the store server", with
+/// what to check.
+#[test]
+fn closed_port_names_the_store_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!("roam://127.0.0.1:{}", free_port());
+    let file = dir.path().join("small");
+    std::fs::write(&file, b"small").unwrap();
+    let err = fails(
+        dir.path(),
+        &[
+            "suspend",
+            "--env",
+            "small",
+            "--store",
+            &store,
+            file.to_str().unwrap(),
+        ],
+        &[
+            &format!("cannot reach the store server {store}"),
+            "Connection refused",
+            "`roam store serve` runs there",
+        ],
+    );
+    eprintln!("{err}");
 }
 
 /// A store server that stops answering (the path black-holed, new
@@ -401,6 +453,19 @@ fn unreachable_store_times_out() {
         took >= Duration::from_secs(2) && took < Duration::from_secs(15),
         "{took:?}"
     );
+    // Given longer than the handshake's own bound (10 s), the error says
+    // the server took the connection and never answered the handshake.
+    let t = Instant::now();
+    let err = fails(
+        &a,
+        &["store", "list", "--store", &store, "--store-timeout", "30s"],
+        &[
+            &format!("the store server {store} accepted the connection but did not answer"),
+            "within 10 s",
+        ],
+    );
+    let took = t.elapsed();
+    assert!(took < Duration::from_secs(25), "{took:?}: {err}");
     w.proxy.blackhole(false);
     let listed = ok(&a, &["store", "list", "--store", &store]);
     assert!(listed.contains("small"), "{listed}");
