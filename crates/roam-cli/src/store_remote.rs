@@ -492,6 +492,9 @@ pub(crate) struct RemoteBackend {
     config: FileConfig,
     /// The session, once connected.
     session: tokio::sync::Mutex<Option<roam::SessionHandle>>,
+    /// An operation went unanswered for the whole timeout: the server is
+    /// not answering, so [`RemoteBackend::close`] does not wait for it.
+    unanswered: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for RemoteBackend {
@@ -512,6 +515,7 @@ impl RemoteBackend {
             timeout,
             config: config.clone(),
             session: tokio::sync::Mutex::new(None),
+            unanswered: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -532,13 +536,15 @@ impl RemoteBackend {
     /// Ends the session, if one is open, so that the server frees it at
     /// once instead of after [`IDLE_SESSION_TIMEOUT`]: a connected session
     /// is closed and its acknowledgement awaited (at most [`CLOSE_WAIT`]);
-    /// a suspended one (the network is gone) is abandoned without waiting.
-    /// Called once the command's last operation is done.
+    /// a suspended one (the network is gone), or one whose server left an
+    /// operation unanswered, is abandoned without waiting. Called once the
+    /// command's last operation is done.
     pub(crate) async fn close(&self) {
         let Some(session) = self.session.lock().await.take() else {
             return;
         };
-        if session.stats().state == roam_proto::State::Active {
+        let unanswered = self.unanswered.load(std::sync::atomic::Ordering::Relaxed);
+        if session.stats().state == roam_proto::State::Active && !unanswered {
             let _ = tokio::time::timeout(CLOSE_WAIT, session.close(roam_proto::code::NO_ERROR, ""))
                 .await;
         }
@@ -581,12 +587,14 @@ impl RemoteBackend {
         let resp = match tokio::time::timeout(self.timeout, self.exchange(&req)).await {
             Ok(r) => r.map_err(remote)?,
             Err(_) => {
+                self.unanswered
+                    .store(true, std::sync::atomic::Ordering::Relaxed);
                 return Err(remote(format!(
                     "the store server roam://{} did not answer within {} s (unreachable, or the \
                      network is down); --store-timeout waits longer",
                     self.addr,
                     self.timeout.as_secs_f64()
-                )))
+                )));
             }
         };
         let name = req.name().to_owned();

@@ -12,7 +12,11 @@
 //! - a store server unreachable for longer than `--store-timeout` is an
 //!   error naming it, in bounded time;
 //! - each command ends its session: the server's `roam status` lists it
-//!   while the command runs and no longer once it has exited, failed or not.
+//!   while the command runs and no longer once it has exited, failed or not;
+//! - a suspend whose network dies mid-upload (black-holed, reset) finishes,
+//!   every byte resumable; one whose network stays down past
+//!   `--store-timeout` fails naming the store server, writes no version,
+//!   and the next suspend works.
 //!
 //! Images are seeded random bytes (`ROAM_TEST_SEED` replays a run).
 
@@ -573,5 +577,171 @@ fn commands_end_their_sessions() {
     eprintln!(
         "sessions gone after: suspend {after_suspend:?}, resume {after_resume:?}, list \
          {after_list:?}, failed resume {after_failure:?}"
+    );
+}
+
+/// Starts `roam suspend --env ENV FILE` at site `a` through the world's
+/// proxy (with `extra` arguments; stderr piped), and returns once a quarter
+/// of the file's `len` bytes have gone up through the proxy, the suspend
+/// still running.
+fn suspend_until_a_quarter(
+    w: &World,
+    a: &Path,
+    env: &str,
+    file: &Path,
+    extra: &[&str],
+    len: usize,
+) -> Guard {
+    let before = w.proxy.stats();
+    let mut child = Guard(
+        roam(a)
+            .args(["suspend", "--env", env, "--store", &w.store()])
+            .args(extra)
+            .arg(file)
+            .env("XDG_CONFIG_HOME", a.join("no-config"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while w.proxy.stats().bytes_up < before.bytes_up + (len as u64) / 4 {
+        assert!(
+            child.0.try_wait().unwrap().is_none(),
+            "the suspend of {env} ended before the fault"
+        );
+        assert!(Instant::now() < deadline, "the suspend never got going");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    child
+}
+
+/// Waits (at most 60 s) for `child` to exit; its exit code and stderr.
+fn exit_and_stderr(mut child: Guard) -> (Option<i32>, String) {
+    let code = child.wait_exit(Duration::from_secs(60));
+    let mut stderr = String::new();
+    if let Some(mut e) = child.0.stderr.take() {
+        use std::io::Read;
+        let _ = e.read_to_string(&mut stderr);
+    }
+    (code, stderr)
+}
+
+/// Resumes the newest version of `work` at site `b` into `b/<into>` and
+/// returns the SHA-256 of its disk image.
+fn resumed_sha(w: &World, b: &Path, into: &str) -> String {
+    ok(
+        b,
+        &[
+            "resume",
+            "--env",
+            "work",
+            "--store",
+            &w.store(),
+            b.join(into).to_str().unwrap(),
+        ],
+    );
+    sha(&std::fs::read(b.join(into).join("disk.img")).unwrap())
+}
+
+/// A network drop in the middle of a suspend (the upload): black-holed
+/// once a quarter of the image went up, the suspend finishes on a new
+/// connection; reset, likewise; each version resumes at B byte for byte.
+/// Black-holed for longer than `--store-timeout` (new connections too),
+/// the suspend fails with an error naming the store server and the
+/// timeout, writes no version, and the store stays usable: once the
+/// network is back a suspend stores that image and B resumes it.
+#[test]
+fn suspend_survives_network_drop() {
+    let w = World::new();
+    let (a, b) = (w.site("a"), w.site("b"));
+    let store = w.store();
+    let len = 24 << 20;
+    let seed = seed();
+    let disk = a.join("env/disk.img");
+    std::fs::create_dir_all(a.join("env")).unwrap();
+    let img = image(seed ^ 2, len);
+    std::fs::write(&disk, &img).unwrap();
+
+    // Version 1: the connection in use goes silent for good mid-upload.
+    let before = w.proxy.stats();
+    let t = Instant::now();
+    let child = suspend_until_a_quarter(&w, &a, "work", &disk, &[], len);
+    w.proxy.blackhole_current();
+    let dropped_at = t.elapsed();
+    let (code, stderr) = exit_and_stderr(child);
+    assert_eq!(code, Some(0), "the suspend failed: {stderr}");
+    let black_holed = t.elapsed();
+    let after = w.proxy.stats();
+    assert!(
+        after.accepted > before.accepted + 1,
+        "the session never re-dialled: {before:?} {after:?}"
+    );
+    std::fs::copy(a.join("store.secret"), b.join("store.secret")).unwrap();
+    assert_eq!(resumed_sha(&w, &b, "v1"), sha(&img), "version 1 differs");
+
+    // Version 2 (every chunk new): the connection reset mid-upload.
+    let img = image(seed ^ 3, len);
+    std::fs::write(&disk, &img).unwrap();
+    let before = w.proxy.stats();
+    let t = Instant::now();
+    let child = suspend_until_a_quarter(&w, &a, "work", &disk, &[], len);
+    w.proxy.reset_all();
+    let (code, stderr) = exit_and_stderr(child);
+    assert_eq!(code, Some(0), "the suspend failed: {stderr}");
+    let reset = t.elapsed();
+    assert!(w.proxy.stats().accepted > before.accepted + 1);
+    let v2 = sha(&img);
+    assert_eq!(resumed_sha(&w, &b, "v2"), v2, "version 2 differs");
+
+    // Version 3 cannot be written: the network stays down past the
+    // timeout. The suspend fails, precisely, and no version 3 exists.
+    let img = image(seed ^ 4, len);
+    std::fs::write(&disk, &img).unwrap();
+    let child = suspend_until_a_quarter(&w, &a, "work", &disk, &["--store-timeout", "3s"], len);
+    w.proxy.blackhole(true);
+    let t = Instant::now();
+    let (code, stderr) = exit_and_stderr(child);
+    let failed_after = t.elapsed();
+    assert_eq!(code, Some(1), "the suspend did not fail: {stderr}");
+    for needle in [
+        format!("the store server {store} did not answer within 3 s"),
+        "--store-timeout".to_string(),
+    ] {
+        assert!(stderr.contains(&needle), "{stderr:?} lacks {needle:?}");
+    }
+    assert!(!stderr.to_lowercase().contains("relay"), "{stderr}");
+    // The timeout, and no wait for a close the server cannot acknowledge.
+    assert!(
+        failed_after < Duration::from_millis(5500),
+        "{failed_after:?}: {stderr}"
+    );
+    w.proxy.blackhole(false);
+    let listed = ok(&b, &["store", "list", "--env", "work", "--store", &store]);
+    assert!(
+        listed.contains("version 2") && !listed.contains("version 3"),
+        "{listed}"
+    );
+    // Still at version 2 for a resume.
+    assert_eq!(resumed_sha(&w, &b, "still-v2"), v2);
+
+    // The network is back: the same suspend stores version 3, whole.
+    ok(
+        &a,
+        &[
+            "suspend",
+            "--env",
+            "work",
+            "--store",
+            &store,
+            disk.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(resumed_sha(&w, &b, "v3"), sha(&img), "version 3 differs");
+    eprintln!(
+        "suspend of {} MiB: {black_holed:?} with the network black-holed at {dropped_at:?}; \
+         {reset:?} with the connection reset; failed {failed_after:?} after the network went \
+         down for good (--store-timeout 3s)",
+        len >> 20
     );
 }
