@@ -10,6 +10,8 @@
 //! counter goes on from A's last tick (no reboot) and the guest finds its
 //! file whole. B suspends it again (only changed chunks move) and A resumes
 //! it. The store's bytes never hold the text the guest wrote.
+//! Demand fetch (`--demand-fetch`) runs from a local store and through a
+//! store server (`roam store serve`, `--store roam://`).
 //!
 //! Without `$ROAM_GUEST` the test says why and passes; with it set, a
 //! missing QEMU or a broken guest fails it.
@@ -778,4 +780,128 @@ fn vm_mistakes_are_one_precise_line() {
         !tmp.path().join("b").join("disk.img").exists(),
         "nothing written"
     );
+}
+
+/// `roam store serve` on a free loopback port, its objects in `holder`,
+/// admitting the client key of the state directory `state`; the running
+/// server (killed when dropped) and its `roam://` address.
+fn store_server(dir: &Path, holder: &Path, state: &Path) -> (Proc, String) {
+    let key = ok("roam keygen", roam(state).arg("keygen").output().unwrap());
+    let authorized = dir.join("authorized");
+    std::fs::write(&authorized, &key.stdout).unwrap();
+    let port = roam_sim::ports::free_loopback_port().unwrap();
+    let server_state = dir.join("server-state");
+    let server = Proc {
+        child: roam(&server_state)
+            .args(["store", "serve", "--listen"])
+            .arg(format!("127.0.0.1:{port}"))
+            .arg("--store")
+            .arg(holder)
+            .arg("--authorized-keys")
+            .arg(&authorized)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap(),
+        pidfile: server_state.join("no-pidfile"),
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "the store server never listened");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    (server, format!("roam://127.0.0.1:{port}"))
+}
+
+/// Demand fetch through a store server (`--store roam://`): suspended at A
+/// into the server, the guest resumes at B on its memory image while its
+/// disk chunks come through the roam session as it touches them; the
+/// counter goes on, the background fill completes, B suspends version 2
+/// through the server and A resumes it whole. The server's directory holds
+/// no text the guest wrote.
+#[test]
+fn a_guest_resumed_by_demand_fetch_through_a_store_server() {
+    let Some(guest) = guest() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let holder = tmp.path().join("holder");
+    let (_server, addr) = store_server(tmp.path(), &holder, &state);
+    let store = PathBuf::from(&addr);
+    let site_a = Site {
+        dir: tmp.path().join("site-a"),
+    };
+    let site_b = Site {
+        dir: tmp.path().join("site-b"),
+    };
+    std::fs::create_dir_all(&site_a.dir).unwrap();
+    std::fs::copy(guest.join("disk.img"), site_a.disk()).unwrap();
+    let args = site_a.qemu(&guest, "serial-a1");
+    let mut qemu_a = Proc {
+        child: Command::new(&args[0]).args(&args[1..]).spawn().unwrap(),
+        pidfile: site_a.dir.join("qemu.pid"),
+    };
+    site_a.wait_tick("serial-a1", 3, &mut qemu_a);
+    let (out1, _) = suspend_at(&state, &store, &site_a, &mut qemu_a);
+    assert!(out1.contains(&format!("to {addr}")), "{out1}");
+    let n_a = last_tick(&site_a.ticks("serial-a1"), "site A");
+
+    let log = tmp.path().join("resume-b.log");
+    let resume_b = Instant::now();
+    let mut at_b = resume_with(
+        &state,
+        &store,
+        &site_b,
+        (&guest, "serial-b"),
+        false,
+        &["--demand-fetch"],
+        Some(&log),
+    );
+    let ticks_b = site_b.wait_tick("serial-b", n_a + 2, &mut at_b);
+    eprintln!(
+        "demand-fetch resume through {addr} at B to its first tick: {:?}",
+        resume_b.elapsed()
+    );
+    assert_eq!(
+        ticks_b.first().map(|t| t.0),
+        Some(n_a + 1),
+        "the counter at B goes on from A's last tick {n_a}: {ticks_b:?}"
+    );
+    last_tick(&ticks_b, "site B (demand fetch through the store server)");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !site_b.disk().exists() {
+        assert!(
+            Instant::now() < deadline,
+            "the background fill did not finish: {}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (out2, _) = suspend_at(&state, &store, &site_b, &mut at_b);
+    assert!(out2.contains("suspended lab version 2"), "{out2}");
+    let n_b = last_tick(&site_b.ticks("serial-b"), "site B");
+    let status = at_b.wait_exit(Duration::from_secs(60));
+    let text = std::fs::read_to_string(&log).unwrap();
+    eprintln!("roam resume --demand-fetch through {addr} at B:\n{text}");
+    assert_eq!(status.map(|s| s.success()), Some(true), "{text}");
+    let (at_start, total, at_run, demand_before_run) = demand_line(&text, "disk.img");
+    assert_eq!(total, 512, "{text}");
+    assert!(
+        at_start < total && at_run < total,
+        "QEMU started before the disk was in: {at_start}, {at_run} of {total} chunks"
+    );
+    eprintln!(
+        "demand fetch through {addr}: {at_start} of {total} disk chunks present at QEMU start, \
+         {at_run} when the guest ran ({demand_before_run} fetched on demand before it ran)"
+    );
+    assert!(text.contains("background fill done"), "{text}");
+
+    let mut at_a = resume_at(&state, &store, &site_a, &guest, "serial-a2", false);
+    let ticks_a2 = site_a.wait_tick("serial-a2", n_b + 2, &mut at_a);
+    assert_eq!(ticks_a2.first().map(|t| t.0), Some(n_b + 1), "{ticks_a2:?}");
+    last_tick(
+        &ticks_a2,
+        "site A after demand fetch through the store server",
+    );
+    drop(at_a);
+    assert_eq!(any_file_contains(&holder, MARK), None);
 }
