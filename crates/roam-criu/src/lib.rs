@@ -828,13 +828,7 @@ impl AddressLock {
     /// released or dropped. (UDP too: a datagram that reached a frozen
     /// socket's queue would die with the dumped process.)
     pub fn new(ns: Option<&str>, addr: std::net::IpAddr) -> Result<AddressLock, Error> {
-        use std::sync::atomic::{AtomicU32, Ordering};
-        static NEXT: AtomicU32 = AtomicU32::new(0);
-        let table = format!(
-            "roam_lock_{}_{}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        );
+        let table = Self::table_name();
         let family = match addr {
             std::net::IpAddr::V4(_) => "ip",
             std::net::IpAddr::V6(_) => "ip6",
@@ -856,6 +850,94 @@ impl AddressLock {
         lock.nft(&rules)?;
         lock.released = false;
         Ok(lock)
+    }
+
+    /// Drops the packets of the TCP connections `conns` (each as its two
+    /// ends, either way round) in namespace `ns` as they arrive, until
+    /// released or dropped: for connections whose both ends are in this
+    /// namespace (over loopback), which CRIU dumps and restores one end
+    /// after the other. Dumping, a packet between its reads of the two ends
+    /// leaves images that disagree (the sender counts as delivered bytes
+    /// the receiver's image lacks, and the restored connection stalls for
+    /// good). Restoring, CRIU sends a rebuilt socket's unsent data (and a
+    /// window probe) the moment it is rebuilt: held back, they are
+    /// retransmitted once both ends exist instead of drawing a reset from
+    /// the end not yet rebuilt (a failed restore, "Can't restore not-sent
+    /// send queue data ... Broken pipe") or landing in it half-built.
+    /// Refused for an empty list.
+    pub fn connections(
+        ns: Option<&str>,
+        conns: &[(std::net::SocketAddr, std::net::SocketAddr)],
+    ) -> Result<AddressLock, Error> {
+        if conns.is_empty() {
+            return Err(Error::Lock {
+                detail: "no connection to hold".into(),
+            });
+        }
+        // Sets: the two ends of a connection in the tree both list it.
+        let (mut v4, mut v6) = (
+            std::collections::BTreeSet::new(),
+            std::collections::BTreeSet::new(),
+        );
+        for (a, b) in conns {
+            for (from, to) in [(a, b), (b, a)] {
+                let elem = format!(
+                    "{} . {} . {} . {}",
+                    from.ip(),
+                    from.port(),
+                    to.ip(),
+                    to.port()
+                );
+                match (from.ip(), to.ip()) {
+                    (std::net::IpAddr::V4(_), std::net::IpAddr::V4(_)) => {
+                        v4.insert(elem);
+                    }
+                    (std::net::IpAddr::V6(_), std::net::IpAddr::V6(_)) => {
+                        v6.insert(elem);
+                    }
+                    _ => {
+                        return Err(Error::Lock {
+                            detail: format!("a connection between {a} and {b}: mixed families"),
+                        })
+                    }
+                }
+            }
+        }
+        let mut rules = String::new();
+        for (family, elems) in [("ip", v4), ("ip6", v6)] {
+            if !elems.is_empty() {
+                rules.push_str(&format!(
+                    " {family} saddr . tcp sport . {family} daddr . tcp dport {{ {} }} drop;",
+                    elems.into_iter().collect::<Vec<_>>().join(", ")
+                ));
+            }
+        }
+        let table = Self::table_name();
+        // Input only: both ends are here, and a packet dropped on its way
+        // in is lost to its sender, which retransmits it.
+        let script = format!(
+            "table inet {table} {{\n\tchain input {{ type filter hook input priority -150; \
+             policy accept;{rules} }}\n}}\n"
+        );
+        let mut lock = AddressLock {
+            ns: ns.map(str::to_owned),
+            table,
+            released: true,
+        };
+        lock.nft(&script)?;
+        lock.released = false;
+        Ok(lock)
+    }
+
+    /// A table name no other lock of this process has.
+    fn table_name() -> String {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        format!(
+            "roam_lock_{}_{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        )
     }
 
     /// Lifts the lock.

@@ -393,3 +393,78 @@ fn the_address_lock_drops_tcp_for_its_address_until_released() {
     let _ = server.kill();
     let _ = server.wait();
 }
+
+/// The connection lock holds back the packets of the loopback connections
+/// it names, both ways, and no others: bytes written on a held connection
+/// do not arrive while it is held and do arrive, retransmitted, once it is
+/// released (as CRIU's unsent data does when both ends of a loopback
+/// connection are restored one after the other); another loopback
+/// connection in the same namespace carries on meanwhile.
+#[test]
+fn the_connection_lock_holds_a_loopback_connections_packets_until_released() {
+    use std::io::{Read, Write};
+    let Some((_criu, pair)) = setup("criu_conns") else {
+        return;
+    };
+    // Two loopback connections made inside the server namespace.
+    let conns = pair
+        .in_ns(Side::Server, || {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").expect("listen");
+            let mut out = Vec::new();
+            for _ in 0..2 {
+                let c =
+                    std::net::TcpStream::connect(l.local_addr().expect("addr")).expect("connect");
+                let (a, _) = l.accept().expect("accept");
+                out.push((c, a));
+            }
+            out
+        })
+        .expect("in the namespace");
+    let [(mut held_c, mut held_a), (mut free_c, mut free_a)] =
+        <[_; 2]>::try_from(conns).expect("two connections");
+    for s in [&held_a, &held_c, &free_a] {
+        s.set_read_timeout(Some(Duration::from_millis(700)))
+            .expect("timeout");
+    }
+    let ends = (
+        held_c.local_addr().expect("local"),
+        held_c.peer_addr().expect("peer"),
+    );
+    let lock = AddressLock::connections(Some(pair.ns(Side::Server)), &[ends]).expect("lock");
+    let mut buf = [0u8; 16];
+    held_c.write_all(b"to the server").expect("write");
+    held_a.write_all(b"to the client").expect("write");
+    for (s, what) in [
+        (&mut held_a, "client to server"),
+        (&mut held_c, "server to client"),
+    ] {
+        let err = s.read(&mut buf).expect_err("a held connection delivered");
+        assert!(
+            matches!(
+                err.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ),
+            "{what}: {err}"
+        );
+    }
+    free_c.write_all(b"free").expect("write");
+    free_a
+        .read_exact(&mut buf[..4])
+        .expect("another connection is not held");
+    assert_eq!(&buf[..4], b"free");
+    lock.release().expect("release");
+    for (s, want) in [
+        (&mut held_a, b"to the server"),
+        (&mut held_c, b"to the client"),
+    ] {
+        s.set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
+        s.read_exact(&mut buf[..want.len()])
+            .expect("retransmitted after the release");
+        assert_eq!(&buf[..want.len()], want);
+    }
+    assert!(
+        AddressLock::connections(Some(pair.ns(Side::Server)), &[]).is_err(),
+        "an empty list is refused"
+    );
+}
