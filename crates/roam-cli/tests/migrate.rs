@@ -987,53 +987,13 @@ fn a_roam_relay_moves_to_another_address_and_its_clients_follow_it() {
         "--redirect-for",
         "8",
     ];
-    let started_before = started(s.pid);
-    let mut out = s.migrate(&args);
-    let mut tries = 1;
-    while tries < 4
-        && !out.status.success()
-        && String::from_utf8_lossy(&out.stderr).contains("send queue data")
-    {
-        // CRIU 4.1 at times fails to restore the not-sent send queue of a
-        // loopback connection whose both ends it restores (EPIPE, seen
-        // under load up to 1 run in 2). B's restore failing, A's dump is
-        // rolled back: the relay runs on at A, the same process (not
-        // restored from images, where the same error could strike), with
-        // the stream going on: checked, then the move is tried again (4
-        // tries in all).
-        let said = String::from_utf8_lossy(&out.stderr).into_owned();
-        assert!(
-            said.contains("was not moved and runs on here with its connections"),
-            "a failed restore at B: {said}"
-        );
-        // CRIU has resumed the tree at A when the command ends; allow it
-        // a moment all the same, then fail with what the command said.
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !s.runs_on(A, s.pid) || s.runs_on(B, s.pid) {
-            assert!(
-                Instant::now() < deadline,
-                "a failed restore left the relay off A (on A: {}, on B: {})\n\
-                 migrate-process said:\n{}\n{}",
-                s.runs_on(A, s.pid),
-                s.runs_on(B, s.pid),
-                String::from_utf8_lossy(&out.stderr),
-                logs()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        assert_eq!(
-            started(s.pid),
-            started_before,
-            "the relay at A is not the process that ran before the move"
-        );
-        wait_echoed(&s, 1 << 20, "the stream stopped after a failed restore");
-        eprintln!(
-            "CRIU could not restore a loopback send queue (try {tries}); the relay runs on at \
-             A; moving again"
-        );
-        out = s.migrate(&args);
-        tries += 1;
-    }
+    // The relay's connection to the echo server is over loopback, both
+    // its ends in the tree: unless its packets are held back while CRIU
+    // dumps (A) and restores (B) one end after the other, the restore
+    // fails at times (the unsent data of the end rebuilt first draws a
+    // reset: 9 runs in 28 here) or the stream stalls after the move (the
+    // two images disagree: 1 run in 9 under load).
+    let out = s.migrate(&args);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),

@@ -222,7 +222,12 @@ async fn receive(
     // host's pid space: the restored pids are the frozen ones'); a restore
     // that fails here rolls its dump back and it runs on there.
     wire::write_frame(wr, &Frame::Stored).await.map_err(send)?;
-    let lazy = match next(rd).await? {
+    // The process's connections over loopback, if any, come first.
+    let (loopback, ask) = match next(rd).await? {
+        Frame::Loopback(conns) => (conns, next(rd).await?),
+        other => (Vec::new(), other),
+    };
+    let lazy = match ask {
         Frame::Restore => false,
         Frame::RestoreLazy => true,
         Frame::Abort { reason } => return Err(format!("the source gave up: {reason}")),
@@ -256,8 +261,34 @@ async fn receive(
     // The restored pids must be free: a zombie of an earlier move (a
     // failed restore's) would hold them.
     reap_orphans();
+    // Both ends of a loopback connection are rebuilt here, one after the
+    // other: their packets wait until both exist (see Frame::Loopback).
+    let held = if loopback.is_empty() {
+        None
+    } else {
+        match AddressLock::connections(None, &loopback) {
+            Ok(l) => Some(l),
+            Err(e) => {
+                undo_address(lock);
+                if let Some(l) = lazy_pages.take() {
+                    l.stop();
+                }
+                return Err(format!(
+                    "cannot hold the process's {} loopback connections here: {e}",
+                    loopback.len()
+                ));
+            }
+        }
+    };
     let t = Instant::now();
     let restored = super::restore(host.criu.clone(), images.path.clone(), lazy).await;
+    // CRIU has rebuilt every socket (or none is left): TCP retransmits
+    // what was dropped meanwhile.
+    if let Some(held) = held {
+        if let Err(e) = held.release() {
+            eprintln!("roam migrate-accept: warning: releasing the loopback connections: {e}");
+        }
+    }
     let restored = match restored {
         Ok(r) => r,
         Err(e) => {

@@ -4,7 +4,7 @@
 //! (a gratuitous ARP from a packet socket).
 
 use std::collections::BTreeSet;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::process::Command;
 
 use crate::cli::CliError;
@@ -29,6 +29,10 @@ pub(crate) struct ProcessInfo {
     /// Local addresses the tree's sockets are bound to, wildcards and
     /// loopback left out: the candidates for the process's own address.
     pub(crate) addresses: BTreeSet<IpAddr>,
+    /// Established TCP connections over loopback (this end, the peer):
+    /// where both ends are the tree's, both are restored at the
+    /// destination, and their packets must be held back until both are.
+    pub(crate) loopback: Vec<(SocketAddr, SocketAddr)>,
 }
 
 impl ProcessInfo {
@@ -118,7 +122,13 @@ pub(crate) fn inspect(pid: i32) -> Result<ProcessInfo, CliError> {
                 continue;
             }
             match (table.starts_with("tcp"), row.state) {
-                (true, 0x01) => info.established += 1,
+                (true, 0x01) => {
+                    info.established += 1;
+                    if row.local.is_loopback() && row.remote.ip().is_loopback() {
+                        info.loopback
+                            .push((SocketAddr::new(row.local, row.local_port), row.remote));
+                    }
+                }
                 (true, 0x0A) => info.listening += 1,
                 (true, _) => {}
                 (false, _) => info.udp += 1,
@@ -136,6 +146,10 @@ pub(crate) fn inspect(pid: i32) -> Result<ProcessInfo, CliError> {
 pub(crate) struct SocketRow {
     /// The local address (IPv4-mapped IPv6 addresses as IPv4).
     pub(crate) local: IpAddr,
+    /// The local port.
+    pub(crate) local_port: u16,
+    /// The remote address and port (unspecified for a listening socket).
+    pub(crate) remote: SocketAddr,
     /// The TCP state (1 established, 10 listening; 7 for unconnected UDP).
     pub(crate) state: u8,
     /// The socket's inode.
@@ -148,16 +162,26 @@ pub(crate) fn parse_sockets(text: &str) -> Vec<SocketRow> {
         .skip(1)
         .filter_map(|line| {
             let f: Vec<&str> = line.split_whitespace().collect();
-            let local = parse_hex_addr(f.get(1)?.split(':').next()?)?;
+            let (local, local_port) = parse_hex_endpoint(f.get(1)?)?;
+            let (remote, remote_port) = parse_hex_endpoint(f.get(2)?)?;
             let state = u8::from_str_radix(f.get(3)?, 16).ok()?;
             let inode = f.get(9)?.parse().ok()?;
             Some(SocketRow {
                 local,
+                local_port,
+                remote: SocketAddr::new(remote, remote_port),
                 state,
                 inode,
             })
         })
         .collect()
+}
+
+/// The kernel's hex form of an endpoint: `ADDR:PORT` (the port in
+/// big-endian hex).
+fn parse_hex_endpoint(hex: &str) -> Option<(IpAddr, u16)> {
+    let (addr, port) = hex.split_once(':')?;
+    Some((parse_hex_addr(addr)?, u16::from_str_radix(port, 16).ok()?))
 }
 
 /// The kernel's hex form of an address: 8 digits (IPv4) or 32 (IPv6), each
@@ -428,7 +452,7 @@ mod tests {
     }
 
     #[test]
-    fn proc_net_rows_give_address_state_and_inode() {
+    fn proc_net_rows_give_endpoints_state_and_inode() {
         let tcp = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n\
    0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 12345 1 0000000000000000 100 0 0 10 0\n\
    1: 6405C60A:1BBC 0105C60A:D2F0 01 00000000:00000000 00:00000000 00000000     0        0 777 1 0000000000000000 20 4 30 10 -1\n";
@@ -438,11 +462,15 @@ mod tests {
             vec![
                 SocketRow {
                     local: "127.0.0.1".parse().unwrap(),
+                    local_port: 8080,
+                    remote: "0.0.0.0:0".parse().unwrap(),
                     state: 0x0A,
                     inode: 12345
                 },
                 SocketRow {
                     local: "10.198.5.100".parse().unwrap(),
+                    local_port: 7100,
+                    remote: "10.198.5.1:54000".parse().unwrap(),
                     state: 1,
                     inode: 777
                 },

@@ -137,6 +137,26 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
     // can be (until the destination has restored the process), and are
     // ignored after that, while the hand-over completes.
     let interrupt = catch_signals()?;
+    // The tree's connections over loopback are held here too, from before
+    // the dump until CRIU has ended or resumed the tree: CRIU reads one end
+    // of such a connection after the other, and a packet between the two
+    // reads (the other end sending into a window the first had opened)
+    // leaves images that disagree — the sender counts bytes as delivered
+    // that the receiver's image lacks, and the restored connection stalls
+    // for good.
+    let loopback_held = host::inspect(args.pid)
+        .map(|i| i.loopback)
+        .unwrap_or_else(|_| info.loopback.clone());
+    let loopback_lock = if loopback_held.is_empty() {
+        None
+    } else {
+        Some(AddressLock::connections(None, &loopback_held).map_err(|e| {
+            CliError(format!(
+                "cannot hold its {} loopback connections: {e}; nothing was frozen",
+                loopback_held.len()
+            ))
+        })?)
+    };
     let lock = AddressLock::new(None, address.addr).map_err(|e| {
         CliError(format!(
             "cannot lock {}: {e}; nothing was frozen",
@@ -238,10 +258,21 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
                     Some(_) => Frame::RestoreLazy,
                     None => Frame::Restore,
                 };
+                // Read now, the tree frozen: every connection it has.
+                let loopback = host::inspect(args.pid)
+                    .map(|i| i.loopback)
+                    .unwrap_or_else(|_| info.loopback.clone());
                 let asked = Instant::now();
-                let mut r = tokio::select! {
-                    r = ask_restore(&mut wr, &mut answers, &to, ask) => r,
-                    _ = interrupt.wait() => Err("interrupted by a signal".to_string()),
+                let mut r = match unheld(&loopback, &loopback_held) {
+                    // Its images may disagree: called off.
+                    Some((a, b)) => Err(format!(
+                        "its loopback connection {a} - {b} opened while it was being frozen, \
+                         unheld: its two ends' images may disagree"
+                    )),
+                    None => tokio::select! {
+                        r = ask_restore(&mut wr, &mut answers, &to, &loopback, ask) => r,
+                        _ = interrupt.wait() => Err("interrupted by a signal".to_string()),
+                    },
                 };
                 if let Some(server) = server {
                     r = r.and_then(|restored| {
@@ -370,6 +401,9 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
     let dumped = dump
         .await
         .map_err(|e| CliError(format!("the dump thread failed: {e}")))?;
+    // Resumed: its loopback connections carry on (TCP retransmits what
+    // the lock dropped).
+    drop(loopback_lock);
     let unlocked = lock.release();
     let e = match dumped {
         Err(roam_criu::Error::Aborted { reason }) => reason,
@@ -738,15 +772,34 @@ struct LazyMove {
     room: Option<roam_criu::PipeRoom>,
 }
 
+/// The first connection of `now` (each as its two ends) that `held` has
+/// neither way round.
+fn unheld(
+    now: &[(std::net::SocketAddr, std::net::SocketAddr)],
+    held: &[(std::net::SocketAddr, std::net::SocketAddr)],
+) -> Option<(std::net::SocketAddr, std::net::SocketAddr)> {
+    now.iter()
+        .find(|&&(a, b)| !held.contains(&(a, b)) && !held.contains(&(b, a)))
+        .copied()
+}
+
 /// Asks the destination to restore the process now (`ask`: [`Frame::Restore`],
 /// or [`Frame::RestoreLazy`]: its memory to follow, post-copy), while it is
-/// frozen here; its pid there and the restore's time in µs, or why not.
+/// frozen here, holding back the packets of its `loopback` connections
+/// until it is restored ([`Frame::Loopback`]); its pid there and the
+/// restore's time in µs, or why not.
 async fn ask_restore(
     wr: &mut Outbox,
     answers: &mut mpsc::Receiver<Answer>,
     to: &str,
+    loopback: &[(std::net::SocketAddr, std::net::SocketAddr)],
     ask: Frame,
 ) -> Result<(i32, u64), String> {
+    if !loopback.is_empty() {
+        wr.send(&Frame::Loopback(loopback.to_vec()))
+            .await
+            .map_err(|e| format!("the stream to {to} failed: {e}"))?;
+    }
     wr.send(&ask)
         .await
         .map_err(|e| format!("the stream to {to} failed: {e}"))?;
@@ -1316,5 +1369,21 @@ impl Drop for ImagesDir {
         if !self.keep.load(std::sync::atomic::Ordering::Relaxed) {
             let _ = std::fs::remove_dir_all(&self.path);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::unheld;
+
+    #[test]
+    fn a_loopback_connection_is_held_either_way_round() {
+        let a = "127.0.0.1:42218".parse().unwrap();
+        let b = "127.0.0.1:7100".parse().unwrap();
+        let c = "127.0.0.1:42219".parse().unwrap();
+        assert_eq!(unheld(&[(a, b), (b, a)], &[(a, b)]), None);
+        assert_eq!(unheld(&[(b, a)], &[(a, b)]), None);
+        assert_eq!(unheld(&[(a, b), (c, b)], &[(a, b)]), Some((c, b)));
+        assert_eq!(unheld(&[], &[]), None);
     }
 }

@@ -8,6 +8,7 @@
 //! and UTF-8; numbers are big-endian.
 
 use std::fmt;
+use std::net::SocketAddr;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
@@ -65,6 +66,14 @@ pub(crate) enum Frame {
     /// Destination → source: every image is written here: the source may
     /// let its process go.
     Stored,
+    /// Source → destination, before [`Frame::Restore`] or
+    /// [`Frame::RestoreLazy`] when the process has any: its established TCP
+    /// connections over loopback (its end, the peer's). Both ends of one
+    /// are restored at the destination, one after the other, and CRIU sends
+    /// a rebuilt socket's unsent data at once: the destination drops their
+    /// packets until the restore is complete (else they draw a reset from
+    /// the end not yet rebuilt, or land in it half-built).
+    Loopback(Vec<(SocketAddr, SocketAddr)>),
     /// Source → destination: the process is gone at the source; restore it.
     Restore,
     /// Source → destination (post-copy, `--lazy-pages`): the process is
@@ -118,6 +127,7 @@ const RESTORE_LAZY: u8 = 9;
 // 10 was `SKIP` (a hole in an image file), never sent since the lazy dump:
 // an unknown kind now.
 const FILES: u8 = 11;
+const LOOPBACK: u8 = 12;
 /// Kind bytes, destination → source.
 const READY: u8 = 16;
 const RESTORED: u8 = 17;
@@ -169,6 +179,7 @@ pub(crate) fn header(h: &[u8; HEADER]) -> Result<(u8, usize), WireError> {
             | RESTORE
             | RESTORE_LAZY
             | FILES
+            | LOOPBACK
             | PACKETS
             | READY
             | RESTORED
@@ -292,6 +303,25 @@ pub(crate) fn decode(kind: u8, payload: &[u8]) -> Result<Frame, WireError> {
             }
             Frame::Files(files)
         }
+        LOOPBACK => {
+            let mut conns = Vec::new();
+            while !f.rest.is_empty() {
+                let mut end = || -> Result<SocketAddr, WireError> {
+                    let s = f.string()?;
+                    s.parse::<SocketAddr>()
+                        .ok()
+                        .filter(|a| a.ip().is_loopback())
+                        .ok_or_else(|| f.bad("an endpoint that is not a loopback address and port"))
+                };
+                let ours = end()?;
+                let peer = end()?;
+                conns.push((ours, peer));
+            }
+            if conns.is_empty() {
+                return Err(f.bad("no connection"));
+            }
+            Frame::Loopback(conns)
+        }
         SENT => Frame::Sent,
         STORED => Frame::Stored,
         RESTORE => Frame::Restore,
@@ -376,6 +406,13 @@ pub(crate) fn encode(frame: &Frame) -> Vec<u8> {
                 p.extend_from_slice(bytes);
             }
             FILES
+        }
+        Frame::Loopback(conns) => {
+            for (ours, peer) in conns {
+                put_string(&mut p, &ours.to_string());
+                put_string(&mut p, &peer.to_string());
+            }
+            LOOPBACK
         }
         Frame::Sent => SENT,
         Frame::Stored => STORED,
@@ -477,6 +514,16 @@ mod tests {
             ]),
             Frame::Sent,
             Frame::Stored,
+            Frame::Loopback(vec![
+                (
+                    "127.0.0.1:42218".parse().unwrap(),
+                    "127.0.0.1:7100".parse().unwrap(),
+                ),
+                (
+                    "[::1]:7100".parse().unwrap(),
+                    "[::1]:50000".parse().unwrap(),
+                ),
+            ]),
             Frame::Restore,
             Frame::RestoreLazy,
             Frame::Restored {
@@ -554,5 +601,15 @@ mod tests {
         assert!(decode(RESTORED, &[0; 16]).is_err(), "pid 0");
         assert!(decode(HELLO, &[0, 5, b'a']).is_err(), "truncated string");
         assert!(decode(READY, &[0, 1, 0xff]).is_err(), "not UTF-8");
+        assert!(decode(LOOPBACK, &[]).is_err(), "no connection");
+        let mut p = Vec::new();
+        put_string(&mut p, "127.0.0.1:1");
+        put_string(&mut p, "10.0.0.1:2");
+        assert!(decode(LOOPBACK, &p).is_err(), "a peer not on loopback");
+        let mut p = Vec::new();
+        put_string(&mut p, "127.0.0.1:1");
+        assert!(decode(LOOPBACK, &p).is_err(), "no peer");
+        put_string(&mut p, "127.0.0.1:2");
+        assert!(decode(LOOPBACK, &p).is_ok(), "one connection");
     }
 }
