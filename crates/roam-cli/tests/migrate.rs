@@ -106,11 +106,17 @@ struct Setup {
     /// The source's state directory (its client key).
     src_state: tempfile::TempDir,
     _dst_state: tempfile::TempDir,
+    /// B's images directory when the test names none: its own, so that
+    /// what migrate-accept keeps of a failed restore (CRIU's logs) goes
+    /// with the test instead of staying in /dev/shm. Dropped after
+    /// migrate-accept (fields drop after [`Setup`]'s `drop`).
+    _images: Option<tempfile::TempDir>,
     accept: Option<ChildGuard>,
 }
 
 impl Setup {
-    /// `images_dir`: where B writes received images (default its temp dir).
+    /// `images_dir`: where B writes received images (default a directory
+    /// of the test's own, removed with it).
     fn new(name: &str, images_dir: Option<&Path>) -> Setup {
         Setup::holding(name, images_dir, 0)
     }
@@ -196,9 +202,23 @@ impl Setup {
             .arg(&keys)
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
-        if let Some(d) = images_dir {
-            cmd.arg("--images-dir").arg(d);
-        }
+        // migrate-accept's default for a post-copy move is /dev/shm: the
+        // test's own directory there (else in the temporary directory).
+        let owned = match images_dir {
+            Some(_) => None,
+            None => Some(
+                tempfile::Builder::new()
+                    .prefix("roam-test-images-")
+                    .tempdir_in(if Path::new("/dev/shm").is_dir() {
+                        Path::new("/dev/shm").to_path_buf()
+                    } else {
+                        std::env::temp_dir()
+                    })
+                    .expect("B's images dir"),
+            ),
+        };
+        let images = images_dir.or(owned.as_ref().map(tempfile::TempDir::path));
+        cmd.arg("--images-dir").arg(images.expect("an images dir"));
         let mut accept = ChildGuard::spawn(&mut cmd).expect("roam migrate-accept");
         // Its first line says it listens; the rest is logged as it comes.
         let err = accept.child_mut().stderr.take().expect("stderr");
@@ -221,6 +241,7 @@ impl Setup {
             stream,
             src_state,
             _dst_state: dst_state,
+            _images: owned,
             accept: Some(accept),
         }
     }
