@@ -1143,6 +1143,66 @@ fn a_refused_move_freezes_nothing_and_says_why() {
         .wait_echoed(at + (1 << 20), Duration::from_secs(10));
 }
 
+/// A destination in the source's own pid namespace (B's migrate-accept
+/// started without a pid namespace of its own, on the same machine) could
+/// not restore the process while its frozen original holds the pids: it
+/// refuses at the offer, saying why and what to do, and nothing is frozen;
+/// the server runs on at A.
+#[test]
+fn a_destination_sharing_the_sources_pid_namespace_is_refused_before_any_freeze() {
+    if !can_run() {
+        return;
+    }
+    let mut s = Setup::new("mig_pidns", None);
+    let port = ACCEPT_PORT + 1;
+    // Where a failed restore's logs would go, were it not refused.
+    let images = tempfile::tempdir().expect("images dir");
+    let mut cmd = s.lan.command(B, env!("CARGO_BIN_EXE_roam"));
+    cmd.env("ROAM_STATE_DIR", s._dst_state.path())
+        .arg("migrate-accept")
+        .arg("--images-dir")
+        .arg(images.path())
+        .arg("--listen")
+        .arg(format!("{}:{port}", s.lan.addr(B)))
+        .arg("--authorized-keys")
+        .arg(s._dst_state.path().join("migrate_keys"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    let mut shared = ChildGuard::spawn(&mut cmd).expect("migrate-accept in our pid namespace");
+    // Read to the end (a closed pipe would end it when it logs).
+    let (tx, rx) = std::sync::mpsc::channel();
+    let err = shared.child_mut().stderr.take().expect("stderr");
+    std::thread::spawn(move || {
+        for line in BufReader::new(err).lines().map_while(Result::ok) {
+            eprintln!("[shared migrate-accept] {line}");
+            let _ = tx.send(line);
+        }
+    });
+    let first = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("migrate-accept said nothing");
+    assert!(first.contains("listening on"), "{first}");
+    let out = roam_in(&s.lan, A, s.src_state.path())
+        .arg("migrate-process")
+        .arg(s.pid.to_string())
+        .arg("--to")
+        .arg(format!("{}:{port}", s.lan.addr(B)))
+        .output()
+        .expect("roam migrate-process");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("shares the pid namespace")
+            && stderr.contains("a pid namespace of its own")
+            && stderr.contains("nothing was frozen"),
+        "{stderr}"
+    );
+    drop(shared);
+    assert!(s.runs_on(A, s.pid) && alive(s.pid), "the server left A");
+    s.assert_still_at_source();
+}
+
 /// A destination that cannot restore (another program holds the server's
 /// port there) after the images arrived, while the server is frozen at A:
 /// the dump is rolled back and the server runs on at A — the same process,

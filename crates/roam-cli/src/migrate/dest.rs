@@ -182,7 +182,21 @@ async fn receive(
     pages_rx: &mut tokio::sync::mpsc::Receiver<roam::RoamStream>,
 ) -> Result<String, String> {
     let (address, process) = match next(rd).await? {
-        Frame::Hello { address, process } => (address, process),
+        Frame::Hello {
+            address,
+            process,
+            pid_space,
+        } => {
+            if !pid_space.is_empty() && pid_space == host::pid_space(None) {
+                return Err(format!(
+                    "this host shares the pid namespace of {process} (on the same machine): \
+                     its restore here would need the pids its frozen original holds; run \
+                     migrate-accept in a pid namespace of its own (unshare --pid --fork \
+                     --mount-proc)"
+                ));
+            }
+            (address, process)
+        }
         other => return Err(format!("expected an offer, got {other:?}")),
     };
     // No address: it stays at the source, whose clients follow the process

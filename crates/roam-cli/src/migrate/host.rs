@@ -56,6 +56,24 @@ impl ProcessInfo {
     }
 }
 
+/// Which pid space process `pid` (this process if `None`) lives in: the
+/// machine's boot id and the pid namespace's identity
+/// (`BOOT_ID/pid:[INODE]`; the initial namespace has the same inode on
+/// every machine). Empty if either cannot be read.
+pub(crate) fn pid_space(pid: Option<i32>) -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let ns = std::fs::read_link(match pid {
+        Some(p) => format!("/proc/{p}/ns/pid"),
+        None => "/proc/self/ns/pid".to_string(),
+    })
+    .map(|l| l.to_string_lossy().into_owned())
+    .unwrap_or_default();
+    match (boot.trim(), ns.as_str()) {
+        ("", _) | (_, "") => String::new(),
+        (boot, ns) => format!("{boot}/{ns}"),
+    }
+}
+
 /// The pids of the tree rooted at `pid`: it and its descendants.
 fn tree(pid: i32) -> Vec<i32> {
     let mut out = vec![pid];

@@ -99,6 +99,7 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
             Some(_) => String::new(),
         },
         process: info.label(),
+        pid_space: host::pid_space(Some(args.pid)),
     })
     .await
     .map_err(|e| refused(e.to_string()))?;

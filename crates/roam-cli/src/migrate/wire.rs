@@ -41,6 +41,10 @@ pub(crate) enum Frame {
         address: String,
         /// The process's name and pid, for the destination's log.
         process: String,
+        /// The source's pid space ([`super::host::pid_space`]): a
+        /// destination in the same one cannot restore the process while
+        /// its frozen original holds the pids there, and refuses.
+        pid_space: String,
     },
     /// Destination → source: it can host the process (what it will use).
     Ready {
@@ -269,6 +273,7 @@ pub(crate) fn decode(kind: u8, payload: &[u8]) -> Result<Frame, WireError> {
         HELLO => Frame::Hello {
             address: f.string()?,
             process: f.string()?,
+            pid_space: f.string()?,
         },
         READY => Frame::Ready {
             detail: f.string()?,
@@ -381,9 +386,14 @@ pub(crate) fn files_entry_overhead(name: &str) -> usize {
 pub(crate) fn encode(frame: &Frame) -> Vec<u8> {
     let mut p = Vec::new();
     let kind = match frame {
-        Frame::Hello { address, process } => {
+        Frame::Hello {
+            address,
+            process,
+            pid_space,
+        } => {
             put_string(&mut p, address);
             put_string(&mut p, process);
+            put_string(&mut p, pid_space);
             HELLO
         }
         Frame::Ready { detail } => {
@@ -499,6 +509,7 @@ mod tests {
             Frame::Hello {
                 address: "10.1.2.3/24".into(),
                 process: "1234 (redis-server)".into(),
+                pid_space: "5f1c2b4e-0000-4000-8000-000000000001/4026531836".into(),
             },
             Frame::Ready {
                 detail: "CRIU 4.1.1, eth0".into(),
