@@ -58,7 +58,7 @@ pub async fn connect_over(
         Conn::new(tid, transport, peer, None),
         Kind::Client(Box::new(Dialer::new(addr.to_string(), config))),
     );
-    tokio::spawn(driver.run());
+    tokio::spawn(driver.run::<crate::driver::AsClient>());
 
     // Waits on the shared state, not the event channel: subscribing would
     // create the channel (its slots) for every session, used or not.
@@ -132,7 +132,7 @@ pub async fn resume_journaled(
         sh.connected = true;
         sh.incoming.extend(detached.unaccepted);
         sh.orphans.extend(detached.orphans);
-        sh.journal = journal.map(crate::journal::Journal::new);
+        sh.journal = journal.map(|w| Box::new(crate::journal::Journal::new(w)));
     }
     let mut events = inner.events.subscribe();
     let handle = SessionHandle::new(inner.clone());
@@ -140,7 +140,7 @@ pub async fn resume_journaled(
         inner.clone(),
         Kind::Client(Box::new(Dialer::new(addr.to_string(), config))),
     );
-    tokio::spawn(driver.run());
+    tokio::spawn(driver.run::<crate::driver::AsClient>());
     loop {
         if let Some(reason) = inner.lock().closed.as_deref().cloned() {
             return Err(Error::Closed(reason));

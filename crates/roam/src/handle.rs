@@ -129,19 +129,43 @@ pub(crate) struct DetachRequest {
     pub(crate) reply: oneshot::Sender<Result<(Detached, Option<LiveTransport>), ExportError>>,
 }
 
+/// Builds the hashers of [`Shared`]'s maps keyed by stream: SipHash under one
+/// random key drawn once per process. Unlike `RandomState`, which carries its
+/// key in every map (16 bytes each), it has no size, and the 64 bytes it
+/// saves in every session count in a suspended one. The key stays secret, so
+/// a peer choosing its stream ids still cannot aim at collisions.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct StreamHasher;
+
+impl std::hash::BuildHasher for StreamHasher {
+    type Hasher = std::collections::hash_map::DefaultHasher;
+
+    fn build_hasher(&self) -> Self::Hasher {
+        static KEY: std::sync::OnceLock<std::collections::hash_map::RandomState> =
+            std::sync::OnceLock::new();
+        KEY.get_or_init(Default::default).build_hasher()
+    }
+}
+
+/// A map keyed by stream, with [`StreamHasher`].
+pub(crate) type StreamMap<V> = HashMap<StreamId, V, StreamHasher>;
+
+/// A set of streams, with [`StreamHasher`].
+pub(crate) type StreamSet = HashSet<StreamId, StreamHasher>;
+
 /// State shared by the driver and the application handles, behind one mutex.
 pub(crate) struct Shared {
     pub(crate) session: Session,
     /// Peer-opened streams not yet taken by `accept_stream`.
     pub(crate) incoming: VecDeque<StreamId>,
     pub(crate) accept_wakers: Vec<Waker>,
-    pub(crate) read_wakers: HashMap<StreamId, Waker>,
+    pub(crate) read_wakers: StreamMap<Waker>,
     /// Tasks waiting for send-buffer room (woken together: the protocol only
     /// reports writability per stream, but room is also shared session-wide).
-    pub(crate) write_wakers: HashMap<StreamId, Waker>,
+    pub(crate) write_wakers: StreamMap<Waker>,
     /// Streams whose handle was dropped before end-of-stream: the driver reads
     /// and discards their data so flow-control credit keeps flowing.
-    pub(crate) orphans: HashSet<StreamId>,
+    pub(crate) orphans: StreamSet,
     /// Tasks waiting for the session to end (and `connect`, for it to connect).
     pub(crate) closed_wakers: Vec<Waker>,
     /// Set when the session is over. Boxed: 8 bytes instead of 72 in every
@@ -156,7 +180,7 @@ pub(crate) struct Shared {
     /// Codes of streams the peer reset. The protocol forgets a reset stream
     /// at once, so later reads would only say "unknown stream"; this keeps
     /// the code until the stream's handle is dropped.
-    pub(crate) resets: HashMap<StreamId, u64>,
+    pub(crate) resets: StreamMap<u64>,
     /// The application asked for an immediate re-dial.
     pub(crate) redial_requested: bool,
     /// [`SessionHandle::detach`] is waiting for the driver to export and stop.
@@ -169,7 +193,8 @@ pub(crate) struct Shared {
     pub(crate) detached: bool,
     /// The session's journal ([`SessionHandle::set_journal`]), kept by the
     /// driver after each transmit.
-    pub(crate) journal: Option<crate::journal::Journal>,
+    /// Boxed: 8 bytes instead of 40 in every session without one.
+    pub(crate) journal: Option<Box<crate::journal::Journal>>,
 }
 
 impl Shared {
@@ -178,16 +203,16 @@ impl Shared {
             session,
             incoming: VecDeque::new(),
             accept_wakers: Vec::new(),
-            read_wakers: HashMap::new(),
-            write_wakers: HashMap::new(),
-            orphans: HashSet::new(),
+            read_wakers: StreamMap::default(),
+            write_wakers: StreamMap::default(),
+            orphans: StreamSet::default(),
             closed_wakers: Vec::new(),
             closed: None,
             connected: false,
             addresses: Vec::new(),
             abandoned: false,
             redial_requested: false,
-            resets: HashMap::new(),
+            resets: StreamMap::default(),
             detach: None,
             driver_wakeups: 0,
             detached: false,
@@ -510,7 +535,7 @@ impl SessionHandle {
     /// the journal (later copies would be stale): it should remove what it
     /// wrote and say so. Replaces an earlier journal.
     pub fn set_journal(&self, writer: crate::JournalWriter) {
-        self.inner().lock().journal = Some(crate::journal::Journal::new(writer));
+        self.inner().lock().journal = Some(Box::new(crate::journal::Journal::new(writer)));
         self.inner().notify.notify_one();
     }
 

@@ -474,7 +474,7 @@ async fn new_session(
     tracing::debug!("new session {id} from {peer}");
     // A task of its own, sized to the driver alone: this one (hello
     // parsing, lookups, refusals) ends here and frees its memory.
-    tokio::spawn(driver.run());
+    tokio::spawn(driver.run::<crate::driver::AsServer>());
 }
 
 /// Puts a restored session into the routing map, queues the resume that
@@ -610,5 +610,5 @@ fn run_restored(
         Some(c) => Driver::new(inner, c, Kind::Server(Box::new(side))),
         None => Driver::restored(inner, Kind::Server(Box::new(side))),
     };
-    tokio::spawn(driver.run());
+    tokio::spawn(driver.run::<crate::driver::AsServer>());
 }

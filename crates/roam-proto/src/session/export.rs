@@ -428,7 +428,7 @@ impl Part for Closing {
         if s.state != State::Closing {
             return;
         }
-        w.section(&Self::KIND, |o| match &s.close_requested {
+        w.section(&Self::KIND, |o| match s.close_requested.as_deref() {
             Some((code, reason)) => {
                 o.push(1);
                 put_varint(o, *code);
@@ -446,11 +446,11 @@ impl Part for Closing {
         body(b, "closing length", |r| {
             s.close_requested = match r.u8()? {
                 0 => None,
-                1 => Some((
+                1 => Some(Box::new((
                     r.varint()?,
                     r.lp_bytes(crate::frame::MAX_TEXT_LEN, "close reason")?
                         .to_vec(),
-                )),
+                ))),
                 _ => return Err(RestoreError::Invalid("close flag")),
             };
             s.state = State::Closing;
@@ -683,9 +683,8 @@ impl Session {
         blob: &[u8],
         offline: Duration,
     ) -> Result<Self, RestoreError> {
+        // No setup: a restored session only ever resumes.
         let mut s = Self::new(Role::Server, config.session.clone());
-        s.authorized = config.authorized_keys.clone();
-        s.announce = config.addresses.clone();
         s.restore_into(Role::Server, now, blob, offline)?;
         Ok(s)
     }
@@ -699,6 +698,8 @@ impl Session {
         offline: Duration,
     ) -> Result<Self, RestoreError> {
         let mut s = Self::client(config);
+        // A restored session only ever resumes: its setup is never read.
+        s.setup = None;
         s.restore_into(Role::Client, now, blob, offline)?;
         Ok(s)
     }

@@ -108,6 +108,23 @@ pub struct Stats {
 
 /// One entry of the reliable-frame log: what to (re)send, not a copy of the
 /// bytes — stream payload stays in the stream's send buffer (§7.1).
+/// What only the handshake that creates a session reads: the client's key
+/// and how it trusts the server, the server's authorized keys and the
+/// addresses it announces. Boxed and dropped when that handshake completes
+/// (a resume never reads them), so a session keeps 8 bytes for it instead of
+/// ~130 for the rest of its life, suspended sessions included.
+#[derive(Clone)]
+struct Setup {
+    /// Client: its static key.
+    keypair: Option<Keypair>,
+    /// Client: how the server's key is checked.
+    trust: Option<ServerTrust>,
+    /// Server: the client keys admitted (`None`: any).
+    authorized: Option<Arc<Vec<PublicKey>>>,
+    /// Server: the addresses sent to the client once the session is open.
+    announce: Vec<String>,
+}
+
 #[derive(Debug, Clone)]
 enum Entry {
     Open(u64),
@@ -164,10 +181,8 @@ pub struct Session {
     close_reason: Option<Box<CloseReason>>,
 
     // identity
-    keypair: Option<Keypair>,
-    trust: Option<ServerTrust>,
-    authorized: Option<Arc<Vec<PublicKey>>>,
-    announce: Vec<String>,
+    /// What only the new-session handshake reads; dropped when it completes.
+    setup: Option<Box<Setup>>,
     id: Option<SessionId>,
     secret: Option<[u8; 32]>,
     peer_key: Option<PublicKey>,
@@ -246,7 +261,8 @@ pub struct Session {
     /// A `CLOSE` code to put in the final record after a local error.
     final_close: Option<u64>,
     /// `close` was called: the `CLOSE` to log once all stream data is logged.
-    close_requested: Option<(u64, Vec<u8>)>,
+    /// Boxed: 8 bytes instead of 32 in every session never closed this way.
+    close_requested: Option<Box<(u64, Vec<u8>)>>,
 
     events: VecDeque<Event>,
     stats: Stats,
@@ -279,10 +295,7 @@ impl Session {
             config,
             state: State::Handshaking,
             close_reason: None,
-            keypair: None,
-            trust: None,
-            authorized: None,
-            announce: Vec::new(),
+            setup: None,
             id: None,
             secret: None,
             peer_key: None,
@@ -343,8 +356,12 @@ impl Session {
     /// fresh transport (and again, after a suspension, to resume).
     pub fn client(config: ClientConfig) -> Self {
         let mut s = Self::new(Role::Client, config.session);
-        s.keypair = Some(config.keypair);
-        s.trust = Some(config.server_trust);
+        s.setup = Some(Box::new(Setup {
+            keypair: Some(config.keypair),
+            trust: Some(config.server_trust),
+            authorized: None,
+            announce: Vec::new(),
+        }));
         s
     }
 
@@ -363,8 +380,12 @@ impl Session {
             return Err(Error::UnsupportedVersion);
         }
         let mut s = Self::new(Role::Server, config.session.clone());
-        s.authorized = config.authorized_keys.clone();
-        s.announce = config.addresses.clone();
+        s.setup = Some(Box::new(Setup {
+            keypair: None,
+            trust: None,
+            authorized: config.authorized_keys.clone(),
+            announce: config.addresses.clone(),
+        }));
         s.id = Some(SessionId::random()?);
         let mut secret = [0u8; 32];
         crate::random_bytes(&mut secret)?;
@@ -413,7 +434,11 @@ impl Session {
                 Phase::ClientResume(Box::new(handshake::client_resume(id, secret, &mut out)?))
             }
             _ => {
-                let kp = self.keypair.as_ref().ok_or(Error::HandshakeFailed)?;
+                let kp = self
+                    .setup
+                    .as_ref()
+                    .and_then(|setup| setup.keypair.as_ref())
+                    .ok_or(Error::HandshakeFailed)?;
                 Phase::ClientNew(Box::new(handshake::client_new(kp, &mut out)?))
             }
         };
@@ -1097,7 +1122,7 @@ impl Session {
             end -= 1;
         }
         // The CLOSE enters the log only after every written byte (§10.1).
-        self.close_requested = Some((code, reason.as_bytes()[..end].to_vec()));
+        self.close_requested = Some(Box::new((code, reason.as_bytes()[..end].to_vec())));
         self.state = State::Closing;
     }
 

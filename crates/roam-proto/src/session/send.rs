@@ -152,7 +152,7 @@ impl Session {
                 && self.close_requested.is_some()
                 && self.streams.values().all(|s| !s.wants_send())
             {
-                if let Some((code, reason)) = self.close_requested.take() {
+                if let Some((code, reason)) = self.close_requested.take().map(|b| *b) {
                     self.log.push_back(Entry::Close { code, reason });
                     full = self.write_log(out, limit);
                 }

@@ -208,7 +208,11 @@ impl Session {
                         }
                         Ok(done) => {
                             pos += done.consumed;
-                            if let Some(ServerTrust::Pinned(expected)) = &self.trust {
+                            // The new session is made: what set it up goes.
+                            let setup = self.setup.take();
+                            if let Some(ServerTrust::Pinned(expected)) =
+                                setup.as_ref().and_then(|setup| setup.trust.as_ref())
+                            {
                                 if *expected != done.server_key {
                                     return Err(Error::ServerKeyMismatch {
                                         expected: *expected,
@@ -248,9 +252,11 @@ impl Session {
                         t.phase = Phase::Open(Box::new(keys));
                         self.peer_key = Some(client_key);
                         self.set_peer_params(params);
-                        let allowed = self
-                            .authorized
+                        // The new session is made: what set it up goes.
+                        let setup = self.setup.take();
+                        let allowed = setup
                             .as_ref()
+                            .and_then(|setup| setup.authorized.as_ref())
                             .is_none_or(|keys| keys.contains(&client_key));
                         t.may_send = true;
                         if !allowed {
@@ -259,8 +265,10 @@ impl Session {
                         }
                         t.info_due = true;
                         self.state = State::Active;
-                        if !self.announce.is_empty() {
-                            let addrs = self.announce.clone();
+                        if let Some(addrs) = setup
+                            .map(|setup| setup.announce)
+                            .filter(|addrs| !addrs.is_empty())
+                        {
                             self.set_addresses(addrs);
                         }
                         if let (Some(session_id), Some(peer_key)) = (self.id, self.peer_key) {

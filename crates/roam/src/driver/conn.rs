@@ -190,7 +190,7 @@ pub(super) enum Drained {
 }
 
 /// What the connections reported.
-pub(super) enum Io {
+pub(crate) enum Io {
     /// Connection `.0` has input (or end of stream) to read.
     Readable(usize),
     /// Connection `.0` failed.

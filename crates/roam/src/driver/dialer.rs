@@ -2,10 +2,10 @@
 //! backoff, hedged TCP connects, and reacting to network changes and
 //! `MOVE_TO`.
 
-use std::future::pending;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use rand::Rng;
@@ -23,7 +23,7 @@ type DialFuture =
     Pin<Box<dyn std::future::Future<Output = io::Result<(Transport, SocketAddr)>> + Send>>;
 
 /// What woke a client driver on its dialer's account.
-pub(super) enum DialerWake {
+pub(crate) enum DialerWake {
     /// The dial in progress finished.
     Dialed(io::Result<(Transport, SocketAddr)>),
     /// The network changed; `false` once the watcher is gone.
@@ -200,25 +200,17 @@ impl Dialer {
         }
     }
 
-    /// Waits for the dial in progress to finish or the network to change.
-    pub(super) async fn wait(&mut self) -> DialerWake {
-        let Self { dial, net, .. } = self;
-        let dialed = async move {
-            match dial.as_mut() {
-                Some(f) => f.await,
-                None => pending().await,
-            }
-        };
-        let changed = async move {
-            match net.as_mut() {
-                Some(n) => n.changed().await,
-                None => pending().await,
-            }
-        };
-        tokio::select! {
-            r = dialed => DialerWake::Dialed(r),
-            ok = changed => DialerWake::NetChange(ok),
+    /// Polls the dial in progress and the network changes: what woke the
+    /// driver on the dialer's account, if anything. A poll, not a future of
+    /// its own, so the driver task holds no state for it.
+    pub(super) fn poll_wake(&mut self, cx: &mut Context<'_>) -> Poll<DialerWake> {
+        if let Some(Poll::Ready(r)) = self.dial.as_mut().map(|f| f.as_mut().poll(cx)) {
+            return Poll::Ready(DialerWake::Dialed(r));
         }
+        if let Some(Poll::Ready(alive)) = self.net.as_mut().map(|n| n.poll_changed(cx)) {
+            return Poll::Ready(DialerWake::NetChange(alive));
+        }
+        Poll::Pending
     }
 
     /// A dial finished: on success, starts a resume on the new connection.

@@ -20,9 +20,10 @@ mod dialer;
 mod server_side;
 mod slowdown;
 
-use std::future::{pending, poll_fn};
+use std::future::{poll_fn, Future};
 use std::pin::Pin;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use roam_proto::{Event, Role, State};
@@ -57,13 +58,116 @@ pub(crate) enum Kind {
     Server(Box<ServerSide>),
 }
 
-enum Wake {
+pub(crate) enum Wake {
     Io(Io),
     Notified,
     Timer,
     Dialer(DialerWake),
     Handoff(Option<Box<Handoff>>),
     Shutdown,
+}
+
+/// How the driver of one side waits for its next wake-up: on its
+/// connections, the application, its timer, and its side's own sources (a
+/// client's dialer; a server's hand-offs and shutdown). The driver's task
+/// is generic over it so that a client's task holds no state for the
+/// server's branches (a `watch` wait alone is 144 bytes) nor the other way
+/// round: the task lives as long as its session, suspended ones included.
+pub(crate) trait Side {
+    /// Waits for the next wake-up; `timer` is the driver's one timer, set
+    /// to `deadline` (left alone, not polled, when there is none).
+    fn wait<'a>(
+        d: &'a mut Driver,
+        deadline: Option<Instant>,
+        timer: Pin<&'a mut Sleep>,
+    ) -> impl std::future::Future<Output = Wake> + Send + 'a;
+}
+
+/// The client's side: its dialer (re-dials, network changes).
+pub(crate) struct AsClient;
+
+/// The server's side: resumes handed over and the server's shutdown.
+pub(crate) struct AsServer;
+
+/// Sets `timer` to `deadline` (if any) and polls it: the driver's timer
+/// branch, as a poll rather than a future of its own (the task would hold
+/// its state).
+fn timer_branch(
+    mut timer: Pin<&mut Sleep>,
+    deadline: Option<Instant>,
+) -> impl std::future::Future<Output = ()> + Send + '_ {
+    if let Some(t) = deadline {
+        if timer.deadline() != t {
+            timer.as_mut().reset(t);
+        }
+    }
+    poll_fn(move |cx| match deadline {
+        Some(_) => timer.as_mut().poll(cx),
+        None => Poll::Pending,
+    })
+}
+
+impl Side for AsClient {
+    async fn wait(d: &mut Driver, deadline: Option<Instant>, timer: Pin<&mut Sleep>) -> Wake {
+        let Driver {
+            inner, conns, kind, ..
+        } = d;
+        let sleep = timer_branch(timer, deadline);
+        let io = poll_fn(|cx| poll_conns(conns, cx));
+        debug_assert!(
+            matches!(kind, Kind::Client(_)),
+            "a server driven as a client"
+        );
+        let mut dialer = match kind {
+            Kind::Client(dialer) => Some(dialer),
+            Kind::Server(_) => None,
+        };
+        let dialer = poll_fn(|cx| match dialer.as_mut() {
+            Some(dialer) => dialer.poll_wake(cx),
+            None => Poll::Pending,
+        });
+        tokio::select! {
+            io = io => Wake::Io(io),
+            _ = inner.notify.notified() => Wake::Notified,
+            _ = sleep => Wake::Timer,
+            w = dialer => Wake::Dialer(w),
+        }
+    }
+}
+
+impl Side for AsServer {
+    async fn wait(d: &mut Driver, deadline: Option<Instant>, timer: Pin<&mut Sleep>) -> Wake {
+        let Driver {
+            inner,
+            conns,
+            kind,
+            shutting_down,
+            handoffs_open,
+            ..
+        } = d;
+        let sleep = timer_branch(timer, deadline);
+        let io = poll_fn(|cx| poll_conns(conns, cx));
+        debug_assert!(
+            matches!(kind, Kind::Server(_)),
+            "a client driven as a server"
+        );
+        let Kind::Server(s) = kind else {
+            return tokio::select! {
+                io = io => Wake::Io(io),
+                _ = inner.notify.notified() => Wake::Notified,
+                _ = sleep => Wake::Timer,
+            };
+        };
+        let shutdown = &mut s.shutdown;
+        let watch_shutdown = !*shutting_down;
+        tokio::select! {
+            io = io => Wake::Io(io),
+            _ = inner.notify.notified() => Wake::Notified,
+            _ = sleep => Wake::Timer,
+            h = s.handoffs.recv(), if *handoffs_open => Wake::Handoff(h),
+            _ = shutdown.wait_for(|stop| *stop), if watch_shutdown => Wake::Shutdown,
+        }
+    }
 }
 
 /// Drives one session until it is over. Spawn it: it does nothing unless polled.
@@ -241,7 +345,10 @@ impl Driver {
     /// twice in its state (the argument and the body's copy), and this
     /// future lives, inside its task, for as long as the session does,
     /// suspended ones included.
-    pub(crate) fn run(self) -> impl std::future::Future<Output = ()> + Send {
+    ///
+    /// `S` is the side the driver serves ([`AsClient`] or [`AsServer`]),
+    /// whose sources it waits on.
+    pub(crate) fn run<S: Side>(self) -> impl std::future::Future<Output = ()> + Send {
         let mut me = self;
         async move {
             // One timer for the driver's whole life, moved rather than replaced:
@@ -260,7 +367,7 @@ impl Driver {
                 if done {
                     break;
                 }
-                let wake = me.wait(deadline, timer.as_mut()).await;
+                let wake = S::wait(&mut me, deadline, timer.as_mut()).await;
                 me.on_wake(wake);
             }
             me.exit();
@@ -613,52 +720,6 @@ impl Driver {
             other => tracing::trace!("unhandled event {other:?}"),
         }
         None
-    }
-
-    /// Waits for the next wake-up; `timer` is the driver's one timer, set
-    /// to `deadline` (left alone, not polled, when there is none).
-    async fn wait(&mut self, deadline: Option<Instant>, mut timer: Pin<&mut Sleep>) -> Wake {
-        let Self {
-            inner,
-            conns,
-            kind,
-            shutting_down,
-            handoffs_open,
-            ..
-        } = self;
-        let sleep = async move {
-            match deadline {
-                Some(t) => {
-                    if timer.deadline() != t {
-                        timer.as_mut().reset(t);
-                    }
-                    timer.await
-                }
-                None => pending().await,
-            }
-        };
-        let io = poll_fn(|cx| poll_conns(conns, cx));
-        match kind {
-            Kind::Client(d) => {
-                tokio::select! {
-                    io = io => Wake::Io(io),
-                    _ = inner.notify.notified() => Wake::Notified,
-                    _ = sleep => Wake::Timer,
-                    w = d.wait() => Wake::Dialer(w),
-                }
-            }
-            Kind::Server(s) => {
-                let shutdown = &mut s.shutdown;
-                let watch_shutdown = !*shutting_down;
-                tokio::select! {
-                    io = io => Wake::Io(io),
-                    _ = inner.notify.notified() => Wake::Notified,
-                    _ = sleep => Wake::Timer,
-                    h = s.handoffs.recv(), if *handoffs_open => Wake::Handoff(h),
-                    _ = shutdown.wait_for(|stop| *stop), if watch_shutdown => Wake::Shutdown,
-                }
-            }
-        }
     }
 
     fn on_wake(&mut self, wake: Wake) {
