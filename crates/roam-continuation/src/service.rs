@@ -34,6 +34,8 @@ pub(crate) type Routine =
     Arc<dyn Fn(Resumed) -> Pin<Box<dyn Future<Output = ()> + Send>> + Send + Sync>;
 pub(crate) type AttachHandler = Arc<dyn Fn(&Resumed) + Send + Sync>;
 pub(crate) type DiscardHandler = Arc<dyn Fn(&Discarded) + Send + Sync>;
+pub(crate) type MoveInCheck =
+    Arc<dyn Fn(&BTreeMap<String, Vec<u8>>) -> Result<(), String> + Send + Sync>;
 
 /// Default time a suspended session is kept: one day.
 pub const DEFAULT_EXPIRY: Duration = Duration::from_secs(24 * 3600);
@@ -70,6 +72,7 @@ pub struct Service {
     pub(crate) routines: HashMap<String, Routine>,
     pub(crate) on_attach: Option<AttachHandler>,
     pub(crate) on_discard: Option<DiscardHandler>,
+    pub(crate) on_move_in: Option<MoveInCheck>,
 }
 
 impl std::fmt::Debug for Service {
@@ -98,6 +101,7 @@ impl Service {
             routines: HashMap::new(),
             on_attach: None,
             on_discard: None,
+            on_move_in: None,
         }
     }
 
@@ -156,6 +160,22 @@ impl Service {
     /// corrupt), with its last attributes when they could be read.
     pub fn on_discard(mut self, f: impl Fn(&Discarded) + Send + Sync + 'static) -> Self {
         self.on_discard = Some(Arc::new(f));
+        self
+    }
+
+    /// Checks a session moving in from another host of the cluster, at
+    /// the destination, before the move commits: `f` gets the session's
+    /// attributes (pre-copied and transferred) and may refuse with a
+    /// reason. A refusal calls the move off (`MoveError::Refused`) and the
+    /// session stays at its source, where its continuation resumes. It
+    /// runs under the host's state lock: keep it short, and do not call
+    /// the host from it. A service set's cut is checked
+    /// with [`check_cut`](crate::service_set::check_cut).
+    pub fn on_move_in(
+        mut self,
+        f: impl Fn(&BTreeMap<String, Vec<u8>>) -> Result<(), String> + Send + Sync + 'static,
+    ) -> Self {
+        self.on_move_in = Some(Arc::new(f));
         self
     }
 

@@ -1220,6 +1220,17 @@ impl HostInner {
                 found,
             });
         }
+        let check = self
+            .services
+            .get(&meta.service)
+            .and_then(|s| s.on_move_in.clone());
+        if let Some(check) = check {
+            if let Err(why) = check(&body.attrs.values) {
+                return Msg::Refuse(Refusal::Unavailable(format!(
+                    "the service refused session {id}: {why}"
+                )));
+            }
+        }
         // Sealed for the store only after the commit, off the freeze's path.
         meta.revision = revision;
         meta.frozen_at = SystemTime::now();
