@@ -19,6 +19,24 @@
 //! one-part [`Cut`]) or `REFUSED`(a reason).
 //! Coordinator to member: `START`(empty for a fresh start, else its
 //! restarted part) first, then `FREEZE`, `CUT`, `THAW`, `END`.
+//!
+//! ## A set carried in a managed session's continuation
+//!
+//! A [`SessionSet`] is a set whose root is the process holding a client's
+//! managed session (a [`Host`](crate::Host)'s service): the root is a
+//! [`Member`] in the host's process, its back-ends are processes reached
+//! through their [`Control`]s. When roam asks the session for its
+//! continuation (any [`FreezeReason`](crate::FreezeReason), a cluster's
+//! move included), the routine calls [`SessionSet::save`] at a quiescent
+//! point: the whole set is frozen, every part taken, the cut checked and
+//! stored in the session's attribute [`CUT_ATTR`], and the back-ends
+//! ended; then it suspends. Wherever the session resumes (the move's
+//! destination after its commit, the source after an abort, this host
+//! after a restart), the resume routine calls [`SessionSet::restore`],
+//! starts the back-ends from their restarted parts and
+//! [`Restored::start`]s the set. A destination checks the cut before the
+//! move commits ([`check_cut`] in a
+//! [`Service::on_move_in`](crate::Service::on_move_in)).
 
 use std::collections::BTreeMap;
 use std::io;
@@ -140,6 +158,14 @@ pub struct Member {
     thawed: Arc<Notify>,
 }
 
+impl std::fmt::Debug for Member {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Member")
+            .field("frozen", &self.lock().frozen)
+            .finish_non_exhaustive()
+    }
+}
+
 /// A member's state behind its lock.
 struct Inner {
     /// The sans-IO ends and the last snapshot.
@@ -194,6 +220,13 @@ impl Member {
             })),
             thawed: Arc::new(Notify::new()),
         }
+    }
+
+    /// Lets a frozen member run (the root's own thaw; others are thawed
+    /// over their control socket).
+    fn thaw(&self) {
+        self.lock().frozen = false;
+        self.thawed.notify_waiters();
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -391,8 +424,7 @@ impl Member {
                     Err(why) => send(&mut control, REFUSED, why.as_bytes()).await?,
                 },
                 THAW => {
-                    self.lock().frozen = false;
-                    self.thawed.notify_waiters();
+                    self.thaw();
                     send(&mut control, ACK, &[]).await?;
                 }
                 END => {
@@ -634,6 +666,229 @@ pub fn restart_parts(
             .encode())
         })
         .collect()
+}
+
+/// The session attribute that carries a [`SessionSet`]'s cut in the
+/// session's continuation (an encoded [`Cut`], the root's part first).
+pub const CUT_ATTR: &str = "roam/service-cut";
+
+/// A service set owned by a managed session's routine: the root (this
+/// process, holding the client's session) and the back-ends' controls, in
+/// the set's order. See the module documentation.
+///
+/// ```no_run
+/// # async fn demo(
+/// #     session: roam_continuation::ManagedSession,
+/// #     set: roam_continuation::service_set::SessionSet,
+/// # ) {
+/// use roam_continuation::Continuation;
+/// // ... serve requests with `set.root()` until roam asks:
+/// session.freeze_requested().await;
+/// match set.save(&session).await {
+///     Ok(saved) => {
+///         let _ = saved.bytes; // the cut's size
+///         let _ = session.suspend(Continuation::new("front")).await;
+///     }
+///     Err(failed) => {
+///         // Thawed: go on serving with `failed.set`.
+///         # let _ = failed;
+///     }
+/// }
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct SessionSet {
+    root: Member,
+    backends: Vec<Control>,
+    limits: Limits,
+}
+
+/// What [`SessionSet::save`] stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Saved {
+    /// Size of the encoded cut stored in [`CUT_ATTR`], bytes.
+    pub bytes: usize,
+    /// Parts in it (the root's and one per back-end).
+    pub parts: usize,
+}
+
+/// Why [`SessionSet::save`] stored nothing. Every member it reached was
+/// thawed: the set goes on serving here with `set`. An `Err` from a
+/// back-end's control socket (it died) leaves `set` as it is.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct SaveFailed {
+    /// The set, running.
+    pub set: SessionSet,
+    /// What went wrong.
+    pub error: io::Error,
+}
+
+impl SessionSet {
+    /// A running set: `root` is this process's member (its channels to
+    /// the back-ends associated), `backends` the back-ends' controls, each
+    /// [`ready`](Control::ready) and running, in the set's order.
+    pub fn new(root: Member, backends: Vec<Control>, limits: Limits) -> Self {
+        SessionSet {
+            root,
+            backends,
+            limits,
+        }
+    }
+
+    /// The root's member: its `write_all`, `read` and `export` serve the
+    /// client's requests.
+    pub fn root(&self) -> &Member {
+        &self.root
+    }
+
+    /// Freezes the whole set, takes every part (the root's first), checks
+    /// that the cut restarts, stores it in `session`'s attribute
+    /// [`CUT_ATTR`] and ends every back-end (each answers `END` and
+    /// exits). Call it at a quiescent point of the root (no request
+    /// between its write to a back-end and the reply's read), then
+    /// [`suspend`](crate::ManagedSession::suspend): the cut is now the
+    /// set's only state, restarted by [`restore`](Self::restore) wherever
+    /// the session resumes. A part refused (a log over its cap), a cut
+    /// that does not check or an attribute that cannot be stored thaws
+    /// the set and returns it.
+    pub async fn save(mut self, session: &crate::ManagedSession) -> Result<Saved, SaveFailed> {
+        match self.take_cut().await {
+            Ok(cut) => {
+                if let Err(e) = session.store(CUT_ATTR, &cut) {
+                    return Err(self.thaw_after(io::Error::other(e)).await);
+                }
+                let saved = Saved {
+                    bytes: cut.len(),
+                    parts: 1 + self.backends.len(),
+                };
+                for c in &mut self.backends {
+                    // A back-end that died now has nothing left to lose:
+                    // its part is in the cut.
+                    if let Err(e) = c.end().await {
+                        tracing::warn!("back-end {} did not answer END: {e}", c.role);
+                    }
+                }
+                Ok(saved)
+            }
+            Err(e) => Err(self.thaw_after(e).await),
+        }
+    }
+
+    async fn take_cut(&mut self) -> io::Result<Vec<u8>> {
+        self.root.lock().frozen = true;
+        for c in &mut self.backends {
+            c.freeze().await?;
+        }
+        let root = self.root.cut().map_err(io::Error::other)?;
+        let mut parts = Cut::decode(&root).map_err(cut_error)?.parts;
+        for c in &mut self.backends {
+            match c.part().await? {
+                Ok(part) => parts.push(part),
+                Err(why) => {
+                    return Err(io::Error::other(format!(
+                        "back-end {} refused its part: {why}",
+                        c.role
+                    )))
+                }
+            }
+        }
+        let cut = Cut { parts };
+        cut.resume(self.limits).map_err(cut_error)?;
+        Ok(cut.encode())
+    }
+
+    async fn thaw_after(mut self, error: io::Error) -> SaveFailed {
+        for c in &mut self.backends {
+            if let Err(e) = c.thaw().await {
+                tracing::warn!("back-end {} did not answer THAW: {e}", c.role);
+            }
+        }
+        self.root.thaw();
+        SaveFailed { set: self, error }
+    }
+
+    /// At a resume: the set's cut from `session`'s attribute [`CUT_ATTR`]
+    /// (taken out of it), checked and restarted; `None` if the session
+    /// carries no cut (start the set fresh). Start each back-end from its
+    /// part in [`Restored::parts`] (hand it over with
+    /// [`Control::accept`]), associate the root's channels, then
+    /// [`Restored::start`].
+    pub fn restore(
+        session: &crate::ManagedSession,
+        limits: Limits,
+    ) -> io::Result<Option<Restored>> {
+        let Some(bytes) = session.retrieve(CUT_ATTR) else {
+            return Ok(None);
+        };
+        let cut = Cut::decode(&bytes).map_err(cut_error)?;
+        let mut plan = restart_parts(cut.parts, limits).map_err(cut_error)?;
+        if plan.is_empty() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "a service set's cut without a root part",
+            ));
+        }
+        let parts = plan.split_off(1);
+        let root = Member::restarted(&plan[0], limits)?;
+        session.remove(CUT_ATTR);
+        Ok(Some(Restored {
+            root,
+            parts,
+            limits,
+        }))
+    }
+}
+
+/// A set restarted from a session's cut, not running yet
+/// ([`SessionSet::restore`]).
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct Restored {
+    /// The root's member, restarted from its part and frozen: associate
+    /// its channels (the same ids as before), then [`start`](Self::start).
+    /// Its [`snapshot`](Member::snapshot) is the root's last export.
+    pub root: Member,
+    /// Each back-end's restarted part, in the set's order: the `START`
+    /// body to give it ([`Control::accept`]).
+    pub parts: Vec<Vec<u8>>,
+    limits: Limits,
+}
+
+impl Restored {
+    /// Runs the set: thaws the back-ends (started from [`parts`](Self::parts),
+    /// same order, each [`ready`](Control::ready)) and the root.
+    pub async fn start(self, mut backends: Vec<Control>) -> io::Result<SessionSet> {
+        if backends.len() != self.parts.len() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "{} back-ends for {} parts",
+                    backends.len(),
+                    self.parts.len()
+                ),
+            ));
+        }
+        for c in &mut backends {
+            c.thaw().await?;
+        }
+        self.root.thaw();
+        Ok(SessionSet::new(self.root, backends, self.limits))
+    }
+}
+
+/// Checks a moving session's service-set cut at the destination, before
+/// the move commits: for [`Service::on_move_in`](crate::Service::on_move_in).
+/// A session without [`CUT_ATTR`] passes.
+pub fn check_cut(attrs: &BTreeMap<String, Vec<u8>>, limits: Limits) -> Result<(), String> {
+    let Some(bytes) = attrs.get(CUT_ATTR) else {
+        return Ok(());
+    };
+    let cut = Cut::decode(bytes).map_err(|e| format!("the service set's cut: {e}"))?;
+    cut.resume(limits)
+        .map(drop)
+        .map_err(|e| format!("the service set's cut does not restart: {e}"))
 }
 
 async fn send(socket: &mut UnixStream, kind: u8, body: &[u8]) -> io::Result<()> {
