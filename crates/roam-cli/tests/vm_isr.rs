@@ -465,6 +465,72 @@ fn demand_line(log: &str, image: &str) -> (u64, u64, u64, u64) {
     (nums[0], nums[1], nums[2], nums[3])
 }
 
+/// Resumes `lab` at `site_b` by demand fetch (roam resume's output in
+/// `log`; `via` names the store in messages, e.g. " through ADDR"), checks
+/// that the guest's counter goes on from A's last tick `n_a`, that QEMU ran
+/// before the disk was in and that the background fill completes it, then
+/// suspends the guest there as version 2; returns B's last tick.
+fn demand_fetch_at_b(
+    (state, store): (&Path, &Path),
+    site_b: &Site,
+    guest: &Path,
+    n_a: u64,
+    (log, via): (&Path, &str),
+) -> u64 {
+    let resume_b = Instant::now();
+    let mut at_b = resume_with(
+        state,
+        store,
+        site_b,
+        (guest, "serial-b"),
+        false,
+        &["--demand-fetch"],
+        Some(log),
+    );
+    let ticks_b = site_b.wait_tick("serial-b", n_a + 2, &mut at_b);
+    eprintln!(
+        "demand-fetch resume{via} at B to its first tick: {:?}",
+        resume_b.elapsed()
+    );
+    assert_eq!(
+        ticks_b.first().map(|t| t.0),
+        Some(n_a + 1),
+        "the counter at B goes on from A's last tick {n_a}: {ticks_b:?}"
+    );
+    last_tick(&ticks_b, &format!("site B (demand fetch{via})"));
+    // The background fill completes the disk while the guest runs.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !site_b.disk().exists() {
+        assert!(
+            Instant::now() < deadline,
+            "the background fill did not finish: {}",
+            std::fs::read_to_string(log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Suspend at B (through QEMU, whose disk is the NBD export): roam
+    // resume prints its summary when QEMU exits.
+    let (out2, _) = suspend_at(state, store, site_b, &mut at_b);
+    assert!(out2.contains("suspended lab version 2"), "{out2}");
+    let n_b = last_tick(&site_b.ticks("serial-b"), "site B");
+    let status = at_b.wait_exit(Duration::from_secs(60));
+    let text = std::fs::read_to_string(log).unwrap();
+    eprintln!("roam resume --demand-fetch{via} at B:\n{text}");
+    assert_eq!(status.map(|s| s.success()), Some(true), "{text}");
+    let (at_start, total, at_run, demand_before_run) = demand_line(&text, "disk.img");
+    assert_eq!(total, 512, "{text}");
+    assert!(
+        at_start < total && at_run < total,
+        "QEMU started before the disk was in: {at_start}, {at_run} of {total} chunks"
+    );
+    eprintln!(
+        "demand fetch{via}: {at_start} of {total} disk chunks present at QEMU start, {at_run} \
+         when the guest ran ({demand_before_run} fetched on demand before it ran)"
+    );
+    assert!(text.contains("background fill done"), "{text}");
+    n_b
+}
+
 #[test]
 fn a_guest_resumed_by_demand_fetch_runs_before_its_disk_is_in() {
     let Some(guest) = guest() else { return };
@@ -490,58 +556,13 @@ fn a_guest_resumed_by_demand_fetch_runs_before_its_disk_is_in() {
 
     // Site B by demand fetch: QEMU runs on the memory image and the disk
     // comes over NBD as the guest touches it.
-    let log = tmp.path().join("resume-b.log");
-    let resume_b = Instant::now();
-    let mut at_b = resume_with(
-        &state,
-        &store,
+    let n_b = demand_fetch_at_b(
+        (&state, &store),
         &site_b,
-        (&guest, "serial-b"),
-        false,
-        &["--demand-fetch"],
-        Some(&log),
+        &guest,
+        n_a,
+        (&tmp.path().join("resume-b.log"), ""),
     );
-    let ticks_b = site_b.wait_tick("serial-b", n_a + 2, &mut at_b);
-    eprintln!(
-        "demand-fetch resume at B to its first tick: {:?}",
-        resume_b.elapsed()
-    );
-    assert_eq!(
-        ticks_b.first().map(|t| t.0),
-        Some(n_a + 1),
-        "the counter at B goes on from A's last tick {n_a}: {ticks_b:?}"
-    );
-    last_tick(&ticks_b, "site B (demand fetch)");
-    // The background fill completes the disk while the guest runs.
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while !site_b.disk().exists() {
-        assert!(
-            Instant::now() < deadline,
-            "the background fill did not finish: {}",
-            std::fs::read_to_string(&log).unwrap_or_default()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    // Suspend at B (through QEMU, whose disk is the NBD export): roam
-    // resume prints its summary when QEMU exits.
-    let (out2, _) = suspend_at(&state, &store, &site_b, &mut at_b);
-    assert!(out2.contains("suspended lab version 2"), "{out2}");
-    let n_b = last_tick(&site_b.ticks("serial-b"), "site B");
-    let status = at_b.wait_exit(Duration::from_secs(60));
-    let text = std::fs::read_to_string(&log).unwrap();
-    eprintln!("roam resume --demand-fetch at B:\n{text}");
-    assert_eq!(status.map(|s| s.success()), Some(true), "{text}");
-    let (at_start, total, at_run, demand_before_run) = demand_line(&text, "disk.img");
-    assert_eq!(total, 512, "{text}");
-    assert!(
-        at_start < total && at_run < total,
-        "QEMU started before the disk was in: {at_start}, {at_run} of {total} chunks"
-    );
-    eprintln!(
-        "demand fetch: {at_start} of {total} disk chunks present at QEMU start, {at_run} when the \
-         guest ran ({demand_before_run} fetched on demand before it ran)"
-    );
-    assert!(text.contains("background fill done"), "{text}");
     // Nothing of the server is left in DIR.
     for entry in std::fs::read_dir(&site_b.dir).unwrap() {
         let name = entry.unwrap().file_name().to_string_lossy().into_owned();
@@ -845,55 +866,14 @@ fn a_guest_resumed_by_demand_fetch_through_a_store_server() {
     assert!(out1.contains(&format!("to {addr}")), "{out1}");
     let n_a = last_tick(&site_a.ticks("serial-a1"), "site A");
 
-    let log = tmp.path().join("resume-b.log");
-    let resume_b = Instant::now();
-    let mut at_b = resume_with(
-        &state,
-        &store,
+    let via = format!(" through {addr}");
+    let n_b = demand_fetch_at_b(
+        (&state, &store),
         &site_b,
-        (&guest, "serial-b"),
-        false,
-        &["--demand-fetch"],
-        Some(&log),
+        &guest,
+        n_a,
+        (&tmp.path().join("resume-b.log"), &via),
     );
-    let ticks_b = site_b.wait_tick("serial-b", n_a + 2, &mut at_b);
-    eprintln!(
-        "demand-fetch resume through {addr} at B to its first tick: {:?}",
-        resume_b.elapsed()
-    );
-    assert_eq!(
-        ticks_b.first().map(|t| t.0),
-        Some(n_a + 1),
-        "the counter at B goes on from A's last tick {n_a}: {ticks_b:?}"
-    );
-    last_tick(&ticks_b, "site B (demand fetch through the store server)");
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while !site_b.disk().exists() {
-        assert!(
-            Instant::now() < deadline,
-            "the background fill did not finish: {}",
-            std::fs::read_to_string(&log).unwrap_or_default()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let (out2, _) = suspend_at(&state, &store, &site_b, &mut at_b);
-    assert!(out2.contains("suspended lab version 2"), "{out2}");
-    let n_b = last_tick(&site_b.ticks("serial-b"), "site B");
-    let status = at_b.wait_exit(Duration::from_secs(60));
-    let text = std::fs::read_to_string(&log).unwrap();
-    eprintln!("roam resume --demand-fetch through {addr} at B:\n{text}");
-    assert_eq!(status.map(|s| s.success()), Some(true), "{text}");
-    let (at_start, total, at_run, demand_before_run) = demand_line(&text, "disk.img");
-    assert_eq!(total, 512, "{text}");
-    assert!(
-        at_start < total && at_run < total,
-        "QEMU started before the disk was in: {at_start}, {at_run} of {total} chunks"
-    );
-    eprintln!(
-        "demand fetch through {addr}: {at_start} of {total} disk chunks present at QEMU start, \
-         {at_run} when the guest ran ({demand_before_run} fetched on demand before it ran)"
-    );
-    assert!(text.contains("background fill done"), "{text}");
 
     let mut at_a = resume_at(&state, &store, &site_a, &guest, "serial-a2", false);
     let ticks_a2 = site_a.wait_tick("serial-a2", n_b + 2, &mut at_a);
