@@ -204,24 +204,40 @@ impl World {
 /// world's proxy (stderr piped), and returns once a quarter of the image's
 /// `len` bytes have come down through the proxy, the resume still running.
 fn resume_until_a_quarter(w: &World, b: &Path, into: &str, len: usize) -> Guard {
-    let before = w.proxy.stats();
+    let mut cmd = roam(b);
+    cmd.args(["resume", "--env", "work", "--store", &w.store()])
+        .arg(b.join(into))
+        .env("XDG_CONFIG_HOME", b.join("no-config"));
+    until_a_quarter(w, cmd, &format!("the resume into {into}"), len, |s| {
+        s.bytes_down
+    })
+}
+
+/// Spawns `cmd` (a roam command through the world's proxy; stdout
+/// discarded, stderr piped) and returns once a quarter of `len` bytes more
+/// than before have gone through the proxy as `moved` counts them (up or
+/// down), `what` still running.
+fn until_a_quarter(
+    w: &World,
+    mut cmd: std::process::Command,
+    what: &str,
+    len: usize,
+    moved: fn(&roam_sim::proxy::ProxyStats) -> u64,
+) -> Guard {
+    let before = moved(&w.proxy.stats());
     let mut child = Guard(
-        roam(b)
-            .args(["resume", "--env", "work", "--store", &w.store()])
-            .arg(b.join(into))
-            .env("XDG_CONFIG_HOME", b.join("no-config"))
-            .stdout(Stdio::null())
+        cmd.stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
             .unwrap(),
     );
     let deadline = Instant::now() + Duration::from_secs(60);
-    while w.proxy.stats().bytes_down < before.bytes_down + (len as u64) / 4 {
+    while moved(&w.proxy.stats()) < before + (len as u64) / 4 {
         assert!(
             child.0.try_wait().unwrap().is_none(),
-            "the resume into {into} ended before the fault"
+            "{what} ended before the fault"
         );
-        assert!(Instant::now() < deadline, "the resume never got going");
+        assert!(Instant::now() < deadline, "{what} never got going");
         std::thread::sleep(Duration::from_millis(1));
     }
     child
@@ -592,28 +608,14 @@ fn suspend_until_a_quarter(
     extra: &[&str],
     len: usize,
 ) -> Guard {
-    let before = w.proxy.stats();
-    let mut child = Guard(
-        roam(a)
-            .args(["suspend", "--env", env, "--store", &w.store()])
-            .args(extra)
-            .arg(file)
-            .env("XDG_CONFIG_HOME", a.join("no-config"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    );
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while w.proxy.stats().bytes_up < before.bytes_up + (len as u64) / 4 {
-        assert!(
-            child.0.try_wait().unwrap().is_none(),
-            "the suspend of {env} ended before the fault"
-        );
-        assert!(Instant::now() < deadline, "the suspend never got going");
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    child
+    let mut cmd = roam(a);
+    cmd.args(["suspend", "--env", env, "--store", &w.store()])
+        .args(extra)
+        .arg(file)
+        .env("XDG_CONFIG_HOME", a.join("no-config"));
+    until_a_quarter(w, cmd, &format!("the suspend of {env}"), len, |s| {
+        s.bytes_up
+    })
 }
 
 /// Waits (at most 60 s) for `child` to exit; its exit code and stderr.
