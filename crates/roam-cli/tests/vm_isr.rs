@@ -531,27 +531,35 @@ fn demand_fetch_at_b(
     n_b
 }
 
+/// Sites A and B under `dir`; the guest booted at A from its disk, counting
+/// to 3, then suspended into `store` (as version 1). Returns the sites and
+/// `roam suspend`'s output.
+fn suspended_at_a(guest: &Path, dir: &Path, state: &Path, store: &Path) -> (Site, Site, String) {
+    let site_a = Site {
+        dir: dir.join("site-a"),
+    };
+    let site_b = Site {
+        dir: dir.join("site-b"),
+    };
+    std::fs::create_dir_all(&site_a.dir).unwrap();
+    std::fs::copy(guest.join("disk.img"), site_a.disk()).unwrap();
+    let args = site_a.qemu(guest, "serial-a1");
+    let mut qemu_a = Proc {
+        child: Command::new(&args[0]).args(&args[1..]).spawn().unwrap(),
+        pidfile: site_a.dir.join("qemu.pid"),
+    };
+    site_a.wait_tick("serial-a1", 3, &mut qemu_a);
+    let (out, _) = suspend_at(state, store, &site_a, &mut qemu_a);
+    (site_a, site_b, out)
+}
+
 #[test]
 fn a_guest_resumed_by_demand_fetch_runs_before_its_disk_is_in() {
     let Some(guest) = guest() else { return };
     let tmp = tempfile::tempdir().unwrap();
     let state = tmp.path().join("state");
     let store = tmp.path().join("store");
-    let site_a = Site {
-        dir: tmp.path().join("site-a"),
-    };
-    let site_b = Site {
-        dir: tmp.path().join("site-b"),
-    };
-    std::fs::create_dir_all(&site_a.dir).unwrap();
-    std::fs::copy(guest.join("disk.img"), site_a.disk()).unwrap();
-    let args = site_a.qemu(&guest, "serial-a1");
-    let mut qemu_a = Proc {
-        child: Command::new(&args[0]).args(&args[1..]).spawn().unwrap(),
-        pidfile: site_a.dir.join("qemu.pid"),
-    };
-    site_a.wait_tick("serial-a1", 3, &mut qemu_a);
-    suspend_at(&state, &store, &site_a, &mut qemu_a);
+    let (site_a, site_b, _) = suspended_at_a(&guest, tmp.path(), &state, &store);
     let n_a = last_tick(&site_a.ticks("serial-a1"), "site A");
 
     // Site B by demand fetch: QEMU runs on the memory image and the disk
@@ -634,21 +642,7 @@ fn a_tampered_disk_chunk_fetched_on_demand_is_an_io_error_not_data() {
     let tmp = tempfile::tempdir().unwrap();
     let state = tmp.path().join("state");
     let store = tmp.path().join("store");
-    let site_a = Site {
-        dir: tmp.path().join("site-a"),
-    };
-    let site_b = Site {
-        dir: tmp.path().join("site-b"),
-    };
-    std::fs::create_dir_all(&site_a.dir).unwrap();
-    std::fs::copy(guest.join("disk.img"), site_a.disk()).unwrap();
-    let args = site_a.qemu(&guest, "serial-a1");
-    let mut qemu_a = Proc {
-        child: Command::new(&args[0]).args(&args[1..]).spawn().unwrap(),
-        pidfile: site_a.dir.join("qemu.pid"),
-    };
-    site_a.wait_tick("serial-a1", 3, &mut qemu_a);
-    suspend_at(&state, &store, &site_a, &mut qemu_a);
+    let (_, site_b, _) = suspended_at_a(&guest, tmp.path(), &state, &store);
     let tampered = tamper_image(&state, &store, 1, "disk.img");
     assert!(tampered > 0, "no disk chunk of its own to tamper");
 
@@ -848,21 +842,7 @@ fn a_guest_resumed_by_demand_fetch_through_a_store_server() {
     let holder = tmp.path().join("holder");
     let (_server, addr) = store_server(tmp.path(), &holder, &state);
     let store = PathBuf::from(&addr);
-    let site_a = Site {
-        dir: tmp.path().join("site-a"),
-    };
-    let site_b = Site {
-        dir: tmp.path().join("site-b"),
-    };
-    std::fs::create_dir_all(&site_a.dir).unwrap();
-    std::fs::copy(guest.join("disk.img"), site_a.disk()).unwrap();
-    let args = site_a.qemu(&guest, "serial-a1");
-    let mut qemu_a = Proc {
-        child: Command::new(&args[0]).args(&args[1..]).spawn().unwrap(),
-        pidfile: site_a.dir.join("qemu.pid"),
-    };
-    site_a.wait_tick("serial-a1", 3, &mut qemu_a);
-    let (out1, _) = suspend_at(&state, &store, &site_a, &mut qemu_a);
+    let (site_a, site_b, out1) = suspended_at_a(&guest, tmp.path(), &state, &store);
     assert!(out1.contains(&format!("to {addr}")), "{out1}");
     let n_a = last_tick(&site_a.ticks("serial-a1"), "site A");
 
