@@ -349,11 +349,33 @@ async fn mem_client(relays: Vec<String>, target: String) -> io::Result<()> {
                 }
             }
             (Some("states"), _) => println!("{}", states_line(&sessions)),
+            (Some("heap"), _) => println!("{}", heap_line()),
             (Some("exit"), _) => break,
             _ => println!("error unknown command {line:?}"),
         }
     }
     std::process::exit(0)
+}
+
+/// jemalloc's own counters, as `heap allocated=A active=B resident=C`
+/// (bytes): what the process's live allocations hold, the pages they sit
+/// in, and the allocator's resident pages (its metadata and pages not yet
+/// given back included). Beside RSS they show where a session's memory
+/// goes: live data, partly used pages, or pages kept.
+fn heap_line() -> String {
+    use tikv_jemalloc_ctl::{epoch, stats};
+    let read = || -> Result<(usize, usize, usize), tikv_jemalloc_ctl::Error> {
+        epoch::advance()?;
+        Ok((
+            stats::allocated::read()?,
+            stats::active::read()?,
+            stats::resident::read()?,
+        ))
+    };
+    match read() {
+        Ok((a, b, c)) => format!("heap allocated={a} active={b} resident={c}"),
+        Err(e) => format!("error jemalloc counters: {e}"),
+    }
 }
 
 /// Parent side: an agent child process and its command line.
@@ -457,5 +479,18 @@ impl Agent {
                 .ok_or_else(|| io::Error::other(format!("bad states line {l:?}")))
         };
         Ok((num("active=")?, num("suspended=")?, num("other=")?))
+    }
+
+    /// Asks a many-session client for `heap` and parses jemalloc's
+    /// `(allocated, active, resident)` bytes.
+    pub(crate) async fn heap(&mut self) -> io::Result<(u64, u64, u64)> {
+        let l = self.cmd("heap", Duration::from_secs(20)).await?;
+        let num = |key: &str| {
+            l.split_whitespace()
+                .find_map(|w| w.strip_prefix(key))
+                .and_then(|v| v.parse::<u64>().ok())
+                .ok_or_else(|| io::Error::other(format!("bad heap line {l:?}")))
+        };
+        Ok((num("allocated=")?, num("active=")?, num("resident=")?))
     }
 }

@@ -512,17 +512,21 @@ fn markdown(r: &Results, plots: &[io::Result<PathBuf>]) -> String {
     }
     if let Some(t) = sc.memory.ok() {
         let _ = writeln!(s, "Relay: {}. Client: {}.\n", t.relay, t.client);
-        let _ = writeln!(s, "| sessions | state | relay | relay streams | relay KiB/session | client KiB/session | relay RSS MiB | client RSS MiB |\n|---:|---|---|---|---:|---:|---:|---:|");
+        let _ = writeln!(s, "| sessions | state | relay | relay streams | relay KiB/session | client KiB/session | client heap KiB/session: live / pages / resident | relay RSS MiB | client RSS MiB |\n|---:|---|---|---|---:|---:|---:|---:|---:|");
         for row in &t.rows {
+            let h = &row.client_heap_per_session;
             let _ = writeln!(
                 s,
-                "| {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} / {} / {} | {} | {} |",
                 row.sessions,
                 row.state,
                 row.relay,
                 row.relay_streams,
                 f(row.relay_bytes_per_session / 1024.0, 1),
                 f(row.client_bytes_per_session / 1024.0, 1),
+                f(h.allocated / 1024.0, 2),
+                f(h.active / 1024.0, 2),
+                f(h.resident / 1024.0, 2),
                 f(row.relay_rss as f64 / 1048576.0, 1),
                 f(row.client_rss as f64 / 1048576.0, 1),
             );
@@ -530,7 +534,7 @@ fn markdown(r: &Results, plots: &[io::Result<PathBuf>]) -> String {
         for n in &t.not_measured {
             let _ = writeln!(
                 s,
-                "| {} | {} | not measured: {} | | | | | |",
+                "| {} | {} | not measured: {} | | | | | | |",
                 n.sessions, n.state, n.why
             );
         }

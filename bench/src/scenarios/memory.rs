@@ -67,8 +67,23 @@ pub(crate) struct Row {
     pub(crate) client_rss: u64,
     pub(crate) relay_bytes_per_session: f64,
     pub(crate) client_bytes_per_session: f64,
+    /// The client's jemalloc counters per session (bytes, after minus
+    /// before, over the sessions): `allocated` is what its live
+    /// allocations hold, `active` the pages they sit in, `resident` the
+    /// allocator's resident pages. RSS above `resident` is outside the
+    /// allocator (stacks, the binary); `active` above `allocated` is
+    /// partly used pages.
+    pub(crate) client_heap_per_session: HeapPerSession,
     /// Seconds to open all sessions (with their first echo).
     pub(crate) open_seconds: f64,
+}
+
+/// jemalloc's counters of a client agent, per session (bytes).
+#[derive(Debug, Serialize)]
+pub(crate) struct HeapPerSession {
+    pub(crate) allocated: f64,
+    pub(crate) active: f64,
+    pub(crate) resident: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -274,6 +289,7 @@ async fn measure(
     tokio::time::sleep(Duration::from_millis(300)).await;
     let relay_before = rss_bytes(relay.pid())?;
     let client_before = rss_bytes(client.pid())?;
+    let heap_before = client.heap().await?;
     let t = Instant::now();
     if staged(n, state, serve, ctx.nofile) {
         // More piped sessions than `roam serve` has descriptors for while
@@ -300,10 +316,11 @@ async fn measure(
             state,
             if serve { Some(true) } else { None },
             &relay,
-            &client,
-            (relay_before, client_before),
+            &mut client,
+            (relay_before, client_before, heap_before),
             open_seconds,
-        );
+        )
+        .await;
     }
     client
         .cmd(&format!("open {n}"), Duration::from_secs(600))
@@ -334,10 +351,11 @@ async fn measure(
         state,
         serve.then_some(false),
         &relay,
-        &client,
-        (relay_before, client_before),
+        &mut client,
+        (relay_before, client_before, heap_before),
         open_seconds,
     )
+    .await
     // The agents are killed as they drop.
 }
 
@@ -355,17 +373,18 @@ fn staged(n: usize, state: &str, serve: bool, nofile: u64) -> bool {
 /// The row for `n` sessions, the RSS read now against `before` (relay,
 /// client). `serve`: `None` for the library relay, else whether `roam
 /// serve`'s sessions were opened in waves.
-fn finish(
+async fn finish(
     n: usize,
     state: &'static str,
     serve: Option<bool>,
     relay: &Relay,
-    client: &Agent,
-    (relay_before, client_before): (u64, u64),
+    client: &mut Agent,
+    (relay_before, client_before, heap_before): (u64, u64, (u64, u64, u64)),
     open_seconds: f64,
 ) -> io::Result<Row> {
     let relay_rss = rss_bytes(relay.pid())?;
     let client_rss = rss_bytes(client.pid())?;
+    let heap = client.heap().await?;
     let per = |after: u64, before: u64| (after as f64 - before as f64) / n as f64;
     Ok(Row {
         sessions: n,
@@ -384,6 +403,11 @@ fn finish(
         client_rss,
         relay_bytes_per_session: per(relay_rss, relay_before),
         client_bytes_per_session: per(client_rss, client_before),
+        client_heap_per_session: HeapPerSession {
+            allocated: per(heap.0, heap_before.0),
+            active: per(heap.1, heap_before.1),
+            resident: per(heap.2, heap_before.2),
+        },
         open_seconds,
     })
 }
@@ -464,6 +488,7 @@ pub(crate) async fn run(ctx: Arc<Ctx>, lab: Arc<Lab>) -> io::Result<Memory> {
             "RSS only: kernel socket buffers are not counted.",
             "Suspended sessions were active first; memory the allocator kept from then counts, so suspended figures are upper bounds.",
             "While black-holed the fault proxy accepts and holds new TCP connections, so a suspended client also holds its re-dial connection mid-handshake.",
+            "Client heap (jemalloc's own counters, per session): live is what the client's allocations hold; pages, the pages those allocations sit in (above live: slots freed in pages that still hold something); resident, the allocator's resident memory. The harness's own allocations (a 1 KB echo per session) count too.",
         ],
     })
 }
