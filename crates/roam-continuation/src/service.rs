@@ -3,6 +3,7 @@
 //! policy, and its attach and discard handlers (the paper's
 //! `register_compat_vector` and `register_attach_handler`).
 
+use std::any::Any;
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::pin::Pin;
@@ -36,6 +37,26 @@ pub(crate) type AttachHandler = Arc<dyn Fn(&Resumed) + Send + Sync>;
 pub(crate) type DiscardHandler = Arc<dyn Fn(&Discarded) + Send + Sync>;
 pub(crate) type MoveInCheck =
     Arc<dyn Fn(&BTreeMap<String, Vec<u8>>) -> Result<(), String> + Send + Sync>;
+pub(crate) type MoveInPrepare = Arc<
+    dyn Fn(
+            &BTreeMap<String, Vec<u8>>,
+        ) -> Pin<Box<dyn Future<Output = Result<Option<Prepared>, String>> + Send>>
+        + Send
+        + Sync,
+>;
+
+/// What a service's [`prepare_move_in`](Service::prepare_move_in) started
+/// for a session moving in: kept with the session from the check to its
+/// resume ([`Resumed::take_prepared`](crate::Resumed::take_prepared)), and
+/// dropped (which must stop whatever it started) if the move is called off
+/// or the session does not resume with it.
+pub(crate) struct Prepared(pub(crate) Box<dyn Any + Send>);
+
+impl std::fmt::Debug for Prepared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Prepared(..)")
+    }
+}
 
 /// Default time a suspended session is kept: one day.
 pub const DEFAULT_EXPIRY: Duration = Duration::from_secs(24 * 3600);
@@ -73,6 +94,7 @@ pub struct Service {
     pub(crate) on_attach: Option<AttachHandler>,
     pub(crate) on_discard: Option<DiscardHandler>,
     pub(crate) on_move_in: Option<MoveInCheck>,
+    pub(crate) prepare_move_in: Option<MoveInPrepare>,
 }
 
 impl std::fmt::Debug for Service {
@@ -102,6 +124,7 @@ impl Service {
             on_attach: None,
             on_discard: None,
             on_move_in: None,
+            prepare_move_in: None,
         }
     }
 
@@ -176,6 +199,42 @@ impl Service {
         f: impl Fn(&BTreeMap<String, Vec<u8>>) -> Result<(), String> + Send + Sync + 'static,
     ) -> Self {
         self.on_move_in = Some(Arc::new(f));
+        self
+    }
+
+    /// Prepares a session moving in from another host of the cluster, at
+    /// the destination, before the move commits and after
+    /// [`on_move_in`](Self::on_move_in) passed: `f` gets the session's
+    /// attributes and returns a future (not holding them) that starts what
+    /// the session needs here — e.g. a service set's back-end processes
+    /// restarted from their parts and frozen
+    /// ([`Staged`](crate::service_set::Staged)) — and gives it back, or
+    /// refuses with a reason. A refusal, or no answer within 5 s, calls the
+    /// move off (`MoveError::Refused`) and the session stays at its source.
+    ///
+    /// What it gives back stays with the session: its resume routine takes
+    /// it with [`Resumed::take_prepared`](crate::Resumed::take_prepared).
+    /// If the move is called off after all, the session moves on again or
+    /// is offloaded before its client resumes, or its resume fails, the
+    /// value is dropped; its drop must stop what it started (a
+    /// `tokio::process::Child` with `kill_on_drop`, closed control sockets),
+    /// and the routine must cope with its absence (start afresh from the
+    /// attributes). `f` itself runs under the host's state lock: keep it to
+    /// reading the attributes.
+    pub fn prepare_move_in<F, Fut, T>(mut self, f: F) -> Self
+    where
+        F: Fn(&BTreeMap<String, Vec<u8>>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Option<T>, String>> + Send + 'static,
+        T: Send + 'static,
+    {
+        let p: MoveInPrepare = Arc::new(move |attrs| {
+            let fut = f(attrs);
+            Box::pin(async move {
+                fut.await
+                    .map(|v| v.map(|v| Prepared(Box::new(v) as Box<dyn Any + Send>)))
+            })
+        });
+        self.prepare_move_in = Some(p);
         self
     }
 

@@ -69,7 +69,10 @@ pub(crate) struct LiveState {
     /// Ownership revision in the cluster (0 until the session first moved).
     pub(crate) revision: u64,
     /// A move in progress waits here for the session's continuation.
-    pub(crate) moving: Option<tokio::sync::oneshot::Sender<crate::cluster::Handover>>,
+    /// The application's answer: the continuation, or why it declined
+    /// ([`ManagedSession::decline_freeze`]).
+    pub(crate) moving:
+        Option<tokio::sync::oneshot::Sender<Result<crate::cluster::Handover, String>>>,
     /// Where the client is sent (MOVE_TO) when the application answers a
     /// move's freeze: not before, or a client already gone would stop the
     /// credit an application blocked in a write waits for.
@@ -228,9 +231,28 @@ pub struct Resumed {
     /// How long the session had been suspended when it was restored.
     pub suspended_for: Duration,
     pub(crate) streams: BTreeMap<String, RoamStream>,
+    /// What the service's `prepare_move_in` started for this session when
+    /// it moved in, if it is still kept.
+    pub(crate) prepared: Option<crate::service::Prepared>,
 }
 
 impl Resumed {
+    /// Takes what the service's
+    /// [`prepare_move_in`](crate::Service::prepare_move_in) started for
+    /// this session when it moved to this host, if it is of type `T` and
+    /// still kept (`None` at any other resume, or once it was dropped:
+    /// start afresh from the attributes then).
+    pub fn take_prepared<T: 'static>(&mut self) -> Option<T> {
+        let p = self.prepared.take()?;
+        match p.0.downcast::<T>() {
+            Ok(v) => Some(*v),
+            Err(other) => {
+                self.prepared = Some(crate::service::Prepared(other));
+                None
+            }
+        }
+    }
+
     /// Takes the stream the continuation carried over under `name`.
     pub fn take_stream(&mut self, name: &str) -> Option<RoamStream> {
         self.streams.remove(name)
@@ -277,6 +299,13 @@ impl Drop for ManagedSession {
             let mut st = self.live.lock();
             if !st.suspending {
                 st.handle = None;
+                // A move waiting for this session's continuation will not
+                // get it: called off now, not at its freeze timeout.
+                if let Some(tx) = st.moving.take() {
+                    let _ = tx.send(Err(
+                        "the application dropped the session without suspending it".into(),
+                    ));
+                }
             }
         }
     }
@@ -412,6 +441,29 @@ impl ManagedSession {
                 std::future::pending::<()>().await;
             }
         }
+    }
+
+    /// Declines a move's freeze request: the application cannot give its
+    /// continuation now (e.g. a service set's save failed: a back-end
+    /// refused its part or died). The move waiting for it is called off at
+    /// once (`MoveError::Declined` with `why`, instead of waiting out its
+    /// freeze timeout) and the request is withdrawn, so
+    /// [`freeze_requested`](Self::freeze_requested) does not fire again for
+    /// it; the session goes on here. Returns whether a move was waiting.
+    /// Any other freeze request stays pending (roam keeps wanting it).
+    pub fn decline_freeze(&self, why: impl Into<String>) -> bool {
+        let mover = {
+            let mut st = self.live.lock();
+            if !matches!(*self.live.freeze.borrow(), Some(FreezeReason::Move)) {
+                return false;
+            }
+            st.move_to = None;
+            st.moving.take()
+        };
+        let Some(tx) = mover else { return false };
+        let _ = tx.send(Err(why.into()));
+        self.live.withdraw_move();
+        true
     }
 
     /// Suspends the session with `cont` (the paper's `return_cont`): roam

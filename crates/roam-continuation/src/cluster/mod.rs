@@ -22,7 +22,10 @@
 //! 4. The application suspends at its next quiescent point; S sends the
 //!    continuation (`Transfer`: protocol snapshot, routine, streams, and only
 //!    the attributes changed since the pre-copy), zstd-compressed.
-//!    D decodes and checks it: `Installed`.
+//!    D decodes and checks it (the service's `on_move_in`, then its
+//!    `prepare_move_in`, which may start what the session needs here and
+//!    keep it with the session): `Installed`. An application that cannot
+//!    give its continuation declines, and the move is called off at once.
 //! 5. S records that the session lives at D (its resumes are redirected
 //!    there from now on) and sends `Commit`; D stores the continuation
 //!    durably, lets the waiting resume restore it: `Committed`.
@@ -125,6 +128,10 @@ const CONNECT_WAIT: Duration = Duration::from_secs(3);
 const FREEZE_WAIT: Duration = Duration::from_secs(10);
 /// The destination's answer to a transfer or a commit.
 const ANSWER_WAIT: Duration = Duration::from_secs(10);
+/// A destination's limit for a service's `prepare_move_in` (well inside
+/// the source's `ANSWER_WAIT`, so its refusal, not a timeout, reaches the
+/// source).
+const PREPARE_WAIT: Duration = Duration::from_secs(5);
 /// A destination's limit for taking ownership in etcd at a commit (well
 /// under [`ANSWER_WAIT`]).
 const DIRECTORY_WAIT: Duration = Duration::from_secs(4);
@@ -205,6 +212,9 @@ pub(crate) struct Incoming {
     precopy: BTreeMap<String, Vec<u8>>,
     /// The transfer, decoded and checked, waiting for the commit.
     staged: Option<Record>,
+    /// What the service's `prepare_move_in` started for it (dropped,
+    /// stopping it, if the move is called off).
+    prepared: Option<crate::service::Prepared>,
 }
 
 /// What a finished move measured.
@@ -250,6 +260,11 @@ pub enum MoveError {
     /// This host could not let the session go (its store or the cluster's
     /// etcd failed); the text says which.
     Local(String),
+    /// The session's application declined to give its continuation
+    /// ([`ManagedSession::decline_freeze`](crate::ManagedSession::decline_freeze),
+    /// e.g. a service set's back-end refused its part or died); the text
+    /// is its reason.
+    Declined(String),
 }
 
 impl std::fmt::Display for MoveError {
@@ -265,6 +280,7 @@ impl std::fmt::Display for MoveError {
             Self::Timeout(step) => write!(f, "timed out waiting for {step}"),
             Self::Protocol(what) => write!(f, "the destination answered out of turn: {what}"),
             Self::Local(what) => write!(f, "this host could not let the session go: {what}"),
+            Self::Declined(why) => write!(f, "the application declined to freeze: {why}"),
         }
     }
 }
@@ -638,7 +654,11 @@ impl HostInner {
                 }
                 l.request_freeze(FreezeReason::Move);
                 match timeout(FREEZE_WAIT, rx).await {
-                    Ok(Ok(r)) => r,
+                    Ok(Ok(Ok(r))) => r,
+                    Ok(Ok(Err(why))) => {
+                        let _ = link.send(&Msg::Abort { id }).await;
+                        return Err(fail(MoveError::Declined(why), None, &live));
+                    }
                     _ => {
                         let _ = link.send(&Msg::Abort { id }).await;
                         return Err(fail(
@@ -1075,7 +1095,10 @@ impl HostInner {
                         body,
                         precopied,
                     },
-                ) => Some(self.transferred(id, revision, &meta, &body, &precopied)),
+                ) => Some(
+                    self.transferred(id, revision, &meta, &body, &precopied)
+                        .await,
+                ),
                 (Some(from), Msg::Commit { id, revision }) => {
                     let r = self.commit(id, revision, from).await;
                     if matches!(r, Msg::Committed) {
@@ -1155,14 +1178,17 @@ impl HostInner {
                 revision,
                 precopy: BTreeMap::new(),
                 staged: None,
+                prepared: None,
             })),
         );
         Msg::Accept
     }
 
     /// Destination: the transfer. Decodes and checks it, merges the
-    /// pre-copied attributes, and stages it for the commit.
-    fn transferred(
+    /// pre-copied attributes, runs the service's checks (`on_move_in`, then
+    /// `prepare_move_in` off the state lock), and stages it and what the
+    /// preparation started for the commit.
+    async fn transferred(
         &self,
         id: SessionId,
         revision: u64,
@@ -1170,8 +1196,89 @@ impl HostInner {
         body: &[u8],
         precopied: &[String],
     ) -> Msg {
+        let refused = |why: String| {
+            Msg::Refuse(Refusal::Unavailable(format!(
+                "the service refused session {id}: {why}"
+            )))
+        };
+        // Under the state lock (a block, so the guard is not held across
+        // the preparation's await).
+        let (mut meta, body, preparing) = {
+            let mut st = self.state();
+            let Some(Slot::Incoming(inc)) = st.slots.get_mut(&id) else {
+                return Msg::Refuse(Refusal::Unavailable(format!("no offer for session {id}")));
+            };
+            if inc.revision != revision {
+                return Msg::Refuse(Refusal::Unavailable(format!(
+                    "transfer at revision {revision}, offer at {}",
+                    inc.revision
+                )));
+            }
+            let checked = Meta::decode(meta)
+                .and_then(|m| open_body(&m, body).map(|b| (m, b)))
+                .map_err(|c| c.0.to_string());
+            let (meta, mut body) = match checked {
+                Ok(x) => x,
+                Err(what) => {
+                    return Msg::Refuse(Refusal::Unavailable(format!("corrupt transfer: {what}")))
+                }
+            };
+            for name in precopied {
+                match inc.precopy.remove(name) {
+                    Some(v) => {
+                        body.attrs.values.insert(name.clone(), v);
+                    }
+                    None => {
+                        return Msg::Refuse(Refusal::Unavailable(format!(
+                            "attribute {name:?} was not pre-copied"
+                        )))
+                    }
+                }
+            }
+            if let Err(inc) = crate::compat::check(&self.services, &meta.service, &body) {
+                let (property, required, found) = match inc {
+                    crate::Incompatible::UnknownService(s) => ("service".to_string(), s, None),
+                    crate::Incompatible::UnknownRoutine { routine, .. } => {
+                        ("routine".to_string(), routine, None)
+                    }
+                    crate::Incompatible::Mismatch {
+                        property,
+                        required,
+                        found,
+                        ..
+                    } => (property, required, found),
+                };
+                return Msg::Refuse(Refusal::Incompatible {
+                    property,
+                    required,
+                    found,
+                });
+            }
+            let svc = self.services.get(&meta.service);
+            if let Some(check) = svc.and_then(|s| s.on_move_in.as_ref()) {
+                if let Err(why) = check(&body.attrs.values) {
+                    return refused(why);
+                }
+            }
+            let preparing = svc
+                .and_then(|s| s.prepare_move_in.as_ref())
+                .map(|p| p(&body.attrs.values));
+            (meta, body, preparing)
+        };
+        // Off the state lock: starting processes takes milliseconds. This
+        // connection's next message (the commit, or an abort) waits for
+        // the answer, and the source's wait for it is longer.
+        let prepared = match preparing {
+            None => None,
+            Some(fut) => match timeout(PREPARE_WAIT, fut).await {
+                Ok(Ok(p)) => p,
+                Ok(Err(why)) => return refused(why),
+                Err(_) => return refused(format!("not prepared within {PREPARE_WAIT:?}")),
+            },
+        };
         let mut st = self.state();
         let Some(Slot::Incoming(inc)) = st.slots.get_mut(&id) else {
+            // Gone meanwhile: `prepared` is dropped, stopping it.
             return Msg::Refuse(Refusal::Unavailable(format!("no offer for session {id}")));
         };
         if inc.revision != revision {
@@ -1179,57 +1286,6 @@ impl HostInner {
                 "transfer at revision {revision}, offer at {}",
                 inc.revision
             )));
-        }
-        let checked = Meta::decode(meta)
-            .and_then(|m| open_body(&m, body).map(|b| (m, b)))
-            .map_err(|c| c.0.to_string());
-        let (mut meta, mut body) = match checked {
-            Ok(x) => x,
-            Err(what) => {
-                return Msg::Refuse(Refusal::Unavailable(format!("corrupt transfer: {what}")))
-            }
-        };
-        for name in precopied {
-            match inc.precopy.remove(name) {
-                Some(v) => {
-                    body.attrs.values.insert(name.clone(), v);
-                }
-                None => {
-                    return Msg::Refuse(Refusal::Unavailable(format!(
-                        "attribute {name:?} was not pre-copied"
-                    )))
-                }
-            }
-        }
-        if let Err(inc) = crate::compat::check(&self.services, &meta.service, &body) {
-            let (property, required, found) = match inc {
-                crate::Incompatible::UnknownService(s) => ("service".to_string(), s, None),
-                crate::Incompatible::UnknownRoutine { routine, .. } => {
-                    ("routine".to_string(), routine, None)
-                }
-                crate::Incompatible::Mismatch {
-                    property,
-                    required,
-                    found,
-                    ..
-                } => (property, required, found),
-            };
-            return Msg::Refuse(Refusal::Incompatible {
-                property,
-                required,
-                found,
-            });
-        }
-        let check = self
-            .services
-            .get(&meta.service)
-            .and_then(|s| s.on_move_in.clone());
-        if let Some(check) = check {
-            if let Err(why) = check(&body.attrs.values) {
-                return Msg::Refuse(Refusal::Unavailable(format!(
-                    "the service refused session {id}: {why}"
-                )));
-            }
         }
         // Sealed for the store only after the commit, off the freeze's path.
         meta.revision = revision;
@@ -1240,6 +1296,7 @@ impl HostInner {
             body,
             stored: Vec::new(),
         });
+        inc.prepared = prepared;
         Msg::Installed
     }
 
@@ -1249,13 +1306,13 @@ impl HostInner {
     /// source). Stores the continuation durably and lets the waiting resume
     /// restore it.
     async fn commit(self: &Arc<Self>, id: SessionId, revision: u64, from: &str) -> Msg {
-        let record = {
+        let (record, prepared) = {
             let mut st = self.state();
             match st.slots.get_mut(&id) {
                 Some(Slot::Incoming(inc)) if inc.revision == revision && inc.staged.is_some() => {
-                    inc.staged.take()
+                    (inc.staged.take(), inc.prepared.take())
                 }
-                _ => None,
+                _ => (None, None),
             }
         };
         let Some(record) = record else {
@@ -1294,6 +1351,7 @@ impl HostInner {
                     hot: Some(Arc::new(record.body)),
                     offload_at: None,
                     persisted: false,
+                    prepared,
                 }),
             );
         }

@@ -35,6 +35,9 @@ pub(super) async fn gc(host: Weak<HostInner>, wake: Arc<Notify>, mut stop: watch
                     if let Some(Slot::Frozen(f)) = st.slots.get_mut(&id) {
                         f.hot = None;
                         f.offload_at = None;
+                        // Whatever a move-in started for it stops too: its
+                        // routine starts afresh from the attributes.
+                        f.prepared = None;
                     }
                 }
                 (

@@ -301,6 +301,7 @@ impl HostBuilder {
                             hot: None,
                             offload_at: None,
                             persisted: true,
+                            prepared: None,
                         }),
                     );
                     report.loaded += 1;
@@ -533,6 +534,10 @@ pub(crate) struct Frozen {
     /// session moved in is served from memory at once and written in the
     /// background; until then there is nothing to delete on its resume.
     pub(crate) persisted: bool,
+    /// What the service's `prepare_move_in` started for a session that
+    /// moved in, until its resume hands it to the routine (dropped if the
+    /// session moves on, is offloaded or fails to resume).
+    pub(crate) prepared: Option<crate::service::Prepared>,
 }
 
 impl Host {
@@ -960,13 +965,14 @@ impl HostInner {
                 // host, not to the store (the mover keeps it locally if the
                 // move fails).
                 self.state().slots.insert(id, Slot::Moving);
-                match tx.send(record) {
+                match tx.send(Ok(record)) {
                     Ok(()) => {
                         self.changed.notify_waiters();
                         tracing::debug!("session {id} frozen for its move");
                         return Ok(report);
                     }
-                    Err(back) => back.sealed(),
+                    Err(Ok(back)) => back.sealed(),
+                    Err(Err(_)) => unreachable!("sent Ok"),
                 }
             }
             None => record,
@@ -1014,6 +1020,7 @@ impl HostInner {
                     hot: Some(Arc::new(body)),
                     offload_at,
                     persisted,
+                    prepared: None,
                 }),
             );
             st.children

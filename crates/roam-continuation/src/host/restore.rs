@@ -170,6 +170,7 @@ impl HostInner {
                         hot: Some(Arc::new(body)),
                         offload_at: None,
                         persisted,
+                        prepared: None,
                     }),
                 );
                 None
@@ -199,6 +200,7 @@ impl HostInner {
                 hot,
                 offload_at,
                 persisted,
+                prepared: None,
             }),
         );
         drop(st);
@@ -210,6 +212,7 @@ impl HostInner {
             meta,
             hot,
             persisted,
+            prepared,
             ..
         } = frozen;
         let body = match hot {
@@ -333,7 +336,15 @@ impl HostInner {
         let on_installed = Box::new(move |handle: SessionHandle| {
             let mut guard = guard;
             guard.armed = false;
-            host.installed(id, svc, body, (parent, revision), suspended_for, handle);
+            host.installed(
+                id,
+                svc,
+                body,
+                (parent, revision),
+                suspended_for,
+                prepared,
+                handle,
+            );
         });
         Ok(Some(Restored::new(
             session,
@@ -349,6 +360,9 @@ impl HostInner {
     }
 
     /// roam installed a restored session: make it live and run its routine.
+    // The session's parts as they come out of its frozen slot; a struct
+    // for them would only be unpacked again here.
+    #[allow(clippy::too_many_arguments)]
     fn installed(
         self: &Arc<Self>,
         id: SessionId,
@@ -356,6 +370,7 @@ impl HostInner {
         body: Body,
         (parent, revision): (Option<SessionId>, u64),
         suspended_for: Duration,
+        prepared: Option<crate::service::Prepared>,
         handle: SessionHandle,
     ) {
         let events = handle.events();
@@ -390,6 +405,7 @@ impl HostInner {
             routine: body.routine,
             suspended_for,
             streams,
+            prepared,
         };
         if let Some(f) = &svc.on_attach {
             f(&resumed);
