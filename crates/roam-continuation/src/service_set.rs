@@ -30,13 +30,18 @@
 //! move included), the routine calls [`SessionSet::save`] at a quiescent
 //! point: the whole set is frozen, every part taken, the cut checked and
 //! stored in the session's attribute [`CUT_ATTR`], and the back-ends
-//! ended; then it suspends. Wherever the session resumes (the move's
-//! destination after its commit, the source after an abort, this host
-//! after a restart), the resume routine calls [`SessionSet::restore`],
-//! starts the back-ends from their restarted parts and
-//! [`Restored::start`]s the set. A destination checks the cut before the
-//! move commits ([`check_cut`] in a
-//! [`Service::on_move_in`](crate::Service::on_move_in)).
+//! ended; then it suspends. A save that fails (a back-end refused its
+//! part, died or did not answer) thaws the set and calls the move off at
+//! once, naming the back-end. A move's destination restarts the set
+//! before the move commits, in its
+//! [`Service::prepare_move_in`](crate::Service::prepare_move_in)
+//! ([`Restored::from_attrs`], the back-ends started from their parts and
+//! kept frozen as a [`Staged`]): a back-end that cannot start there
+//! refuses the move, and the session stays at its source. After the
+//! commit the resume routine [`Staged::start`]s it. Wherever else the
+//! session resumes (the source after an abort, this host after a
+//! restart), the resume routine calls [`SessionSet::restore`], starts the
+//! back-ends from their restarted parts and [`Restored::start`]s the set.
 
 use std::collections::BTreeMap;
 use std::io;
@@ -750,10 +755,21 @@ impl SessionSet {
     /// between its write to a back-end and the reply's read), then
     /// [`suspend`](crate::ManagedSession::suspend): the cut is now the
     /// set's only state, restarted by [`restore`](Self::restore) wherever
-    /// the session resumes. A part refused (a log over its cap), a cut
-    /// that does not check or an attribute that cannot be stored thaws
-    /// the set and returns it.
-    pub async fn save(mut self, session: &crate::ManagedSession) -> Result<Saved, SaveFailed> {
+    /// the session resumes. A part refused (a log over its cap), a
+    /// back-end that died or did not answer, a cut that does not check or
+    /// an attribute that cannot be stored thaws the set and returns it;
+    /// if a move asked for the freeze, it is called off at once with the
+    /// error, which names the back-end
+    /// ([`decline_freeze`](crate::ManagedSession::decline_freeze)).
+    pub async fn save(self, session: &crate::ManagedSession) -> Result<Saved, SaveFailed> {
+        let r = self.save_cut(session).await;
+        if let Err(failed) = &r {
+            session.decline_freeze(format!("service set: {}", failed.error));
+        }
+        r
+    }
+
+    async fn save_cut(mut self, session: &crate::ManagedSession) -> Result<Saved, SaveFailed> {
         match self.take_cut().await {
             Ok(cut) => {
                 if let Err(e) = session.store(CUT_ATTR, &cut) {
@@ -777,14 +793,21 @@ impl SessionSet {
     }
 
     async fn take_cut(&mut self) -> io::Result<Vec<u8>> {
+        // Every error names the back-end it came from.
+        let named = |c: &Control, what: &str, e: io::Error| {
+            io::Error::new(e.kind(), format!("back-end {} {what}: {e}", c.role))
+        };
         self.root.lock().frozen = true;
         for c in &mut self.backends {
-            c.freeze().await?;
+            c.freeze()
+                .await
+                .map_err(|e| named(c, "did not freeze", e))?;
         }
         let root = self.root.cut().map_err(io::Error::other)?;
         let mut parts = Cut::decode(&root).map_err(cut_error)?.parts;
         for c in &mut self.backends {
-            match c.part().await? {
+            let answer = c.part().await;
+            match answer.map_err(|e| named(c, "gave no part", e))? {
                 Ok(part) => parts.push(part),
                 Err(why) => {
                     return Err(io::Error::other(format!(
@@ -822,27 +845,15 @@ impl SessionSet {
         let Some(bytes) = session.retrieve(CUT_ATTR) else {
             return Ok(None);
         };
-        let cut = Cut::decode(&bytes).map_err(cut_error)?;
-        let mut plan = restart_parts(cut.parts, limits).map_err(cut_error)?;
-        if plan.is_empty() {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                "a service set's cut without a root part",
-            ));
-        }
-        let parts = plan.split_off(1);
-        let root = Member::restarted(&plan[0], limits)?;
+        let restored = Restored::from_cut(bytes, limits)?;
         session.remove(CUT_ATTR);
-        Ok(Some(Restored {
-            root,
-            parts,
-            limits,
-        }))
+        Ok(Some(restored))
     }
 }
 
 /// A set restarted from a session's cut, not running yet
-/// ([`SessionSet::restore`]).
+/// ([`SessionSet::restore`], or [`Restored::from_attrs`] at a move's
+/// destination).
 #[derive(Debug)]
 #[non_exhaustive]
 pub struct Restored {
@@ -854,9 +865,48 @@ pub struct Restored {
     /// body to give it ([`Control::accept`]).
     pub parts: Vec<Vec<u8>>,
     limits: Limits,
+    /// The encoded cut it was restarted from.
+    cut: Vec<u8>,
 }
 
 impl Restored {
+    /// At a move's destination, before the commit (in a
+    /// [`Service::prepare_move_in`](crate::Service::prepare_move_in)): the
+    /// set's cut from the moving session's attributes, checked and
+    /// restarted; `None` if the session carries none. Unlike
+    /// [`SessionSet::restore`] it leaves the attribute in place. Start the
+    /// back-ends from [`parts`](Self::parts) (they stay frozen), associate
+    /// the root's channels and keep it all as a [`Staged`] for the session's
+    /// routine.
+    pub fn from_attrs(
+        attrs: &BTreeMap<String, Vec<u8>>,
+        limits: Limits,
+    ) -> io::Result<Option<Restored>> {
+        match attrs.get(CUT_ATTR) {
+            None => Ok(None),
+            Some(bytes) => Self::from_cut(bytes.clone(), limits).map(Some),
+        }
+    }
+
+    fn from_cut(bytes: Vec<u8>, limits: Limits) -> io::Result<Restored> {
+        let cut = Cut::decode(&bytes).map_err(cut_error)?;
+        let mut plan = restart_parts(cut.parts, limits).map_err(cut_error)?;
+        if plan.is_empty() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "a service set's cut without a root part",
+            ));
+        }
+        let parts = plan.split_off(1);
+        let root = Member::restarted(&plan[0], limits)?;
+        Ok(Restored {
+            root,
+            parts,
+            limits,
+            cut: bytes,
+        })
+    }
+
     /// Runs the set: thaws the back-ends (started from [`parts`](Self::parts),
     /// same order, each [`ready`](Control::ready)) and the root.
     pub async fn start(self, mut backends: Vec<Control>) -> io::Result<SessionSet> {
@@ -875,6 +925,66 @@ impl Restored {
         }
         self.root.thaw();
         Ok(SessionSet::new(self.root, backends, self.limits))
+    }
+}
+
+/// A set restarted at a move's destination before the commit, by the
+/// service's [`prepare_move_in`](crate::Service::prepare_move_in): the
+/// root restarted from its part and every back-end started from its own
+/// and [`ready`](Control::ready), all frozen, with the caller's `handles`
+/// on what it started (e.g. the back-ends' `tokio::process::Child`ren).
+/// The session's resume routine gets it back with
+/// [`Resumed::take_prepared`](crate::Resumed::take_prepared) and
+/// [`start`](Self::start)s it. Dropped instead (the move called off, the
+/// session moved on), its control sockets close, which ends the members
+/// (their [`Member::serve_control`] returns), and `handles` is dropped: a
+/// back-end that failed to start refuses the move before the commit, and
+/// no back-end is left behind.
+#[derive(Debug)]
+pub struct Staged<T> {
+    /// The restarted root and the back-ends' parts.
+    restored: Restored,
+    /// The back-ends' controls, in the set's order, each ready and frozen.
+    backends: Vec<Control>,
+    /// The caller's handles on the back-ends.
+    handles: T,
+}
+
+impl<T> Staged<T> {
+    /// Keeps `restored` (its root's channels associated) with `backends`,
+    /// started from its [`parts`](Restored::parts) in the same order and
+    /// each ready, and the caller's `handles`.
+    pub fn new(restored: Restored, backends: Vec<Control>, handles: T) -> io::Result<Self> {
+        if backends.len() != restored.parts.len() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "{} back-ends for {} parts",
+                    backends.len(),
+                    restored.parts.len()
+                ),
+            ));
+        }
+        Ok(Staged {
+            restored,
+            backends,
+            handles,
+        })
+    }
+
+    /// In the session's resume routine, after the commit: takes the cut
+    /// out of `session`'s [`CUT_ATTR`] (it must be the one staged) and runs
+    /// the set (the back-ends thawed, then the root).
+    pub async fn start(self, session: &crate::ManagedSession) -> io::Result<(SessionSet, T)> {
+        if session.retrieve(CUT_ATTR).as_deref() != Some(&self.restored.cut[..]) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "the session's cut is not the one its back-ends were staged from",
+            ));
+        }
+        session.remove(CUT_ATTR);
+        let set = self.restored.start(self.backends).await?;
+        Ok((set, self.handles))
     }
 }
 
