@@ -4,7 +4,7 @@
 //! effect outside the set) and answers each.
 //!
 //! ```text
-//! service_ledger CONTROL_SOCKET CHANNEL_DIR LEDGER THINK_MS
+//! service_ledger CONTROL_SOCKET CHANNEL_DIR LEDGER THINK_MS [LOG_CAP]
 //! ```
 //!
 //! It joins the front-end (the set's root) on `CONTROL_SOCKET` (role
@@ -13,7 +13,12 @@
 //! writes). A request is 16 bytes: `seq:u64 value:u64`, big-endian; its
 //! reply is `seq:u64 reply(seq, value):u64`. For each request it appends
 //! `seq value\n` to `LEDGER`, answers, waits `THINK_MS` and exports its
-//! state: the next request number and the ledger's length.
+//! state: the next request number and the ledger's length. `LOG_CAP`
+//! (bytes, default 16 MiB) caps its request channel's log: at 0, every cut
+//! taken between reading a request and exporting is refused (the test of a
+//! back-end refusing its part mid-move). A `LEDGER` it cannot open makes it
+//! exit with an error before it is ready (the test of a back-end that
+//! fails to start at a move's destination).
 //!
 //! Exactly once: a process restarted from its part first truncates the
 //! ledger to the length its snapshot recorded (lines appended after its
@@ -60,27 +65,39 @@ fn snapshot(next: u64, ledger_len: u64) -> Vec<u8> {
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let [_, control, dir, ledger, think] = &args[..] else {
-        eprintln!("usage: service_ledger CONTROL_SOCKET CHANNEL_DIR LEDGER THINK_MS");
-        std::process::exit(2);
+    let (control, dir, ledger, think, cap) = match &args[..] {
+        [_, control, dir, ledger, think] => (control, dir, ledger, think, None),
+        [_, control, dir, ledger, think, cap] => (control, dir, ledger, think, Some(cap)),
+        _ => {
+            eprintln!("usage: service_ledger CONTROL_SOCKET CHANNEL_DIR LEDGER THINK_MS [LOG_CAP]");
+            std::process::exit(2);
+        }
     };
     let think = Duration::from_millis(think.parse().expect("THINK_MS"));
+    let mut limits = Limits::default();
+    if let Some(cap) = cap {
+        limits.log_bytes = cap.parse().expect("LOG_CAP");
+    }
     let dir = Path::new(dir);
     let mut control = UnixStream::connect(control).await.expect("control socket");
-    let member = join(&mut control, "ledger", Limits::default())
-        .await
-        .expect("join");
+    let member = join(&mut control, "ledger", limits).await.expect("join");
     member
         .add_reader(REQUESTS, connect(&dir.join("req.sock")).await)
         .expect("requests");
     member
         .add_writer(REPLIES, connect(&dir.join("rep.sock")).await)
         .expect("replies");
-    let mut file = std::fs::OpenOptions::new()
+    let mut file = match std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(ledger)
-        .expect("ledger");
+    {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("ledger: cannot open {ledger}: {e}");
+            std::process::exit(3);
+        }
+    };
     let (mut next, mut ledger_len) = match member.snapshot() {
         Some(s) => {
             let next = u64::from_be_bytes(s[..8].try_into().expect("snapshot"));

@@ -12,8 +12,10 @@
 //! restarts a back-end from its part. What the user cares about: every
 //! reply arrives once, in order, with the right value, and the ledger holds
 //! each request's effect exactly once; a destination that cannot run the
-//! back-end refuses the move before it commits and the session goes on at
-//! its source, nothing lost.
+//! back-end, or whose back-end fails as it starts (it is started, frozen,
+//! before the move commits), refuses the move before it commits and the
+//! session goes on at its source, nothing lost, no back-end left behind;
+//! a back-end that refuses its part mid-move calls the move off at once.
 
 mod common;
 
@@ -24,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use common::{bounded, cli, init_logging, wait_until};
 use roam::RoamStream;
-use roam_continuation::service_set::{check_cut, Restored, SessionSet};
+use roam_continuation::service_set::{check_cut, Control, Member, Restored, SessionSet, Staged};
 use roam_continuation::{
     ClusterConfig, ClusterIdentity, Continuation, Host, HostConfig, ManagedSession, MoveError,
     MoveReport, Service,
@@ -51,8 +53,11 @@ struct Front {
     backend: PathBuf,
     /// Where each set incarnation's sockets go (one directory each).
     work: PathBuf,
-    /// The ledger file (shared by both hosts, like a shared store).
+    /// The ledger file (shared by both hosts, like a shared store; a path
+    /// it cannot open on a host whose back-end must fail as it starts).
     ledger: PathBuf,
+    /// The back-end's request log cap (bytes), if not the default.
+    log_cap: Option<usize>,
     /// The back-end's pause between its reply and its export (ms): a cut
     /// then usually falls after a reply the front-end has and before the
     /// back-end's export, so the restart replays a request and discards
@@ -60,8 +65,13 @@ struct Front {
     think_ms: u64,
     /// Sets started here (fresh or restored).
     starts: AtomicUsize,
-    /// Sets restarted here from a cut.
+    /// Sets restarted here from a cut (staged at a move's check, or in the
+    /// resume routine).
     restored: AtomicUsize,
+    /// Sets staged at a move's check that the resume routine ran.
+    staged_runs: AtomicUsize,
+    /// Every back-end process started here.
+    pids: Mutex<Vec<u32>>,
     /// Size of each cut saved here (bytes).
     cuts: Mutex<Vec<usize>>,
 }
@@ -71,43 +81,72 @@ impl Front {
         Limits::default()
     }
 
-    /// Starts the back-end and joins it to `root`: fresh, or from its part
-    /// of a restored cut. Returns the set (running) and the child.
-    async fn start_set(
+    /// Starts the back-end and joins it to `root`: fresh (`parts` `None`),
+    /// or from its part of a restored cut (then it stays frozen). Returns
+    /// its control (ready) and the child; a back-end that fails to start
+    /// is reaped before the error returns.
+    async fn launch(
         &self,
-        root: roam_continuation::service_set::Member,
-        restored: Option<Restored>,
-    ) -> std::io::Result<(SessionSet, Child)> {
+        root: &Member,
+        parts: Option<&[Vec<u8>]>,
+    ) -> std::io::Result<(Vec<Control>, Child)> {
         let n = self.starts.fetch_add(1, Ordering::SeqCst);
         let dir = self.work.join(n.to_string());
         std::fs::create_dir_all(&dir)?;
         let control = UnixListener::bind(dir.join("control.sock"))?;
         let req = UnixListener::bind(dir.join("req.sock"))?;
         let rep = UnixListener::bind(dir.join("rep.sock"))?;
-        let mut child = Command::new(&self.backend)
-            .arg(dir.join("control.sock"))
+        let mut cmd = Command::new(&self.backend);
+        cmd.arg(dir.join("control.sock"))
             .arg(&dir)
             .arg(&self.ledger)
-            .arg(self.think_ms.to_string())
-            .kill_on_drop(true)
-            .spawn()?;
+            .arg(self.think_ms.to_string());
+        if let Some(cap) = self.log_cap {
+            cmd.arg(cap.to_string());
+        }
+        let mut child = cmd.kill_on_drop(true).spawn()?;
+        if let Some(pid) = child.id() {
+            self.pids.lock().unwrap().push(pid);
+        }
+        let joined = async {
+            let controls = common::join_members(
+                &control,
+                &["ledger"],
+                parts,
+                std::slice::from_mut(&mut child),
+                None,
+            )
+            .await?;
+            let accept = |l: UnixListener| async move {
+                tokio::time::timeout(Duration::from_secs(10), l.accept())
+                    .await
+                    .map_err(|_| std::io::Error::other("the back-end never connected"))?
+                    .map(|(s, _)| s)
+            };
+            root.add_writer(ledger::REQUESTS, accept(req).await?)?;
+            root.add_reader(ledger::REPLIES, accept(rep).await?)?;
+            Ok::<_, std::io::Error>(controls)
+        }
+        .await;
+        match joined {
+            Ok(controls) => Ok((controls, child)),
+            Err(e) => {
+                let _ = child.start_kill();
+                let _ = tokio::time::timeout(Duration::from_secs(10), child.wait()).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Starts the back-end and joins it to `root`: fresh, or from its part
+    /// of a restored cut. Returns the set (running) and the child.
+    async fn start_set(
+        &self,
+        root: Member,
+        restored: Option<Restored>,
+    ) -> std::io::Result<(SessionSet, Child)> {
         let parts = restored.as_ref().map(|r| r.parts.clone());
-        let controls = common::join_members(
-            &control,
-            &["ledger"],
-            parts.as_deref(),
-            std::slice::from_mut(&mut child),
-            None,
-        )
-        .await?;
-        let accept = |l: UnixListener| async move {
-            tokio::time::timeout(Duration::from_secs(10), l.accept())
-                .await
-                .map_err(|_| std::io::Error::other("the back-end never connected"))?
-                .map(|(s, _)| s)
-        };
-        root.add_writer(ledger::REQUESTS, accept(req).await?)?;
-        root.add_reader(ledger::REPLIES, accept(rep).await?)?;
+        let (controls, child) = self.launch(&root, parts.as_deref()).await?;
         let set = match restored {
             None => SessionSet::new(root, controls, Self::limits()),
             Some(r) => {
@@ -116,6 +155,16 @@ impl Front {
             }
         };
         Ok((set, child))
+    }
+
+    /// At a move's destination, before the commit: the back-end started
+    /// from its part of the moving session's cut, frozen, kept with the
+    /// restarted root for the resume routine.
+    async fn stage(&self, restored: Restored) -> std::io::Result<Staged<Child>> {
+        let parts = restored.parts.clone();
+        let (controls, child) = self.launch(&restored.root, Some(&parts)).await?;
+        self.restored.fetch_add(1, Ordering::SeqCst);
+        Staged::new(restored, controls, child)
     }
 }
 
@@ -166,19 +215,24 @@ async fn serve(
                 pending.extend_from_slice(&buf[..n]);
                 while pending.len() >= 16 {
                     let req: Vec<u8> = pending.drain(..16).collect();
-                    let root = set.root();
-                    root.write_all(ledger::REQUESTS, &req).await.expect("request to the back-end");
-                    let mut reply = [0u8; 16];
-                    let mut got = 0;
-                    while got < 16 {
-                        let k = root.read(ledger::REPLIES, &mut reply[got..]).await.expect("reply");
-                        assert!(k > 0, "the back-end closed its replies");
-                        got += k;
-                    }
+                    let reply = match ask(set.root(), &req).await {
+                        Ok(reply) => reply,
+                        Err(e) => {
+                            // The back-end is gone (killed): its state
+                            // since its last export went with it, so the
+                            // session cannot go on here or anywhere; it
+                            // ends, every reply sent exact. A move waiting
+                            // for it is called off.
+                            eprintln!("back-end ledger is gone ({e}); the session ends");
+                            session.decline_freeze(format!("back-end ledger is gone: {e}"));
+                            let _ = child.kill().await;
+                            return;
+                        }
+                    };
                     if stream.write_all(&reply).await.is_err() {
                         return;
                     }
-                    root.export(&reply[..8], Interval::Deterministic)
+                    set.root().export(&reply[..8], Interval::Deterministic)
                         .await
                         .expect("root export");
                 }
@@ -187,8 +241,24 @@ async fn serve(
     }
 }
 
+/// One request to the back-end and its reply; an error if the back-end's
+/// channels failed or closed.
+async fn ask(root: &Member, req: &[u8]) -> std::io::Result<[u8; 16]> {
+    root.write_all(ledger::REQUESTS, req).await?;
+    let mut reply = [0u8; 16];
+    let mut got = 0;
+    while got < 16 {
+        match root.read(ledger::REPLIES, &mut reply[got..]).await? {
+            0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            k => got += k,
+        }
+    }
+    Ok(reply)
+}
+
 fn front_service(front: Arc<Front>) -> Service {
     let check = front.clone();
+    let prepare = front.clone();
     Service::new("front")
         .version("1")
         .on_move_in(move |attrs| {
@@ -201,19 +271,42 @@ fn front_service(front: Arc<Front>) -> Service {
             }
             Ok(())
         })
+        .prepare_move_in(move |attrs| {
+            let restored = Restored::from_attrs(attrs, Front::limits());
+            let front = prepare.clone();
+            async move {
+                let Some(restored) = restored.map_err(|e| e.to_string())? else {
+                    return Ok(None);
+                };
+                let staged = front
+                    .stage(restored)
+                    .await
+                    .map_err(|e| format!("starting the back-end: {e}"))?;
+                Ok(Some(staged))
+            }
+        })
         .routine("front", move |mut r| {
             let front = front.clone();
             async move {
                 let stream = r.take_stream("main").expect("the stream moved");
-                let restored = SessionSet::restore(&r.session, Front::limits())
-                    .expect("restore the cut")
-                    .expect("the continuation carries a cut");
                 let pending = r.session.retrieve("pending").unwrap_or_default();
-                let root = restored.root.clone();
-                let (set, child) = front
-                    .start_set(root, Some(restored))
-                    .await
-                    .expect("restart the back-end");
+                let (set, child) = match r.take_prepared::<Staged<Child>>() {
+                    // Moved in: the back-end started before the commit.
+                    Some(staged) => {
+                        front.staged_runs.fetch_add(1, Ordering::SeqCst);
+                        staged.start(&r.session).await.expect("run the staged set")
+                    }
+                    None => {
+                        let restored = SessionSet::restore(&r.session, Front::limits())
+                            .expect("restore the cut")
+                            .expect("the continuation carries a cut");
+                        let root = restored.root.clone();
+                        front
+                            .start_set(root, Some(restored))
+                            .await
+                            .expect("restart the back-end")
+                    }
+                };
                 serve(front, r.session, stream, set, child, pending).await;
             }
         })
@@ -235,9 +328,23 @@ struct Cluster {
     ledger: PathBuf,
 }
 
-/// Two hosts `h0`, `h1` on loopback; `backend_ok[i]` says whether host `i`
-/// has the back-end program.
-async fn start_cluster(backend_ok: [bool; 2], think_ms: u64) -> Cluster {
+/// How a host's back-end behaves.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Backend {
+    /// It runs.
+    Ok,
+    /// The host has no back-end program.
+    Missing,
+    /// The program exists but exits as it starts (its ledger cannot be
+    /// opened here).
+    FailsToStart,
+    /// It runs with a request log cap of 0: it refuses its part whenever
+    /// it has read a request it has not exported yet.
+    RefusesParts,
+}
+
+/// Two hosts `h0`, `h1` on loopback, host `i`'s back-end as `backends[i]`.
+async fn start_cluster(backends: [Backend; 2], think_ms: u64) -> Cluster {
     init_logging();
     let dir = tempfile::tempdir().unwrap();
     let ledger = dir.path().join("ledger");
@@ -264,18 +371,25 @@ async fn start_cluster(backend_ok: [bool; 2], think_ms: u64) -> Cluster {
         let work = dir.path().join(format!("{name}-sets"));
         std::fs::create_dir_all(&state).unwrap();
         std::fs::create_dir_all(&work).unwrap();
-        let backend = if backend_ok[i] {
-            common::example("service_ledger")
-        } else {
+        let backend = if backends[i] == Backend::Missing {
             dir.path().join("no-such-back-end")
+        } else {
+            common::example("service_ledger")
         };
         let front = Arc::new(Front {
             backend,
             work,
-            ledger: ledger.clone(),
+            ledger: if backends[i] == Backend::FailsToStart {
+                dir.path().join("no-such-dir").join("ledger")
+            } else {
+                ledger.clone()
+            },
+            log_cap: (backends[i] == Backend::RefusesParts).then_some(0),
             think_ms,
             starts: AtomicUsize::new(0),
             restored: AtomicUsize::new(0),
+            staged_runs: AtomicUsize::new(0),
+            pids: Mutex::new(Vec::new()),
             cuts: Mutex::new(Vec::new()),
         });
         let mut sc = cli::server_config(service_key.clone());
@@ -305,7 +419,7 @@ async fn start_cluster(backend_ok: [bool; 2], think_ms: u64) -> Cluster {
                         let Ok((stream, _)) = s.handle().accept_stream().await else {
                             return;
                         };
-                        let root = roam_continuation::service_set::Member::fresh(Front::limits());
+                        let root = Member::fresh(Front::limits());
                         let (set, child) =
                             f.start_set(root, None).await.expect("start the back-end");
                         serve(f, s, stream, set, child, Vec::new()).await;
@@ -370,6 +484,10 @@ struct Client {
     replies: Arc<AtomicU64>,
     /// The reader's first error, as soon as it has one.
     error: Arc<Mutex<Option<String>>>,
+    /// The stream's write half once every request is sent: held open (the
+    /// front-end ends its session when the client closes it) until the
+    /// client is dropped or its session closed.
+    _writer: Arc<Mutex<Option<tokio::io::WriteHalf<RoamStream>>>>,
     task: tokio::task::JoinHandle<Result<u64, String>>,
 }
 
@@ -395,6 +513,8 @@ async fn client(c: &Cluster, host: &str, n: u64) -> Client {
     let seen = replies.clone();
     let error = Arc::new(Mutex::new(None));
     let failed = error.clone();
+    let held = Arc::new(Mutex::new(None));
+    let hold = held.clone();
     let task = tokio::spawn(async move {
         let r = read_replies(&mut r, n, &seen).await;
         if let Err(e) = &r {
@@ -402,13 +522,14 @@ async fn client(c: &Cluster, host: &str, n: u64) -> Client {
         }
         r?;
         let w = writer.await.map_err(|e| e.to_string())??;
-        drop(w);
+        *hold.lock().unwrap() = Some(w);
         Ok(n)
     });
     Client {
         session,
         replies,
         error,
+        _writer: held,
         task,
     }
 }
@@ -478,7 +599,7 @@ fn assert_ledger(path: &std::path::Path, n: u64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cluster_moves_a_session_with_its_back_end_and_every_effect_happens_once() {
     bounded(Duration::from_secs(180), "test", async {
-        let c = start_cluster([true, true], 2).await;
+        let c = start_cluster([Backend::Ok, Backend::Ok], 2).await;
         const N: u64 = 1500;
         const MOVES: u64 = 6;
         let cl = client(&c, "h0", N).await;
@@ -510,6 +631,15 @@ async fn a_cluster_moves_a_session_with_its_back_end_and_every_effect_happens_on
             .map(|n| n.front.restored.load(Ordering::SeqCst))
             .sum();
         assert_eq!(restored as u64, MOVES, "one restart from a cut per move");
+        let staged: usize = c
+            .nodes
+            .iter()
+            .map(|n| n.front.staged_runs.load(Ordering::SeqCst))
+            .sum();
+        assert_eq!(
+            staged as u64, MOVES,
+            "each destination ran the back-end it started before the commit"
+        );
         let cuts: Vec<usize> = c
             .nodes
             .iter()
@@ -522,8 +652,20 @@ async fn a_cluster_moves_a_session_with_its_back_end_and_every_effect_happens_on
         println!(
             "moves {MOVES}: frozen µs {frozen:?}, total µs {total:?}, cut bytes {cuts:?}, transfer bytes {transfer:?}"
         );
+        let pids: Vec<u32> = c
+            .nodes
+            .iter()
+            .flat_map(|n| n.front.pids.lock().unwrap().clone())
+            .collect();
+        assert_eq!(pids.len() as u64, MOVES + 1, "one back-end per incarnation");
         let _ = tokio::time::timeout(Duration::from_secs(5), cl.session.close(0, "done")).await;
         c.shutdown().await;
+        for pid in pids {
+            wait_until(Duration::from_secs(10), "every back-end gone", move || {
+                !alive(pid)
+            })
+            .await;
+        }
     })
     .await;
 }
@@ -531,7 +673,7 @@ async fn a_cluster_moves_a_session_with_its_back_end_and_every_effect_happens_on
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_destination_that_cannot_run_the_back_end_leaves_the_session_at_its_source() {
     bounded(Duration::from_secs(120), "test", async {
-        let c = start_cluster([true, false], 2).await;
+        let c = start_cluster([Backend::Ok, Backend::Missing], 2).await;
         const N: u64 = 600;
         let cl = client(&c, "h0", N).await;
         let id = cl.session.id().unwrap();
@@ -561,6 +703,186 @@ async fn a_destination_that_cannot_run_the_back_end_leaves_the_session_at_its_so
             "the source restarted its set from the cut it saved"
         );
         let _ = tokio::time::timeout(Duration::from_secs(5), cl.session.close(0, "done")).await;
+        c.shutdown().await;
+    })
+    .await;
+}
+
+/// Whether process `pid` still exists (a zombie counts as gone: it runs
+/// nothing).
+fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => false,
+        // The state follows the parenthesised command name.
+        Ok(stat) => !stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_back_end_that_fails_to_start_at_the_destination_refuses_the_move_before_the_commit() {
+    bounded(Duration::from_secs(120), "test", async {
+        let c = start_cluster([Backend::Ok, Backend::FailsToStart], 2).await;
+        const N: u64 = 600;
+        let cl = client(&c, "h0", N).await;
+        let id = cl.session.id().unwrap();
+        wait_replies(&cl, N / 4).await;
+        let started = Instant::now();
+        match c.nodes[0].host.move_session(id, "h1").await {
+            Err(MoveError::Refused(r)) => {
+                let why = r.to_string();
+                assert!(
+                    why.contains("starting the back-end") && why.contains("ledger"),
+                    "refusal: {why}"
+                );
+            }
+            other => panic!("the move should be refused: {other:?}"),
+        }
+        println!("refused after {:?}", started.elapsed());
+        wait_until(Duration::from_secs(10), "the source serves it", || {
+            c.holder(id) == Some(0)
+        })
+        .await;
+        let before = cl.replies.load(Ordering::SeqCst);
+        wait_replies(&cl, before + 50).await;
+        let got = cl.task.await.unwrap().expect("every reply once, in order");
+        assert_eq!(got, N);
+        assert_ledger(&c.ledger, N);
+        let b = &c.nodes[1].front;
+        assert_eq!(b.starts.load(Ordering::SeqCst), 1, "one start tried at h1");
+        assert_eq!(b.restored.load(Ordering::SeqCst), 0);
+        assert_eq!(b.staged_runs.load(Ordering::SeqCst), 0);
+        assert_eq!(
+            c.nodes[0].front.restored.load(Ordering::SeqCst),
+            1,
+            "the source restarted its set from the cut it saved"
+        );
+        let pids = b.pids.lock().unwrap().clone();
+        assert_eq!(pids.len(), 1, "h1 started one back-end process");
+        for pid in pids {
+            wait_until(Duration::from_secs(5), "h1's back-end gone", move || {
+                !alive(pid)
+            })
+            .await;
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(5), cl.session.close(0, "done")).await;
+        c.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_back_end_refusing_its_part_mid_move_calls_the_move_off_at_once() {
+    bounded(Duration::from_secs(120), "test", async {
+        // 150 ms between each reply and the back-end's export: the move's
+        // freeze (between two of the front-end's requests) finds a request
+        // read and not exported, over the log cap of 0, and the back-end
+        // refuses its part.
+        let c = start_cluster([Backend::RefusesParts, Backend::Ok], 150).await;
+        const N: u64 = 30;
+        let cl = client(&c, "h0", N).await;
+        let id = cl.session.id().unwrap();
+        wait_replies(&cl, 5).await;
+        let started = Instant::now();
+        let result = c.nodes[0].host.move_session(id, "h1").await;
+        let took = started.elapsed();
+        match result {
+            Err(MoveError::Declined(why)) => {
+                assert!(
+                    why.contains("back-end ledger refused its part"),
+                    "declined: {why}"
+                );
+            }
+            other => panic!("the move should be called off: {other:?}"),
+        }
+        println!("called off after {took:?}");
+        assert!(
+            took < Duration::from_secs(3),
+            "called off after {took:?}, not at once"
+        );
+        wait_until(Duration::from_secs(10), "the source serves it", || {
+            c.holder(id) == Some(0)
+        })
+        .await;
+        let got = cl.task.await.unwrap().expect("every reply once, in order");
+        assert_eq!(got, N);
+        assert_ledger(&c.ledger, N);
+        assert_eq!(c.nodes[1].front.starts.load(Ordering::SeqCst), 0);
+        assert!(
+            c.nodes[0].front.cuts.lock().unwrap().is_empty(),
+            "no cut saved"
+        );
+        assert_eq!(
+            c.nodes[0].front.restored.load(Ordering::SeqCst),
+            0,
+            "the set kept running: nothing restarted"
+        );
+        let _ = tokio::time::timeout(Duration::from_secs(5), cl.session.close(0, "done")).await;
+        c.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_back_end_killed_mid_move_calls_the_move_off_at_once() {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+    bounded(Duration::from_secs(120), "test", async {
+        let c = Arc::new(start_cluster([Backend::Ok, Backend::Ok], 2).await);
+        const N: u64 = 200;
+        let cl = client(&c, "h0", N).await;
+        let id = cl.session.id().unwrap();
+        // Every request answered: the front-end waits for the client, so
+        // the move's freeze finds it at once and it saves the set.
+        let got = cl.task.await.unwrap().expect("every reply once, in order");
+        assert_eq!(got, N);
+        let pids = c.nodes[0].front.pids.lock().unwrap().clone();
+        let [pid] = pids[..] else {
+            panic!("one back-end at h0: {pids:?}")
+        };
+        let pid = Pid::from_raw(pid as i32);
+        // Stopped, the back-end cannot answer the save's FREEZE; killed
+        // while the save waits for it, it dies in the middle of the move.
+        kill(pid, Signal::SIGSTOP).expect("SIGSTOP");
+        let started = Instant::now();
+        let mover = {
+            let c = c.clone();
+            tokio::spawn(async move { c.nodes[0].host.move_session(id, "h1").await })
+        };
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(
+            !mover.is_finished(),
+            "the move waits for the stopped back-end"
+        );
+        let killed = Instant::now();
+        kill(pid, Signal::SIGKILL).expect("SIGKILL");
+        let result = mover.await.unwrap();
+        let (took, after_kill) = (started.elapsed(), killed.elapsed());
+        match result {
+            Err(MoveError::Declined(why)) => {
+                assert!(why.contains("back-end ledger"), "declined: {why}");
+            }
+            other => panic!("the move should be called off: {other:?}"),
+        }
+        println!("called off {after_kill:?} after the kill ({took:?} after the move began)");
+        assert!(
+            after_kill < Duration::from_secs(3),
+            "called off {after_kill:?} after the kill, not at once"
+        );
+        assert_eq!(c.nodes[1].front.starts.load(Ordering::SeqCst), 0);
+        assert!(
+            c.nodes[0].front.cuts.lock().unwrap().is_empty(),
+            "no cut saved"
+        );
+        assert_eq!(c.holder(id), Some(0), "the session is still at its source");
+        // Every reply was exact and once (checked by the client), and so
+        // is every effect.
+        assert_ledger(&c.ledger, N);
+        let _ = tokio::time::timeout(Duration::from_secs(5), cl.session.close(0, "done")).await;
+        let Ok(c) = Arc::try_unwrap(c) else {
+            panic!("the cluster is still shared")
+        };
         c.shutdown().await;
     })
     .await;
