@@ -33,13 +33,16 @@ impl ConnectFailure {
 }
 
 /// What a client connects to, so that its messages name the server as the
-/// user knows it: a relay, or a store server behind `--store roam://`.
+/// user knows it: a relay, a store server behind `--store roam://`, or the
+/// destination of `roam migrate-process`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum ServerKind {
     /// A relay (`roam serve`), or another server reached like one.
     Relay,
     /// A store server (`roam store serve`, `--store roam://HOST:PORT`).
     Store,
+    /// A `roam migrate-accept` server (`roam migrate-process --to HOST`).
+    MigrateAccept,
 }
 
 impl ServerKind {
@@ -48,6 +51,7 @@ impl ServerKind {
         match self {
             ServerKind::Relay => format!("relay {addr}"),
             ServerKind::Store => format!("the store server roam://{addr}"),
+            ServerKind::MigrateAccept => format!("the migrate-accept server at {addr}"),
         }
     }
 
@@ -56,6 +60,17 @@ impl ServerKind {
         match self {
             ServerKind::Relay => "relay",
             ServerKind::Store => "store server",
+            ServerKind::MigrateAccept => "migrate-accept server",
+        }
+    }
+
+    /// The command that serves this kind of server, for "check that it
+    /// runs there" hints.
+    fn command(self) -> &'static str {
+        match self {
+            ServerKind::Relay => "roam serve",
+            ServerKind::Store => "roam store serve",
+            ServerKind::MigrateAccept => "roam migrate-accept",
         }
     }
 }
@@ -158,17 +173,42 @@ pub(crate) async fn connect_store_server(
     addr: &str,
     config: &FileConfig,
 ) -> Result<roam::SessionHandle, CliError> {
+    connect_named(addr, None, config, ServerKind::Store).await
+}
+
+/// Connects to the `roam migrate-accept` server at `addr` (`host:port`)
+/// with the client key `key` (else the user's), as [`connect_relay`] does to
+/// a relay; every message names it as the migrate-accept server at `ADDR`,
+/// and `Err` is the whole message for the user.
+pub(crate) async fn connect_migrate_accept(
+    addr: &str,
+    key: Option<&Path>,
+    config: &FileConfig,
+) -> Result<roam::SessionHandle, CliError> {
+    connect_named(addr, key, config, ServerKind::MigrateAccept).await
+}
+
+/// [`connect_server`] to a server other than a relay, with the library's
+/// errors (unreachable, a handshake that never completes) explained in
+/// words that name it as `kind`.
+async fn connect_named(
+    addr: &str,
+    key: Option<&Path>,
+    config: &FileConfig,
+    kind: ServerKind,
+) -> Result<roam::SessionHandle, CliError> {
     let started = std::time::Instant::now();
-    match connect_server(addr, None, config, None, ServerKind::Store).await {
+    match connect_server(addr, key, config, None, kind).await {
         Ok(s) => Ok(s),
         Err(ConnectFailure::Cli(e)) => Err(e),
         Err(ConnectFailure::Roam(e)) => {
-            let name = ServerKind::Store.name(addr);
+            let name = kind.name(addr);
             let handshake = roam_proto::Config::default().handshake_timeout;
             Err(CliError(match e {
                 roam::Error::Unreachable { source, .. } => format!(
                     "cannot reach {name}: {source}; check the host and port, and that \
-                     `roam store serve` runs there"
+                     `{}` runs there",
+                    kind.command()
                 ),
                 e if e.protocol() == Some(&roam_proto::Error::HandshakeFailed)
                     && started.elapsed() >= handshake =>
@@ -176,8 +216,9 @@ pub(crate) async fn connect_store_server(
                     format!(
                         "{name} accepted the connection but did not answer the secure \
                          handshake within {} s (the network drops its packets, or it is not a \
-                         roam store server)",
-                        handshake.as_secs()
+                         roam {})",
+                        handshake.as_secs(),
+                        kind.noun()
                     )
                 }
                 e => format!("{name} could not be used: {e}"),
@@ -263,18 +304,25 @@ async fn connect_server(
                 kind.name(relay),
                 match kind {
                     ServerKind::Relay => "",
-                    ServerKind::Store => " (its --authorized-keys)",
+                    ServerKind::Store | ServerKind::MigrateAccept => " (its --authorized-keys)",
                 }
             )))),
-            Some(roam_proto::Error::ServerBusy) => Err(ConnectFailure::Cli(CliError(format!(
-                "{} is busy (at one of its connection or session limits); try again later, or ask its operator (`roam status` on the {} shows {})",
-                kind.name(relay),
-                kind.noun(),
-                match kind {
-                    ServerKind::Relay => "the limits",
-                    ServerKind::Store => "its sessions",
-                }
-            )))),
+            Some(roam_proto::Error::ServerBusy) => Err(ConnectFailure::Cli(CliError(match kind {
+                ServerKind::MigrateAccept => format!(
+                    "{} is busy (at one of its connection or session limits, or taking \
+                     another process); try again later",
+                    kind.name(relay)
+                ),
+                ServerKind::Relay | ServerKind::Store => format!(
+                    "{} is busy (at one of its connection or session limits); try again later, or ask its operator (`roam status` on the {} shows {})",
+                    kind.name(relay),
+                    kind.noun(),
+                    match kind {
+                        ServerKind::Store => "its sessions",
+                        _ => "the limits",
+                    }
+                ),
+            }))),
             _ => Err(ConnectFailure::Roam(e)),
         },
     }

@@ -1117,6 +1117,38 @@ fn a_refused_move_freezes_nothing_and_says_why() {
         stderr.contains("refused our client key") && stderr.contains("nothing was moved"),
         "{stderr}"
     );
+    // The destination is named as what it is, not as a relay.
+    let named = format!(
+        "the migrate-accept server at {}:{ACCEPT_PORT}",
+        s.lan.addr(B)
+    );
+    assert!(
+        stderr.contains(&named) && !stderr.contains("relay"),
+        "{stderr}"
+    );
+    // Nothing listens on the port asked for.
+    let mut cmd = roam_in(&s.lan, A, stranger.path());
+    let out = cmd
+        .arg("migrate-process")
+        .arg(s.pid.to_string())
+        .arg("--to")
+        .arg(format!("{}:{}", s.lan.addr(B), ACCEPT_PORT + 1))
+        .output()
+        .expect("roam migrate-process");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let unreachable = format!(
+        "cannot reach the migrate-accept server at {}:{}",
+        s.lan.addr(B),
+        ACCEPT_PORT + 1
+    );
+    assert!(
+        stderr.contains(&unreachable)
+            && stderr.contains("`roam migrate-accept` runs there")
+            && stderr.contains("nothing was moved")
+            && !stderr.contains("relay"),
+        "{stderr}"
+    );
     // B has the address already.
     let IpAddr::V4(service) = s.service else {
         unreachable!("an IPv4 service address")

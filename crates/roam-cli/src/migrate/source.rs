@@ -68,12 +68,9 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
             ),
         }
     ));
-    let session = crate::connect::connect_relay(&to, args.client.key.as_deref(), config)
+    let session = crate::connect::connect_migrate_accept(&to, args.client.key.as_deref(), config)
         .await
-        .map_err(|e| {
-            let e = e.into_cli();
-            CliError(format!("{}; nothing was moved", e.0))
-        })?;
+        .map_err(|e| CliError(format!("{}; nothing was moved", e.0)))?;
     let stream = session
         .open_stream(wire::STREAM_META)
         .map_err(|e| CliError(format!("cannot open a stream to {to}: {e}")))?;
