@@ -876,6 +876,26 @@ fn with_lazy_pages_the_server_runs_at_the_destination_and_its_memory_follows() {
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("no post-copy line: {stdout}"));
     assert!(followed >= 96.0, "only {followed} MB followed: {stdout}");
+    // The progress said about how much was to follow (the server's
+    // anonymous memory, its 96 MB of ballast among it).
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let to_follow: f64 = stderr
+        .lines()
+        .find(|l| l.contains("sending the rest of its memory"))
+        .and_then(|l| l.split("(about ").nth(1))
+        .and_then(|l| l.split(" MB to follow)").next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no figure of the memory to follow: {stderr}"));
+    assert!(
+        (96.0..followed * 1.5).contains(&to_follow),
+        "{to_follow} MB to follow, {followed} MB followed"
+    );
+    // The summary breaks the dump down from CRIU's log.
+    assert!(
+        stdout.contains("in the dump: address lock and capture")
+            && stdout.contains("files and sockets"),
+        "{stdout}"
+    );
     let images: f64 = stdout
         .split(" of images")
         .next()

@@ -76,6 +76,14 @@ impl Progress {
         );
     }
 
+    /// A function that prints a phase's line as [`Progress::phase`] does,
+    /// for another thread (a step CRIU runs while this side waits; no bar
+    /// is drawn then).
+    pub(crate) fn line_maker(&self) -> impl Fn(&str) + Send + 'static {
+        let start = self.start;
+        move |msg| eprintln!("roam: [{:>7.2} s] {msg}", start.elapsed().as_secs_f64())
+    }
+
     /// Shows `done` of `total` bytes sent (a bar on a terminal).
     pub(crate) fn bytes(&mut self, done: u64, total: u64) {
         if !self.tty {

@@ -155,36 +155,37 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
             ))
         })?)
     };
-    let lock = AddressLock::new(None, address.addr).map_err(|e| {
-        CliError(format!(
-            "cannot lock {}: {e}; nothing was frozen",
-            address.addr
-        ))
-    })?;
-    let frozen_at = Instant::now();
-    // Packets for the address from now on are dropped here; a copy of each
-    // goes to the destination to be delivered there.
-    let capture = if args.no_reinject || follow.is_some() {
-        None
-    } else {
-        match super::packets::Capture::start(address.addr) {
-            Ok(c) => Some(c),
-            Err(e) => {
-                progress.phase(&format!(
-                    "warning: cannot capture packets during the freeze ({e}); peers will \
-                     retransmit them"
-                ));
-                None
-            }
-        }
+    // The address is locked (and its packets captured) in CRIU's
+    // pre-dump step, after CRIU's own start-up and just before it freezes
+    // the tree: the tree serves while CRIU starts. With --sessions-to it
+    // is locked now, as its sessions' connections are cut before the dump.
+    let lock_address = {
+        let addr = address.addr;
+        let capture = !args.no_reinject && follow.is_none();
+        move || Locked::take(addr, capture)
     };
+    let locked: std::sync::Arc<std::sync::Mutex<Option<Locked>>> = std::sync::Arc::default();
     if follow.is_some() {
+        let l = lock_address().map_err(|e| CliError(format!("{e}; nothing was frozen")))?;
+        put(&locked, l);
         // The sessions' connections here cannot be rebuilt at another
         // address: cut now (the lock keeps new ones out), the process sees
         // them fail and its sessions wait for their clients to resume.
         cut_connections(&address, &mut progress).await;
     }
-    progress.phase(&format!("freezing and dumping {}", info.label()));
+    // About how much memory follows after the freeze (post-copy): read
+    // before it, as an estimate for the progress lines.
+    let lazy_bytes = if args.lazy_pages {
+        anonymous_bytes(&info.pids)
+    } else {
+        None
+    };
+    // Said from CRIU's pre-dump step, once the address is locked.
+    let freezing = {
+        let line = progress.line_maker();
+        let msg = format!("freezing and dumping {}", info.label());
+        move || line(&msg)
+    };
 
     // CRIU runs on a thread of its own; its post-dump step (the process
     // frozen, the images complete) hands the images directory over here
@@ -196,6 +197,7 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
     let dump = {
         let dir = images.path.clone();
         let pid = args.pid;
+        let locked = locked.clone();
         tokio::task::spawn_blocking(move || {
             let opts = DumpOptions {
                 tcp_established: true,
@@ -210,12 +212,19 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
                     .recv()
                     .unwrap_or_else(|_| Err("roam stopped waiting".into()))
             };
-            match criu_pages {
-                // Post-copy: a lazy dump; its memory is served after the
-                // step, until the destination has all of it.
-                Some(fd) => criu.dump_lazily_then(pid, &dir, &opts, fd, &mut step),
-                None => criu.dump_then(pid, &dir, &opts, &mut step),
-            }
+            // Locks the address (unless locked already), then CRIU
+            // freezes the tree.
+            let mut pre = || {
+                let mut slot = locked.lock().unwrap_or_else(|e| e.into_inner());
+                if slot.is_none() {
+                    *slot = Some(lock_address()?);
+                }
+                freezing();
+                Ok(())
+            };
+            // Post-copy (`criu_pages`): a lazy dump; its memory is served
+            // after the step, until the destination has all of it.
+            criu.dump_steps(pid, &dir, &opts, criu_pages, &mut pre, &mut step)
         })
     };
     let mut timings = Timings::default();
@@ -227,14 +236,30 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
     // the post-dump step (not before: the dump grows larger page pipes
     // with it, and is slower).
     let mut room = None;
+    // The address lock, taken by now if the dump reached its post-dump
+    // step.
+    let mut held: Option<Locked> = None;
     if let Some(dir) = images_rx.recv().await {
-        timings.dump = frozen_at.elapsed();
+        held = take(&locked);
+        if let Some(h) = &held {
+            timings.dump = h.at.elapsed();
+            timings.lock = h.took;
+            if let Some(e) = &h.capture_failed {
+                progress.phase(&format!(
+                    "warning: cannot capture packets during the freeze ({e}); peers will \
+                     retransmit them"
+                ));
+            }
+        }
         let sent = Instant::now();
         // Post-copy: the lazy dump wrote none of the private memory; the
         // destination fetches it as it needs it.
-        let outcome = tokio::select! {
-            r = send_images(&mut wr, &mut answers, &dir, &mut progress, &timings, &to) => r,
-            _ = interrupt.wait() => Err("interrupted by a signal".to_string()),
+        let outcome = match held {
+            None => Err("roam's address lock was not taken before the freeze".to_string()),
+            Some(_) => tokio::select! {
+                r = send_images(&mut wr, &mut answers, &dir, &mut progress, &timings, &to) => r,
+                _ = interrupt.wait() => Err("interrupted by a signal".to_string()),
+            },
         };
         timings.transfer = sent.elapsed();
         let server = lazy.take();
@@ -247,9 +272,10 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
                 progress.phase(&format!(
                     "images sent; {to} restores {} while {}",
                     info.label(),
-                    match server {
-                        Some(_) => "its memory stays here",
-                        None => "it stays frozen here",
+                    match (&server, lazy_bytes) {
+                        (Some(_), Some(n)) => format!("its memory (about {}) stays here", mb(n)),
+                        (Some(_), None) => "its memory stays here".to_string(),
+                        (None, _) => "it stays frozen here".to_string(),
                     }
                 ));
                 let ask = match server {
@@ -306,6 +332,7 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
             server.hand_over();
         }
     }
+    let serving_some = serving.is_some();
     if let Some(server) = lazy.take() {
         // The dump failed before its post-dump step.
         server.stop();
@@ -315,18 +342,24 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
     // (its repair-mode sockets close without a packet, its memory is
     // unmapped: 0.1-0.2 s at 1 GB) while the address is handed over, not
     // before.
-    if let (Some(new_pid), Some(server)) = (restored, serving) {
+    // (`held` is taken only for the branch that runs.)
+    if let (Some(new_pid), Some(server), Some(h)) = (
+        restored,
+        serving,
+        held.take_if(|_| restored.is_some() && serving_some),
+    ) {
         return finish_lazily(
             LazyMove {
                 new_pid,
                 follow,
                 server,
                 dump,
-                lock,
-                capture,
-                frozen_at,
+                lock: h.lock,
+                capture: h.capture,
+                frozen_at: h.at,
                 timings,
                 room,
+                lazy_bytes,
             },
             wr,
             &mut answers,
@@ -341,7 +374,7 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
         )
         .await;
     }
-    if let Some(new_pid) = restored {
+    if let (Some(new_pid), Some(h)) = (restored, held.take()) {
         // The process runs at the destination (behind its lock) and CRIU
         // ends it here (its repair-mode sockets close without a packet)
         // while the address is handed over.
@@ -357,10 +390,10 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
             &mut answers,
             &address,
             follow.is_some(),
-            capture,
-            lock,
+            h.capture,
+            h.lock,
             &to,
-            frozen_at,
+            h.at,
             &mut timings,
         )
         .await;
@@ -402,7 +435,13 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
     // Resumed: its loopback connections carry on (TCP retransmits what
     // the lock dropped).
     drop(loopback_lock);
-    let unlocked = lock.release();
+    let unlocked = match held.or_else(|| take(&locked)) {
+        Some(h) => {
+            drop(h.capture);
+            h.lock.release()
+        }
+        None => Ok(()),
+    };
     let e = match dumped {
         Err(roam_criu::Error::Aborted { reason }) => reason,
         Err(other) => {
@@ -442,6 +481,104 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
         ));
     }
     Err(CliError(msg))
+}
+
+/// The address lock of a move, and the capture of the packets it drops.
+struct Locked {
+    /// The lock (TCP to and from the address dropped).
+    lock: AddressLock,
+    /// Copies of the dropped packets, for the destination (`None`:
+    /// `--no-reinject`, `--sessions-to`, or it could not start).
+    capture: Option<super::packets::Capture>,
+    /// Why the capture could not start, if it was wanted.
+    capture_failed: Option<String>,
+    /// When the lock was begun: the freeze starts here.
+    at: Instant,
+    /// How long taking the lock and starting the capture took.
+    took: Duration,
+}
+
+impl Locked {
+    /// Locks `addr` and, if `capture`, starts capturing its packets. `Err`:
+    /// why it could not be locked.
+    fn take(addr: std::net::IpAddr, capture: bool) -> Result<Locked, String> {
+        // The freeze counts from here: packets are dropped from some
+        // point while the lock is being made.
+        let at = Instant::now();
+        let lock = AddressLock::new(None, addr).map_err(|e| format!("cannot lock {addr}: {e}"))?;
+        let (capture, capture_failed) = match capture {
+            false => (None, None),
+            true => match super::packets::Capture::start(addr) {
+                Ok(c) => (Some(c), None),
+                Err(e) => (None, Some(e.to_string())),
+            },
+        };
+        Ok(Locked {
+            lock,
+            capture,
+            capture_failed,
+            at,
+            took: at.elapsed(),
+        })
+    }
+}
+
+/// Takes the lock out of `slot` (shared with the dump's thread, which
+/// takes it in CRIU's pre-dump step).
+fn take(slot: &std::sync::Mutex<Option<Locked>>) -> Option<Locked> {
+    slot.lock().unwrap_or_else(|e| e.into_inner()).take()
+}
+
+/// Puts `l` in `slot`.
+fn put(slot: &std::sync::Mutex<Option<Locked>>, l: Locked) {
+    *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(l);
+}
+
+/// The private anonymous memory of the processes `pids` (the
+/// `Anonymous:` lines of `/proc/PID/smaps_rollup`), about what a lazy
+/// dump leaves to follow after the freeze; `None` if none could be read.
+fn anonymous_bytes(pids: &[i32]) -> Option<u64> {
+    let mut total = None;
+    for p in pids {
+        let Ok(text) = std::fs::read_to_string(format!("/proc/{p}/smaps_rollup")) else {
+            continue;
+        };
+        let kb: u64 = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("Anonymous:"))
+            .filter_map(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+            .sum();
+        *total.get_or_insert(0) += kb * 1024;
+    }
+    total
+}
+
+/// CRIU's dump, phase by phase, from the timestamps of its log (`(SS.uuuuuu)
+/// MESSAGE`, seconds since CRIU started): its start-up before the pre-dump
+/// step (the tree still serves: roam locks the address at that step), then
+/// from the step to the tree's memory map dumped, its files and sockets,
+/// and its memory and the rest until the post-dump step. Marks of the first
+/// task only (a tree of several interleaves them). `None` without the
+/// marks.
+fn criu_phases(log: &str) -> Option<String> {
+    let at = |mark: &str| -> Option<f64> {
+        let line = log.lines().find(|l| l.contains(mark))?;
+        let t = line.strip_prefix('(')?.split(')').next()?;
+        t.trim().parse::<f64>().ok()
+    };
+    let pre = at("Running pre-dump scripts")?;
+    let files = at("Dumping opened files")?;
+    let pages = at("Dumping pages")?;
+    let post = at("Running post-dump scripts")?;
+    let d = |a: f64, b: f64| ms(Duration::from_secs_f64((b - a).max(0.0)));
+    Some(format!(
+        "CRIU's start-up {} (before the freeze), then freezing and the memory map {}, files and \
+         sockets {}, memory and the rest {}",
+        d(0.0, pre),
+        d(pre, files),
+        d(files, pages),
+        d(pages, post)
+    ))
 }
 
 /// Where the clients of a process whose connections are roam sessions
@@ -671,12 +808,16 @@ async fn conclude(
     follow: Option<Follow>,
     moved: &Moved<'_>,
 ) -> CliResult {
+    // Read after the freeze (the log is megabytes at 1,000 sockets).
+    let phases = std::fs::read_to_string(images.path.join("dump.log"))
+        .ok()
+        .and_then(|log| criu_phases(&log));
     drop(images);
     wr.close(writer).await;
     let _ = session.close(0, "moved").await;
     let total = progress.elapsed();
     drop(progress);
-    let status = report(moved, total)?;
+    let status = report(moved, total, phases.as_deref())?;
     match follow {
         Some(f) => redirect(f, moved.address, moved.args.redirect_for)
             .await
@@ -687,7 +828,7 @@ async fn conclude(
 
 /// Prints the summary of a move that happened and its warnings; the exit
 /// status.
-fn report(moved: &Moved<'_>, total: Duration) -> CliResult {
+fn report(moved: &Moved<'_>, total: Duration, criu_phases: Option<&str>) -> CliResult {
     let Moved {
         args,
         info,
@@ -734,6 +875,11 @@ fn report(moved: &Moved<'_>, total: Duration) -> CliResult {
         mb(image_bytes),
         ms(total),
     );
+    println!(
+        "  in the dump: address lock and capture {}; {}",
+        ms(timings.lock),
+        criu_phases.unwrap_or("CRIU's log has no phase marks")
+    );
     if let Some((bytes, took)) = post_copy {
         println!(
             "  post-copy: {} of memory followed after the freeze, in {}",
@@ -768,6 +914,8 @@ struct LazyMove {
     timings: Timings,
     /// Room for the pipes of CRIU's page server, while it serves.
     room: Option<roam_criu::PipeRoom>,
+    /// About how much memory follows (read before the freeze).
+    lazy_bytes: Option<u64>,
 }
 
 /// The first connection of `now` (each as its two ends) that `held` has
@@ -844,8 +992,11 @@ async fn finish_lazily(
     .await;
     m.server.flow(true);
     progress.phase(&format!(
-        "{} runs at {to}; sending the rest of its memory",
-        info.label()
+        "{} runs at {to}; sending the rest of its memory{}",
+        info.label(),
+        m.lazy_bytes
+            .map(|n| format!(" (about {} to follow)", mb(n)))
+            .unwrap_or_default()
     ));
     // CRIU's lazy dump serves the memory from the frozen process here
     // until the destination has all of it, then ends the process: the
@@ -1065,6 +1216,8 @@ fn plural(n: usize, one: &str, many: &str) -> String {
 struct Timings {
     /// Lock and CRIU's dump, until the images were complete.
     dump: Duration,
+    /// Of `dump`: taking the address lock and starting the capture.
+    lock: Duration,
     /// Sending the images.
     transfer: Duration,
     /// The destination's restore (as it measured it).
