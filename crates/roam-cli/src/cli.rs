@@ -494,6 +494,52 @@ many were fetched:
 Exit status: 0 written (with --vm: QEMU's own status); 1 an error (message
 on stderr); 2 bad arguments.")]
     Resume(ResumeArgs),
+    /// Fetch the newest version of an environment into a hoard at this site ahead of a resume, each chunk verified.
+    #[command(after_help = "\
+Examples:
+  roam hoard --env laptop /var/cache/roam-hoard/laptop          # once
+  roam hoard --env laptop --follow --interval 1m /var/cache/roam-hoard/laptop
+  roam hoard --env laptop --store roam://store.example:7449 /var/cache/roam-hoard/laptop
+
+  # later, when the user arrives: only what the hoard lacks is fetched
+  roam resume --env laptop --lookaside /var/cache/roam-hoard/laptop ./vm
+
+Hoarding is Internet Suspend/Resume's fully proactive policy: the resume site
+fetches the environment before the user arrives, so the resume itself moves
+little. DIR gets the newest version's images under DIR/images/ and a file
+DIR/HOARD saying which environment and version they are; it is a cache, not
+an environment to run (`roam resume` refuses to write into it). Give it to
+`roam resume --lookaside DIR`: every chunk found there is read again and used
+only if its SHA-256 matches the version being resumed, so a hoard that is
+older than the newest version, or altered, still gives the right bytes; the
+rest comes from the store.
+
+Each hoard is incremental: the chunks already in DIR (of any older version)
+are taken from there after the same check, only the others are fetched from
+the store, each verified (authentication tag, then SHA-256 against the
+version's manifest) as `roam resume` does. A hoard of a version DIR already
+holds fetches nothing and repairs any chunk that no longer matches. The new
+images are written beside the old ones and put in place when all are
+complete; a failure or a signal leaves the previous hoard as it was. Progress
+goes to stderr, one summary line per version hoarded to stdout (chunks and
+bytes fetched, chunks and bytes already there).
+
+--follow keeps DIR current: after the first hoard, roam asks the store for a
+newer version every --interval (default 30s, at least 100ms) and hoards each
+one as it appears. A failed check or hoard is reported and tried again at the
+next interval (the first one is fatal: unknown environment, wrong secret).
+SIGINT or SIGTERM stops it cleanly: a hoard under way is abandoned and its
+partial files removed; exit status 0.
+
+DIR is created (mode 0700) if missing; a directory that holds other files and
+no DIR/HOARD is refused, as is a hoard of another environment. One roam
+process hoards into a DIR at a time. The store and secret are given as for
+`roam resume`; the secret must be at this site (the hoard is plaintext at
+rest, as a resumed copy is: keep DIR on a disk only you can read).
+
+Exit status: 0 hoarded (or, with --follow, stopped by a signal); 1 an error
+(message on stderr); 2 bad arguments.")]
+    Hoard(HoardArgs),
     /// List or garbage-collect the environments in a store.
     #[command(after_help = "\
 Examples:
@@ -840,6 +886,24 @@ pub(crate) struct ResumeArgs {
 }
 
 #[derive(Debug, Args)]
+pub(crate) struct HoardArgs {
+    /// The environment.
+    #[arg(long, value_name = "NAME", value_parser = parse_env_name)]
+    pub(crate) env: String,
+    /// The hoard directory at this site (created if missing; give it to `roam resume --lookaside`).
+    #[arg(value_name = "DIR")]
+    pub(crate) dir: PathBuf,
+    /// Keep hoarding: check the store for a newer version every --interval until SIGINT or SIGTERM.
+    #[arg(long)]
+    pub(crate) follow: bool,
+    /// With --follow: how often to ask the store for a newer version (at least 100ms) [default: 30s].
+    #[arg(long, value_name = "DURATION", requires = "follow")]
+    pub(crate) interval: Option<String>,
+    #[command(flatten)]
+    pub(crate) location: StoreLocationArgs,
+}
+
+#[derive(Debug, Args)]
 pub(crate) struct StoreArgs {
     #[command(subcommand)]
     pub(crate) action: StoreAction,
@@ -1156,6 +1220,7 @@ pub(crate) fn run(cli: Cli) -> i32 {
             Command::MigrateAccept(a) => crate::migrate::dest::run(a, &config).await,
             Command::Suspend(a) => crate::store::suspend(a, &config).await,
             Command::Resume(a) => crate::store::resume(a, &config).await,
+            Command::Hoard(a) => crate::store::hoard::run(a, &config).await,
             Command::Store(a) => crate::store::run(a, &config).await,
         }
     });

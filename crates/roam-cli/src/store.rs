@@ -29,6 +29,8 @@ use crate::demand::{DemandCounts, DemandImage, Fetch};
 use crate::store_remote::RemoteBackend;
 use crate::vm::{self, Incoming, Qmp, VM_MEMORY_IMAGE};
 
+pub(crate) mod hoard;
+
 /// Any backend, so one `Store` type serves them all.
 #[derive(Debug)]
 pub(crate) enum AnyBackend {
@@ -887,6 +889,19 @@ async fn resume_opened(args: &ResumeArgs, opened: &Opened) -> Result<i32, Fail> 
         ))));
     }
     let dir = &args.dir;
+    if let Some(held) = hoard::read_marker(dir) {
+        return Err(Fail::Run(CliError(format!(
+            "{} is a hoard{} ({} marks it), not a place to resume into: resume into another \
+             directory and pass --lookaside {}",
+            dir.display(),
+            held.map_or_else(
+                |_| String::new(),
+                |h| format!(" of {} version {}", h.env, h.version)
+            ),
+            dir.join(hoard::MARKER).display(),
+            dir.display()
+        ))));
+    }
     std::fs::create_dir_all(dir)
         .map_err(|e| CliError(format!("cannot create {}: {e}", dir.display())))?;
     // Demand fetch: the images QEMU opens as `-drive file=DIR/<image>` are
@@ -1351,6 +1366,29 @@ async fn scan_lookaside(
                  and cannot be found by hash (use it as --store, or name resumed files)",
                 path.display()
             );
+        }
+        match hoard::read_marker(path) {
+            Some(Ok(h)) if h.env != manifest.env => eprintln_whole!(
+                "roam: warning: lookaside {} is a hoard of environment {}, not {}: few of its \
+                 chunks will match (hoard {} with `roam hoard --env {}`)",
+                path.display(),
+                h.env,
+                manifest.env,
+                manifest.env,
+                manifest.env
+            ),
+            Some(Ok(h)) => rep.phase(&format!(
+                "lookaside {} is a hoard of {} version {}{}",
+                path.display(),
+                h.env,
+                h.version,
+                match h.version.cmp(&manifest.version) {
+                    std::cmp::Ordering::Equal => " (this version)",
+                    std::cmp::Ordering::Less => " (older: its unchanged chunks serve)",
+                    std::cmp::Ordering::Greater => " (newer: its unchanged chunks serve)",
+                }
+            )),
+            _ => {}
         }
     }
     let started = Instant::now();
