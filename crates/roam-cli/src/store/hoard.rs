@@ -263,18 +263,17 @@ async fn hoard_opened(args: &HoardArgs, opened: &Opened, interval: Duration) -> 
     // directory behind.
     let versions = opened.versions(env).await?;
     let newest = *versions.last().unwrap_or(&1);
-    let manifest_check = opened
+    let manifest = opened
         .store
         .load_manifest(env, newest)
         .await
         .map_err(|e| opened.explain(e))?;
-    drop(manifest_check);
     let (_lock, _) = prepare(dir, env)?;
     let mut stop: Pin<Box<dyn std::future::Future<Output = i32> + Send>> =
         Box::pin(crate::signals::exit_signal());
     let mut rep = Reporter::new();
     tokio::select! {
-        r = hoard_version(opened, env, newest, dir, &mut rep) => r?,
+        r = hoard_version(opened, &manifest, dir, &mut rep) => r?,
         sig = &mut stop => {
             return Err(Fail::Run(CliError(format!(
                 "interrupted by signal {sig} while hoarding {env} version {newest}: its partial \
@@ -304,7 +303,12 @@ async fn hoard_opened(args: &HoardArgs, opened: &Opened, interval: Duration) -> 
                 return Ok(None);
             }
             rep.phase(&format!("{env} version {newest} is in the store"));
-            hoard_version(opened, env, newest, dir, &mut rep).await?;
+            let manifest = opened
+                .store
+                .load_manifest(env, newest)
+                .await
+                .map_err(|e| opened.explain(e))?;
+            hoard_version(opened, &manifest, dir, &mut rep).await?;
             Ok::<_, Fail>(Some(newest))
         };
         tokio::select! {
@@ -342,22 +346,17 @@ fn held_note(dir: &Path) -> String {
     }
 }
 
-/// Hoards `env` version `version` into `dir` (prepared and locked): the
+/// Hoards the version `manifest` lists into `dir` (prepared and locked): the
 /// images are written into `.incoming.<pid>/` from the chunks `images/`
 /// holds and the store, then moved into `images/`, images of no longer
 /// present names removed, and the marker rewritten. Prints the summary line.
 async fn hoard_version(
     opened: &Opened,
-    env: &str,
-    version: u64,
+    manifest: &roam_store::Manifest,
     dir: &Path,
     rep: &mut Reporter,
 ) -> Result<(), Fail> {
-    let manifest = opened
-        .store
-        .load_manifest(env, version)
-        .await
-        .map_err(|e| opened.explain(e))?;
+    let (env, version) = (manifest.env.as_str(), manifest.version);
     if let Some(bad) = manifest.images.iter().find(|i| !file_name_ok(&i.name)) {
         return Err(Fail::Run(CliError(format!(
             "{env} version {version} has an image named {:?}, which cannot be a file name",
@@ -413,7 +412,7 @@ async fn hoard_version(
         ));
         let stats = restore_one(
             opened,
-            &manifest,
+            manifest,
             &image.name,
             (&tmp, &target),
             Some(&lookaside),
@@ -455,7 +454,7 @@ async fn hoard_version(
         "{MARKER_HEAD}\nenv: {env}\nversion: {version}\nstore: {}\nimages: {}\nhoarded: {} \
          (seconds since 1970)\n",
         opened.desc,
-        image_list(&manifest),
+        image_list(manifest),
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs())
