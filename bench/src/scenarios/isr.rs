@@ -17,14 +17,18 @@
 //! files into a directory (the *stale* lookaside cache), resume version 1
 //! at site B1, let it tick twice and suspend it again (version 2: the
 //! second suspend's chunks uploaded show the dedup), and write version 2's
-//! images into another directory (the *fresh* lookaside cache).
+//! images into another directory (the *fresh* lookaside cache). The resume
+//! site also hoards (`roam hoard`, ISR's fully proactive hoarding) version
+//! 1 after the first suspend and version 2 after the second, over the
+//! version 1 hoard (only its new chunks fetched); both hoards are timed.
 //!
 //! Then for every link rate (`tbf` on both ends of the veth), in rounds
 //! (the plan's count per rate; the policies' order rotated each round),
-//! version 2 is resumed into a fresh directory four ways: copy everything in first
+//! version 2 is resumed into a fresh directory five ways: copy everything in first
 //! (`roam resume --vm`), demand fetch (`--demand-fetch`: QEMU starts once
-//! the memory image is in and the disk comes over NBD), and copy-in with
-//! the fresh and with the stale lookaside cache (`--lookaside`). Measured:
+//! the memory image is in and the disk comes over NBD), copy-in with
+//! the fresh and with the stale lookaside cache (`--lookaside`), and
+//! copy-in from the hoard (`--lookaside` the hoard directory). Measured:
 //! from the command's start until roam says the guest runs, and until the
 //! guest's first tick on its console (its first interaction), the guest's
 //! next two ticks (post-resume slowdown: their interval against the 2 s the
@@ -89,15 +93,20 @@ pub(crate) enum Policy {
     LookasideFresh,
     /// Copy-in with `--lookaside` the images of version 1.
     LookasideStale,
+    /// Copy-in with `--lookaside` a hoard (`roam hoard`) made at the
+    /// resume site of version 1 and kept current to version 2 ahead of
+    /// the resume (ISR's fully proactive hoarding).
+    Hoarded,
 }
 
 impl Policy {
     /// Every policy, in the order each rate runs them.
-    const ALL: [Policy; 4] = [
+    const ALL: [Policy; 5] = [
         Policy::CopyIn,
         Policy::DemandFetch,
         Policy::LookasideFresh,
         Policy::LookasideStale,
+        Policy::Hoarded,
     ];
 
     /// The row label of the report.
@@ -107,6 +116,7 @@ impl Policy {
             Policy::DemandFetch => "demand fetch",
             Policy::LookasideFresh => "copy-in, fresh lookaside",
             Policy::LookasideStale => "copy-in, stale lookaside",
+            Policy::Hoarded => "copy-in, hoarded (`roam hoard`)",
         }
     }
 }
@@ -128,6 +138,23 @@ pub(crate) struct SuspendRow {
     pub(crate) bytes_uploaded: u64,
     /// Bytes the client's veth sent during the suspend (with HTTP).
     pub(crate) wire_bytes_sent: u64,
+}
+
+/// One `roam hoard` at the resume site, ahead of the resumes.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct HoardRow {
+    /// The version hoarded (1 into an empty hoard, 2 over version 1).
+    pub(crate) version: u64,
+    /// The command's wall time (s).
+    pub(crate) seconds: f64,
+    /// Chunks of the version.
+    pub(crate) chunks_total: u64,
+    /// Chunks fetched from the store (not already in the hoard).
+    pub(crate) chunks_fetched: u64,
+    /// Object bytes the store sent for them (roam's count).
+    pub(crate) object_bytes_fetched: u64,
+    /// Bytes received on the client's veth during the hoard.
+    pub(crate) wire_bytes: u64,
 }
 
 /// One measured resume of version 2.
@@ -182,6 +209,8 @@ pub(crate) struct Isr {
     pub(crate) disk_bytes: u64,
     /// Both suspends.
     pub(crate) suspends: Vec<SuspendRow>,
+    /// The two hoards at the resume site (after each suspend).
+    pub(crate) hoards: Vec<HoardRow>,
     /// What was left of the guest's sleep when version 2 was suspended
     /// (ms, estimated from when its last tick was seen): part of every
     /// first-tick time below.
@@ -677,6 +706,30 @@ fn write_images(net: &Net, tools: &Tools, dir: &Path, version: u64, into: &Path)
     check("roam resume (images only)", out).map(drop)
 }
 
+/// `roam hoard` of the newest version into `hoard` (unlimited veth: the
+/// hoard is made ahead of the resume).
+fn hoard(net: &Net, tools: &Tools, dir: &Path, hoard: &Path) -> io::Result<HoardRow> {
+    let (rx0, _) = net.counters()?;
+    let start = Instant::now();
+    let out = net
+        .roam(tools, dir)
+        .args(["hoard", "--env", ENV, "--store", &format!("s3://{BUCKET}")])
+        .arg(hoard)
+        .stdin(Stdio::null())
+        .output()?;
+    let seconds = start.elapsed().as_secs_f64();
+    let text = check("roam hoard", out)?;
+    let (rx1, _) = net.counters()?;
+    Ok(HoardRow {
+        version: number_before(&text, " from ")?,
+        seconds,
+        chunks_total: number_before(&text, " chunks, ")?,
+        chunks_fetched: number_before(&text, " fetched (")?,
+        object_bytes_fetched: number_before(&text, " bytes of objects)")?,
+        wire_bytes: rx1.saturating_sub(rx0),
+    })
+}
+
 /// `roam resume --vm` of the newest version into `site` with `extra`
 /// options, started now.
 fn resume_vm(
@@ -726,6 +779,9 @@ fn measure(tools: &Tools, dir: &Path, rates: &[(u32, usize)]) -> io::Result<Isr>
     ));
     let stale = dir.join("lookaside-v1");
     write_images(&net, tools, dir, 1, &stale)?;
+    // The resume site hoards version 1 now, version 2 once it exists.
+    let hoard_dir = dir.join("hoard");
+    let mut hoards = vec![hoard(&net, tools, dir, &hoard_dir)?];
     let memory_bytes = std::fs::metadata(stale.join("vm-memory"))?.len();
     let disk_bytes = std::fs::metadata(stale.join("disk.img"))?.len();
 
@@ -755,6 +811,13 @@ fn measure(tools: &Tools, dir: &Path, rates: &[(u32, usize)]) -> io::Result<Isr>
     ));
     let fresh = dir.join("lookaside-v2");
     write_images(&net, tools, dir, 2, &fresh)?;
+    hoards.push(hoard(&net, tools, dir, &hoard_dir)?);
+    for h in &hoards {
+        progress(&format!(
+            "isr: hoard of version {}: {:.2} s, {} of {} chunks fetched",
+            h.version, h.seconds, h.chunks_fetched, h.chunks_total
+        ));
+    }
 
     let mut samples: Vec<ResumeRow> = Vec::new();
     for &(rate, rounds) in rates {
@@ -773,6 +836,7 @@ fn measure(tools: &Tools, dir: &Path, rates: &[(u32, usize)]) -> io::Result<Isr>
                 Policy::DemandFetch => vec!["--demand-fetch".into()],
                 Policy::LookasideFresh => vec!["--lookaside".into(), fresh.display().to_string()],
                 Policy::LookasideStale => vec!["--lookaside".into(), stale.display().to_string()],
+                Policy::Hoarded => vec!["--lookaside".into(), hoard_dir.display().to_string()],
             };
             let (rx0, _) = net.counters()?;
             let start = Instant::now();
@@ -789,15 +853,17 @@ fn measure(tools: &Tools, dir: &Path, rates: &[(u32, usize)]) -> io::Result<Isr>
             let said = r.said();
             drop(r);
             let wire_bytes = rx1.saturating_sub(rx0);
-            let (lookaside_bytes, fetched_bytes) =
-                if matches!(policy, Policy::LookasideFresh | Policy::LookasideStale) {
-                    (
-                        Some(number_before(&said, " bytes local,")?),
-                        Some(number_before(&said, " bytes fetched,")?),
-                    )
-                } else {
-                    (None, None)
-                };
+            let (lookaside_bytes, fetched_bytes) = if matches!(
+                policy,
+                Policy::LookasideFresh | Policy::LookasideStale | Policy::Hoarded
+            ) {
+                (
+                    Some(number_before(&said, " bytes local,")?),
+                    Some(number_before(&said, " bytes fetched,")?),
+                )
+            } else {
+                (None, None)
+            };
             let row = ResumeRow {
                 rate_mbit: rate,
                 policy,
@@ -843,6 +909,7 @@ fn measure(tools: &Tools, dir: &Path, rates: &[(u32, usize)]) -> io::Result<Isr>
         memory_bytes,
         disk_bytes,
         suspends: vec![first, second],
+        hoards,
         residual_sleep_ms,
         resumes,
         samples,
@@ -969,6 +1036,22 @@ pub(crate) fn section(s: &mut String, o: &crate::Outcome<Isr>) {
             r.bytes_read as f64 / 1e6,
             r.bytes_uploaded as f64 / 1e6,
             r.wire_bytes_sent as f64 / 1e6
+        );
+    }
+    let _ = writeln!(
+        s,
+        "\nHoards at the resume site (`roam hoard`, unlimited veth, ahead of the resumes; version 2 over version 1's hoard):\n\n| version | s | chunks fetched / total | object MB fetched | received MB |\n|---|---:|---:|---:|---:|"
+    );
+    for h in &t.hoards {
+        let _ = writeln!(
+            s,
+            "| {} | {:.2} | {} / {} | {:.2} | {:.2} |",
+            h.version,
+            h.seconds,
+            h.chunks_fetched,
+            h.chunks_total,
+            h.object_bytes_fetched as f64 / 1e6,
+            h.wire_bytes as f64 / 1e6
         );
     }
     let _ = writeln!(
