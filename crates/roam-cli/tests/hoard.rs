@@ -10,6 +10,8 @@
 //!   a resume fetches nothing; a chunk altered in the hoard is not used
 //!   (fetched instead, the result still right) and the next hoard repairs
 //!   it; a hoard is refused as a resume's DIR;
+//! - SIGINT mid-hoard leaves the previous version's hoard whole, no
+//!   partial files (the store server 200 ms away, so chunks are in flight);
 //! - `--follow` hoards version 2 within a bounded time of its suspend and
 //!   stops cleanly on SIGTERM (exit 0, no lock or partial files left);
 //! - errors are precise: unknown environment (no directory made), wrong
@@ -393,6 +395,14 @@ fn hoard_then_resume_from_a_stale_fresh_and_tampered_hoard() {
 /// no more than its 2 chunks' objects (and the protocol's bytes) from it.
 #[test]
 fn hoard_through_a_store_server() {
+    let (server, proxy, mut s) = store_server();
+    hoard_scenario(&mut s, &|| Some(proxy.stats().bytes_down));
+    drop(server);
+}
+
+/// A `roam store serve` admitting sites A and B, behind a fault proxy, and
+/// the sites using it as `roam://`.
+fn store_server() -> (Guard, FaultProxy, Sites) {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     for sub in ["a", "b", "server", "holder"] {
@@ -414,8 +424,76 @@ fn hoard_through_a_store_server() {
     );
     wait_for_port(port);
     let proxy = FaultProxy::spawn(([127, 0, 0, 1], port).into()).unwrap();
-    let mut s = Sites::new(Some(format!("roam://{}", proxy.addr())), dir);
-    hoard_scenario(&mut s, &|| Some(proxy.stats().bytes_down));
+    let s = Sites::new(Some(format!("roam://{}", proxy.addr())), dir);
+    (server, proxy, s)
+}
+
+/// SIGINT while version 2 is being hoarded (the store 200 ms away each
+/// way, so its chunks are still on their way): exit 1 naming the signal,
+/// the hoard still version 1, whole, with no partial files or lock left;
+/// the next hoard takes version 2.
+#[test]
+fn a_signal_mid_hoard_leaves_the_previous_hoard() {
+    let (server, proxy, mut s) = store_server();
+    let b = s.b();
+    let hoard = b.join("hoard");
+    s.suspend();
+    s.ok(&b, &["hoard", "--env", "lab", &path(&hoard)]);
+    let v1 = s.disk.clone();
+    s.change_two_chunks(8, 9);
+    s.suspend();
+    proxy.set_delay(Duration::from_millis(200));
+    let mut child = Guard(
+        roam(&b)
+            .args(["hoard", "--env", "lab"])
+            .arg(&hoard)
+            .args(["--store", &s.store])
+            .env("XDG_CONFIG_HOME", b.join("no-config"))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let (tx, rx) = mpsc::channel();
+    let stderr = child.0.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut all = String::new();
+        for line in BufReader::new(stderr).lines() {
+            let Ok(line) = line else { break };
+            if line.contains("hoarding lab version 2") {
+                let _ = tx.send(());
+            }
+            all += &line;
+            all.push('\n');
+        }
+        all
+    });
+    rx.recv_timeout(Duration::from_secs(60))
+        .expect("the hoard of version 2 began");
+    child.signal("INT");
+    let code = child.wait_exit(Duration::from_secs(10));
+    let stderr = reader.join().unwrap();
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        stderr.contains(
+            "interrupted by signal 2 while hoarding lab version 2: its partial images were \
+             removed; the hoard holds lab version 1 as before"
+        ),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("] disk: done"),
+        "interrupted mid-way: {stderr}"
+    );
+    check_clean(&hoard);
+    assert_eq!(marker_version(&hoard), 1);
+    let disk = std::fs::read(hoard.join("images/disk")).unwrap();
+    assert_eq!(sha(&disk), sha(&v1), "version 1's disk, whole");
+    proxy.set_delay(Duration::ZERO);
+    let out = s.ok(&b, &["hoard", "--env", "lab", &path(&hoard)]);
+    let (version, _, fetched, _, _) = hoard_counts(&out);
+    assert_eq!((version, fetched), (2, 2), "{out}");
+    s.check(&hoard.join("images"), "hoard after the interrupted one");
     drop(server);
 }
 
