@@ -236,6 +236,11 @@ pub struct World {
     chunk: Vec<u8>,
     /// Reused buffer for stream reads.
     readbuf: Vec<u8>,
+    /// Inputs delivered so far: every other one goes through
+    /// `handle_input_in_place` (records opened where they were read), the
+    /// rest through `handle_input`, so both paths, and a record begun on
+    /// one and finished on the other, are fuzzed.
+    inputs: u32,
 }
 
 thread_local! {
@@ -331,6 +336,7 @@ impl World {
             books: self.books.clone(),
             chunk: spare.chunk,
             readbuf: spare.readbuf,
+            inputs: self.inputs,
         }
     }
 
@@ -353,6 +359,7 @@ impl World {
             books: Default::default(),
             chunk: spare.chunk,
             readbuf: spare.readbuf,
+            inputs: 0,
         };
         w.settle();
         w
@@ -501,16 +508,25 @@ impl World {
     /// Raw bytes arriving at `to`'s end of the link.
     pub fn input(&mut self, to: Side, data: &[u8]) {
         let now = self.now;
+        self.inputs = self.inputs.wrapping_add(1);
+        let in_place = self.inputs % 2 == 0;
+        let feed = |s: &mut Session, tid| {
+            if in_place {
+                s.handle_input_in_place(now, tid, &mut data.to_vec())
+            } else {
+                s.handle_input(now, tid, data)
+            }
+        };
         let failed = match to {
             Side::Client => {
                 let Some(tid) = self.link.client_tid else {
                     return;
                 };
-                self.client.handle_input(now, tid, data).is_err()
+                feed(&mut self.client, tid).is_err()
             }
             Side::Server => match self.link.server_tid {
                 Some(tid) => match self.server.as_mut() {
-                    Some(s) => s.handle_input(now, tid, data).is_err(),
+                    Some(s) => feed(s, tid).is_err(),
                     None => return,
                 },
                 None => self.server_hello(data),

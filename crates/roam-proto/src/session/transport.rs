@@ -88,6 +88,38 @@ impl Session {
         id: TransportId,
         data: &[u8],
     ) -> Result<(), Error> {
+        self.input(now, id, |s, t| {
+            t.inbuf.extend_from_slice(data);
+            s.advance(now, t)
+        })
+    }
+
+    /// As [`Session::handle_input`], for a caller whose buffer the session
+    /// may overwrite: the records that lie whole in `data` are decrypted
+    /// where they lie instead of being copied into the transport's input
+    /// buffer first. Only the bytes that finish a record begun in an
+    /// earlier call, and a record that `data` ends in the middle of, are
+    /// buffered; so a transport whose records arrive whole keeps no input
+    /// buffer at all, and a bulk transfer read in large chunks copies only
+    /// the records that straddle two reads. Same results as
+    /// `handle_input` for the same bytes, however they are split.
+    pub fn handle_input_in_place(
+        &mut self,
+        now: Instant,
+        id: TransportId,
+        data: &mut [u8],
+    ) -> Result<(), Error> {
+        self.input(now, id, |s, t| s.advance_in_place(now, t, data))
+    }
+
+    /// The bookkeeping around one input of transport `id`: finds it, lets
+    /// `feed` hand it the bytes, and files it back by the outcome.
+    fn input(
+        &mut self,
+        now: Instant,
+        id: TransportId,
+        feed: impl FnOnce(&mut Self, &mut Transport) -> Result<(), Error>,
+    ) -> Result<(), Error> {
         let from_pending = self.pending.as_ref().is_some_and(|p| p.id == id);
         let slot = if from_pending {
             self.pending.take()
@@ -103,8 +135,7 @@ impl Session {
         }
         let was_pending = t.pending_resume;
         t.last_recv = now;
-        t.inbuf.extend_from_slice(data);
-        let result = self.advance(now, &mut t);
+        let result = feed(self, &mut t);
         if result.is_ok() && self.state == State::Closed && !t.retire {
             // The session ended while this transport was detached (CLOSE sent
             // or received): flush a last ACK, then report it closed.
@@ -195,7 +226,20 @@ impl Session {
         now.saturating_duration_since(since) < self.config.refusal_grace
     }
 
+    /// Bytes of input buffer allocated for this session's transports: room
+    /// kept for records that arrived in pieces. 0 while every record came
+    /// whole through [`Session::handle_input_in_place`] (the handshake's
+    /// buffer is given back once the transport is open).
+    pub fn input_buffer_capacity(&self) -> usize {
+        [&self.active, &self.pending]
+            .into_iter()
+            .flatten()
+            .map(|t| t.inbuf.capacity())
+            .sum()
+    }
+
     fn advance(&mut self, now: Instant, t: &mut Transport) -> Result<(), Error> {
+        let was_open = t.is_open();
         let mut pos = 0;
         loop {
             match std::mem::replace(&mut t.phase, Phase::Taken) {
@@ -289,6 +333,68 @@ impl Session {
             }
         }
         t.inbuf.drain(..pos);
+        if !was_open && t.is_open() && t.inbuf.is_empty() {
+            // The handshake's bytes are done with: records that come whole
+            // need no buffer (`handle_input_in_place`).
+            t.inbuf = Vec::new();
+        }
+        Ok(())
+    }
+
+    /// [`Session::handle_input_in_place`]'s input: once the transport is
+    /// open and holds no partial record, the whole records of `data` are
+    /// opened in `data`; anything else goes through the input buffer.
+    fn advance_in_place(
+        &mut self,
+        now: Instant,
+        t: &mut Transport,
+        mut data: &mut [u8],
+    ) -> Result<(), Error> {
+        loop {
+            if !t.is_open() || self.state == State::Closed {
+                // The handshake (or what follows a close): the usual way.
+                t.inbuf.extend_from_slice(data);
+                return self.advance(now, t);
+            }
+            if t.inbuf.is_empty() {
+                break;
+            }
+            // A record begun in an earlier read: give it only what it
+            // lacks (its length first, if even that is cut), then open it.
+            let missing = match next_record(&t.inbuf, 0) {
+                Some(_) => 0,
+                None if t.inbuf.len() < 2 => 2 - t.inbuf.len(),
+                None => {
+                    2 + usize::from(u16::from_be_bytes([t.inbuf[0], t.inbuf[1]])) - t.inbuf.len()
+                }
+            };
+            if missing == 0 {
+                // Not expected (whole records are opened as they come),
+                // but if one is waiting, keep the order: buffer everything.
+                t.inbuf.extend_from_slice(data);
+                return self.advance(now, t);
+            }
+            let take = missing.min(data.len());
+            let (head, rest) = std::mem::take(&mut data).split_at_mut(take);
+            t.inbuf.extend_from_slice(head);
+            data = rest;
+            self.advance(now, t)?;
+            if data.is_empty() {
+                return Ok(());
+            }
+        }
+        let phase = std::mem::replace(&mut t.phase, Phase::Taken);
+        let Phase::Open(mut keys) = phase else {
+            t.phase = phase;
+            t.inbuf.extend_from_slice(data);
+            return self.advance(now, t);
+        };
+        let mut pos = 0;
+        let r = self.open_records(now, t, &mut keys, data, &mut pos);
+        t.phase = Phase::Open(keys);
+        r?;
+        // The record `data` ends inside of (or, after a close, the rest).
+        t.inbuf.extend_from_slice(&data[pos..]);
         Ok(())
     }
 
@@ -300,8 +406,23 @@ impl Session {
         pos: &mut usize,
     ) -> Result<(), Error> {
         let mut inbuf = std::mem::take(&mut t.inbuf);
+        let result = self.open_records(now, t, keys, &mut inbuf, pos);
+        t.inbuf = inbuf;
+        result
+    }
+
+    /// Opens the whole records of `buf` from `*pos` on, in place, and
+    /// applies their frames; `*pos` ends after the last one opened.
+    fn open_records(
+        &mut self,
+        now: Instant,
+        t: &mut Transport,
+        keys: &mut Established,
+        inbuf: &mut [u8],
+        pos: &mut usize,
+    ) -> Result<(), Error> {
         let mut result = Ok(());
-        while let Some((b, e)) = next_record(&inbuf, *pos) {
+        while let Some((b, e)) = next_record(inbuf, *pos) {
             let n = match keys.rx.open(&mut inbuf[b..e]) {
                 Ok(n) => n,
                 Err(err) => {
@@ -319,7 +440,6 @@ impl Session {
                 break;
             }
         }
-        t.inbuf = inbuf;
         result
     }
 

@@ -17,14 +17,17 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 
-/// Bytes read from a socket at a time.
-const READ_CHUNK: usize = 64 * 1024;
+/// Bytes read from a socket at a time: four of the largest records, so
+/// that most records of a bulk transfer lie whole in one read and are
+/// decrypted there (`Session::handle_input_in_place`); only those that
+/// straddle two reads are copied into the transport's input buffer.
+const READ_CHUNK: usize = 256 * 1024;
 
 thread_local! {
     /// Where sockets are read into before the session takes the bytes:
-    /// one per worker thread instead of one per connection (64 KiB each).
-    /// A read is always handed to the session before the task yields, so
-    /// nothing stays here between polls.
+    /// one per worker thread instead of one per connection. A read is
+    /// always handed to the session before the task yields, so nothing
+    /// stays here between polls (the session decrypts records in it).
     static READ_BUF: RefCell<Vec<u8>> = RefCell::new(vec![0u8; READ_CHUNK]);
 }
 /// Ask the session for more records only while less than this is unwritten.
@@ -162,7 +165,8 @@ impl Conn {
                         if n == 0 {
                             return Drained::Eof;
                         }
-                        if let Err(e) = session.handle_input(now, self.tid, &buf[..n]) {
+                        if let Err(e) = session.handle_input_in_place(now, self.tid, &mut buf[..n])
+                        {
                             tracing::debug!("transport {:?} from {}: {e}", self.tid, self.peer);
                         }
                         if n < buf.len() {
