@@ -170,13 +170,24 @@ impl Side for AsServer {
     }
 }
 
+thread_local! {
+    /// Where a driver's records are built before a connection takes them
+    /// (by swapping buffers when its own is empty, else by copying): one
+    /// per worker thread, not one per session, so a session holds one
+    /// output buffer per connection and nothing between transmits. Only
+    /// [`Driver::transmit`] uses it, and never across an await.
+    static RECORDS: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Largest record buffer a worker thread keeps between transmits (bytes).
+const RECORDS_KEEP: usize = 1 << 20;
+
 /// Drives one session until it is over. Spawn it: it does nothing unless polled.
 #[must_use = "a session driver does nothing unless spawned"]
 pub(crate) struct Driver {
     inner: Arc<Inner>,
     conns: Vec<Conn>,
     kind: Kind,
-    scratch: Vec<u8>,
     /// Give up waiting for a graceful close at this time.
     give_up_at: Option<Instant>,
     shutting_down: bool,
@@ -211,7 +222,6 @@ impl Driver {
             inner,
             conns: Vec::new(),
             kind,
-            scratch: Vec::new(),
             give_up_at: None,
             shutting_down: false,
             handoffs_open: true,
@@ -444,12 +454,9 @@ impl Driver {
         self.conns
             .retain(|c| !c.retire_by.is_some_and(|t| c.unwritten() == 0 || t <= now));
         if self.conns.is_empty() {
-            // Suspended: a record buffer is not needed until a transport is
-            // back, nor room for connections (a `Conn` is ~170 bytes, and
-            // `retain` keeps the capacity).
-            if self.scratch.capacity() > 0 {
-                self.scratch = Vec::new();
-            }
+            // Suspended: no room for connections is needed until a
+            // transport is back (a `Conn` is ~170 bytes, and `retain` keeps
+            // the capacity).
             if self.conns.capacity() > 0 {
                 self.conns = Vec::new();
             }
@@ -518,21 +525,28 @@ impl Driver {
     /// the session has none or a connection is backed up; returns whether
     /// one is (output then waits for the socket to take some).
     fn transmit(&mut self, sh: &mut Shared, now: std::time::Instant) -> bool {
-        loop {
-            // A retiring (dead or replaced) connection must not hold back the
-            // others: its unwritten bytes may never drain.
-            if self.conns.iter().any(Conn::backed_up) {
-                return true;
-            }
-            self.scratch.clear();
-            let Some(tid) = sh.session.poll_transmit(now, &mut self.scratch) else {
-                return false;
+        RECORDS.with_borrow_mut(|records| {
+            let backed_up = loop {
+                // A retiring (dead or replaced) connection must not hold back
+                // the others: its unwritten bytes may never drain.
+                if self.conns.iter().any(Conn::backed_up) {
+                    break true;
+                }
+                records.clear();
+                let Some(tid) = sh.session.poll_transmit(now, records) else {
+                    break false;
+                };
+                match self.conns.iter_mut().find(|c| c.tid == tid) {
+                    Some(c) => c.queue(records),
+                    None => tracing::trace!("dropping output for unknown transport {tid:?}"),
+                }
             };
-            match self.conns.iter_mut().find(|c| c.tid == tid) {
-                Some(c) => c.queue(&mut self.scratch),
-                None => tracing::trace!("dropping output for unknown transport {tid:?}"),
+            if records.capacity() > RECORDS_KEEP {
+                // A buffer a bulk transfer grew: not kept for the thread.
+                *records = Vec::new();
             }
-        }
+            backed_up
+        })
     }
 
     /// Journals the session ([`SessionHandle::set_journal`]) after a
