@@ -181,6 +181,26 @@ impl Sites {
         }
     }
 
+    /// Resumes the environment at `site` into `site/into` with `hoard` as
+    /// its lookaside, checks the images are what A last suspended
+    /// (`what` names the case) and returns roam's output.
+    fn resume_from_hoard(&self, site: &Path, hoard: &Path, into: &str, what: &str) -> String {
+        let dir = site.join(into);
+        let out = self.ok(
+            site,
+            &[
+                "resume",
+                "--env",
+                "lab",
+                "--lookaside",
+                &path(hoard),
+                &path(&dir),
+            ],
+        );
+        self.check(&dir, what);
+        out
+    }
+
     /// `dir/disk` and `dir/memory` are the images A last suspended.
     fn check(&self, dir: &Path, what: &str) {
         for (name, bytes) in [("disk", &self.disk), ("memory", &self.memory)] {
@@ -290,18 +310,7 @@ fn hoard_scenario(s: &mut Sites, fetched_bytes: &dyn Fn() -> Option<u64>) -> (St
 
     // Resume at B from the stale hoard: version 2's bytes, 2 chunks fetched.
     let before = fetched_bytes();
-    let stale = s.ok(
-        &b,
-        &[
-            "resume",
-            "--env",
-            "lab",
-            "--lookaside",
-            &path(&hoard),
-            &path(&b.join("r1")),
-        ],
-    );
-    s.check(&b.join("r1"), "resumed from the stale hoard");
+    let stale = s.resume_from_hoard(&b, &hoard, "r1", "resumed from the stale hoard");
     let (hits, fetched, objects) = lookaside_counts(&stale);
     assert_eq!((hits, fetched), (TOTAL - 2, 2), "{stale}");
     assert!(
@@ -337,18 +346,7 @@ fn hoard_scenario(s: &mut Sites, fetched_bytes: &dyn Fn() -> Option<u64>) -> (St
     s.check(&hoard.join("images"), "hoard of version 2");
     assert_eq!(marker_version(&hoard), 2);
     check_clean(&hoard);
-    let fresh = s.ok(
-        &b,
-        &[
-            "resume",
-            "--env",
-            "lab",
-            "--lookaside",
-            &path(&hoard),
-            &path(&b.join("r2")),
-        ],
-    );
-    s.check(&b.join("r2"), "resumed from the fresh hoard");
+    let fresh = s.resume_from_hoard(&b, &hoard, "r2", "resumed from the fresh hoard");
     assert_eq!(lookaside_counts(&fresh), (TOTAL, 0, 0), "{fresh}");
 
     // One byte of the hoard's disk altered (chunk 7): that chunk is not
@@ -356,18 +354,7 @@ fn hoard_scenario(s: &mut Sites, fetched_bytes: &dyn Fn() -> Option<u64>) -> (St
     let mut bad = s.disk.clone();
     bad[7 * CHUNK + 4321] ^= 0x40;
     std::fs::write(hoard.join("images/disk"), &bad).unwrap();
-    let out = s.ok(
-        &b,
-        &[
-            "resume",
-            "--env",
-            "lab",
-            "--lookaside",
-            &path(&hoard),
-            &path(&b.join("r3")),
-        ],
-    );
-    s.check(&b.join("r3"), "resumed from a tampered hoard");
+    let out = s.resume_from_hoard(&b, &hoard, "r3", "resumed from a tampered hoard");
     let (hits, fetched, _) = lookaside_counts(&out);
     assert_eq!((hits, fetched), (TOTAL - 1, 1), "{out}");
     let repair = s.ok(&b, &["hoard", "--env", "lab", &path(&hoard)]);

@@ -675,37 +675,49 @@ async fn a_destination_that_cannot_run_the_back_end_leaves_the_session_at_its_so
     bounded(Duration::from_secs(120), "test", async {
         let c = start_cluster([Backend::Ok, Backend::Missing], 2).await;
         const N: u64 = 600;
-        let cl = client(&c, "h0", N).await;
-        let id = cl.session.id().unwrap();
-        wait_replies(&cl, N / 4).await;
-        let started = Instant::now();
-        match c.nodes[0].host.move_session(id, "h1").await {
-            Err(MoveError::Refused(r)) => {
-                let why = r.to_string();
-                assert!(why.contains("no back-end program"), "refusal: {why}");
-            }
-            other => panic!("the move should be refused: {other:?}"),
-        }
-        println!("refused after {:?}", started.elapsed());
-        wait_until(Duration::from_secs(10), "the source serves it", || {
-            c.holder(id) == Some(0)
-        })
-        .await;
-        let before = cl.replies.load(Ordering::SeqCst);
-        wait_replies(&cl, before + 50).await;
-        let got = cl.task.await.unwrap().expect("every reply once, in order");
-        assert_eq!(got, N);
-        assert_ledger(&c.ledger, N);
+        let mut cl = client(&c, "h0", N).await;
+        refused_and_served_at_source(&c, &mut cl, N, &["no back-end program"]).await;
         assert_eq!(c.nodes[1].front.starts.load(Ordering::SeqCst), 0);
-        assert_eq!(
-            c.nodes[0].front.restored.load(Ordering::SeqCst),
-            1,
-            "the source restarted its set from the cut it saved"
-        );
         let _ = tokio::time::timeout(Duration::from_secs(5), cl.session.close(0, "done")).await;
         c.shutdown().await;
     })
     .await;
+}
+
+/// Once a quarter of the client's `n` requests are answered, asks h0 to
+/// move its session to h1 and expects a refusal whose text holds every
+/// one of `says`; then the session goes on at h0: every reply arrives once
+/// and in order, the ledger holds each line once, and h0 restarted its set
+/// from the cut it saved, once.
+async fn refused_and_served_at_source(c: &Cluster, cl: &mut Client, n: u64, says: &[&str]) {
+    let id = cl.session.id().unwrap();
+    wait_replies(cl, n / 4).await;
+    let started = Instant::now();
+    match c.nodes[0].host.move_session(id, "h1").await {
+        Err(MoveError::Refused(r)) => {
+            let why = r.to_string();
+            assert!(says.iter().all(|s| why.contains(s)), "refusal: {why}");
+        }
+        other => panic!("the move should be refused: {other:?}"),
+    }
+    println!("refused after {:?}", started.elapsed());
+    wait_until(Duration::from_secs(10), "the source serves it", || {
+        c.holder(id) == Some(0)
+    })
+    .await;
+    let before = cl.replies.load(Ordering::SeqCst);
+    wait_replies(cl, before + 50).await;
+    let got = (&mut cl.task)
+        .await
+        .unwrap()
+        .expect("every reply once, in order");
+    assert_eq!(got, n);
+    assert_ledger(&c.ledger, n);
+    assert_eq!(
+        c.nodes[0].front.restored.load(Ordering::SeqCst),
+        1,
+        "the source restarted its set from the cut it saved"
+    );
 }
 
 /// Whether process `pid` still exists (a zombie counts as gone: it runs
@@ -725,39 +737,12 @@ async fn a_back_end_that_fails_to_start_at_the_destination_refuses_the_move_befo
     bounded(Duration::from_secs(120), "test", async {
         let c = start_cluster([Backend::Ok, Backend::FailsToStart], 2).await;
         const N: u64 = 600;
-        let cl = client(&c, "h0", N).await;
-        let id = cl.session.id().unwrap();
-        wait_replies(&cl, N / 4).await;
-        let started = Instant::now();
-        match c.nodes[0].host.move_session(id, "h1").await {
-            Err(MoveError::Refused(r)) => {
-                let why = r.to_string();
-                assert!(
-                    why.contains("starting the back-end") && why.contains("ledger"),
-                    "refusal: {why}"
-                );
-            }
-            other => panic!("the move should be refused: {other:?}"),
-        }
-        println!("refused after {:?}", started.elapsed());
-        wait_until(Duration::from_secs(10), "the source serves it", || {
-            c.holder(id) == Some(0)
-        })
-        .await;
-        let before = cl.replies.load(Ordering::SeqCst);
-        wait_replies(&cl, before + 50).await;
-        let got = cl.task.await.unwrap().expect("every reply once, in order");
-        assert_eq!(got, N);
-        assert_ledger(&c.ledger, N);
+        let mut cl = client(&c, "h0", N).await;
+        refused_and_served_at_source(&c, &mut cl, N, &["starting the back-end", "ledger"]).await;
         let b = &c.nodes[1].front;
         assert_eq!(b.starts.load(Ordering::SeqCst), 1, "one start tried at h1");
         assert_eq!(b.restored.load(Ordering::SeqCst), 0);
         assert_eq!(b.staged_runs.load(Ordering::SeqCst), 0);
-        assert_eq!(
-            c.nodes[0].front.restored.load(Ordering::SeqCst),
-            1,
-            "the source restarted its set from the cut it saved"
-        );
         let pids = b.pids.lock().unwrap().clone();
         assert_eq!(pids.len(), 1, "h1 started one back-end process");
         for pid in pids {
