@@ -4,45 +4,23 @@
 //! random bytes (`ROAM_TEST_SEED` replays a run); every resumed file is
 //! compared with what was suspended, byte for byte.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use sha2::{Digest, Sha256};
-
-/// The binary under test.
-const BIN: &str = env!("CARGO_BIN_EXE_roam");
+use common::{random, sha, BIN};
 
 /// 128 KiB, roam-store's chunk size.
 const CHUNK: usize = 128 * 1024;
 
-/// The run's seed: `$ROAM_TEST_SEED` or a fixed one; printed so a failure
-/// replays.
+/// This file's default seed (`common::seed`).
+const SEED: u64 = 0x5eed_1234;
+
+/// The run's seed (`$ROAM_TEST_SEED` or [`SEED`]).
 fn seed() -> u64 {
-    let seed = std::env::var("ROAM_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0x5eed_1234);
-    eprintln!("ROAM_TEST_SEED={seed}");
-    seed
-}
-
-/// `len` pseudo-random bytes (splitmix64 from `*state`).
-fn random(state: &mut u64, len: usize) -> Vec<u8> {
-    let mut out = Vec::with_capacity(len + 8);
-    while out.len() < len {
-        *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = *state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        out.extend_from_slice(&(z ^ (z >> 31)).to_le_bytes());
-    }
-    out.truncate(len);
-    out
-}
-
-fn sha(bytes: &[u8]) -> String {
-    hex::encode(Sha256::digest(bytes))
+    common::seed(SEED)
 }
 
 /// `roam ARGS` with the state directory `state` and `envs` set.

@@ -26,46 +26,29 @@ use std::path::Path;
 use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{free_port, keygen, roam, status_json, wait_for_port, Guard};
+use common::{free_port, keygen, random, roam, sha, status_json, wait_for_port, Guard};
 use roam_sim::proxy::FaultProxy;
-use sha2::{Digest, Sha256};
 
 /// A string written into the image at several places; the store holder's
 /// files must not contain it.
 const MARKER: &[u8] = b"ROAM-ISR-PLAINTEXT-MARKER-7d1f";
 
-/// The run's seed: `$ROAM_TEST_SEED` or a fixed one; printed so a failure
-/// replays.
+/// This file's default seed (`common::seed`).
+const SEED: u64 = 0x5eed_5107;
+
+/// The run's seed (`$ROAM_TEST_SEED` or [`SEED`]).
 fn seed() -> u64 {
-    let seed = std::env::var("ROAM_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0x5eed_5107);
-    eprintln!("ROAM_TEST_SEED={seed}");
-    seed
+    common::seed(SEED)
 }
 
 /// `len` pseudo-random bytes (splitmix64 from `state`) with [`MARKER`]
 /// written every MiB.
 fn image(mut state: u64, len: usize) -> Vec<u8> {
-    let mut out = Vec::with_capacity(len + 8);
-    while out.len() < len {
-        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        out.extend_from_slice(&(z ^ (z >> 31)).to_le_bytes());
-    }
-    out.truncate(len);
+    let mut out = random(&mut state, len);
     for at in (1000..len.saturating_sub(MARKER.len())).step_by(1 << 20) {
         out[at..at + MARKER.len()].copy_from_slice(MARKER);
     }
     out
-}
-
-/// Hex SHA-256.
-fn sha(bytes: &[u8]) -> String {
-    hex::encode(Sha256::digest(bytes))
 }
 
 /// Whether `needle` occurs in `hay`.

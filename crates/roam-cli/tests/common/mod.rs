@@ -1,7 +1,8 @@
 //! Helpers shared by the end-to-end tests of the `roam` binary (`cli`,
 //! `shell`, `takeover`, `abuse_client`, `abuse_relay`, `intercept`, `migrate`): the binary's path, a child process killed when its
 //! guard drops, a free loopback port, a `roam` command in a private state
-//! directory (also inside a test LAN's host), a client key, a metrics scrape. Included with `mod common;` (a directory, so
+//! directory (also inside a test LAN's host), a client key, a metrics scrape,
+//! and the seeded test data of the store tests (`seed`, `random`, `sha`). Included with `mod common;` (a directory, so
 //! cargo does not build it as a test of its own; the `faults_*` tests share
 //! `faults_common` the same way).
 
@@ -152,4 +153,35 @@ pub(crate) fn roam_in(lan: &roam_sim::netns::Lan, i: usize, state: &Path) -> Com
     c.env("ROAM_STATE_DIR", state)
         .stdin(std::process::Stdio::null());
     c
+}
+
+/// The run's seed: `$ROAM_TEST_SEED`, else `default` (each test file has
+/// its own); printed so a failure replays.
+pub(crate) fn seed(default: u64) -> u64 {
+    let seed = std::env::var("ROAM_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default);
+    eprintln!("ROAM_TEST_SEED={seed}");
+    seed
+}
+
+/// `len` pseudo-random bytes (splitmix64 from `*state`).
+pub(crate) fn random(state: &mut u64, len: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = *state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        out.extend_from_slice(&(z ^ (z >> 31)).to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+/// Hex SHA-256 of `bytes`.
+pub(crate) fn sha(bytes: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    hex::encode(Sha256::digest(bytes))
 }
