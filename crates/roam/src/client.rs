@@ -130,9 +130,11 @@ pub async fn resume_journaled(
         // It connected once: `connect`'s waiters and the driver treat the
         // session as established.
         sh.connected = true;
-        sh.incoming.extend(detached.unaccepted);
-        sh.orphans.extend(detached.orphans);
-        sh.journal = journal.map(|w| Box::new(crate::journal::Journal::new(w)));
+        let rare = sh.rare();
+        rare.incoming.extend(detached.unaccepted);
+        rare.orphans.extend(detached.orphans);
+        rare.journal = journal.map(crate::journal::Journal::new);
+        sh.tidy();
     }
     let mut events = inner.events.subscribe();
     let handle = SessionHandle::new(inner.clone());

@@ -590,8 +590,10 @@ fn run_restored(
     {
         let mut sh = inner.lock();
         sh.connected = true;
-        sh.incoming.extend(unaccepted);
-        sh.orphans.extend(orphans);
+        let rare = sh.rare();
+        rare.incoming.extend(unaccepted);
+        rare.orphans.extend(orphans);
+        sh.tidy();
     }
     on_installed(SessionHandle::new(inner.clone()));
     let side = ServerSide {

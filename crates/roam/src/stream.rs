@@ -74,8 +74,8 @@ impl RoamStream {
     }
 
     fn session_error(&self, sh: &crate::handle::Shared, e: StreamError) -> io::Error {
-        if let (StreamError::UnknownStream, Some(code)) = (e, sh.resets.get(&self.id)) {
-            return StreamError::Reset(*code).into();
+        if let (StreamError::UnknownStream, Some(code)) = (e, sh.reset_code(self.id)) {
+            return StreamError::Reset(code).into();
         }
         match (sh.closed.as_deref(), e) {
             (Some(reason), StreamError::SessionClosed | StreamError::UnknownStream) => {
@@ -188,7 +188,9 @@ impl Drop for RoamStream {
         let mut sh = inner.lock();
         sh.read_wakers.remove(&self.id);
         sh.write_wakers.remove(&self.id);
-        sh.resets.remove(&self.id);
+        if let Some(r) = sh.rare_if_any() {
+            r.resets.remove(&self.id);
+        }
         if sh.closed.is_none() {
             if !self.write_done {
                 let _ = sh.session.finish_stream(self.id);
@@ -209,7 +211,7 @@ impl Drop for RoamStream {
                 if sh.session.stream_send_complete(self.id) {
                     let _ = sh.session.reset_stream(self.id, roam_proto::code::NO_ERROR);
                 } else {
-                    sh.orphans.insert(self.id);
+                    sh.rare().orphans.insert(self.id);
                 }
             }
         }

@@ -286,8 +286,9 @@ impl Part for Liveness {
                 .suspended_since
                 .map_or(Duration::ZERO, |t| ctx.now.saturating_duration_since(t));
             put_varint(o, suspended_for.as_millis() as u64);
-            put_varint(o, s.replay_memory.len() as u64);
-            for e in &s.replay_memory {
+            let memory = s.replay_memory.as_deref();
+            put_varint(o, memory.map_or(0, |m| m.len()) as u64);
+            for e in memory.into_iter().flatten() {
                 o.extend_from_slice(e);
             }
         });
@@ -303,7 +304,8 @@ impl Part for Liveness {
             s.suspended_since = Some(ctx.now.checked_sub(suspended_for).unwrap_or(ctx.now));
             let n = r.varint_usize(super::REPLAY_MEMORY, "replay memory")?;
             for _ in 0..n {
-                s.replay_memory.push_back(r.array()?);
+                let memory = s.replay_memory.get_or_insert_with(Box::default);
+                memory.push_back(r.array()?);
             }
             Ok(())
         })

@@ -30,6 +30,7 @@ mod recv;
 mod regressions;
 mod send;
 mod transport;
+mod tuning;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
@@ -44,6 +45,7 @@ use crate::handshake::{self, Hello, Params};
 use crate::keys::{Keypair, PublicKey, SessionId};
 use crate::stream::{Stream, StreamId};
 use crate::Error;
+use tuning::Tuning;
 
 pub use export::{ExportError, RestoreError};
 use transport::{Phase, Transport};
@@ -174,7 +176,8 @@ const MIN_STREAM_SHARE: u64 = 16 * 1024;
 /// A roam session: one end of a set of reliable streams that outlive transports.
 pub struct Session {
     role: Role,
-    config: Config,
+    /// The configuration it was made with, compact ([`Tuning`]).
+    config: Tuning,
     state: State,
     /// Set when closed; kept so later calls can report it. Boxed: 8 bytes
     /// instead of 72 for the whole life of a session that is not closed.
@@ -202,7 +205,11 @@ pub struct Session {
     /// Client: when the first of an unbroken run of cleartext resume refusals
     /// arrived (cleared by a successful resume); see `Config::refusal_grace`.
     refused_since: Option<Instant>,
-    replay_memory: VecDeque<[u8; 32]>,
+    /// Server: the ephemeral keys of the last resumes, refused if replayed.
+    /// Boxed and made at the first resume: 8 bytes instead of 32 in every
+    /// session that never served one (every client's).
+    #[allow(clippy::box_collection)] // the point: 8 bytes inline, not 32
+    replay_memory: Option<Box<VecDeque<[u8; 32]>>>,
 
     // reliable log (§7): entry i has sequence log_base + i
     log: VecDeque<Entry>,
@@ -281,13 +288,10 @@ impl std::fmt::Debug for Session {
 }
 
 impl Session {
-    fn new(role: Role, mut config: Config) -> Self {
+    fn new(role: Role, config: Config) -> Self {
         // Enforce exactly what we announce (§8): windows of at least one byte.
-        let p = config.params();
-        config.stream_window = p.stream_window;
-        config.session_window = p.session_window;
-        config.max_streams = p.max_streams;
         let resume_timeout = config.resume_timeout;
+        let config = Tuning::new(&config);
         let peer_stream_limit = config.params().max_streams;
         let conn_recv_max = config.session_window;
         Self {
@@ -307,7 +311,7 @@ impl Session {
             peer_addr: None,
             suspended_since: None,
             refused_since: None,
-            replay_memory: VecDeque::new(),
+            replay_memory: None,
             log: VecDeque::new(),
             log_base: 0,
             send_cursor: 0,
@@ -470,15 +474,20 @@ impl Session {
         }
         let secret = self.secret.ok_or(Error::UnknownSession)?;
         let eph = hello.ephemeral().ok_or(Error::ResumeRejected)?;
-        if self.replay_memory.contains(&eph) {
+        if self
+            .replay_memory
+            .as_ref()
+            .is_some_and(|m| m.contains(&eph))
+        {
             return Err(Error::ReplayedResume);
         }
         let mut out = Vec::new();
         let keys = handshake::server_resume(hello, &secret, self.recv_seq, &mut out)?;
-        if self.replay_memory.len() == REPLAY_MEMORY {
-            self.replay_memory.pop_front();
+        let memory = self.replay_memory.get_or_insert_with(Box::default);
+        if memory.len() == REPLAY_MEMORY {
+            memory.pop_front();
         }
-        self.replay_memory.push_back(eph);
+        memory.push_back(eph);
         self.next_transport += 1;
         let id = TransportId(self.next_transport);
         let mut t = Transport::new(id, now, peer, Phase::Open(Box::new(keys)));
@@ -611,15 +620,15 @@ impl Session {
         let mut at = |x: Instant| t = Some(t.map_or(x, |t| t.min(x)));
         for tr in self.active.iter().chain(self.pending.iter()) {
             if tr.is_open() {
-                at(tr.last_recv + self.config.suspend_after);
+                at(tr.last_recv + self.config.suspend_after());
                 if tr.may_send {
-                    at(tr.last_send + self.config.heartbeat_interval);
+                    at(tr.last_send + self.config.heartbeat_interval());
                 }
             } else {
-                at(tr.started + self.config.handshake_timeout);
+                at(tr.started + self.config.handshake_timeout());
             }
             if tr.pending_resume {
-                at(tr.started + self.config.handshake_timeout);
+                at(tr.started + self.config.handshake_timeout());
             }
         }
         if let Some(d) = self.ack_deadline {
@@ -639,7 +648,7 @@ impl Session {
         if self.state == State::Closed {
             return None;
         }
-        let timeout = match self.config.idle_resume_timeout {
+        let timeout = match self.config.idle_resume_timeout() {
             Some(idle) if self.streams.is_empty() => idle.min(self.resume_timeout),
             _ => self.resume_timeout,
         };
@@ -653,7 +662,7 @@ impl Session {
             return;
         }
         if let Some(p) = &self.pending {
-            if now >= p.started + self.config.handshake_timeout {
+            if now >= p.started + self.config.handshake_timeout() {
                 let id = p.id;
                 self.pending = None;
                 self.events.push_back(Event::TransportClosed {
@@ -663,9 +672,9 @@ impl Session {
             }
         }
         if let Some(t) = &self.active {
-            if t.is_open() && now >= t.last_recv + self.config.suspend_after {
+            if t.is_open() && now >= t.last_recv + self.config.suspend_after() {
                 self.lose_active(now, SuspendReason::Silence);
-            } else if !t.is_open() && now >= t.started + self.config.handshake_timeout {
+            } else if !t.is_open() && now >= t.started + self.config.handshake_timeout() {
                 self.lose_active(now, SuspendReason::TransportError(Error::HandshakeFailed));
             }
         }

@@ -113,7 +113,7 @@ impl Session {
                 }
                 self.recv_seq += 1;
                 if self.ack_deadline.is_none() {
-                    self.ack_deadline = Some(now + self.config.ack_delay);
+                    self.ack_deadline = Some(now + self.config.ack_delay());
                 }
                 self.apply(reliable)?;
             }

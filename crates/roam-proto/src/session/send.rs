@@ -137,7 +137,7 @@ impl Session {
                 Frame::Pong { token }.encode(out);
                 substantive = true;
             }
-            if now >= t.last_send + self.config.heartbeat_interval {
+            if now >= t.last_send + self.config.heartbeat_interval() {
                 self.ping_token += 1;
                 Frame::Ping {
                     token: self.ping_token,

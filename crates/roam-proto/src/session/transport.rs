@@ -223,7 +223,7 @@ impl Session {
             return false;
         }
         let since = *self.refused_since.get_or_insert(now);
-        now.saturating_duration_since(since) < self.config.refusal_grace
+        now.saturating_duration_since(since) < self.config.refusal_grace()
     }
 
     /// Bytes of input buffer allocated for this session's transports: room

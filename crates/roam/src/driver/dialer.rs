@@ -243,7 +243,7 @@ impl Dialer {
                     self.addr = back;
                     self.force = true;
                 } else {
-                    self.rotate(&sh.addresses, "is unreachable");
+                    self.rotate(sh.addresses(), "is unreachable");
                 }
             }
         }

@@ -252,8 +252,14 @@ impl Driver {
         let live = if live { self.take_live(sh) } else { None };
         let detached = crate::Detached {
             blob,
-            unaccepted: sh.incoming.drain(..).collect(),
-            orphans: sh.orphans.iter().copied().collect(),
+            unaccepted: sh
+                .rare_if_any()
+                .map(|r| r.incoming.drain(..).collect())
+                .unwrap_or_default(),
+            orphans: sh
+                .rare_if_any()
+                .map(|r| r.orphans.iter().copied().collect())
+                .unwrap_or_default(),
         };
         sh.closed = Some(Box::new(roam_proto::CloseReason::Local {
             code: roam_proto::code::NO_ERROR,
@@ -395,7 +401,7 @@ impl Driver {
         for c in &mut self.conns {
             c.fit_memory(reading, advice);
         }
-        if let Some(req) = sh.detach.take() {
+        if let Some(req) = sh.rare_if_any().and_then(|r| r.detach.take()) {
             // The export carries no event queue: what the last input left
             // there is dispatched first. Above all a stream the peer has
             // just opened: not yet in `incoming`, it would be in neither
@@ -440,6 +446,7 @@ impl Driver {
                 new_session = Some(h);
             }
         }
+        sh.tidy();
 
         let redial_at = match &mut self.kind {
             Kind::Client(d) => d.schedule(&mut sh, &inner.events, now),
@@ -516,7 +523,7 @@ impl Driver {
             if d.resuming.take_if(|t| *t == tid).is_some()
                 && sh.session.active_transport() != Some(tid)
             {
-                d.rotate(&sh.addresses, "closed the connection before the resume");
+                d.rotate(sh.addresses(), "closed the connection before the resume");
             }
         }
     }
@@ -553,19 +560,18 @@ impl Driver {
     /// transmit, while what it queued is still in the connections' buffers:
     /// nothing it covers has reached a socket yet.
     fn keep_journal(&mut self, sh: &mut Shared, now: std::time::Instant) {
-        let Some(journal) = sh.journal.as_mut() else {
+        let Some(journal) = sh.rare.as_deref_mut().and_then(|r| r.journal.as_mut()) else {
             return;
         };
-        match journal.keep(&sh.session, now) {
-            Ok(true) => {}
-            Ok(false) => sh.journal = None,
-            Err(e) => {
-                tracing::warn!(
-                    "session {}: journal stopped ({e}); the session no longer survives this process being killed",
-                    id_text(sh)
-                );
-                sh.journal = None;
-            }
+        let kept = journal.keep(&sh.session, now);
+        if let Err(e) = &kept {
+            tracing::warn!(
+                "session {}: journal stopped ({e}); the session no longer survives this process being killed",
+                id_text(sh)
+            );
+        }
+        if !matches!(kept, Ok(true)) {
+            sh.rare().journal = None;
         }
     }
 
@@ -641,7 +647,7 @@ impl Driver {
                         // server announced (a cluster whose host we were
                         // sent to, or fell back to, does not hold it).
                         if let Kind::Client(d) = &mut self.kind {
-                            d.rotate(&sh.addresses, "does not know the session");
+                            d.rotate(sh.addresses(), "does not know the session");
                         }
                     }
                 }
@@ -650,20 +656,21 @@ impl Driver {
                 }
             }
             Event::StreamOpened { stream } => {
-                sh.incoming.push_back(stream);
-                for w in sh.accept_wakers.drain(..) {
+                let rare = sh.rare();
+                rare.incoming.push_back(stream);
+                for w in rare.accept_wakers.drain(..) {
                     w.wake();
                 }
             }
             Event::StreamReadable { stream } => {
-                if sh.orphans.contains(&stream) {
+                if sh.is_orphan(stream) {
                     let mut scratch = [0u8; 4096];
                     loop {
                         match sh.session.read(stream, &mut scratch) {
                             Ok(Some(n)) if n > 0 => {}
                             Ok(None) => break,
                             _ => {
-                                sh.orphans.remove(&stream);
+                                sh.unorphan(stream);
                                 break;
                             }
                         }
@@ -680,7 +687,7 @@ impl Driver {
                 }
             }
             Event::StreamSendComplete { stream } => {
-                if sh.orphans.remove(&stream) {
+                if sh.unorphan(stream) {
                     // Dropped unread, and our direction is now delivered:
                     // tell the peer nobody reads what it still sends.
                     let _ = sh.session.reset_stream(stream, roam_proto::code::NO_ERROR);
@@ -690,8 +697,8 @@ impl Driver {
             }
             Event::StreamReset { stream, code } => {
                 tracing::debug!("stream {stream} reset by peer (code {code})");
-                if !sh.orphans.remove(&stream) {
-                    sh.resets.insert(stream, code);
+                if !sh.unorphan(stream) {
+                    sh.rare().resets.insert(stream, code);
                 }
                 if let Some(w) = sh.read_wakers.remove(&stream) {
                     w.wake();
@@ -700,7 +707,12 @@ impl Driver {
                     w.wake();
                 }
             }
-            Event::AddressesUpdated { addrs } => sh.addresses = addrs,
+            // Only a non-empty list makes the seldom-used parts.
+            Event::AddressesUpdated { addrs } => match sh.rare_if_any() {
+                Some(r) => r.addresses = addrs,
+                None if addrs.is_empty() => {}
+                None => sh.rare().addresses = addrs,
+            },
             Event::MoveAsked { host } => {
                 events.send(SessionEvent::MoveAsked { host });
             }
