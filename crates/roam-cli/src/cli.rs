@@ -761,7 +761,7 @@ pub(crate) struct MigrateProcessArgs {
     /// [default: the one address its sockets are bound to].
     #[arg(long, value_name = "ADDR")]
     pub(crate) address: Option<String>,
-    /// Where the images are written before they travel [default: the temporary directory].
+    /// Where the images are written before they travel [default: /dev/shm with --lazy-pages (its images hold no memory), else the temporary directory].
     #[arg(long, value_name = "DIR")]
     pub(crate) images_dir: Option<PathBuf>,
     /// Do not capture the packets that arrive during the freeze for

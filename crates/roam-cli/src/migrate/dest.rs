@@ -24,7 +24,7 @@ struct Host {
     /// CRIU.
     criu: Criu,
     /// Where images are received (a directory per migration inside):
-    /// `--images-dir`, else see [`images_parent`].
+    /// `--images-dir`, else see [`super::images_parent`].
     images_dir: Option<PathBuf>,
     /// The interface to put addresses on (default: the one whose subnet
     /// holds the address).
@@ -67,7 +67,7 @@ pub(crate) async fn run(args: MigrateAcceptArgs, config: &FileConfig) -> CliResu
         "roam migrate-accept: listening on {local} (CRIU {}, images in {}, key {}; {} authorized keys)",
         criu.version(),
         images_dir.as_ref().map_or_else(
-            || format!("{} ({SHM} for post-copy)", std::env::temp_dir().display()),
+            || format!("{} ({} for post-copy)", std::env::temp_dir().display(), super::SHM),
             |d| d.display().to_string()
         ),
         keypair.public(),
@@ -226,7 +226,7 @@ async fn receive(
     let mut pages = pages_rx.try_recv().ok();
     let images = match &host.images_dir {
         Some(dir) => Received::create(dir)?,
-        None => images_parent(pages.is_some())
+        None => super::images_parent(pages.is_some())
             .and_then(|dir| Received::create(&dir).ok())
             .map_or_else(|| Received::create(&std::env::temp_dir()), Ok)?,
     };
@@ -521,19 +521,6 @@ impl LazyPages {
             }
         });
     }
-}
-
-/// Shared memory: a tmpfs on most Linux hosts.
-const SHM: &str = "/dev/shm";
-
-/// Where a move's images go without `--images-dir`: a post-copy move's
-/// (a few MB: no memory) on the tmpfs at [`SHM`] when there is one —
-/// creating a thousand small files on a disk that is busy (the source's
-/// own dump writing back, on one machine) took 0.1-0.3 s of the freeze,
-/// on tmpfs 20 ms — else the temporary directory (`None`).
-fn images_parent(post_copy: bool) -> Option<PathBuf> {
-    let shm = Path::new(SHM);
-    (post_copy && shm.is_dir()).then(|| shm.to_path_buf())
 }
 
 /// Kills `pid` and waits (up to 5 s) until it is gone.

@@ -159,6 +159,22 @@ pub(crate) async fn restore(
     .map_err(|e| format!("the restore thread failed: {e}"))?
 }
 
+/// Shared memory: a tmpfs on most Linux hosts.
+pub(crate) const SHM: &str = "/dev/shm";
+
+/// Where a move's images go at either end without `--images-dir`: a
+/// post-copy move's (a few MB: no memory) on the tmpfs at [`SHM`] when
+/// there is one, else the temporary directory (`None`). CRIU writes and
+/// reads them while the process is frozen: a file per TCP connection and
+/// a log of megabytes at 1,000 connections. On a disk that is busy
+/// (builds, the other end's writes on one machine) creating them took
+/// 0.1-0.3 s of the freeze at the destination, and the source's dump took
+/// 0.28-0.54 s at 1 GB and 1,000 connections instead of 0.10-0.21 s.
+pub(crate) fn images_parent(post_copy: bool) -> Option<std::path::PathBuf> {
+    let shm = std::path::Path::new(SHM);
+    (post_copy && shm.is_dir()).then(|| shm.to_path_buf())
+}
+
 /// Removes everything but CRIU's logs (`*.log`) from an images directory:
 /// what is kept of a failed dump or restore (the images can be as large as
 /// the process's memory).

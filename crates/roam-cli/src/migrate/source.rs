@@ -129,7 +129,12 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
         }
     };
 
-    let images = ImagesDir::create(args.images_dir.as_deref(), args.pid)?;
+    // Post-copy: on tmpfs, as at the destination (see `images_parent`).
+    let images_at = args
+        .images_dir
+        .clone()
+        .or_else(|| super::images_parent(args.lazy_pages));
+    let images = ImagesDir::create(images_at.as_deref(), args.pid)?;
     // From the lock on, a signal must not kill roam (the address would
     // stay locked): SIGINT, SIGTERM and SIGHUP call the move off while it
     // can be (until the destination has restored the process), and are
