@@ -518,13 +518,30 @@ impl Setup {
     /// processes by their pid in its own pid namespace: a restored process
     /// has its old pid there).
     fn runs_on(&self, i: usize, pid: i32) -> bool {
+        self.host_pid(i, pid).is_some()
+    }
+
+    /// The nice value of process `pid` (as its own pid namespace numbers
+    /// it) on host `i`, if it runs there.
+    fn nice_on(&self, i: usize, pid: i32) -> Option<i32> {
+        let p = self.host_pid(i, pid)?;
+        let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).ok()?;
+        // `PID (COMM) STATE ...`: the nice value is the 19th field, the
+        // 17th after COMM.
+        let rest = &stat[stat.rfind(')')? + 1..];
+        rest.split_whitespace().nth(16)?.parse().ok()
+    }
+
+    /// This machine's pid of the live (not zombie) process `pid` of host
+    /// `i`, as its own pid namespace numbers it.
+    fn host_pid(&self, i: usize, pid: i32) -> Option<String> {
         let out = Command::new("ip")
             .args(["netns", "pids", self.lan.ns(i)])
             .output()
             .expect("ip netns pids");
         String::from_utf8_lossy(&out.stdout)
             .split_whitespace()
-            .any(|p| {
+            .find(|p| {
                 // `NSpid:` lists its pid in every namespace, its own last.
                 let status = std::fs::read_to_string(format!("/proc/{p}/status"));
                 let own = status.ok().and_then(|st| {
@@ -536,6 +553,7 @@ impl Setup {
                     && !std::fs::read_to_string(format!("/proc/{p}/stat"))
                         .is_ok_and(|st| st.contains(") Z "))
             })
+            .map(str::to_owned)
     }
 }
 
@@ -861,6 +879,7 @@ fn with_lazy_pages_the_server_runs_at_the_destination_and_its_memory_follows() {
     let pipes_before = std::fs::read_to_string("/proc/sys/fs/pipe-max-size").expect("read");
     let mut s = Setup::holding("mig_lazy", None, 96);
     assert_eq!(memory_verdict(&s), "intact", "before the move");
+    let nice = s.nice_on(A, s.pid).expect("the server's nice value at A");
     let out = s.migrate(&["--lazy-pages"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -913,6 +932,13 @@ fn with_lazy_pages_the_server_runs_at_the_destination_and_its_memory_follows() {
     );
     assert!(!s.runs_on(A, s.pid), "the server still runs on A");
     assert!(!s.has_lock(A) && !s.has_lock(B), "an address lock was left");
+    // Both ends ran the move at a raised priority: the server runs on at
+    // its own.
+    assert_eq!(
+        s.nice_on(B, s.pid),
+        Some(nice),
+        "the restored server's nice value"
+    );
     let at = s.echo().echoed();
     s.echo()
         .wait_echoed(at + (2 << 20), Duration::from_secs(30));

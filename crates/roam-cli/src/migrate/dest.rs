@@ -44,6 +44,13 @@ pub(crate) async fn run(args: MigrateAcceptArgs, config: &FileConfig) -> CliResu
     }
     let criu = Criu::locate()
         .map_err(|e| CliError(format!("cannot accept processes without CRIU: {e}")))?;
+    // The restores (CRIU, its lazy-pages daemon) ahead of this host's
+    // other work: they run inside the source's freeze.
+    if let Err(e) = super::raise_priority() {
+        eprintln!(
+            "roam migrate-accept: warning: {e}; restores will compete with this host's other work"
+        );
+    }
     let state = crate::paths::state_dir(config);
     let key_path = args.key.clone().unwrap_or_else(|| state.join("server.key"));
     let keypair = crate::keys::load_or_create(&key_path)?;

@@ -68,6 +68,13 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
             ),
         }
     ));
+    // Before anything is frozen: the freeze's steps here (CRIU, nft, ip,
+    // the images' sending) ahead of this host's other work.
+    if let Err(e) = super::raise_priority() {
+        progress.phase(&format!(
+            "warning: {e}; the freeze will compete with this host's other work"
+        ));
+    }
     let session = crate::connect::connect_migrate_accept(&to, args.client.key.as_deref(), config)
         .await
         .map_err(|e| CliError(format!("{}; nothing was moved", e.0)))?;
