@@ -1573,19 +1573,46 @@ async fn gc_opened(env: String, keep: u64, opened: &Opened) -> Result<i32, Fail>
     let GcReport {
         chunks_examined,
         chunks_kept,
+        chunks_leased,
+        leases_live,
+        leases_expired,
         deleted,
     } = opened
         .store
-        .gc(&kept)
+        .gc(&kept, std::time::SystemTime::now())
         .await
-        .map_err(|e| opened.explain(e))?;
+        .map_err(|e| {
+            let lease = matches!(e, StoreError::Lease { .. });
+            let msg = opened.explain(e).0;
+            CliError(if lease {
+                format!(
+                    "{msg}; nothing was deleted (gc must know the chunks of every running \
+                     environment)"
+                )
+            } else {
+                msg
+            })
+        })?;
     out += &format!(
         "deleted {} chunks no remaining version uses; kept {chunks_kept} of {chunks_examined} \
-         for {} versions ({} of {env})\n",
+         for {} versions ({} of {env})",
         deleted.len(),
         kept.len(),
         kept.iter().filter(|m| m.env == env).count()
     );
+    if leases_live > 0 {
+        out += &format!(
+            " and {leases_live} running environments ({chunks_leased} chunks written back by \
+             `roam resume --trickle`, in no version yet)"
+        );
+    }
+    out += "\n";
+    if !leases_expired.is_empty() {
+        out += &format!(
+            "deleted {} stale trickle leases (their runs ended without releasing them)\n",
+            leases_expired.len()
+        );
+    }
     print_out(&out);
     Ok(0)
 }

@@ -53,6 +53,7 @@
 
 mod backend;
 mod chunk;
+mod lease;
 mod local;
 mod lookaside;
 mod manifest;
@@ -64,6 +65,10 @@ pub use backend::{check_name, BackendError, ChunkBackend, MAX_NAME_LEN};
 pub use chunk::{
     chunk_ref, open_chunk, seal_chunk, ChunkFault, ChunkRef, SealedChunk, UserSecret, CHUNK_FORMAT,
     CHUNK_SIZE, MAX_CHUNK_OBJECT_LEN,
+};
+pub use lease::{
+    lease_object_name, new_run_id, open_lease, seal_lease, Lease, LeaseError, LEASE_FORMAT,
+    LEASE_MAGIC, MAX_LEASE_CHUNKS, MAX_LEASE_LEN, RUN_ID_LEN,
 };
 pub use local::LocalDir;
 pub use lookaside::{

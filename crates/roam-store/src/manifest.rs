@@ -39,7 +39,7 @@ pub const MAX_IMAGE_NAME_LEN: usize = 255;
 /// Bytes per chunk entry on the wire: hash then id.
 const CHUNK_ENTRY_LEN: usize = 64;
 /// Length of the key-check value in the sealed header.
-const KEY_CHECK_LEN: usize = 16;
+pub(crate) const KEY_CHECK_LEN: usize = 16;
 /// AES-GCM nonce length.
 const NONCE_LEN: usize = 12;
 /// AES-GCM tag length.
@@ -447,6 +447,14 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// The key-check value of `secret` (sealed manifests and leases carry it,
+/// so a wrong secret is told apart from altered bytes).
+pub(crate) fn key_check(secret: &UserSecret) -> [u8; KEY_CHECK_LEN] {
+    let mut c = [0u8; KEY_CHECK_LEN];
+    c.copy_from_slice(&secret.derive(KEY_CHECK_LABEL, &[])[..KEY_CHECK_LEN]);
+    c
+}
+
 /// The object name of a manifest: `manifests/<env>/<version>`.
 pub fn manifest_object_name(env: &str, version: u64) -> String {
     format!("manifests/{env}/{version}")
@@ -458,7 +466,7 @@ fn sealed_header(secret: &UserSecret, env: &str, version: u64, nonce: &[u8; 12])
     let mut h = Vec::with_capacity(4 + 1 + KEY_CHECK_LEN + 1 + env.len() + 8 + NONCE_LEN);
     h.extend_from_slice(&SEALED_MAGIC);
     h.push(SEALED_FORMAT);
-    h.extend_from_slice(&secret.derive(KEY_CHECK_LABEL, &[])[..KEY_CHECK_LEN]);
+    h.extend_from_slice(&key_check(secret));
     h.push(env.len() as u8);
     h.extend_from_slice(env.as_bytes());
     h.extend_from_slice(&version.to_be_bytes());
@@ -515,7 +523,7 @@ pub fn open_manifest(
         return Err(ManifestError::UnsupportedFormat(format));
     }
     let check = r.take(KEY_CHECK_LEN, "key check")?;
-    if check != &secret.derive(KEY_CHECK_LABEL, &[])[..KEY_CHECK_LEN] {
+    if check != key_check(secret) {
         return Err(ManifestError::WrongSecret);
     }
     let env_len = r.u8("sealed environment name length")? as usize;

@@ -4,6 +4,7 @@
 use std::collections::HashSet;
 use std::fmt;
 use std::io;
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use futures_util::stream::FuturesUnordered;
 use futures_util::StreamExt;
@@ -14,6 +15,7 @@ use crate::chunk::{
     chunk_ref, object_name, open_chunk, seal_chunk, ChunkFault, ChunkRef, UserSecret, CHUNK_SIZE,
     MAX_CHUNK_OBJECT_LEN,
 };
+use crate::lease::{open_lease, seal_lease, Lease, LeaseError, MAX_LEASE_LEN};
 use crate::lookaside::{Lookaside, LookasideRead};
 use crate::manifest::{
     manifest_object_name, open_manifest, seal_manifest, valid_env_name, valid_image_name,
@@ -26,6 +28,10 @@ const UPLOAD_WINDOW: usize = 8;
 
 /// Chunks [`Store::restore_image`] fetches at once (8 × 128 KiB in memory).
 const RESTORE_WINDOW: usize = 8;
+
+/// Listings [`Store::leases`] tries before it takes a lease deleted under
+/// it as replaced (5).
+const LEASE_LIST_ATTEMPTS: u32 = 5;
 
 /// A user's encrypted chunk store on one backend.
 #[derive(Debug)]
@@ -129,8 +135,16 @@ enum Source {
 pub struct GcReport {
     /// Chunk objects found in the backend.
     pub chunks_examined: u64,
-    /// Of those, referenced by a kept manifest.
+    /// Of those, kept: referenced by a kept manifest or a live lease.
     pub chunks_kept: u64,
+    /// Of the kept chunks, those only a live trickle lease references
+    /// (written back by a running environment, not yet in a version).
+    pub chunks_leased: u64,
+    /// Live trickle leases found (runs writing back now).
+    pub leases_live: u64,
+    /// Names of the stale leases deleted (their runs ended without
+    /// releasing them), sorted.
+    pub leases_expired: Vec<String>,
     /// Names of the chunk objects deleted, sorted.
     pub deleted: Vec<String>,
 }
@@ -212,6 +226,14 @@ pub enum StoreError {
         /// The image.
         image: String,
     },
+    /// A trickle lease in the store could not be opened (another secret,
+    /// altered): gc refuses to guess which chunks it protects.
+    Lease {
+        /// The lease's object name.
+        name: String,
+        /// Why.
+        source: LeaseError,
+    },
     /// Writing a restored image failed.
     ImageWrite {
         /// The image.
@@ -268,6 +290,9 @@ impl fmt::Display for StoreError {
             StoreError::ImageWrite { image, source } => {
                 write!(f, "writing image {image:?}: {source}")
             }
+            StoreError::Lease { name, source } => {
+                write!(f, "trickle lease {name} refused: {source}")
+            }
         }
     }
 }
@@ -277,6 +302,7 @@ impl std::error::Error for StoreError {
         match self {
             StoreError::Backend(e) => Some(e),
             StoreError::Manifest { source, .. } => Some(source),
+            StoreError::Lease { source, .. } => Some(source),
             StoreError::ImageRead { source, .. } | StoreError::ImageWrite { source, .. } => {
                 Some(source)
             }
@@ -330,20 +356,8 @@ impl<B: ChunkBackend> Store<B> {
         stats: &mut SuspendStats,
         progress: &mut SuspendProgress<'_>,
     ) -> Result<ImageEntry, StoreError> {
-        // Exists, then seal and put: `Some(object bytes)` if it wrote.
-        let upload = |chunk: ChunkRef, plain: Vec<u8>| async move {
-            let object = chunk.object_name();
-            if self.backend.exists(&object).await? {
-                return Ok::<_, StoreError>(None);
-            }
-            let sealed = seal_chunk(&self.secret, &plain);
-            let len = sealed.object.len() as u64;
-            Ok(self
-                .backend
-                .put_if_absent(&object, sealed.object)
-                .await?
-                .then_some(len))
-        };
+        let upload =
+            |chunk: ChunkRef, plain: Vec<u8>| async move { self.put_known(chunk, &plain).await };
         /// Counts a finished upload and reports it.
         fn record(
             done: Result<Option<u64>, StoreError>,
@@ -419,6 +433,92 @@ impl<B: ChunkBackend> Store<B> {
         // dropped), so nothing is still being written when this returns.
         while pending.next().await.is_some() {}
         result.map(|()| entry)
+    }
+
+    /// Stores one chunk as a suspend does: unless the backend has its
+    /// object already (an exists call), seals it (convergent encryption:
+    /// the same plaintext gives the same object) and puts it. Returns its
+    /// [`ChunkRef`] and `Some(object bytes)` if it wrote. The trickle
+    /// write-back of a running environment uploads through this too, so a
+    /// chunk it wrote is the very object a later suspend would write.
+    pub async fn put_chunk(&self, plain: &[u8]) -> Result<(ChunkRef, Option<u64>), StoreError> {
+        let chunk = chunk_ref(&self.secret, plain);
+        Ok((chunk, self.put_known(chunk, plain).await?))
+    }
+
+    /// [`Store::put_chunk`] of `plain`, whose ref `chunk` is known.
+    async fn put_known(&self, chunk: ChunkRef, plain: &[u8]) -> Result<Option<u64>, StoreError> {
+        let object = chunk.object_name();
+        if self.backend.exists(&object).await? {
+            return Ok(None);
+        }
+        let sealed = seal_chunk(&self.secret, plain);
+        let len = sealed.object.len() as u64;
+        let wrote = self.backend.put_if_absent(&object, sealed.object).await?;
+        Ok(wrote.then_some(len))
+    }
+
+    /// The [`ChunkRef`] `plain` has for this store's user (no I/O).
+    pub fn chunk_ref(&self, plain: &[u8]) -> ChunkRef {
+        chunk_ref(&self.secret, plain)
+    }
+
+    /// Writes `lease` (sealed) under [`Lease::object_name`]; a lease of
+    /// that name existing already is an error (write the next `seq`).
+    pub async fn write_lease(&self, lease: &Lease) -> Result<(), StoreError> {
+        let name = lease.object_name();
+        let sealed = seal_lease(&self.secret, lease).map_err(|source| StoreError::Lease {
+            name: name.clone(),
+            source,
+        })?;
+        if !self.backend.put_if_absent(&name, sealed).await? {
+            return Err(StoreError::Backend(BackendError::Remote {
+                op: "put",
+                name,
+                message: "a lease of this name exists already".into(),
+            }));
+        }
+        Ok(())
+    }
+
+    /// Deletes the lease object `name`; returns whether it existed.
+    pub async fn delete_lease(&self, name: &str) -> Result<bool, StoreError> {
+        Ok(self.backend.delete(name).await?)
+    }
+
+    /// Every trickle lease in the store (of environment `env` only, if
+    /// given), opened. A lease replaced while this reads (deleted between
+    /// the listing and its read) makes it list again, so the result is a
+    /// consistent view of some moment; a lease that does not open is
+    /// [`StoreError::Lease`].
+    pub async fn leases(&self, env: Option<&str>) -> Result<Vec<Lease>, StoreError> {
+        let prefix = match env {
+            Some(e) if !valid_env_name(e) => return Err(StoreError::InvalidEnvName(e.to_owned())),
+            Some(e) => format!("leases/{e}/"),
+            None => "leases/".to_owned(),
+        };
+        let mut attempts = 0;
+        'again: loop {
+            attempts += 1;
+            let mut out = Vec::new();
+            for name in self.backend.list(&prefix).await? {
+                let sealed = match self.backend.get(&name, MAX_LEASE_LEN).await {
+                    Ok(b) => b,
+                    Err(BackendError::NotFound { .. }) if attempts < LEASE_LIST_ATTEMPTS => {
+                        continue 'again
+                    }
+                    // Replaced again and again: its run renews it, and a
+                    // newer lease of the run was in the last listing or
+                    // comes after it.
+                    Err(BackendError::NotFound { .. }) => continue,
+                    Err(e) => return Err(e.into()),
+                };
+                let lease = open_lease(&self.secret, &name, &sealed)
+                    .map_err(|source| StoreError::Lease { name, source })?;
+                out.push(lease);
+            }
+            return Ok(out);
+        }
     }
 
     /// Suspends version `version` of environment `env`: reads each image to
@@ -754,21 +854,44 @@ impl<B: ChunkBackend> Store<B> {
         Ok(stats)
     }
 
-    /// Deletes every chunk object no manifest in `keep` references, and
-    /// reports what it deleted. Manifests are not touched. Must not run
-    /// while a suspend to this store is under way (its new chunks are in no
-    /// manifest yet).
-    pub async fn gc(&self, keep: &[Manifest]) -> Result<GcReport, StoreError> {
+    /// Deletes every chunk object that no manifest in `keep` and no live
+    /// trickle lease (at `now`) references, deletes the stale leases, and
+    /// reports what it did. Manifests are not touched. The chunks are
+    /// listed before the leases are read, and a running environment leases
+    /// a chunk before it uploads it, so a chunk written back while gc runs
+    /// is either in a lease gc reads or not in its listing: never deleted.
+    /// Must not run while a suspend to this store is under way (its new
+    /// chunks are in no manifest yet).
+    pub async fn gc(&self, keep: &[Manifest], now: SystemTime) -> Result<GcReport, StoreError> {
+        let now_ms = now
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
         let referenced: HashSet<String> = keep
             .iter()
             .flat_map(|m| m.chunks())
             .map(|c| c.object_name())
             .collect();
+        let listed = self.backend.list("chunks/").await?;
         let mut report = GcReport::default();
-        for name in self.backend.list("chunks/").await? {
+        let mut leased: HashSet<String> = HashSet::new();
+        for lease in self.leases(None).await? {
+            if lease.is_live(now_ms) {
+                report.leases_live += 1;
+                leased.extend(lease.chunks.iter().map(object_name));
+            } else {
+                let name = lease.object_name();
+                self.backend.delete(&name).await?;
+                report.leases_expired.push(name);
+            }
+        }
+        report.leases_expired.sort();
+        for name in listed {
             report.chunks_examined += 1;
             if referenced.contains(&name) {
                 report.chunks_kept += 1;
+            } else if leased.contains(&name) {
+                report.chunks_kept += 1;
+                report.chunks_leased += 1;
             } else {
                 self.backend.delete(&name).await?;
                 report.deleted.push(name);

@@ -11,13 +11,13 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rand::rngs::SmallRng;
 use rand::{RngCore, SeedableRng};
 use roam_store::{
-    chunk_ref, open_chunk, BackendError, ChunkBackend, ChunkFault, LocalDir, Manifest,
-    ManifestError, Store, StoreError, UserSecret, CHUNK_SIZE,
+    chunk_ref, new_run_id, open_chunk, BackendError, ChunkBackend, ChunkFault, Lease, LocalDir,
+    Manifest, ManifestError, Store, StoreError, UserSecret, CHUNK_SIZE,
 };
 use sha2::{Digest, Sha256};
 
@@ -237,7 +237,10 @@ async fn round_trip_incremental_gc<B: ChunkBackend>(store: &Store<Counting<B>>) 
     let chunks_v2: BTreeSet<String> = m2.chunks().map(|c| c.object_name()).collect();
     let only_v1: Vec<String> = chunks_v1.difference(&chunks_v2).cloned().collect();
     assert_eq!(only_v1.len(), 3);
-    let report = store.gc(std::slice::from_ref(&loaded2)).await.unwrap();
+    let report = store
+        .gc(std::slice::from_ref(&loaded2), SystemTime::now())
+        .await
+        .unwrap();
     assert_eq!(report.deleted, only_v1);
     assert_eq!(report.chunks_examined, chunks_v1.len() as u64 + 3);
     assert_eq!(report.chunks_kept, chunks_v2.len() as u64);
@@ -259,7 +262,12 @@ async fn round_trip_incremental_gc<B: ChunkBackend>(store: &Store<Counting<B>>) 
     ));
     check_restore(store, &loaded2, "disk", &disk2).await;
     // A second gc finds nothing to delete.
-    assert!(store.gc(&[loaded2]).await.unwrap().deleted.is_empty());
+    assert!(store
+        .gc(&[loaded2], SystemTime::now())
+        .await
+        .unwrap()
+        .deleted
+        .is_empty());
 }
 
 #[tokio::test]
@@ -284,6 +292,89 @@ async fn small_env(dir: &Path) -> (Store<LocalDir>, Manifest, Vec<u8>) {
         .await
         .unwrap();
     (store, m, disk)
+}
+
+/// Trickle write-back's contract with gc: chunks a running environment
+/// wrote back (`put_chunk`, sealed as a suspend seals them) that no
+/// manifest references yet survive a gc while their lease is live, are
+/// found by the next suspend (uploaded 0 times again), and once the lease
+/// is stale gc deletes it and the chunks no version took.
+#[tokio::test]
+async fn leased_chunks_survive_gc_until_the_lease_is_stale() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, m1, disk) = small_env(dir.path()).await;
+    let mut rng = SmallRng::seed_from_u64(seed() ^ 0x7e1c);
+    // Two chunks of the disk change while the environment runs: both are
+    // written back; a third is written back and later overwritten again.
+    let mut disk2 = disk.clone();
+    let (a, b) = (random(&mut rng, CHUNK_SIZE), random(&mut rng, CHUNK_SIZE));
+    disk2[..CHUNK_SIZE].copy_from_slice(&a);
+    disk2[CHUNK_SIZE..2 * CHUNK_SIZE].copy_from_slice(&b);
+    let overwritten = random(&mut rng, CHUNK_SIZE);
+    let now_ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let mut lease = Lease {
+        env: "desk".into(),
+        run: new_run_id().unwrap(),
+        seq: 1,
+        expires_unix_ms: now_ms + 60_000,
+        chunks: [&a, &b, &overwritten]
+            .iter()
+            .map(|c| store.chunk_ref(c).id)
+            .collect(),
+    };
+    store.write_lease(&lease).await.unwrap();
+    let mut trickled = Vec::new();
+    for c in [&a, &b, &overwritten] {
+        let (chunk, wrote) = store.put_chunk(c).await.unwrap();
+        assert!(wrote.is_some(), "a new chunk is uploaded");
+        trickled.push(chunk.object_name());
+    }
+    // gc keeps version 1 and the leased chunks.
+    let report = store
+        .gc(std::slice::from_ref(&m1), SystemTime::now())
+        .await
+        .unwrap();
+    assert_eq!(report.deleted, Vec::<String>::new());
+    assert_eq!((report.chunks_leased, report.leases_live), (3, 1));
+    assert!(report.leases_expired.is_empty());
+    // The suspend finds the two it needs stored: nothing to upload.
+    let (m2, stats) = store
+        .suspend("desk", 2, [("disk", &disk2[..])], Some(&m1))
+        .await
+        .unwrap();
+    assert_eq!((stats.chunks_uploaded, stats.chunks_present), (0, 2));
+    // The run ends without releasing its lease; once stale, gc deletes it
+    // and the overwritten chunk no version references.
+    lease.expires_unix_ms = now_ms + 1;
+    lease.seq = 2;
+    store.write_lease(&lease).await.unwrap();
+    assert!(store.delete_lease(&lease_name(&lease, 1)).await.unwrap());
+    let later = SystemTime::now() + Duration::from_secs(1);
+    let report = store.gc(&[m1, m2], later).await.unwrap();
+    assert_eq!(report.deleted, vec![trickled[2].clone()]);
+    assert_eq!(report.leases_expired, vec![lease.object_name()]);
+    assert_eq!((report.chunks_leased, report.leases_live), (0, 0));
+    assert!(store.leases(Some("desk")).await.unwrap().is_empty());
+    // A lease sealed with another secret stops gc before it deletes.
+    let other = Store::new(
+        LocalDir::open(dir.path()).unwrap(),
+        UserSecret::from_bytes([3; 32]),
+    );
+    other.write_lease(&lease).await.unwrap();
+    let err = store.gc(&[], SystemTime::now()).await.unwrap_err();
+    assert!(
+        err.to_string().contains("sealed with another store secret"),
+        "{err}"
+    );
+    assert!(store.backend().exists(&trickled[0]).await.unwrap());
+}
+
+/// The object name of `lease` at sequence number `seq`.
+fn lease_name(lease: &Lease, seq: u64) -> String {
+    roam_store::lease_object_name(&lease.env, &lease.run, seq)
 }
 
 #[tokio::test]
