@@ -469,6 +469,16 @@ such a VM needs the fill done (DIR/<image> appears when it is):
 
   roam resume --env lab --force --vm --demand-fetch /vm -- qemu-system-x86_64 ...
 
+Trickle write-back (--demand-fetch --trickle RATE, e.g. 4M for 4 Mbit/s):
+while the guest runs, each disk chunk it wrote and then left alone for 1 s
+is uploaded in the background, sealed as a suspend seals it, at most RATE
+bits per second of objects; a chunk written again goes again. The next
+`roam suspend --vm` then finds those chunks stored and uploads only the
+rest (its summary says how many were written back). Until that suspend's
+version names them, a lease in the store (leases/ENV/...) keeps `roam store
+gc` from deleting them; roam deletes it when QEMU exits. Progress lines
+(`roam: trickle: N chunks written back ..., P pending`) go to stderr.
+
 DIR is created if missing. Each image is written to a temporary file in DIR
 (mode 0600) and renamed to its name once complete, so a failure (a missing
 or corrupt chunk, a full disk, Ctrl-C) never leaves a partial file under an
@@ -878,6 +888,9 @@ pub(crate) struct ResumeArgs {
     /// With --vm: start QEMU once the memory image is in and serve its `-drive file=DIR/<image>` disks over NBD, fetching each chunk when the guest first reads it and the rest in the background (pays for large disks over slow links).
     #[arg(long, requires = "vm")]
     pub(crate) demand_fetch: bool,
+    /// With --demand-fetch: while the guest runs, write the disk chunks it changes back to the store in the background, at most RATE bits per second of (compressed, encrypted) chunk objects (`4M`, `500kbit`, `off`), so the next `roam suspend --vm` has little left to upload [default: off].
+    #[arg(long, value_name = "RATE", requires = "demand_fetch", value_parser = crate::store::trickle::rate_arg)]
+    pub(crate) trickle: Option<crate::store::trickle::Rate>,
     /// With --vm: the QEMU command line (the VM's configuration, as when it was suspended).
     #[arg(last = true, value_name = "QEMU_COMMAND", requires = "vm")]
     pub(crate) qemu: Vec<String>,

@@ -25,17 +25,22 @@
 //! request straight from the async tasks: a local file, not worth a thread
 //! hop per request here.
 //!
-//! Non-goals: trickle write-back of dirty chunks while the VM runs (the
-//! next `roam suspend --vm` uploads them), keeping the present map across a
-//! crash of roam (the hidden cache file is then left, never taken for a
-//! complete image).
+//! Every write also queues its chunks for trickle write-back
+//! ([`DemandImage::take_settled`]): `roam resume --trickle` uploads the
+//! chunks the guest has left alone for a while (`store::trickle`), and a
+//! chunk written again after that is queued again.
+//!
+//! Non-goals: keeping the present map across a crash of roam (the hidden
+//! cache file is then left, never taken for a complete image).
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use roam_nbd::{
     decode_request, encode_simple_reply, Command, Export, Handshake, HandshakeEvent, CMD_FLAG_FUA,
@@ -129,6 +134,20 @@ pub(crate) struct DemandImage {
     dirty: AtomicU64,
     /// Called with a line for the user when a fetch fails.
     report: Arc<dyn Fn(&str) + Send + Sync>,
+    /// Chunks written since they were last taken for trickle write-back,
+    /// with the time of their last write (a chunk is taken once it has
+    /// rested; see [`DemandImage::take_settled`]). Changed only under the
+    /// chunk's own lock, so a write after a take queues the chunk again.
+    unsent: std::sync::Mutex<BTreeMap<u64, Instant>>,
+}
+
+/// A chunk taken for trickle write-back: its index and its bytes as they
+/// were when taken.
+pub(crate) struct Settled {
+    /// The chunk's index in the image.
+    pub(crate) index: u64,
+    /// Its bytes (a consistent copy: taken under the chunk's lock).
+    pub(crate) bytes: Vec<u8>,
 }
 
 impl DemandImage {
@@ -170,6 +189,7 @@ impl DemandImage {
             lookaside_chunks: AtomicU64::new(0),
             dirty: AtomicU64::new(0),
             report,
+            unsent: std::sync::Mutex::new(BTreeMap::new()),
         })
     }
 
@@ -306,8 +326,69 @@ impl DemandImage {
                 state.dirty = true;
                 self.dirty.fetch_add(1, Ordering::Relaxed);
             }
+            self.unsent_map().insert(index, Instant::now());
         }
         Ok(())
+    }
+
+    /// The trickle queue, a poisoned lock taken as is (its map stays
+    /// consistent: every change is one insert or remove).
+    fn unsent_map(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, Instant>> {
+        self.unsent.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Chunks written since they were last taken for write-back.
+    pub(crate) fn unsent(&self) -> u64 {
+        self.unsent_map().len() as u64
+    }
+
+    /// Takes the lowest chunk written since it was last taken whose last
+    /// write is at least `rest` before `now`, with its bytes, out of the
+    /// trickle queue; `None` if no chunk has rested that long. A write to
+    /// it after this queues it again.
+    pub(crate) async fn take_settled(
+        &self,
+        now: Instant,
+        rest: Duration,
+    ) -> Result<Option<Settled>, String> {
+        loop {
+            let candidate = self
+                .unsent_map()
+                .iter()
+                .find(|(_, at)| now.saturating_duration_since(**at) >= rest)
+                .map(|(i, _)| *i);
+            let Some(index) = candidate else {
+                return Ok(None);
+            };
+            let Some(lock) = self.chunks.get(index as usize) else {
+                self.unsent_map().remove(&index);
+                continue;
+            };
+            let _state = lock.lock().await;
+            {
+                // Written again since it was picked: not rested any more.
+                let mut unsent = self.unsent_map();
+                match unsent.get(&index) {
+                    Some(at) if now.saturating_duration_since(*at) >= rest => {
+                        unsent.remove(&index);
+                    }
+                    _ => continue,
+                }
+            }
+            let (start, end) = self.chunk_range(index);
+            let mut bytes = vec![0u8; (end - start) as usize];
+            if let Err(e) = self.file.read_exact_at(&mut bytes, start) {
+                self.unsent_map().insert(index, now);
+                return Err(format!("reading {}: {e}", self.tmp.display()));
+            }
+            return Ok(Some(Settled { index, bytes }));
+        }
+    }
+
+    /// Puts chunk `index` back in the trickle queue (its upload failed),
+    /// unless a write queued it again meanwhile.
+    pub(crate) fn requeue(&self, index: u64, written: Instant) {
+        self.unsent_map().entry(index).or_insert(written);
     }
 
     /// Makes the cache file's writes durable.

@@ -28,8 +28,10 @@ use crate::config::FileConfig;
 use crate::demand::{DemandCounts, DemandImage, Fetch};
 use crate::store_remote::RemoteBackend;
 use crate::vm::{self, Incoming, Qmp, VM_MEMORY_IMAGE};
+use trickle::Trickle;
 
 pub(crate) mod hoard;
+pub(crate) mod trickle;
 
 /// Any backend, so one `Store` type serves them all.
 #[derive(Debug)]
@@ -767,6 +769,28 @@ async fn suspend_images(
             None => String::new(),
         }
     ));
+    // Chunks a running `roam resume --trickle` of this environment wrote
+    // back ahead (its live leases name them), for the summary only: the
+    // suspend still asks the store for each chunk it does not know.
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let trickled: std::collections::HashSet<[u8; 32]> = match opened.store.leases(Some(env)).await {
+        Ok(leases) => leases
+            .into_iter()
+            .filter(|l| l.is_live(now_ms))
+            .flat_map(|l| l.chunks)
+            .collect(),
+        Err(e) => {
+            lock().rep.end_bar();
+            eprintln_whole!(
+                "roam: warning: cannot read the trickle leases of {env}: {} (the summary \
+                     will not count written-back chunks)",
+                opened.explain(e).0
+            );
+            Default::default()
+        }
+    };
     let start = Instant::now();
     let readers = files
         .into_iter()
@@ -810,6 +834,24 @@ async fn suspend_images(
         ms(elapsed),
         rate(stats.bytes_read, elapsed)
     );
+    if !trickled.is_empty() {
+        let before: std::collections::HashSet<[u8; 32]> = previous
+            .iter()
+            .flat_map(|m| m.chunks().map(|c| c.id))
+            .collect();
+        let new: std::collections::HashSet<[u8; 32]> = manifest
+            .chunks()
+            .map(|c| c.id)
+            .filter(|id| !before.contains(id))
+            .collect();
+        let ahead = new.iter().filter(|id| trickled.contains(*id)).count();
+        out += &format!(
+            "  trickle: {ahead} of the {} chunks new in this version were written back while \
+             the environment ran (roam resume --trickle); {} uploaded now\n",
+            new.len(),
+            stats.chunks_uploaded
+        );
+    }
     if let Some(saved) = vm_saved {
         out += &format!(
             "  VM: memory image written by QEMU in {}; the VM quits (resume it with `roam resume \
@@ -1042,6 +1084,12 @@ async fn resume_opened(args: &ResumeArgs, opened: &Opened) -> Result<i32, Fail> 
         return Ok(0);
     }
     if !served.is_empty() {
+        let trickle = match args.trickle.and_then(|r| r.0) {
+            Some(rate) => Some(Arc::new(
+                Trickle::new(opened.store.clone(), env, rate).map_err(CliError)?,
+            )),
+            None => None,
+        };
         let demand = Demand {
             opened,
             manifest: Arc::new(manifest.clone()),
@@ -1049,6 +1097,7 @@ async fn resume_opened(args: &ResumeArgs, opened: &Opened) -> Result<i32, Fail> 
             dir,
             what: format!("{env} version {version}"),
             started: start,
+            trickle,
         };
         return demand.run(&qemu, &served, socket_for).await;
     }
@@ -1079,6 +1128,8 @@ struct Demand<'a> {
     what: String,
     /// When the resume began.
     started: Instant,
+    /// `--trickle`: the write-back of the guest's disk writes, if on.
+    trickle: Option<Arc<Trickle>>,
 }
 
 impl Demand<'_> {
@@ -1171,6 +1222,19 @@ impl Demand<'_> {
             served.join(", "),
             self.dir.display()
         ));
+        // Trickle write-back runs from the start: a write of the guest at
+        // any time is queued.
+        let trickling = self.trickle.as_ref().map(|t| {
+            rep.phase(&format!(
+                "trickle write-back of the guest's disk writes to {} at up to {:.1} Mbit/s \
+                 (lease leases/{}/{}.*)",
+                self.opened.desc,
+                t.rate as f64 * 8.0 / 1e6,
+                t.env,
+                t.run
+            ));
+            AbortOnDrop(tokio::spawn(t.clone().run(images.clone(), report.clone())))
+        });
         let mut at_start: Vec<DemandCounts> = Vec::new();
         let mut at_run: Vec<DemandCounts> = Vec::new();
         let mut qemu_started = None;
@@ -1205,6 +1269,12 @@ impl Demand<'_> {
             },
         )
         .await;
+        // QEMU has exited (a suspend stopped it, or it ended): what the
+        // trickle wrote back is in the suspend's version or garbage now.
+        let trickled = match (&self.trickle, trickling) {
+            (Some(t), Some(task)) => Some(self.end_trickle(t, task, &images).await),
+            _ => None,
+        };
         let code = match result {
             Ok(code) => code,
             Err(e) => {
@@ -1290,8 +1360,40 @@ impl Demand<'_> {
                 self.dir.join(image.name()).display()
             );
         }
+        if let Some(line) = trickled {
+            out += &line;
+        }
         print_out(&out);
         Ok(code)
+    }
+
+    /// Stops the trickle (at a safe point: within one upload), releases
+    /// its leases, and returns the summary's trickle line.
+    async fn end_trickle(
+        &self,
+        t: &Arc<Trickle>,
+        mut task: AbortOnDrop<()>,
+        images: &[Arc<DemandImage>],
+    ) -> String {
+        t.stop();
+        if tokio::time::timeout(Duration::from_secs(30), &mut task.0)
+            .await
+            .is_err()
+        {
+            eprintln_whole!("roam: trickle: an upload still ran after 30 s; abandoned");
+        }
+        drop(task);
+        let released = match trickle::release(&t.store, &t.env, &t.run).await {
+            Ok(n) => format!(
+                "its lease released ({n} lease object{} deleted)",
+                if n == 1 { "" } else { "s" }
+            ),
+            Err(e) => format!("its lease not released ({e}; `roam store gc` drops it once stale)"),
+        };
+        format!(
+            "  trickle: {} when QEMU exited; {released}\n",
+            t.summary(images.iter().map(|i| i.unsent()).sum())
+        )
     }
 }
 

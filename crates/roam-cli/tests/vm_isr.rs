@@ -734,7 +734,13 @@ fn help_teaches_the_vm_commands() {
             "roam {cmd} --help names the memory image"
         );
         if cmd == "resume" {
-            for needle in ["--demand-fetch", "over NBD", "It pays when"] {
+            for needle in [
+                "--demand-fetch",
+                "over NBD",
+                "It pays when",
+                "--trickle RATE",
+                "leases/ENV",
+            ] {
                 assert!(help.contains(needle), "resume --help lacks {needle:?}");
             }
         }
@@ -864,4 +870,248 @@ fn a_guest_resumed_by_demand_fetch_through_a_store_server() {
     );
     drop(at_a);
     assert_eq!(any_file_contains(&holder, MARK), None);
+}
+
+/// Sends one QMP command (`{"execute": CMD}`) to the QEMU whose QMP socket
+/// is `sock`, after the capabilities handshake; panics on a QMP error.
+fn qmp_command(sock: &Path, cmd: &str) {
+    use std::io::{BufRead, BufReader, Write};
+    let stream = std::os::unix::net::UnixStream::connect(sock).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut reader = BufReader::new(stream.try_clone().unwrap());
+    let mut writer = stream;
+    let mut line = String::new();
+    reader.read_line(&mut line).unwrap();
+    assert!(line.contains("QMP"), "not a QMP greeting: {line}");
+    for execute in ["qmp_capabilities", cmd] {
+        writeln!(writer, "{{\"execute\": \"{execute}\"}}").unwrap();
+        loop {
+            line.clear();
+            assert!(reader.read_line(&mut line).unwrap() > 0, "QMP closed");
+            if line.contains("\"event\"") {
+                continue;
+            }
+            assert!(line.contains("\"return\""), "QMP {execute}: {line}");
+            break;
+        }
+    }
+}
+
+/// The user's store at `store` (a local directory), opened with the
+/// secret in the state directory `state`, and a runtime to drive it.
+fn local_store(
+    state: &Path,
+    store: &Path,
+) -> (
+    tokio::runtime::Runtime,
+    roam_store::Store<roam_store::LocalDir>,
+) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let secret: [u8; 32] = std::fs::read(state.join("store.secret"))
+        .unwrap()
+        .try_into()
+        .unwrap();
+    let store = roam_store::Store::new(
+        roam_store::LocalDir::open(store).unwrap(),
+        roam_store::UserSecret::from_bytes(secret),
+    );
+    (rt, store)
+}
+
+/// The chunk ids of `disk` (a file) that version `version` of `lab` does
+/// not have at the same index: the chunks written since.
+fn changed_chunks(
+    rt: &tokio::runtime::Runtime,
+    store: &roam_store::Store<roam_store::LocalDir>,
+    version: u64,
+    disk: &Path,
+) -> Vec<[u8; 32]> {
+    let m = rt.block_on(store.load_manifest("lab", version)).unwrap();
+    let entry = m.image("disk.img").unwrap();
+    let bytes = std::fs::read(disk).unwrap();
+    let mut ids: Vec<[u8; 32]> = bytes
+        .chunks(roam_store::CHUNK_SIZE)
+        .enumerate()
+        .filter_map(|(i, c)| {
+            let id = store.chunk_ref(c).id;
+            (entry.chunks.get(i).map(|r| r.id) != Some(id)).then_some(id)
+        })
+        .collect();
+    ids.sort_unstable();
+    ids.dedup();
+    ids
+}
+
+/// Trickle write-back (`--demand-fetch --trickle`): the guest resumed at B
+/// appends to its disk; the chunks it changed reach the store while it
+/// runs, named by the run's lease, and a `roam store gc` keeping only
+/// version 1 leaves them; once the guest rests (stopped over QMP) every
+/// changed chunk is in the store, so the suspend at B uploads no disk chunk
+/// and says they were written back ahead. Resumed at A, the guest finds
+/// every line it wrote at B. B's run releases its lease when QEMU exits.
+#[test]
+fn a_trickled_guest_leaves_its_suspend_no_disk_chunk_to_upload() {
+    let Some(guest) = guest() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let store = tmp.path().join("store");
+    let (site_a, site_b, _) = suspended_at_a(&guest, tmp.path(), &state, &store);
+    let n_a = last_tick(&site_a.ticks("serial-a1"), "site A");
+
+    let log = tmp.path().join("resume-b.log");
+    let mut at_b = resume_with(
+        &state,
+        &store,
+        &site_b,
+        (&guest, "serial-b"),
+        false,
+        &["--demand-fetch", "--trickle", "100M"],
+        Some(&log),
+    );
+    // The guest writes a line a tick; the fill completes the disk file.
+    site_b.wait_tick("serial-b", n_a + 4, &mut at_b);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !site_b.disk().exists() {
+        assert!(
+            Instant::now() < deadline,
+            "the background fill did not finish"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Chunks are written back while the guest runs: its progress says so.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .contains("roam: trickle: ")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "no trickle progress within 60 s:\n{}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The guest rests (stopped, as a user walking away): every chunk it
+    // changed since version 1 reaches the store and the run's lease.
+    qmp_command(&site_b.qmp(), "stop");
+    let (rt, st) = local_store(&state, &store);
+    let changed = changed_chunks(&rt, &st, 1, &site_b.disk());
+    assert!(!changed.is_empty(), "the guest changed no disk chunk at B");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let leases = rt.block_on(st.leases(Some("lab"))).unwrap();
+        let leased: std::collections::HashSet<[u8; 32]> =
+            leases.iter().flat_map(|l| l.chunks.clone()).collect();
+        let stored = changed.iter().all(|id| {
+            let name = format!("chunks/{}", hex(id));
+            leased.contains(id)
+                && rt
+                    .block_on(roam_store::ChunkBackend::exists(st.backend(), &name))
+                    .unwrap()
+        });
+        if stored {
+            assert_eq!(leases.len(), 1, "one lease for the one run: {leases:?}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the {} changed chunks did not all reach the store within 60 s:\n{}",
+            changed.len(),
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    eprintln!(
+        "{} disk chunks changed at B, all written back before the suspend",
+        changed.len()
+    );
+
+    // gc during the live trickle (keeping version 1 only) keeps them.
+    let gc = ok(
+        "roam store gc",
+        roam(&state)
+            .args(["store", "gc", "--env", "lab", "--keep", "1", "--store"])
+            .arg(&store)
+            .output()
+            .unwrap(),
+    );
+    let gc_out = String::from_utf8_lossy(&gc.stdout);
+    eprintln!("gc during the trickle: {gc_out}");
+    assert!(gc_out.contains("and 1 running environments ("), "{gc_out}");
+    for id in &changed {
+        let name = format!("chunks/{}", hex(id));
+        assert!(
+            rt.block_on(roam_store::ChunkBackend::exists(st.backend(), &name))
+                .unwrap(),
+            "gc deleted the trickled chunk {name}"
+        );
+    }
+
+    // The suspend finds every changed disk chunk stored: none to upload.
+    let (out2, err2) = suspend_at(&state, &store, &site_b, &mut at_b);
+    assert!(out2.contains("suspended lab version 2"), "{out2}");
+    let n_b = last_tick(&site_b.ticks("serial-b"), "site B");
+    let (disk_total, disk_up) = image_chunks(&err2, "disk.img");
+    assert_eq!(disk_total, 512);
+    assert_eq!(
+        disk_up, 0,
+        "every changed disk chunk was written back ahead:\n{out2}"
+    );
+    let ahead = format!("trickle: {} of the ", changed.len());
+    assert!(out2.contains(&ahead), "{ahead:?} in:\n{out2}");
+    let status = at_b.wait_exit(Duration::from_secs(60));
+    let text = std::fs::read_to_string(&log).unwrap();
+    eprintln!("roam resume --trickle at B:\n{text}");
+    assert_eq!(status.map(|s| s.success()), Some(true), "{text}");
+    assert!(
+        text.contains("when QEMU exited; its lease released (1 lease object deleted)"),
+        "{text}"
+    );
+    assert!(rt.block_on(st.leases(Some("lab"))).unwrap().is_empty());
+
+    // Back at A: on from B's last tick, and the file holds every line.
+    let mut at_a = resume_at(&state, &store, &site_a, &guest, "serial-a2", false);
+    let ticks_a2 = site_a.wait_tick("serial-a2", n_b + 2, &mut at_a);
+    assert_eq!(ticks_a2.first().map(|t| t.0), Some(n_b + 1), "{ticks_a2:?}");
+    last_tick(&ticks_a2, "site A after a trickled run at B");
+    drop(at_a);
+    assert_eq!(any_file_contains(&store, MARK), None);
+}
+
+/// `id` as 64 lowercase hex digits.
+fn hex(id: &[u8; 32]) -> String {
+    id.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A bad `--trickle` is refused before anything is read or started: a
+/// rate that is not one, a rate below 8kbit, and `--trickle` without
+/// `--demand-fetch` (it writes back what roam's NBD export sees).
+#[test]
+fn a_bad_trickle_rate_is_refused_with_what_to_write() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (args, needle) in [
+        (
+            vec!["--demand-fetch", "--trickle", "fast"],
+            "--trickle \"fast\": expected `off` or a rate in bits per second",
+        ),
+        (vec!["--demand-fetch", "--trickle", "1k"], "at least 8kbit"),
+        (vec!["--trickle", "4M"], "--demand-fetch"),
+    ] {
+        let out = roam(tmp.path())
+            .args(["resume", "--env", "lab", "--vm"])
+            .args(&args)
+            .arg(tmp.path().join("b"))
+            .args(["--", "qemu-system-x86_64"])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+        assert!(!tmp.path().join("b").exists(), "nothing made");
+    }
 }

@@ -236,6 +236,52 @@ async fn concurrent_reads_of_a_missing_chunk_fetch_it_once() {
     assert_eq!(s.fetches.load(Ordering::SeqCst), 10);
 }
 
+/// The trickle queue: a written chunk is taken once it has rested, with
+/// the bytes it holds then; a write after the take queues it again; a
+/// chunk still being written is not taken; a failed upload puts it back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn written_chunks_are_taken_for_trickle_once_rested_and_again_after_a_rewrite() {
+    let tmp = tempfile::tempdir().unwrap();
+    let source = Arc::new(pattern(LEN));
+    let s = serve_bytes(tmp.path(), source.clone(), None);
+    let rest = Duration::from_millis(300);
+    let at = |c: u64| c * CHUNK_SIZE as u64;
+    s.image.write(at(2) + 10, 5, Some(b"hello")).await.unwrap();
+    s.image.write(at(9), 3, None).await.unwrap();
+    assert_eq!(s.image.unsent(), 2);
+    // Not rested yet.
+    let now = std::time::Instant::now();
+    assert!(s.image.take_settled(now, rest).await.unwrap().is_none());
+    let later = now + rest;
+    let first = s.image.take_settled(later, rest).await.unwrap().unwrap();
+    assert_eq!(first.index, 2);
+    let mut expect = source[2 * CHUNK_SIZE..3 * CHUNK_SIZE].to_vec();
+    expect[10..15].copy_from_slice(b"hello");
+    assert!(first.bytes == expect, "chunk 2 as written");
+    let last = s.image.take_settled(later, rest).await.unwrap().unwrap();
+    assert_eq!(
+        (last.index, last.bytes.len()),
+        (9, 64 * 1024),
+        "short last chunk"
+    );
+    assert_eq!(&last.bytes[..3], &[0, 0, 0]);
+    assert_eq!(s.image.unsent(), 0);
+    assert!(s.image.take_settled(later, rest).await.unwrap().is_none());
+    // Written again after it went: queued again, with the new bytes.
+    s.image.write(at(2) + 10, 5, Some(b"HELLO")).await.unwrap();
+    assert_eq!(s.image.unsent(), 1);
+    let again = s
+        .image
+        .take_settled(std::time::Instant::now() + rest, rest)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((again.index, &again.bytes[10..15]), (2, &b"HELLO"[..]));
+    // A failed upload puts it back.
+    s.image.requeue(2, std::time::Instant::now());
+    assert_eq!(s.image.unsent(), 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_fetch_is_an_io_error_for_qemu_and_a_line_for_the_user() {
     if !have_qemu_utils() {
