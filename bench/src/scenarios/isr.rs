@@ -38,6 +38,13 @@
 //! ~0.85 s after a tick so that this rest is small, and it is reported.
 //! Rows are medians over the rounds; every sample is in results.json.
 //!
+//! Last, per link rate, two more suspends over the limited link: the newest
+//! version resumed by demand fetch, three ticks (each appends to the disk),
+//! the guest paused over QMP (the user walks away), and 3 s later `roam
+//! suspend --vm`: once without and once with `--trickle` at the link's rate
+//! (trickle write-back): the time, the disk chunks the suspend still
+//! uploaded and the chunks it found written back ahead.
+//!
 //! Needs root (namespaces, tc), QEMU, the guest (`$ROAM_GUEST` or
 //! `/var/cache/roam/guest-*`) and s3s-fs (`$ROAM_S3S_FS` or
 //! `/var/cache/roam/s3s-fs-*/bin/s3s-fs`); skipped with the reason otherwise.
@@ -124,8 +131,16 @@ impl Policy {
 /// One `roam suspend --vm`.
 #[derive(Debug, Clone, Serialize)]
 pub(crate) struct SuspendRow {
-    /// Which suspend: "first" (everything new) or "second" (two ticks later).
+    /// Which suspend: "first" (everything new), "second" (two ticks
+    /// later), or after a run of three ticks ("run", "trickled run").
     pub(crate) which: &'static str,
+    /// The veth's rate limit during the suspend (Mbit/s), `None` unlimited.
+    pub(crate) rate_mbit: Option<u32>,
+    /// Disk chunks uploaded (roam's progress line for disk.img).
+    pub(crate) disk_chunks_uploaded: u64,
+    /// Chunks the suspend found written back ahead by `roam resume
+    /// --trickle` (its summary's trickle line), if it said.
+    pub(crate) trickled_ahead: Option<u64>,
     /// The command's wall time (s).
     pub(crate) seconds: f64,
     /// Chunks of the version (memory and disk).
@@ -660,7 +675,7 @@ fn suspend(
     dir: &Path,
     site: &Site,
     qemu: &mut Running,
-    which: &'static str,
+    (which, rate_mbit): (&'static str, Option<u32>),
 ) -> io::Result<SuspendRow> {
     let (_, tx0) = net.counters()?;
     let start = Instant::now();
@@ -679,11 +694,19 @@ fn suspend(
         .stdin(Stdio::null())
         .output()?;
     let seconds = start.elapsed().as_secs_f64();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     let text = check("roam suspend --vm", out)?;
     let (_, tx1) = net.counters()?;
     qemu.wait_exit(Duration::from_secs(30))?;
+    let disk_line = stderr
+        .lines()
+        .find(|l| l.contains("] disk.img: done,"))
+        .unwrap_or_default();
     Ok(SuspendRow {
         which,
+        rate_mbit,
+        disk_chunks_uploaded: number_before(disk_line, " chunks)")?,
+        trickled_ahead: number_before(&text, " of the ").ok(),
         seconds,
         chunks_total: number_before(&text, " total,")?,
         chunks_uploaded: number_before(&text, " uploaded,")?,
@@ -749,6 +772,33 @@ fn resume_vm(
     Running::start(cmd, site.dir.join("qemu.pid"))
 }
 
+/// Pauses the guest behind the QMP socket `sock` (`stop`).
+fn qmp_stop(sock: &Path) -> io::Result<()> {
+    use std::io::Write;
+    let stream = std::os::unix::net::UnixStream::connect(sock)?;
+    stream.set_read_timeout(Some(SLACK))?;
+    let mut reader = BufReader::new(stream.try_clone()?);
+    let mut writer = stream;
+    let mut line = String::new();
+    reader.read_line(&mut line)?;
+    for execute in ["qmp_capabilities", "stop"] {
+        writeln!(writer, "{{\"execute\": \"{execute}\"}}")?;
+        loop {
+            line.clear();
+            if reader.read_line(&mut line)? == 0 {
+                return Err(io::Error::other("QEMU closed its QMP socket"));
+            }
+            if line.contains("\"return\"") {
+                break;
+            }
+            if line.contains("\"error\"") {
+                return Err(io::Error::other(format!("QMP {execute}: {line}")));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Seconds from `from` to `to`.
 fn secs(from: Instant, to: Instant) -> f64 {
     to.saturating_duration_since(from).as_secs_f64()
@@ -771,7 +821,7 @@ fn measure(tools: &Tools, dir: &Path, rates: &[(u32, usize)]) -> io::Result<Isr>
     cmd.args(&args[1..]);
     let mut qemu_a = Running::start(cmd, site_a.dir.join("qemu.pid"))?;
     site_a.wait_tick(3, BOOT_TIMEOUT, &mut qemu_a)?;
-    let first = suspend(&net, tools, dir, &site_a, &mut qemu_a, "first")?;
+    let first = suspend(&net, tools, dir, &site_a, &mut qemu_a, ("first", None))?;
     drop(qemu_a);
     progress(&format!(
         "isr: first suspend {:.2} s, {} of {} chunks uploaded",
@@ -795,7 +845,7 @@ fn measure(tools: &Tools, dir: &Path, rates: &[(u32, usize)]) -> io::Result<Isr>
     std::thread::sleep(Duration::from_millis(SUSPEND_AFTER_TICK_MS).saturating_sub(seen.elapsed()));
     let before = site_b.ticks().last().copied();
     let suspend_at = Instant::now();
-    let second = suspend(&net, tools, dir, &site_b, &mut at_b, "second")?;
+    let second = suspend(&net, tools, dir, &site_b, &mut at_b, ("second", None))?;
     drop(at_b);
     let n_b = *site_b.ticks().last().unwrap_or(&0);
     // The guest's sleep left at the suspend: 1 s after the tick seen,
@@ -889,6 +939,44 @@ fn measure(tools: &Tools, dir: &Path, rates: &[(u32, usize)]) -> io::Result<Isr>
             let _ = std::fs::remove_dir_all(&site.dir);
         }
     }
+    // Suspend after a run, with and without trickle write-back, over each
+    // limited link: resumed by demand fetch, three ticks (each appends to
+    // the disk), the guest paused (the user walks away) and 3 s later
+    // suspended. Each suspend writes the next version; the next run resumes it.
+    let mut suspends = vec![first, second];
+    let mut n_last = n_b;
+    for &(rate, _) in rates {
+        net.rate(rate)?;
+        let limit = SLACK + Duration::from_secs_f64(MAX_RESUME_BYTES * 8.0 / (rate as f64 * 1e6));
+        for trickle in [false, true] {
+            check_cancelled()?;
+            let site = Site::new(dir.join(format!("after-run-{rate}-{trickle}")))?;
+            let mut extra = vec!["--demand-fetch".to_string()];
+            if trickle {
+                extra.extend(["--trickle".into(), format!("{rate}M")]);
+            }
+            let mut r = resume_vm(&net, tools, dir, &site, &extra)?;
+            site.wait_tick(n_last + 3, limit, &mut r)?;
+            r.wait_for("background fill done", limit)?;
+            qmp_stop(&site.dir.join("qmp.sock"))?;
+            std::thread::sleep(Duration::from_secs(3));
+            let which = if trickle { "trickled run" } else { "run" };
+            let row = suspend(&net, tools, dir, &site, &mut r, (which, Some(rate)))?;
+            n_last = site.ticks().last().copied().unwrap_or(n_last);
+            progress(&format!(
+                "isr: {rate} Mbit/s suspend after a {which}: {:.2} s, {} of {} chunks uploaded \
+                 ({} of the disk's), {} written back ahead",
+                row.seconds,
+                row.chunks_uploaded,
+                row.chunks_total,
+                row.disk_chunks_uploaded,
+                row.trickled_ahead.unwrap_or(0)
+            ));
+            suspends.push(row);
+            drop(r);
+            let _ = std::fs::remove_dir_all(&site.dir);
+        }
+    }
     let resumes = medians(rates, &samples);
     let goals = goals(&resumes);
     let notes = vec![
@@ -908,7 +996,7 @@ fn measure(tools: &Tools, dir: &Path, rates: &[(u32, usize)]) -> io::Result<Isr>
         notes,
         memory_bytes,
         disk_bytes,
-        suspends: vec![first, second],
+        suspends,
         hoards,
         residual_sleep_ms,
         resumes,
@@ -1023,14 +1111,18 @@ pub(crate) fn section(s: &mut String, o: &crate::Outcome<Isr>) {
     }
     let _ = writeln!(
         s,
-        "\nSuspends (unlimited veth):\n\n| suspend | s | chunks uploaded / total | read MB | uploaded MB | sent on the wire MB |\n|---|---:|---:|---:|---:|---:|"
+        "\nSuspends (first and second: unlimited veth; after a run: resumed by demand fetch, three ticks, the guest paused and suspended 3 s later, over the limited veth, with and without `--trickle` at the link's rate):\n\n| suspend | link | s | disk chunks uploaded | written back ahead | chunks uploaded / total | read MB | uploaded MB | sent on the wire MB |\n|---|---|---:|---:|---:|---:|---:|---:|---:|"
     );
     for r in &t.suspends {
         let _ = writeln!(
             s,
-            "| {} | {:.2} | {} / {} | {:.1} | {:.2} | {:.2} |",
+            "| {} | {} | {:.2} | {} | {} | {} / {} | {:.1} | {:.2} | {:.2} |",
             r.which,
+            r.rate_mbit
+                .map_or("unlimited".into(), |m| format!("{m} Mbit/s")),
             r.seconds,
+            r.disk_chunks_uploaded,
+            r.trickled_ahead.map_or("–".into(), |n| n.to_string()),
             r.chunks_uploaded,
             r.chunks_total,
             r.bytes_read as f64 / 1e6,
