@@ -49,26 +49,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use roam_service::{ChannelId, Cut, Interval, Limits, Part, Process};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::unix::pipe;
 use tokio::net::{TcpStream, UnixStream};
 use tokio::sync::Notify;
 
-/// Frame types.
-const HELLO: u8 = 1;
-const START: u8 = 2;
-const FREEZE: u8 = 3;
-const CUT: u8 = 4;
-const THAW: u8 = 5;
-const END: u8 = 6;
-const ACK: u8 = 7;
-const PART: u8 = 8;
-const REFUSED: u8 = 9;
-const READY: u8 = 10;
-/// Largest control frame (a part holds logs of up to the log cap).
-const MAX_FRAME: usize = 256 << 20;
-/// How long a coordinator waits for a member's answer.
-const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
+mod control;
+
+use control::{recv, send, ACK, CUT, END, FREEZE, HELLO, PART, READY, REFUSED, START, THAW};
+pub use control::{Control, DEFAULT_ANSWER_TIMEOUT};
 
 /// What one end of a channel between two members runs on. Only its
 /// direction's half is used: a member reads a channel it reads and writes
@@ -461,131 +449,6 @@ pub async fn join(control: &mut UnixStream, role: &str, limits: Limits) -> io::R
     }
 }
 
-/// The coordinator's end of one member's control socket.
-#[derive(Debug)]
-pub struct Control {
-    /// The socket.
-    socket: UnixStream,
-    /// The role the member named.
-    pub role: String,
-}
-
-impl Control {
-    /// Takes a member's `HELLO` and starts it: `part` is `None` for a fresh
-    /// start, else its restarted part (from [`restart_parts`]).
-    pub async fn accept(
-        mut socket: UnixStream,
-        part: impl FnOnce(&str) -> Option<Vec<u8>>,
-    ) -> io::Result<Self> {
-        let role = match tokio::time::timeout(ANSWER_TIMEOUT, recv(&mut socket)).await {
-            Ok(Ok(Some((HELLO, body)))) => String::from_utf8_lossy(&body).into_owned(),
-            Ok(Err(e)) => return Err(e),
-            Err(_) => {
-                return Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    "no HELLO from the member",
-                ))
-            }
-            _ => return Err(io::Error::new(io::ErrorKind::InvalidData, "expected HELLO")),
-        };
-        let body = part(&role).unwrap_or_default();
-        send(&mut socket, START, &body).await?;
-        Ok(Control { socket, role })
-    }
-
-    async fn ask(&mut self, kind: u8) -> io::Result<(u8, Vec<u8>)> {
-        send(&mut self.socket, kind, &[]).await?;
-        match tokio::time::timeout(ANSWER_TIMEOUT, recv(&mut self.socket)).await {
-            Ok(Ok(Some(answer))) => Ok(answer),
-            Ok(Ok(None)) => Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                format!("member {} closed its control socket", self.role),
-            )),
-            Ok(Err(e)) => Err(e),
-            Err(_) => Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!(
-                    "member {} did not answer within {ANSWER_TIMEOUT:?}",
-                    self.role
-                ),
-            )),
-        }
-    }
-
-    async fn expect_ack(&mut self, kind: u8) -> io::Result<()> {
-        match self.ask(kind).await? {
-            (ACK, _) => Ok(()),
-            (k, _) => Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("member {} answered {k} instead of ACK", self.role),
-            )),
-        }
-    }
-
-    /// Waits for the member's `READY` (its channels are connected).
-    pub async fn ready(&mut self) -> io::Result<()> {
-        match tokio::time::timeout(ANSWER_TIMEOUT, recv(&mut self.socket)).await {
-            Ok(Ok(Some((READY, _)))) => Ok(()),
-            Ok(Ok(Some((k, _)))) => Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("member {} sent {k} instead of READY", self.role),
-            )),
-            Ok(Ok(None)) => Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                format!(
-                    "member {} closed its control socket before it was ready",
-                    self.role
-                ),
-            )),
-            Ok(Err(e)) => Err(e),
-            Err(_) => Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!(
-                    "member {} was not ready within {ANSWER_TIMEOUT:?}",
-                    self.role
-                ),
-            )),
-        }
-    }
-
-    /// Stops the member's channel traffic.
-    pub async fn freeze(&mut self) -> io::Result<()> {
-        self.expect_ack(FREEZE).await
-    }
-
-    /// Lets the member run again.
-    pub async fn thaw(&mut self) -> io::Result<()> {
-        self.expect_ack(THAW).await
-    }
-
-    /// Tells the member its session moved away (it exits).
-    pub async fn end(&mut self) -> io::Result<()> {
-        self.expect_ack(END).await
-    }
-
-    /// The member's part (it drains its readers first). `Ok(Err(reason))`
-    /// when it cannot give one, e.g. its log is over the cap.
-    pub async fn part(&mut self) -> io::Result<Result<Part, String>> {
-        match self.ask(CUT).await? {
-            (PART, body) => {
-                let cut = Cut::decode(&body).map_err(cut_error)?;
-                match <[Part; 1]>::try_from(cut.parts) {
-                    Ok([part]) => Ok(Ok(part)),
-                    Err(_) => Err(io::Error::new(
-                        io::ErrorKind::InvalidData,
-                        "a member's part must be a one-part cut",
-                    )),
-                }
-            }
-            (REFUSED, why) => Ok(Err(String::from_utf8_lossy(&why).into_owned())),
-            (k, _) => Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("member {} answered {k} instead of its part", self.role),
-            )),
-        }
-    }
-}
-
 /// How [`move_set`] ended.
 #[derive(Debug)]
 pub enum MoveOutcome {
@@ -706,7 +569,17 @@ pub struct SessionSet {
     root: Member,
     backends: Vec<Control>,
     limits: Limits,
+    /// How long a save waits for the back-ends' answers (all of them, from
+    /// the freeze to the last part).
+    save_timeout: Duration,
 }
+
+/// How long [`SessionSet::save`] waits, by default, for every back-end to
+/// freeze and give its part: well under a move's freeze timeout (10 s), so
+/// a back-end that is stopped, stuck or on an overloaded host calls the
+/// move off within it, naming the back-end, and the session goes on at its
+/// source. Set with [`SessionSet::with_save_timeout`].
+pub const DEFAULT_SAVE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// What [`SessionSet::save`] stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -739,7 +612,24 @@ impl SessionSet {
             root,
             backends,
             limits,
+            save_timeout: DEFAULT_SAVE_TIMEOUT,
         }
+    }
+
+    /// Bounds a [`save`](Self::save): every back-end must freeze and give
+    /// its part within `bound` of the save's start
+    /// ([`DEFAULT_SAVE_TIMEOUT`] unless set), or the save fails, naming
+    /// the back-end it waited for, and calls the move off. Keep it under
+    /// the move's freeze timeout, and above the time a loaded back-end
+    /// takes to send a part whose logs are near their cap.
+    pub fn with_save_timeout(mut self, bound: Duration) -> Self {
+        self.save_timeout = bound;
+        self
+    }
+
+    /// The bound on a [`save`](Self::save).
+    pub fn save_timeout(&self) -> Duration {
+        self.save_timeout
     }
 
     /// The root's member: its `write_all`, `read` and `export` serve the
@@ -756,40 +646,53 @@ impl SessionSet {
     /// [`suspend`](crate::ManagedSession::suspend): the cut is now the
     /// set's only state, restarted by [`restore`](Self::restore) wherever
     /// the session resumes. A part refused (a log over its cap), a
-    /// back-end that died or did not answer, a cut that does not check or
-    /// an attribute that cannot be stored thaws the set and returns it;
-    /// if a move asked for the freeze, it is called off at once with the
-    /// error, which names the back-end
-    /// ([`decline_freeze`](crate::ManagedSession::decline_freeze)).
-    pub async fn save(self, session: &crate::ManagedSession) -> Result<Saved, SaveFailed> {
-        let r = self.save_cut(session).await;
-        if let Err(failed) = &r {
-            session.decline_freeze(format!("service set: {}", failed.error));
+    /// back-end that died or did not freeze and give its part within the
+    /// save's bound ([`with_save_timeout`](Self::with_save_timeout), 2 s
+    /// by default), a cut that does not check or an attribute that cannot
+    /// be stored fails the save: if a move asked for the freeze, it is
+    /// called off at once with the error, which names the back-end
+    /// ([`decline_freeze`](crate::ManagedSession::decline_freeze)); then
+    /// the set is thawed and returned. A back-end that did not answer is
+    /// sent its thaw without a wait: once it runs again it answers the
+    /// frames it missed and serves on (the next save drops those answers).
+    pub async fn save(mut self, session: &crate::ManagedSession) -> Result<Saved, SaveFailed> {
+        let stored = match self.take_cut().await {
+            Ok(cut) => session
+                .store(CUT_ATTR, &cut)
+                .map(|()| cut.len())
+                .map_err(io::Error::other),
+            Err(e) => Err(e),
+        };
+        let bytes = match stored {
+            Ok(bytes) => bytes,
+            Err(error) => {
+                // Called off first: the thaw below may wait for members.
+                session.decline_freeze(format!("service set: {error}"));
+                return Err(self.thaw_after(error).await);
+            }
+        };
+        let saved = Saved {
+            bytes,
+            parts: 1 + self.backends.len(),
+        };
+        let (deadline, bound) = self.deadline();
+        for c in &mut self.backends {
+            // Its part is in the cut: a back-end that died or does not
+            // answer has nothing left to lose. One that answers later ends
+            // then, or when its control socket closes with this set.
+            if let Err(e) = c.ack_by(control::END, deadline, bound).await {
+                tracing::warn!("back-end {} did not answer END: {e}", c.role);
+            }
         }
-        r
+        Ok(saved)
     }
 
-    async fn save_cut(mut self, session: &crate::ManagedSession) -> Result<Saved, SaveFailed> {
-        match self.take_cut().await {
-            Ok(cut) => {
-                if let Err(e) = session.store(CUT_ATTR, &cut) {
-                    return Err(self.thaw_after(io::Error::other(e)).await);
-                }
-                let saved = Saved {
-                    bytes: cut.len(),
-                    parts: 1 + self.backends.len(),
-                };
-                for c in &mut self.backends {
-                    // A back-end that died now has nothing left to lose:
-                    // its part is in the cut.
-                    if let Err(e) = c.end().await {
-                        tracing::warn!("back-end {} did not answer END: {e}", c.role);
-                    }
-                }
-                Ok(saved)
-            }
-            Err(e) => Err(self.thaw_after(e).await),
-        }
+    /// The deadline of a save's wait starting now, and its bound.
+    fn deadline(&self) -> (tokio::time::Instant, Duration) {
+        (
+            tokio::time::Instant::now() + self.save_timeout,
+            self.save_timeout,
+        )
     }
 
     async fn take_cut(&mut self) -> io::Result<Vec<u8>> {
@@ -797,16 +700,17 @@ impl SessionSet {
         let named = |c: &Control, what: &str, e: io::Error| {
             io::Error::new(e.kind(), format!("back-end {} {what}: {e}", c.role))
         };
+        let (deadline, bound) = self.deadline();
         self.root.lock().frozen = true;
         for c in &mut self.backends {
-            c.freeze()
+            c.ack_by(control::FREEZE, deadline, bound)
                 .await
                 .map_err(|e| named(c, "did not freeze", e))?;
         }
         let root = self.root.cut().map_err(io::Error::other)?;
         let mut parts = Cut::decode(&root).map_err(cut_error)?.parts;
         for c in &mut self.backends {
-            let answer = c.part().await;
+            let answer = c.part_by(deadline, bound).await;
             match answer.map_err(|e| named(c, "gave no part", e))? {
                 Ok(part) => parts.push(part),
                 Err(why) => {
@@ -822,10 +726,19 @@ impl SessionSet {
         Ok(cut.encode())
     }
 
+    /// Thaws every member after a failed save. A back-end that still owes
+    /// an answer (stopped or stuck) is sent `THAW` without a wait: it
+    /// answers the frames before it, then runs again.
     async fn thaw_after(mut self, error: io::Error) -> SaveFailed {
+        let (deadline, bound) = self.deadline();
         for c in &mut self.backends {
-            if let Err(e) = c.thaw().await {
-                tracing::warn!("back-end {} did not answer THAW: {e}", c.role);
+            let thawed = if c.owes_answers() {
+                c.post_by(control::THAW, deadline).await
+            } else {
+                c.ack_by(control::THAW, deadline, bound).await
+            };
+            if let Err(e) = thawed {
+                tracing::warn!("back-end {} was not thawed: {e}", c.role);
             }
         }
         self.root.thaw();
@@ -999,32 +912,4 @@ pub fn check_cut(attrs: &BTreeMap<String, Vec<u8>>, limits: Limits) -> Result<()
     cut.resume(limits)
         .map(drop)
         .map_err(|e| format!("the service set's cut does not restart: {e}"))
-}
-
-async fn send(socket: &mut UnixStream, kind: u8, body: &[u8]) -> io::Result<()> {
-    let mut frame = Vec::with_capacity(5 + body.len());
-    frame.extend_from_slice(&(body.len() as u32 + 1).to_be_bytes());
-    frame.push(kind);
-    frame.extend_from_slice(body);
-    socket.write_all(&frame).await
-}
-
-async fn recv(socket: &mut UnixStream) -> io::Result<Option<(u8, Vec<u8>)>> {
-    let mut len = [0u8; 4];
-    match socket.read_exact(&mut len).await {
-        Ok(_) => {}
-        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
-        Err(e) => return Err(e),
-    }
-    let len = u32::from_be_bytes(len) as usize;
-    if len == 0 || len > MAX_FRAME {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("control frame of {len} bytes"),
-        ));
-    }
-    let mut body = vec![0u8; len];
-    socket.read_exact(&mut body).await?;
-    let kind = body.remove(0);
-    Ok(Some((kind, body)))
 }

@@ -26,7 +26,9 @@ use std::time::{Duration, Instant};
 
 use common::{bounded, cli, init_logging, wait_until};
 use roam::RoamStream;
-use roam_continuation::service_set::{check_cut, Control, Member, Restored, SessionSet, Staged};
+use roam_continuation::service_set::{
+    check_cut, Control, Member, Restored, SessionSet, Staged, DEFAULT_SAVE_TIMEOUT,
+};
 use roam_continuation::{
     ClusterConfig, ClusterIdentity, Continuation, Host, HostConfig, ManagedSession, MoveError,
     MoveReport, Service,
@@ -492,6 +494,17 @@ struct Client {
 }
 
 async fn client(c: &Cluster, host: &str, n: u64) -> Client {
+    client_pausing(c, host, n, None).await
+}
+
+/// A [`client`] that, given `pause` `(k, go)`, sends its first `k`
+/// requests, then waits for `go` before it sends the rest.
+async fn client_pausing(
+    c: &Cluster,
+    host: &str,
+    n: u64,
+    pause: Option<(u64, oneshot::Receiver<()>)>,
+) -> Client {
     let config = cli::client_config(Some(c.service_key.public()));
     let session = roam::connect(&c.config.hosts[host].clients, config)
         .await
@@ -499,7 +512,13 @@ async fn client(c: &Cluster, host: &str, n: u64) -> Client {
     let stream = session.open_stream(b"front").unwrap();
     let (mut r, mut w) = tokio::io::split(stream);
     let writer = tokio::spawn(async move {
+        let mut pause = pause;
         for seq in 0..n {
+            if pause.as_ref().is_some_and(|(k, _)| *k == seq) {
+                let (_, go) = pause.take().expect("checked");
+                go.await
+                    .map_err(|_| "the test never let the client go on")?;
+            }
             let mut req = seq.to_be_bytes().to_vec();
             req.extend_from_slice(&value(seq).to_be_bytes());
             w.write_all(&req).await.map_err(|e| e.to_string())?;
@@ -846,7 +865,10 @@ async fn a_back_end_killed_mid_move_calls_the_move_off_at_once() {
         let (took, after_kill) = (started.elapsed(), killed.elapsed());
         match result {
             Err(MoveError::Declined(why)) => {
-                assert!(why.contains("back-end ledger"), "declined: {why}");
+                assert!(
+                    why.contains("back-end ledger did not freeze: member ledger is gone"),
+                    "declined: {why}"
+                );
             }
             other => panic!("the move should be called off: {other:?}"),
         }
@@ -869,6 +891,98 @@ async fn a_back_end_killed_mid_move_calls_the_move_off_at_once() {
             panic!("the cluster is still shared")
         };
         c.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_back_end_calls_the_move_off_within_the_save_bound_and_serves_on_once_continued()
+{
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+    bounded(Duration::from_secs(120), "test", async {
+        let c = start_cluster([Backend::Ok, Backend::Ok], 2).await;
+        const N: u64 = 400;
+        const FIRST: u64 = 150;
+        let (go, gate) = oneshot::channel();
+        let cl = client_pausing(&c, "h0", N, Some((FIRST, gate))).await;
+        let id = cl.session.id().unwrap();
+        // The first requests all answered: the front-end waits for the
+        // client, so the move's freeze finds it between requests and it
+        // saves the set.
+        wait_replies(&cl, FIRST).await;
+        let pids = c.nodes[0].front.pids.lock().unwrap().clone();
+        let [pid] = pids[..] else {
+            panic!("one back-end at h0: {pids:?}")
+        };
+        let pid = Pid::from_raw(pid as i32);
+        // Stopped, the back-end cannot answer the save's FREEZE.
+        kill(pid, Signal::SIGSTOP).expect("SIGSTOP");
+        let started = Instant::now();
+        let result = c.nodes[0].host.move_session(id, "h1").await;
+        let took = started.elapsed();
+        kill(pid, Signal::SIGCONT).expect("SIGCONT");
+        match result {
+            Err(MoveError::Declined(why)) => {
+                assert!(
+                    why.contains("back-end ledger did not freeze")
+                        && why.contains(&format!(
+                            "did not answer FREEZE within {DEFAULT_SAVE_TIMEOUT:?}"
+                        )),
+                    "declined: {why}"
+                );
+            }
+            other => panic!("the move should be called off: {other:?}"),
+        }
+        println!("called off after {took:?} (bound {DEFAULT_SAVE_TIMEOUT:?})");
+        assert!(
+            took >= DEFAULT_SAVE_TIMEOUT && took < DEFAULT_SAVE_TIMEOUT + Duration::from_secs(1),
+            "called off after {took:?}, not at the save's bound of {DEFAULT_SAVE_TIMEOUT:?}"
+        );
+        assert_eq!(c.holder(id), Some(0), "the session is still at its source");
+        assert_eq!(c.nodes[1].front.starts.load(Ordering::SeqCst), 0);
+        assert!(
+            c.nodes[0].front.cuts.lock().unwrap().is_empty(),
+            "no cut saved"
+        );
+        // Continued, the back-end answers what it missed, is thawed and
+        // serves the rest at the source.
+        go.send(()).expect("the client waits");
+        wait_replies(&cl, FIRST + 50).await;
+        assert_eq!(
+            c.nodes[0].front.restored.load(Ordering::SeqCst),
+            0,
+            "the set kept running: nothing restarted"
+        );
+        // Its control answers in step again: the next move takes the set.
+        let report = c.nodes[0]
+            .host
+            .move_session(id, "h1")
+            .await
+            .expect("a move once the back-end runs again");
+        assert_eq!(report.revision, 1);
+        wait_until(Duration::from_secs(10), "h1 serves it", || {
+            c.holder(id) == Some(1)
+        })
+        .await;
+        let got = cl.task.await.unwrap().expect("every reply once, in order");
+        assert_eq!(got, N);
+        assert_ledger(&c.ledger, N);
+        assert_eq!(c.nodes[0].front.cuts.lock().unwrap().len(), 1);
+        assert_eq!(c.nodes[1].front.staged_runs.load(Ordering::SeqCst), 1);
+        let pids: Vec<u32> = c
+            .nodes
+            .iter()
+            .flat_map(|n| n.front.pids.lock().unwrap().clone())
+            .collect();
+        let _ = tokio::time::timeout(Duration::from_secs(5), cl.session.close(0, "done")).await;
+        c.shutdown().await;
+        for pid in pids {
+            wait_until(Duration::from_secs(10), "every back-end gone", move || {
+                !alive(pid)
+            })
+            .await;
+        }
     })
     .await;
 }
