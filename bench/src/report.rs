@@ -681,7 +681,7 @@ fn service_section(s: &mut String, o: &Outcome<crate::scenarios::service::Servic
     }
     let _ = writeln!(
         s,
-        "\nStream (TTCP-like, two members over a Unix socket, every byte checked):\n\n| moves | consumer exports every | seconds | MB checked | MB/s | moves made | move ms (freeze to thaw) | cut bytes per move |\n|---|---:|---:|---:|---:|---:|---|---|"
+        "\nStream (TTCP-like, two members over a Unix socket, every byte checked; stall: from the move's end until the consumer checks a new byte):\n\n| moves | producer exports | consumer exports every | seconds | MB checked | MB/s | moves made | move ms (freeze to thaw) | cut bytes per move | stream GB at each move | stall ms after each move |\n|---|---|---:|---:|---:|---:|---:|---|---|---|---|"
     );
     for r in &t.stream {
         let list = |v: Vec<String>| {
@@ -693,22 +693,35 @@ fn service_section(s: &mut String, o: &Outcome<crate::scenarios::service::Servic
         };
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             r.move_every_s
                 .map_or("none".into(), |e| format!("every {e} s")),
+            if r.producer_exports {
+                "every chunk"
+            } else {
+                "never (Fig. 10)"
+            },
             kib_label(r.consumer_export_bytes),
             f(r.seconds, 1),
             f(r.bytes as f64 / 1e6, 0),
             f(r.mb_per_s, 1),
             r.moves,
             list(r.move_ms.iter().map(|x| format!("{x:.1}")).collect()),
-            list(r.cut_bytes.iter().map(|x| x.to_string()).collect())
+            list(r.cut_bytes.iter().map(|x| x.to_string()).collect()),
+            list(
+                r.position_at_move
+                    .iter()
+                    .map(|x| format!("{:.1}", *x as f64 / 1e9))
+                    .collect()
+            ),
+            list(r.stall_ms.iter().map(|x| format!("{x:.1}")).collect())
         );
     }
     let _ = writeln!(
         s,
-        "\nThroughput with moves every 2 s / without: **{}** (median MB/s of each). Moves: p50 {} ms, max {} ms over {}.",
+        "\nThroughput with moves every 2 s / without: **{}** (median MB/s of each). Fig. 10, a producer that never exports / one that exports every chunk, both moved every 2 s: **{}**. Moves: p50 {} ms, max {} ms over {}.",
         f(t.stream_ratio, 3),
+        f(t.never_exporting_ratio, 3),
         f(t.move_ms.median, 1),
         f(t.move_ms.max, 1),
         t.move_ms.n

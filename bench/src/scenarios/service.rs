@@ -19,6 +19,10 @@
 //!   the stream is `p % 251`) and exports its position after every chunk;
 //!   the consumer checks every byte against the pattern and exports its
 //!   position. A byte out of place fails the scenario.
+//! - **Fig. 10**: the same stream with a producer that never exports, so
+//!   each restart replays it from byte 0 and discards what the consumer
+//!   already has; the stall after each move (until the consumer checks a
+//!   new byte) against the stream position at the move.
 //!
 //! Timings never fail the run; a mismatch or a refused move does.
 
@@ -91,6 +95,10 @@ pub(crate) struct StreamRun {
     /// Bytes the consumer reads between its exports (what a move carries
     /// back in its log is up to this).
     pub(crate) consumer_export_bytes: usize,
+    /// Whether the producer exports its position after every chunk
+    /// (`false`: never, the paper's Fig. 10: each restart replays the
+    /// whole stream, discarded up to the consumer's position).
+    pub(crate) producer_exports: bool,
     /// How long the run streamed.
     pub(crate) seconds: f64,
     /// Bytes the consumer checked, in stream order, not counting re-reads.
@@ -103,6 +111,14 @@ pub(crate) struct StreamRun {
     pub(crate) move_ms: Vec<f64>,
     /// Each move's restarted parts, encoded (bytes): snapshots and logs.
     pub(crate) cut_bytes: Vec<usize>,
+    /// Each move's stream position (bytes the consumer had checked when
+    /// the move began): what a producer that never exports replays and
+    /// has discarded.
+    pub(crate) position_at_move: Vec<u64>,
+    /// Each move's stall: ms from the end of `move_set` until the consumer
+    /// checks a byte past `position_at_move` (the producer's discarded
+    /// replay and the consumer's log replay), at most until the next move.
+    pub(crate) stall_ms: Vec<f64>,
 }
 
 /// Scenario 12's result.
@@ -128,6 +144,9 @@ pub(crate) struct Service {
     /// Median MB/s with moves / without (the consumer exporting every
     /// chunk in both).
     pub(crate) stream_ratio: f64,
+    /// Fig. 10: MB/s with moves of a producer that never exports / the
+    /// median MB/s with moves of one that exports every chunk.
+    pub(crate) never_exporting_ratio: f64,
     /// Over every move of every run (ms).
     pub(crate) move_ms: Summary,
     /// What was run, for the report.
@@ -381,8 +400,9 @@ impl Site {
     }
 }
 
-/// The producer: its snapshot is its stream position.
-async fn producer(m: Member, shared: Arc<Shared>) -> io::Result<()> {
+/// The producer: its snapshot is its stream position, exported after
+/// every chunk if `exports` (else never: it restarts from position 0).
+async fn producer(m: Member, shared: Arc<Shared>, exports: bool) -> io::Result<()> {
     let mut pos = m
         .snapshot()
         .and_then(|s| {
@@ -396,8 +416,10 @@ async fn producer(m: Member, shared: Arc<Shared>) -> io::Result<()> {
         let off = (pos % PERIOD as u64) as usize;
         m.write_all(DATA, &pat[off..off + CHUNK]).await?;
         pos += CHUNK as u64;
-        m.export(&pos.to_be_bytes(), Interval::Deterministic)
-            .await?;
+        if exports {
+            m.export(&pos.to_be_bytes(), Interval::Deterministic)
+                .await?;
+        }
     }
     Ok(())
 }
@@ -446,6 +468,7 @@ async fn start_site(
     limits: Limits,
     shared: &Arc<Shared>,
     export_every: usize,
+    producer_exports: bool,
 ) -> io::Result<Site> {
     let (w_sock, r_sock) = UnixStream::pair()?;
     let mut socks = [Some(w_sock), Some(r_sock)];
@@ -480,7 +503,7 @@ async fn start_site(
         let s = shared.clone();
         tasks.push(tokio::spawn(async move {
             let r = if i == 0 {
-                producer(member, s.clone()).await
+                producer(member, s.clone(), producer_exports).await
             } else {
                 consumer(member, s.clone(), export_every).await
             };
@@ -493,11 +516,13 @@ async fn start_site(
 }
 
 /// One stream run of `seconds`, moving the set every `every` seconds; the
-/// consumer exports every `export_every` bytes.
+/// consumer exports every `export_every` bytes, the producer after every
+/// chunk if `producer_exports`, else never.
 async fn stream_run(
     seconds: f64,
     every: Option<f64>,
     export_every: usize,
+    producer_exports: bool,
 ) -> io::Result<StreamRun> {
     let limits = Limits::default();
     let shared = Arc::new(Shared {
@@ -505,11 +530,13 @@ async fn stream_run(
         failure: Mutex::new(None),
         stop: AtomicBool::new(false),
     });
-    let mut site = start_site(None, limits, &shared, export_every).await?;
+    let mut site = start_site(None, limits, &shared, export_every, producer_exports).await?;
     let t0 = Instant::now();
     let end = t0 + Duration::from_secs_f64(seconds);
     let mut move_ms = Vec::new();
     let mut cut_bytes = Vec::new();
+    let mut position_at_move = Vec::new();
+    let mut stall_ms = Vec::new();
     let mut next = every.map(|e| t0 + Duration::from_secs_f64(e));
     let result = loop {
         let wake = next.map_or(end, |n| n.min(end));
@@ -529,12 +556,17 @@ async fn stream_run(
         next = Some(n + Duration::from_secs_f64(every.unwrap_or(seconds)));
         let mut new_site = None;
         let mut size = 0;
+        // The stream position once the set is frozen (read in `start`,
+        // after every part was taken).
+        let mut at = 0;
         let t = Instant::now();
         let outcome = {
-            let (slot, size, shared) = (&mut new_site, &mut size, &shared);
+            let (slot, size, at, shared) = (&mut new_site, &mut size, &mut at, &shared);
             move_set(&mut site.controls, limits, |parts| async move {
+                *at = shared.checked.load(Ordering::Relaxed);
                 *size = parts.iter().map(Vec::len).sum();
-                let s = start_site(Some(parts), limits, shared, export_every).await?;
+                let s =
+                    start_site(Some(parts), limits, shared, export_every, producer_exports).await?;
                 let controls = s.controls;
                 *slot = Some(s.tasks);
                 Ok(controls)
@@ -554,6 +586,15 @@ async fn stream_run(
                 old.abort();
                 move_ms.push(ms);
                 cut_bytes.push(size);
+                position_at_move.push(at);
+                // The stall: polled every 100 µs, bounded by the next move
+                // and the run's end.
+                let moved = Instant::now();
+                let limit = next.map_or(end, |n| n.min(end));
+                while shared.checked.load(Ordering::Relaxed) <= at && Instant::now() < limit {
+                    tokio::time::sleep(Duration::from_micros(100)).await;
+                }
+                stall_ms.push(moved.elapsed().as_secs_f64() * 1e3);
             }
             Ok(MoveOutcome::Refused(why)) => {
                 break Err(io::Error::other(format!("move refused: {why}")))
@@ -575,12 +616,15 @@ async fn stream_run(
     Ok(StreamRun {
         move_every_s: every,
         consumer_export_bytes: export_every,
+        producer_exports,
         seconds: elapsed,
         bytes,
         mb_per_s: bytes as f64 / elapsed / 1e6,
         moves: move_ms.len(),
         move_ms,
         cut_bytes,
+        position_at_move,
+        stall_ms,
     })
 }
 
@@ -610,7 +654,7 @@ pub(crate) async fn run(ctx: Arc<Ctx>, _lab: Arc<Lab>) -> io::Result<Service> {
                 "service: stream {seconds} s, {}",
                 every.map_or("no move".into(), |e| format!("a move every {e} s"))
             ));
-            stream.push(stream_run(seconds, every, CHUNK).await?);
+            stream.push(stream_run(seconds, every, CHUNK, true).await?);
         }
     }
     // Move time against logged bytes over real sockets: the consumer
@@ -619,15 +663,28 @@ pub(crate) async fn run(ctx: Arc<Ctx>, _lab: Arc<Lab>) -> io::Result<Service> {
         "service: stream {seconds} s, a move every {MOVE_EVERY_S} s, consumer exports every {} MiB",
         BIG_LOG >> 20
     ));
-    stream.push(stream_run(seconds, Some(MOVE_EVERY_S), BIG_LOG).await?);
+    stream.push(stream_run(seconds, Some(MOVE_EVERY_S), BIG_LOG, true).await?);
+    // Fig. 10: a producer that never exports replays the whole stream
+    // after each move, discarded up to the consumer's position.
+    progress(&format!(
+        "service: stream {seconds} s, a move every {MOVE_EVERY_S} s, the producer never exports"
+    ));
+    let never = stream_run(seconds, Some(MOVE_EVERY_S), CHUNK, false).await?;
+    let never_mbs = never.mb_per_s;
+    stream.push(never);
     let mbs = |moving: bool| -> Vec<f64> {
         stream
             .iter()
-            .filter(|r| r.move_every_s.is_some() == moving && r.consumer_export_bytes == CHUNK)
+            .filter(|r| {
+                r.move_every_s.is_some() == moving
+                    && r.consumer_export_bytes == CHUNK
+                    && r.producer_exports
+            })
             .map(|r| r.mb_per_s)
             .collect()
     };
     let stream_ratio = crate::stats::ratio(median(&mbs(true)), median(&mbs(false)));
+    let never_exporting_ratio = crate::stats::ratio(never_mbs, median(&mbs(true)));
     let all_moves: Vec<f64> = stream.iter().flat_map(|r| r.move_ms.clone()).collect();
     Ok(Service {
         associate_ns,
@@ -639,6 +696,7 @@ pub(crate) async fn run(ctx: Arc<Ctx>, _lab: Arc<Lab>) -> io::Result<Service> {
         move_ms: summary(&all_moves),
         stream,
         stream_ratio,
+        never_exporting_ratio,
         notes: vec![
             format!(
                 "Stream: one Unix socket producer -> consumer, {CHUNK}-byte writes, each followed by the producer's export (its 8-byte position); the consumer exports every {CHUNK} bytes read and checks every byte."
