@@ -741,6 +741,16 @@ async fn refused_and_served_at_source(c: &Cluster, cl: &mut Client, n: u64, says
 
 /// Whether process `pid` still exists (a zombie counts as gone: it runs
 /// nothing).
+/// The move was called off (declined), in words containing each of `says`.
+fn assert_declined<T: std::fmt::Debug>(result: Result<T, MoveError>, says: &[&str]) {
+    match result {
+        Err(MoveError::Declined(why)) => {
+            assert!(says.iter().all(|w| why.contains(w)), "declined: {why}");
+        }
+        other => panic!("the move should be called off: {other:?}"),
+    }
+}
+
 fn alive(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Err(_) => false,
@@ -791,15 +801,7 @@ async fn a_back_end_refusing_its_part_mid_move_calls_the_move_off_at_once() {
         let started = Instant::now();
         let result = c.nodes[0].host.move_session(id, "h1").await;
         let took = started.elapsed();
-        match result {
-            Err(MoveError::Declined(why)) => {
-                assert!(
-                    why.contains("back-end ledger refused its part"),
-                    "declined: {why}"
-                );
-            }
-            other => panic!("the move should be called off: {other:?}"),
-        }
+        assert_declined(result, &["back-end ledger refused its part"]);
         println!("called off after {took:?}");
         assert!(
             took < Duration::from_secs(3),
@@ -863,15 +865,10 @@ async fn a_back_end_killed_mid_move_calls_the_move_off_at_once() {
         kill(pid, Signal::SIGKILL).expect("SIGKILL");
         let result = mover.await.unwrap();
         let (took, after_kill) = (started.elapsed(), killed.elapsed());
-        match result {
-            Err(MoveError::Declined(why)) => {
-                assert!(
-                    why.contains("back-end ledger did not freeze: member ledger is gone"),
-                    "declined: {why}"
-                );
-            }
-            other => panic!("the move should be called off: {other:?}"),
-        }
+        assert_declined(
+            result,
+            &["back-end ledger did not freeze: member ledger is gone"],
+        );
         println!("called off {after_kill:?} after the kill ({took:?} after the move began)");
         assert!(
             after_kill < Duration::from_secs(3),
@@ -922,18 +919,13 @@ async fn a_stopped_back_end_calls_the_move_off_within_the_save_bound_and_serves_
         let result = c.nodes[0].host.move_session(id, "h1").await;
         let took = started.elapsed();
         kill(pid, Signal::SIGCONT).expect("SIGCONT");
-        match result {
-            Err(MoveError::Declined(why)) => {
-                assert!(
-                    why.contains("back-end ledger did not freeze")
-                        && why.contains(&format!(
-                            "did not answer FREEZE within {DEFAULT_SAVE_TIMEOUT:?}"
-                        )),
-                    "declined: {why}"
-                );
-            }
-            other => panic!("the move should be called off: {other:?}"),
-        }
+        assert_declined(
+            result,
+            &[
+                "back-end ledger did not freeze",
+                &format!("did not answer FREEZE within {DEFAULT_SAVE_TIMEOUT:?}"),
+            ],
+        );
         println!("called off after {took:?} (bound {DEFAULT_SAVE_TIMEOUT:?})");
         assert!(
             took >= DEFAULT_SAVE_TIMEOUT && took < DEFAULT_SAVE_TIMEOUT + Duration::from_secs(1),
