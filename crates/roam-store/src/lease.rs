@@ -208,6 +208,19 @@ pub fn open_lease(secret: &UserSecret, name: &str, sealed: &[u8]) -> Result<Leas
             },
         )
         .map_err(|_| LeaseError::Authentication)?;
+    let (expires_unix_ms, chunks) = decode_body(&body)?;
+    Ok(Lease {
+        env: env.to_owned(),
+        run: run.to_owned(),
+        seq,
+        expires_unix_ms,
+        chunks,
+    })
+}
+
+/// The expiry and chunk ids of an opened lease body (expiry as 8 bytes
+/// big-endian, the chunk count as 4, then the 32-byte ids).
+fn decode_body(body: &[u8]) -> Result<(u64, Vec<[u8; 32]>), LeaseError> {
     let (Some(expires), Some(count)) = (body.get(..8), body.get(8..12)) else {
         return Err(LeaseError::Malformed("shorter than its header"));
     };
@@ -225,13 +238,15 @@ pub fn open_lease(secret: &UserSecret, name: &str, sealed: &[u8]) -> Result<Leas
             id
         })
         .collect();
-    Ok(Lease {
-        env: env.to_owned(),
-        run: run.to_owned(),
-        seq,
-        expires_unix_ms,
-        chunks,
-    })
+    Ok((expires_unix_ms, chunks))
+}
+
+/// The lease body decoder and the object-name parser, bare, for the
+/// `store_lease` fuzz target (they are otherwise reached only after
+/// authentication); only under `cfg(fuzzing)`.
+#[cfg(fuzzing)]
+pub fn fuzz_decode(body: &[u8], name: &str) -> (Result<(u64, Vec<[u8; 32]>), LeaseError>, bool) {
+    (decode_body(body), parse_name(name).is_some())
 }
 
 /// `(env, run, seq)` of a lease object name.

@@ -66,6 +66,9 @@ pub use chunk::{
     chunk_ref, open_chunk, seal_chunk, ChunkFault, ChunkRef, SealedChunk, UserSecret, CHUNK_FORMAT,
     CHUNK_SIZE, MAX_CHUNK_OBJECT_LEN,
 };
+/// The lease decoders, bare, for the `store_lease` fuzz target.
+#[cfg(fuzzing)]
+pub use lease::fuzz_decode as fuzz_lease_decode;
 pub use lease::{
     lease_object_name, new_run_id, open_lease, seal_lease, Lease, LeaseError, LEASE_FORMAT,
     LEASE_MAGIC, MAX_LEASE_CHUNKS, MAX_LEASE_LEN, RUN_ID_LEN,
