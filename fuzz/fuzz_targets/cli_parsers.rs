@@ -1,5 +1,6 @@
 //! The `roam` command's text parsers (`roam_cli::parsers`): config file,
-//! authorized keys, known servers, allow rules, durations, control replies,
+//! authorized keys, known servers, allow rules, durations, `--trickle`
+//! rates, control replies,
 //! the record a detached named session leaves (`roam pipe --name`) and
 //! its journal's slot files,
 //! `roam shell`'s stream frames and request, the control frames between
@@ -53,6 +54,13 @@ fuzz_target!(|data: &[u8]| {
                 if let Ok(again) = parsers::duration(&format!("{ms}ms")) {
                     assert_eq!(again, ms, "{text:?}");
                 }
+            }
+        }
+        5 => {
+            // A rate in bytes per second, written back in bits per second.
+            if let Ok(Some(bytes)) = parsers::trickle_rate(&text) {
+                let again = parsers::trickle_rate(&(bytes * 8).to_string());
+                assert_eq!(again, Ok(Some(bytes)), "{text:?}");
             }
         }
         6 => {

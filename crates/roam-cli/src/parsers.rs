@@ -40,6 +40,12 @@ pub fn duration(text: &str) -> Result<u128, String> {
     crate::config::parse_duration(text).map(|d| d.as_millis())
 }
 
+/// Parses `roam resume --trickle`'s rate (`off`, `10M`, `500kbit`, `2Mbps`);
+/// `Ok` carries bytes per second, `None` for `off`.
+pub fn trickle_rate(text: &str) -> Result<Option<u64>, String> {
+    crate::store::trickle::parse_rate(text)
+}
+
 /// Parses a request sent to a control socket; `Ok` carries its canonical encoding.
 pub fn control_request(bytes: &[u8]) -> Result<Vec<u8>, String> {
     crate::control::Request::decode(bytes).map(|r| r.encode())
