@@ -217,6 +217,25 @@ pub(crate) struct Incoming {
     prepared: Option<crate::service::Prepared>,
 }
 
+impl crate::host::State {
+    /// The destination's offer for session `id`, if it is for this
+    /// `revision` of the transfer; otherwise the refusal to answer with.
+    fn offer_at(&mut self, id: SessionId, revision: u64) -> Result<&mut Incoming, Msg> {
+        let Some(Slot::Incoming(inc)) = self.slots.get_mut(&id) else {
+            return Err(Msg::Refuse(Refusal::Unavailable(format!(
+                "no offer for session {id}"
+            ))));
+        };
+        if inc.revision != revision {
+            return Err(Msg::Refuse(Refusal::Unavailable(format!(
+                "transfer at revision {revision}, offer at {}",
+                inc.revision
+            ))));
+        }
+        Ok(inc)
+    }
+}
+
 /// What a finished move measured.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -1205,15 +1224,10 @@ impl HostInner {
         // the preparation's await).
         let (mut meta, body, preparing) = {
             let mut st = self.state();
-            let Some(Slot::Incoming(inc)) = st.slots.get_mut(&id) else {
-                return Msg::Refuse(Refusal::Unavailable(format!("no offer for session {id}")));
+            let inc = match st.offer_at(id, revision) {
+                Ok(inc) => inc,
+                Err(refusal) => return refusal,
             };
-            if inc.revision != revision {
-                return Msg::Refuse(Refusal::Unavailable(format!(
-                    "transfer at revision {revision}, offer at {}",
-                    inc.revision
-                )));
-            }
             let checked = Meta::decode(meta)
                 .and_then(|m| open_body(&m, body).map(|b| (m, b)))
                 .map_err(|c| c.0.to_string());
@@ -1277,16 +1291,11 @@ impl HostInner {
             },
         };
         let mut st = self.state();
-        let Some(Slot::Incoming(inc)) = st.slots.get_mut(&id) else {
+        let inc = match st.offer_at(id, revision) {
+            Ok(inc) => inc,
             // Gone meanwhile: `prepared` is dropped, stopping it.
-            return Msg::Refuse(Refusal::Unavailable(format!("no offer for session {id}")));
+            Err(refusal) => return refusal,
         };
-        if inc.revision != revision {
-            return Msg::Refuse(Refusal::Unavailable(format!(
-                "transfer at revision {revision}, offer at {}",
-                inc.revision
-            )));
-        }
         // Sealed for the store only after the commit, off the freeze's path.
         meta.revision = revision;
         meta.frozen_at = SystemTime::now();
