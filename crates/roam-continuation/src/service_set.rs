@@ -363,6 +363,41 @@ impl Member {
             inner.process.export(snapshot, next);
             break inner.writers.keys().copied().collect();
         };
+        self.flush_writers(ids).await
+    }
+
+    /// `export_state`, lazy (the paper's §6): takes `snapshot`'s buffer
+    /// without copying it and hands back the previous snapshot's buffer
+    /// (`None` at the first export), so a process alternates two buffers
+    /// and an export costs no copy of its state whatever its size; the
+    /// snapshot is copied only when a cut is taken. Otherwise as
+    /// [`Member::export`]: every channel's position at once, released
+    /// output sent before this returns, a frozen member's export waits for
+    /// the thaw.
+    pub async fn export_owned(
+        &self,
+        snapshot: Vec<u8>,
+        next: Interval,
+    ) -> io::Result<Option<Vec<u8>>> {
+        let mut snapshot = Some(snapshot);
+        let (previous, ids): (Option<Vec<u8>>, Vec<ChannelId>) = loop {
+            self.running().await;
+            let mut inner = self.lock();
+            if inner.frozen {
+                continue;
+            }
+            let Some(snap) = snapshot.take() else {
+                return Err(io::Error::other("export_owned lost its snapshot"));
+            };
+            let previous = inner.process.export_owned(snap, next);
+            break (previous, inner.writers.keys().copied().collect());
+        };
+        self.flush_writers(ids).await?;
+        Ok(previous)
+    }
+
+    /// Sends what an export released on each of `ids`.
+    async fn flush_writers(&self, ids: Vec<ChannelId>) -> io::Result<()> {
         for id in ids {
             self.write_all(id, &[]).await?;
         }
