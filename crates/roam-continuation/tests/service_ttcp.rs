@@ -252,10 +252,14 @@ async fn stream_with_moves(
         reports.push(report);
     };
     for &threshold in at {
+        // A client that fails ends at once (its error is in `done`).
         wait_until(Duration::from_secs(60), "the stream to go on", || {
-            c.forwarded() >= threshold
+            done.is_finished() || c.forwarded() >= threshold
         })
         .await;
+        if done.is_finished() {
+            break;
+        }
         let now = c.forwarded();
         assert!(
             now < total,
@@ -295,6 +299,12 @@ async fn stream_with_moves(
         }
     }
     let (mut client, line) = done.await.expect("the client's reader");
+    assert!(
+        every.is_some() || reports.len() == at.len(),
+        "the stream ended after {} of {} moves",
+        reports.len(),
+        at.len()
+    );
     let field = |name: &str| -> f64 {
         line.split_whitespace()
             .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
