@@ -210,8 +210,12 @@ pub(crate) struct Plan {
     /// Seconds of each stream run of scenario 12 (service continuations),
     /// with moves every 2 s and without.
     pub(crate) service_stream_seconds: f64,
-    /// Pairs of stream runs (moves, none) in scenario 12.
+    /// Pairs of stream runs (moves, none) in scenario 12, and rounds of its
+    /// eager/lazy runs.
     pub(crate) service_rounds: usize,
+    /// Seconds of each of scenario 12's eager/lazy stream runs (four per
+    /// round: eager and lazy, with moves every 0.5 s and without).
+    pub(crate) service_export_seconds: f64,
     /// Scenario 13's links: (rate in Mbit/s for `tbf`, rounds of resumes
     /// at it; the slowest takes minutes per round).
     pub(crate) isr_links: Vec<(u32, usize)>,
@@ -263,6 +267,7 @@ impl Plan {
             interpose_seconds: 0.3,
             service_stream_seconds: 6.0,
             service_rounds: 1,
+            service_export_seconds: 2.0,
             isr_links: vec![(100, 1)],
         }
     }
@@ -314,6 +319,7 @@ impl Plan {
             interpose_seconds: 1.0,
             service_stream_seconds: 20.0,
             service_rounds: 2,
+            service_export_seconds: 8.0,
             isr_links: vec![(100, 3), (10, 3), (1, 1)],
         }
     }
@@ -357,6 +363,7 @@ impl Plan {
             interpose_seconds: 0.1,
             service_stream_seconds: 2.5,
             service_rounds: 1,
+            service_export_seconds: 1.0,
             isr_links: vec![(100, 1)],
         }
     }

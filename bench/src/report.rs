@@ -697,9 +697,15 @@ fn service_section(s: &mut String, o: &Outcome<crate::scenarios::service::Servic
             r.move_every_s
                 .map_or("none".into(), |e| format!("every {e} s")),
             if r.producer_exports {
-                "every chunk"
+                format!(
+                    "{} every {}, {} B state, {} ns each",
+                    r.export.as_str(),
+                    kib_label(r.producer_chunk),
+                    r.state_bytes,
+                    f(r.export_ns, 0)
+                )
             } else {
-                "never (Fig. 10)"
+                "never (Fig. 10)".to_string()
             },
             kib_label(r.consumer_export_bytes),
             f(r.seconds, 1),
@@ -725,6 +731,20 @@ fn service_section(s: &mut String, o: &Outcome<crate::scenarios::service::Servic
         f(t.move_ms.median, 1),
         f(t.move_ms.max, 1),
         t.move_ms.n
+    );
+    let _ = writeln!(
+        s,
+        "\nEager against lazy export in the running stream (the producer exports a 10 KiB snapshot after every 8 KiB, the consumer every 8 KiB): lazy / eager MB/s **{}** without moves, **{}** with moves every 0.5 s (medians). The producer's export call (the position and every channel's position recorded, released output sent): eager {} ns, lazy {} ns. Moves: eager p50 {} ms (max {}, n {}), lazy p50 {} ms (max {}, n {}).",
+        f(t.lazy_eager_still, 3),
+        f(t.lazy_eager_moving, 3),
+        f(t.eager_export_ns, 0),
+        f(t.lazy_export_ns, 0),
+        f(t.eager_move_ms.median, 1),
+        f(t.eager_move_ms.max, 1),
+        t.eager_move_ms.n,
+        f(t.lazy_move_ms.median, 1),
+        f(t.lazy_move_ms.max, 1),
+        t.lazy_move_ms.n
     );
 }
 

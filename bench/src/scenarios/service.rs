@@ -23,6 +23,13 @@
 //!   each restart replays it from byte 0 and discards what the consumer
 //!   already has; the stall after each move (until the consumer checks a
 //!   new byte) against the stream position at the move.
+//! - **Eager against lazy in the running stream** (Fig. 9's two servers):
+//!   the producer writes 8 KiB chunks and exports its position padded to
+//!   10 KiB after each, with `Member::export` (eager: the snapshot copied
+//!   at every export) or `Member::export_owned` (lazy: two alternating
+//!   buffers, no copy); the consumer exports every 8 KiB. Each mode with
+//!   moves every 0.5 s and without, interleaved; throughput, the
+//!   producer's mean time per export call, and move times.
 //!
 //! Timings never fail the run; a mismatch or a refused move does.
 
@@ -54,6 +61,57 @@ const CHUNK: usize = 64 << 10;
 const BIG_LOG: usize = 8 << 20;
 /// Seconds between moves in the moving runs (the paper's shortest period).
 const MOVE_EVERY_S: f64 = 2.0;
+/// Bytes the producer writes between exports in the eager/lazy runs (the
+/// paper's 8 KB).
+const EXPORT_CHUNK: usize = 8 << 10;
+/// Bytes of the producer's snapshot in the eager/lazy runs (the paper's
+/// largest, 10 KB).
+const EXPORT_STATE: usize = 10 << 10;
+/// Seconds between moves in the moving eager/lazy runs (short, so that a
+/// quick run of 2 s moves 3 times).
+const EXPORT_MOVE_EVERY_S: f64 = 0.5;
+
+/// How the stream's producer exports its position.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum ProducerExport {
+    /// `Member::export`: the snapshot copied at every export.
+    Eager,
+    /// `Member::export_owned`: two alternating buffers, no copy.
+    Lazy,
+    /// Never: each restart replays the stream from byte 0 (Fig. 10).
+    Never,
+}
+
+impl ProducerExport {
+    /// The word for the report.
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            ProducerExport::Eager => "eager",
+            ProducerExport::Lazy => "lazy",
+            ProducerExport::Never => "never",
+        }
+    }
+}
+
+/// The producer of one stream run.
+#[derive(Clone, Copy, Debug)]
+struct Producer {
+    /// How it exports.
+    export: ProducerExport,
+    /// Bytes of its snapshot (its 8-byte position, padded).
+    state_bytes: usize,
+    /// Bytes it writes between two exports.
+    chunk: usize,
+}
+
+/// The producer of the stream runs before the eager/lazy ones: an eager
+/// export of its 8-byte position after every 64 KiB.
+const STANDARD: Producer = Producer {
+    export: ProducerExport::Eager,
+    state_bytes: 8,
+    chunk: CHUNK,
+};
 
 /// One export size: eager against lazy.
 #[derive(Debug, Serialize)]
@@ -99,6 +157,14 @@ pub(crate) struct StreamRun {
     /// (`false`: never, the paper's Fig. 10: each restart replays the
     /// whole stream, discarded up to the consumer's position).
     pub(crate) producer_exports: bool,
+    /// How the producer exports.
+    pub(crate) export: ProducerExport,
+    /// Bytes of the producer's snapshot.
+    pub(crate) state_bytes: usize,
+    /// Bytes the producer writes between two exports.
+    pub(crate) producer_chunk: usize,
+    /// Mean ns of the producer's export calls (0 if it never exports).
+    pub(crate) export_ns: f64,
     /// How long the run streamed.
     pub(crate) seconds: f64,
     /// Bytes the consumer checked, in stream order, not counting re-reads.
@@ -147,6 +213,19 @@ pub(crate) struct Service {
     /// Fig. 10: MB/s with moves of a producer that never exports / the
     /// median MB/s with moves of one that exports every chunk.
     pub(crate) never_exporting_ratio: f64,
+    /// Eager against lazy in the running stream: median MB/s of the lazy
+    /// runs / the eager runs, without moves.
+    pub(crate) lazy_eager_still: f64,
+    /// The same with moves every 0.5 s.
+    pub(crate) lazy_eager_moving: f64,
+    /// Median over the eager runs of the producer's mean ns per export.
+    pub(crate) eager_export_ns: f64,
+    /// Median over the lazy runs of the producer's mean ns per export.
+    pub(crate) lazy_export_ns: f64,
+    /// Moves of the eager runs (ms, freeze to thaw).
+    pub(crate) eager_move_ms: Summary,
+    /// Moves of the lazy runs (ms, freeze to thaw).
+    pub(crate) lazy_move_ms: Summary,
     /// Over every move of every run (ms).
     pub(crate) move_ms: Summary,
     /// What was run, for the report.
@@ -376,6 +455,10 @@ struct Shared {
     failure: Mutex<Option<String>>,
     /// Set when the run ends.
     stop: AtomicBool,
+    /// ns the producer spent in its export calls.
+    export_ns: AtomicU64,
+    /// The producer's export calls.
+    exports: AtomicU64,
 }
 
 impl Shared {
@@ -400,9 +483,10 @@ impl Site {
     }
 }
 
-/// The producer: its snapshot is its stream position, exported after
-/// every chunk if `exports` (else never: it restarts from position 0).
-async fn producer(m: Member, shared: Arc<Shared>, exports: bool) -> io::Result<()> {
+/// The producer: its snapshot is its stream position (padded to
+/// `how.state_bytes`), exported after every `how.chunk` bytes as
+/// `how.export` says (never: it restarts from position 0).
+async fn producer(m: Member, shared: Arc<Shared>, how: Producer) -> io::Result<()> {
     let mut pos = m
         .snapshot()
         .and_then(|s| {
@@ -410,16 +494,39 @@ async fn producer(m: Member, shared: Arc<Shared>, exports: bool) -> io::Result<(
                 .map(|b| u64::from_be_bytes(b.try_into().unwrap_or([0; 8])))
         })
         .unwrap_or(0);
-    // The pattern from offset 0 to PERIOD + CHUNK: any chunk is a slice.
-    let pat = pattern(0, PERIOD + CHUNK);
+    // The pattern from offset 0 to PERIOD + chunk: any chunk is a slice.
+    let chunk = how.chunk;
+    let pat = pattern(0, PERIOD + chunk);
+    let size = how.state_bytes.max(8);
+    // The eager export's state, or the lazy export's spare buffer (the
+    // other one is the exported snapshot).
+    let mut state = vec![0u8; size];
     while !shared.stop.load(Ordering::Relaxed) {
         let off = (pos % PERIOD as u64) as usize;
-        m.write_all(DATA, &pat[off..off + CHUNK]).await?;
-        pos += CHUNK as u64;
-        if exports {
-            m.export(&pos.to_be_bytes(), Interval::Deterministic)
-                .await?;
+        m.write_all(DATA, &pat[off..off + chunk]).await?;
+        pos += chunk as u64;
+        let t = Instant::now();
+        match how.export {
+            ProducerExport::Never => continue,
+            ProducerExport::Eager => {
+                state[..8].copy_from_slice(&pos.to_be_bytes());
+                m.export(&state, Interval::Deterministic).await?;
+            }
+            ProducerExport::Lazy => {
+                state[..8].copy_from_slice(&pos.to_be_bytes());
+                let snapshot = std::mem::take(&mut state);
+                state = m
+                    .export_owned(snapshot, Interval::Deterministic)
+                    .await?
+                    .unwrap_or_default();
+                // The first spare is a restarted member's imported
+                // snapshot, or none.
+                state.resize(size, 0);
+            }
         }
+        let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        shared.export_ns.fetch_add(ns, Ordering::Relaxed);
+        shared.exports.fetch_add(1, Ordering::Relaxed);
     }
     Ok(())
 }
@@ -468,7 +575,7 @@ async fn start_site(
     limits: Limits,
     shared: &Arc<Shared>,
     export_every: usize,
-    producer_exports: bool,
+    how: Producer,
 ) -> io::Result<Site> {
     let (w_sock, r_sock) = UnixStream::pair()?;
     let mut socks = [Some(w_sock), Some(r_sock)];
@@ -503,7 +610,7 @@ async fn start_site(
         let s = shared.clone();
         tasks.push(tokio::spawn(async move {
             let r = if i == 0 {
-                producer(member, s.clone(), producer_exports).await
+                producer(member, s.clone(), how).await
             } else {
                 consumer(member, s.clone(), export_every).await
             };
@@ -516,21 +623,23 @@ async fn start_site(
 }
 
 /// One stream run of `seconds`, moving the set every `every` seconds; the
-/// consumer exports every `export_every` bytes, the producer after every
-/// chunk if `producer_exports`, else never.
+/// consumer exports every `export_every` bytes, the producer as `how`
+/// says.
 async fn stream_run(
     seconds: f64,
     every: Option<f64>,
     export_every: usize,
-    producer_exports: bool,
+    how: Producer,
 ) -> io::Result<StreamRun> {
     let limits = Limits::default();
     let shared = Arc::new(Shared {
         checked: AtomicU64::new(0),
         failure: Mutex::new(None),
         stop: AtomicBool::new(false),
+        export_ns: AtomicU64::new(0),
+        exports: AtomicU64::new(0),
     });
-    let mut site = start_site(None, limits, &shared, export_every, producer_exports).await?;
+    let mut site = start_site(None, limits, &shared, export_every, how).await?;
     let t0 = Instant::now();
     let end = t0 + Duration::from_secs_f64(seconds);
     let mut move_ms = Vec::new();
@@ -565,8 +674,7 @@ async fn stream_run(
             move_set(&mut site.controls, limits, |parts| async move {
                 *at = shared.checked.load(Ordering::Relaxed);
                 *size = parts.iter().map(Vec::len).sum();
-                let s =
-                    start_site(Some(parts), limits, shared, export_every, producer_exports).await?;
+                let s = start_site(Some(parts), limits, shared, export_every, how).await?;
                 let controls = s.controls;
                 *slot = Some(s.tasks);
                 Ok(controls)
@@ -613,10 +721,19 @@ async fn stream_run(
     if bytes == 0 {
         return Err(io::Error::other("the stream moved no byte"));
     }
+    let exports = shared.exports.load(Ordering::Relaxed);
     Ok(StreamRun {
         move_every_s: every,
         consumer_export_bytes: export_every,
-        producer_exports,
+        producer_exports: how.export != ProducerExport::Never,
+        export: how.export,
+        state_bytes: how.state_bytes,
+        producer_chunk: how.chunk,
+        export_ns: if exports == 0 {
+            0.0
+        } else {
+            shared.export_ns.load(Ordering::Relaxed) as f64 / exports as f64
+        },
         seconds: elapsed,
         bytes,
         mb_per_s: bytes as f64 / elapsed / 1e6,
@@ -654,7 +771,7 @@ pub(crate) async fn run(ctx: Arc<Ctx>, _lab: Arc<Lab>) -> io::Result<Service> {
                 "service: stream {seconds} s, {}",
                 every.map_or("no move".into(), |e| format!("a move every {e} s"))
             ));
-            stream.push(stream_run(seconds, every, CHUNK, true).await?);
+            stream.push(stream_run(seconds, every, CHUNK, STANDARD).await?);
         }
     }
     // Move time against logged bytes over real sockets: the consumer
@@ -663,28 +780,92 @@ pub(crate) async fn run(ctx: Arc<Ctx>, _lab: Arc<Lab>) -> io::Result<Service> {
         "service: stream {seconds} s, a move every {MOVE_EVERY_S} s, consumer exports every {} MiB",
         BIG_LOG >> 20
     ));
-    stream.push(stream_run(seconds, Some(MOVE_EVERY_S), BIG_LOG, true).await?);
+    stream.push(stream_run(seconds, Some(MOVE_EVERY_S), BIG_LOG, STANDARD).await?);
     // Fig. 10: a producer that never exports replays the whole stream
     // after each move, discarded up to the consumer's position.
     progress(&format!(
         "service: stream {seconds} s, a move every {MOVE_EVERY_S} s, the producer never exports"
     ));
-    let never = stream_run(seconds, Some(MOVE_EVERY_S), CHUNK, false).await?;
+    let never_how = Producer {
+        export: ProducerExport::Never,
+        ..STANDARD
+    };
+    let never = stream_run(seconds, Some(MOVE_EVERY_S), CHUNK, never_how).await?;
     let never_mbs = never.mb_per_s;
     stream.push(never);
+    // Eager against lazy in the running stream, interleaved (the order
+    // flips each round, so drift hits both alike).
+    let export_seconds = ctx.plan.service_export_seconds;
+    for round in 0..ctx.plan.service_rounds {
+        let mut order = [ProducerExport::Eager, ProducerExport::Lazy];
+        if round % 2 == 1 {
+            order.reverse();
+        }
+        for every in [None, Some(EXPORT_MOVE_EVERY_S)] {
+            for export in order {
+                progress(&format!(
+                    "service: stream {export_seconds} s, {} export of {} KiB every {} KiB, {}",
+                    export.as_str(),
+                    EXPORT_STATE >> 10,
+                    EXPORT_CHUNK >> 10,
+                    every.map_or("no move".into(), |e| format!("a move every {e} s"))
+                ));
+                let how = Producer {
+                    export,
+                    state_bytes: EXPORT_STATE,
+                    chunk: EXPORT_CHUNK,
+                };
+                stream.push(stream_run(export_seconds, every, EXPORT_CHUNK, how).await?);
+            }
+        }
+    }
+    let standard = |r: &StreamRun| {
+        r.consumer_export_bytes == CHUNK
+            && r.export == STANDARD.export
+            && r.state_bytes == STANDARD.state_bytes
+            && r.producer_chunk == STANDARD.chunk
+    };
     let mbs = |moving: bool| -> Vec<f64> {
         stream
             .iter()
-            .filter(|r| {
-                r.move_every_s.is_some() == moving
-                    && r.consumer_export_bytes == CHUNK
-                    && r.producer_exports
-            })
+            .filter(|r| r.move_every_s.is_some() == moving && standard(r))
             .map(|r| r.mb_per_s)
             .collect()
     };
     let stream_ratio = crate::stats::ratio(median(&mbs(true)), median(&mbs(false)));
     let never_exporting_ratio = crate::stats::ratio(never_mbs, median(&mbs(true)));
+    let of_mode = |export: ProducerExport| {
+        stream
+            .iter()
+            .filter(move |r| r.export == export && r.state_bytes == EXPORT_STATE)
+    };
+    let mode_mbs = |export: ProducerExport, moving: bool| -> f64 {
+        let v: Vec<f64> = of_mode(export)
+            .filter(|r| r.move_every_s.is_some() == moving)
+            .map(|r| r.mb_per_s)
+            .collect();
+        median(&v)
+    };
+    let mode_export_ns = |export: ProducerExport| -> f64 {
+        let v: Vec<f64> = of_mode(export).map(|r| r.export_ns).collect();
+        median(&v)
+    };
+    let mode_moves = |export: ProducerExport| -> Summary {
+        let v: Vec<f64> = of_mode(export).flat_map(|r| r.move_ms.clone()).collect();
+        summary(&v)
+    };
+    let lazy_eager_still = crate::stats::ratio(
+        mode_mbs(ProducerExport::Lazy, false),
+        mode_mbs(ProducerExport::Eager, false),
+    );
+    let lazy_eager_moving = crate::stats::ratio(
+        mode_mbs(ProducerExport::Lazy, true),
+        mode_mbs(ProducerExport::Eager, true),
+    );
+    let eager_export_ns = mode_export_ns(ProducerExport::Eager);
+    let lazy_export_ns = mode_export_ns(ProducerExport::Lazy);
+    let eager_move_ms = mode_moves(ProducerExport::Eager);
+    let lazy_move_ms = mode_moves(ProducerExport::Lazy);
     let all_moves: Vec<f64> = stream.iter().flat_map(|r| r.move_ms.clone()).collect();
     Ok(Service {
         associate_ns,
@@ -697,6 +878,12 @@ pub(crate) async fn run(ctx: Arc<Ctx>, _lab: Arc<Lab>) -> io::Result<Service> {
         stream,
         stream_ratio,
         never_exporting_ratio,
+        lazy_eager_still,
+        lazy_eager_moving,
+        eager_export_ns,
+        lazy_export_ns,
+        eager_move_ms,
+        lazy_move_ms,
         notes: vec![
             format!(
                 "Stream: one Unix socket producer -> consumer, {CHUNK}-byte writes, each followed by the producer's export (its 8-byte position); the consumer exports every {CHUNK} bytes read and checks every byte."
