@@ -4,7 +4,9 @@
 //! Each process of a service set is a [`Member`]: its channel ends (one
 //! [`Endpoint`] per channel, used in one direction: a Unix socket, a TCP
 //! connection, or a pipe or FIFO) behind one lock,
-//! with `write_all`, `read` and `export` for the application. A coordinator
+//! with `write_all`, `read` and `export` (eager: the snapshot copied) or
+//! `export_owned` (lazy: the snapshot's buffer taken, the previous one
+//! handed back) for the application. A coordinator
 //! (the root process, or whoever moves sessions) talks to each member over
 //! a control socket ([`Control`]): it freezes every member, has each drain
 //! its readers and send its part, checks the whole cut, starts the

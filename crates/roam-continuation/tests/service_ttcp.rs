@@ -34,18 +34,29 @@ mod ttcp;
 
 use ttcp::Export;
 
+/// One cluster host in this process.
 struct Node {
+    /// Its name in the cluster file.
     name: String,
+    /// The host.
     host: Host,
+    /// Its front-end (what it started and measured).
     front: Arc<ttcp::Front>,
+    /// Stop signals of its client and peer listeners.
     stop: Vec<oneshot::Sender<()>>,
+    /// Its client and peer listeners' tasks.
     tasks: Vec<tokio::task::JoinHandle<std::io::Result<()>>>,
 }
 
+/// Two cluster hosts and what the client needs to reach them.
 struct Cluster {
+    /// The key the client pins (shared by both hosts).
     service_key: Keypair,
+    /// The cluster file, parsed (the client dials `h0`'s address).
     config: ClusterConfig,
+    /// `h0` and `h1`.
     nodes: Vec<Node>,
+    /// The hosts' state and the sets' sockets, removed at the end.
     _dir: tempfile::TempDir,
 }
 

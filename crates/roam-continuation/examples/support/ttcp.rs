@@ -464,7 +464,7 @@ pub fn on_session(front: Arc<Front>, host: &Host, handle: roam::SessionHandle) {
             eprintln!("ttcp: a stream whose meta is not a request");
             return;
         };
-        if session.store("total", &total.to_be_bytes()).is_err() {
+        if session.store("total", total.to_be_bytes()).is_err() {
             return;
         }
         let root = Member::fresh(limits());
