@@ -14,15 +14,11 @@ use roam::RoamStream;
 use roam_continuation::cluster::etcd::EtcdOptions;
 use roam_continuation::cluster::link::Link;
 use roam_continuation::cluster::wire::{Msg, Refusal};
-use roam_continuation::{
-    ClusterConfig, ClusterIdentity, Continuation, Host, HostConfig, ManagedSession, MoveError,
-    Service,
-};
+use roam_continuation::{ClusterConfig, Continuation, Host, ManagedSession, MoveError, Service};
 use roam_etcd::testing::EtcdServer;
 use roam_proto::Keypair;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
-use tokio::sync::oneshot;
 
 /// Byte `i` of the test pattern.
 fn pattern(i: u64) -> u8 {
@@ -80,24 +76,8 @@ async fn echo_loop(s: ManagedSession, mut stream: RoamStream, echoed: Arc<Atomic
     }
 }
 
-/// One running host of the test cluster.
-struct Node {
-    name: String,
-    host: Host,
-    stop: Vec<oneshot::Sender<()>>,
-    tasks: Vec<tokio::task::JoinHandle<std::io::Result<()>>>,
-    _dir: tempfile::TempDir,
-}
-
-impl Node {
-    /// Kills the host: both ports stop at once, nothing is handed over.
-    fn kill(&mut self) {
-        for t in &self.tasks {
-            t.abort();
-        }
-        self.stop.clear();
-    }
-}
+/// One running host of the test cluster, with its state directory.
+type Node = common::ClusterHost<tempfile::TempDir>;
 
 struct TestCluster {
     service_key: Keypair,
@@ -207,65 +187,41 @@ impl Extra {
 /// `versions[i]`), with `extra` lines in their cluster file.
 async fn start_cluster(versions: &[&str], extra: Extra) -> TestCluster {
     init_logging();
-    let service_key = Keypair::generate().unwrap();
-    let mut text = "cluster test\n".to_string();
-    let mut prepared = Vec::new();
-    for (i, _) in versions.iter().enumerate() {
-        let clients = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let peers = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let key = Keypair::generate().unwrap();
-        let name = format!("h{i}");
-        text.push_str(&format!(
-            "host {name} clients={} peers={} key={}\n",
-            clients.local_addr().unwrap(),
-            peers.local_addr().unwrap(),
-            key.public()
-        ));
-        prepared.push((name, clients, peers, key));
-    }
+    let mut lines = String::new();
     for h in &extra.hosts {
-        text.push_str(h);
+        lines.push_str(h);
     }
     for (n, k) in &extra.operators {
-        text.push_str(&format!("operator {n} key={k}\n"));
+        lines.push_str(&format!("operator {n} key={k}\n"));
     }
-    let config = ClusterConfig::parse(&text).unwrap();
     let echoed = Arc::new(AtomicU64::new(0));
-    let mut nodes = Vec::new();
-    for ((name, clients, peers, key), version) in prepared.into_iter().zip(versions) {
-        let dir = tempfile::tempdir().unwrap();
-        let mut sc = cli::server_config(service_key.clone());
-        // Every test client comes from 127.0.0.1.
-        sc.max_sessions_per_ip = 100_000;
-        let mut hc = HostConfig::new(dir.path(), sc);
-        let mut ident = ClusterIdentity::new(config.clone(), &name, key).unwrap();
-        if let Some(url) = &extra.etcd {
-            let mut opts = EtcdOptions::new(vec![url.clone()]);
-            opts.lease_ttl = Duration::from_secs(2);
-            if let Some(cap) = extra.etcd_cap {
-                opts.record_cap = cap;
+    let common::ClusterHosts {
+        service_key,
+        config,
+        nodes,
+    } = common::start_cluster_hosts(
+        versions.len(),
+        &lines,
+        |hc| {
+            // Every test client comes from 127.0.0.1.
+            hc.server.max_sessions_per_ip = 100_000;
+            if let Some(url) = &extra.etcd {
+                let mut opts = EtcdOptions::new(vec![url.clone()]);
+                opts.lease_ttl = Duration::from_secs(2);
+                if let Some(cap) = extra.etcd_cap {
+                    opts.record_cap = cap;
+                }
+                hc.cluster = hc.cluster.take().map(|ident| ident.with_etcd(opts));
             }
-            ident = ident.with_etcd(opts);
-        }
-        hc.cluster = Some(ident);
-        let (host, _) = Host::builder(hc)
-            .service(echo_service(version, echoed.clone()))
-            .open()
-            .await
-            .unwrap();
-        let (s1, r1) = oneshot::channel::<()>();
-        let (s2, r2) = oneshot::channel::<()>();
-        let h = host.clone();
-        let h2 = host.clone();
-        let e2 = echoed.clone();
-        let serve = tokio::spawn(async move {
-            h.serve(
-                clients,
-                async {
-                    let _ = r1.await;
-                },
-                move |handle| {
-                    let Ok(s) = h2.adopt("echo", handle) else {
+        },
+        |i, _| {
+            let dir = tempfile::tempdir().unwrap();
+            let e2 = echoed.clone();
+            common::HostSpec {
+                state: dir.path().to_path_buf(),
+                service: echo_service(versions[i], echoed.clone()),
+                on_session: move |host: &Host, handle| {
+                    let Ok(s) = host.adopt("echo", handle) else {
                         return;
                     };
                     let e = e2.clone();
@@ -276,24 +232,11 @@ async fn start_cluster(versions: &[&str], extra: Extra) -> TestCluster {
                         echo_loop(s, stream, e).await;
                     });
                 },
-            )
-            .await
-        });
-        let h = host.clone();
-        let peer_task = tokio::spawn(async move {
-            h.serve_peers(peers, async {
-                let _ = r2.await;
-            })
-            .await
-        });
-        nodes.push(Node {
-            name,
-            host,
-            stop: vec![s1, s2],
-            tasks: vec![serve, peer_task],
-            _dir: dir,
-        });
-    }
+                data: dir,
+            }
+        },
+    )
+    .await;
     TestCluster {
         service_key,
         config,
@@ -317,16 +260,7 @@ impl TestCluster {
     }
 
     async fn shutdown(mut self) {
-        for n in &mut self.nodes {
-            for s in n.stop.drain(..) {
-                let _ = s.send(());
-            }
-        }
-        for n in &mut self.nodes {
-            for t in n.tasks.drain(..) {
-                let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
-            }
-        }
+        common::stop_cluster_hosts(&mut self.nodes).await;
     }
 }
 

@@ -30,13 +30,12 @@ use roam_continuation::service_set::{
     check_cut, Control, Member, Restored, SessionSet, Staged, DEFAULT_SAVE_TIMEOUT,
 };
 use roam_continuation::{
-    ClusterConfig, ClusterIdentity, Continuation, Host, HostConfig, ManagedSession, MoveError,
-    MoveReport, Service,
+    ClusterConfig, Continuation, Host, ManagedSession, MoveError, MoveReport, Service,
 };
 use roam_proto::Keypair;
 use roam_service::{Interval, Limits};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, UnixListener};
+use tokio::net::UnixListener;
 use tokio::process::{Child, Command};
 use tokio::sync::oneshot;
 
@@ -314,13 +313,8 @@ fn front_service(front: Arc<Front>) -> Service {
         })
 }
 
-struct Node {
-    name: String,
-    host: Host,
-    front: Arc<Front>,
-    stop: Vec<oneshot::Sender<()>>,
-    tasks: Vec<tokio::task::JoinHandle<std::io::Result<()>>>,
-}
+/// One cluster host in this process, with its front-end.
+type Node = common::ClusterHost<Arc<Front>>;
 
 struct Cluster {
     service_key: Keypair,
@@ -350,70 +344,46 @@ async fn start_cluster(backends: [Backend; 2], think_ms: u64) -> Cluster {
     init_logging();
     let dir = tempfile::tempdir().unwrap();
     let ledger = dir.path().join("ledger");
-    let service_key = Keypair::generate().unwrap();
-    let mut text = "cluster test\n".to_string();
-    let mut prepared = Vec::new();
-    for i in 0..2 {
-        let clients = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let peers = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let key = Keypair::generate().unwrap();
-        let name = format!("h{i}");
-        text.push_str(&format!(
-            "host {name} clients={} peers={} key={}\n",
-            clients.local_addr().unwrap(),
-            peers.local_addr().unwrap(),
-            key.public()
-        ));
-        prepared.push((name, clients, peers, key));
-    }
-    let config = ClusterConfig::parse(&text).unwrap();
-    let mut nodes = Vec::new();
-    for (i, (name, clients, peers, key)) in prepared.into_iter().enumerate() {
-        let state = dir.path().join(format!("{name}-state"));
-        let work = dir.path().join(format!("{name}-sets"));
-        std::fs::create_dir_all(&state).unwrap();
-        std::fs::create_dir_all(&work).unwrap();
-        let backend = if backends[i] == Backend::Missing {
-            dir.path().join("no-such-back-end")
-        } else {
-            common::example("service_ledger")
-        };
-        let front = Arc::new(Front {
-            backend,
-            work,
-            ledger: if backends[i] == Backend::FailsToStart {
-                dir.path().join("no-such-dir").join("ledger")
+    let common::ClusterHosts {
+        service_key,
+        config,
+        nodes,
+    } = common::start_cluster_hosts(
+        2,
+        "",
+        |hc| hc.server.max_sessions_per_ip = 1000,
+        |i, name| {
+            let state = dir.path().join(format!("{name}-state"));
+            let work = dir.path().join(format!("{name}-sets"));
+            std::fs::create_dir_all(&state).unwrap();
+            std::fs::create_dir_all(&work).unwrap();
+            let backend = if backends[i] == Backend::Missing {
+                dir.path().join("no-such-back-end")
             } else {
-                ledger.clone()
-            },
-            log_cap: (backends[i] == Backend::RefusesParts).then_some(0),
-            think_ms,
-            starts: AtomicUsize::new(0),
-            restored: AtomicUsize::new(0),
-            staged_runs: AtomicUsize::new(0),
-            pids: Mutex::new(Vec::new()),
-            cuts: Mutex::new(Vec::new()),
-        });
-        let mut sc = cli::server_config(service_key.clone());
-        sc.max_sessions_per_ip = 1000;
-        let mut hc = HostConfig::new(&state, sc);
-        hc.cluster = Some(ClusterIdentity::new(config.clone(), &name, key).unwrap());
-        let (host, _) = Host::builder(hc)
-            .service(front_service(front.clone()))
-            .open()
-            .await
-            .unwrap();
-        let (s1, r1) = oneshot::channel::<()>();
-        let (s2, r2) = oneshot::channel::<()>();
-        let (h, h2, f) = (host.clone(), host.clone(), front.clone());
-        let serve_task = tokio::spawn(async move {
-            h.serve(
-                clients,
-                async {
-                    let _ = r1.await;
+                common::example("service_ledger")
+            };
+            let front = Arc::new(Front {
+                backend,
+                work,
+                ledger: if backends[i] == Backend::FailsToStart {
+                    dir.path().join("no-such-dir").join("ledger")
+                } else {
+                    ledger.clone()
                 },
-                move |handle| {
-                    let Ok(s) = h2.adopt("front", handle) else {
+                log_cap: (backends[i] == Backend::RefusesParts).then_some(0),
+                think_ms,
+                starts: AtomicUsize::new(0),
+                restored: AtomicUsize::new(0),
+                staged_runs: AtomicUsize::new(0),
+                pids: Mutex::new(Vec::new()),
+                cuts: Mutex::new(Vec::new()),
+            });
+            let f = front.clone();
+            common::HostSpec {
+                state,
+                service: front_service(front.clone()),
+                on_session: move |host: &Host, handle| {
+                    let Ok(s) = host.adopt("front", handle) else {
                         return;
                     };
                     let f = f.clone();
@@ -427,24 +397,11 @@ async fn start_cluster(backends: [Backend; 2], think_ms: u64) -> Cluster {
                         serve(f, s, stream, set, child, Vec::new()).await;
                     });
                 },
-            )
-            .await
-        });
-        let h = host.clone();
-        let peer_task = tokio::spawn(async move {
-            h.serve_peers(peers, async {
-                let _ = r2.await;
-            })
-            .await
-        });
-        nodes.push(Node {
-            name,
-            host,
-            front,
-            stop: vec![s1, s2],
-            tasks: vec![serve_task, peer_task],
-        });
-    }
+                data: front,
+            }
+        },
+    )
+    .await;
     Cluster {
         service_key,
         config,
@@ -466,16 +423,7 @@ impl Cluster {
     }
 
     async fn shutdown(mut self) {
-        for n in &mut self.nodes {
-            for s in n.stop.drain(..) {
-                let _ = s.send(());
-            }
-        }
-        for n in &mut self.nodes {
-            for t in n.tasks.drain(..) {
-                let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
-            }
-        }
+        common::stop_cluster_hosts(&mut self.nodes).await;
     }
 }
 
@@ -647,13 +595,13 @@ async fn a_cluster_moves_a_session_with_its_back_end_and_every_effect_happens_on
         let restored: usize = c
             .nodes
             .iter()
-            .map(|n| n.front.restored.load(Ordering::SeqCst))
+            .map(|n| n.data.restored.load(Ordering::SeqCst))
             .sum();
         assert_eq!(restored as u64, MOVES, "one restart from a cut per move");
         let staged: usize = c
             .nodes
             .iter()
-            .map(|n| n.front.staged_runs.load(Ordering::SeqCst))
+            .map(|n| n.data.staged_runs.load(Ordering::SeqCst))
             .sum();
         assert_eq!(
             staged as u64, MOVES,
@@ -662,7 +610,7 @@ async fn a_cluster_moves_a_session_with_its_back_end_and_every_effect_happens_on
         let cuts: Vec<usize> = c
             .nodes
             .iter()
-            .flat_map(|n| n.front.cuts.lock().unwrap().clone())
+            .flat_map(|n| n.data.cuts.lock().unwrap().clone())
             .collect();
         assert_eq!(cuts.len() as u64, MOVES);
         let frozen: Vec<u128> = reports.iter().map(|r| r.frozen.as_micros()).collect();
@@ -674,7 +622,7 @@ async fn a_cluster_moves_a_session_with_its_back_end_and_every_effect_happens_on
         let pids: Vec<u32> = c
             .nodes
             .iter()
-            .flat_map(|n| n.front.pids.lock().unwrap().clone())
+            .flat_map(|n| n.data.pids.lock().unwrap().clone())
             .collect();
         assert_eq!(pids.len() as u64, MOVES + 1, "one back-end per incarnation");
         let _ = tokio::time::timeout(Duration::from_secs(5), cl.session.close(0, "done")).await;
@@ -696,7 +644,7 @@ async fn a_destination_that_cannot_run_the_back_end_leaves_the_session_at_its_so
         const N: u64 = 600;
         let mut cl = client(&c, "h0", N).await;
         refused_and_served_at_source(&c, &mut cl, N, &["no back-end program"]).await;
-        assert_eq!(c.nodes[1].front.starts.load(Ordering::SeqCst), 0);
+        assert_eq!(c.nodes[1].data.starts.load(Ordering::SeqCst), 0);
         let _ = tokio::time::timeout(Duration::from_secs(5), cl.session.close(0, "done")).await;
         c.shutdown().await;
     })
@@ -733,7 +681,7 @@ async fn refused_and_served_at_source(c: &Cluster, cl: &mut Client, n: u64, says
     assert_eq!(got, n);
     assert_ledger(&c.ledger, n);
     assert_eq!(
-        c.nodes[0].front.restored.load(Ordering::SeqCst),
+        c.nodes[0].data.restored.load(Ordering::SeqCst),
         1,
         "the source restarted its set from the cut it saved"
     );
@@ -768,7 +716,7 @@ async fn a_back_end_that_fails_to_start_at_the_destination_refuses_the_move_befo
         const N: u64 = 600;
         let mut cl = client(&c, "h0", N).await;
         refused_and_served_at_source(&c, &mut cl, N, &["starting the back-end", "ledger"]).await;
-        let b = &c.nodes[1].front;
+        let b = &c.nodes[1].data;
         assert_eq!(b.starts.load(Ordering::SeqCst), 1, "one start tried at h1");
         assert_eq!(b.restored.load(Ordering::SeqCst), 0);
         assert_eq!(b.staged_runs.load(Ordering::SeqCst), 0);
@@ -814,13 +762,13 @@ async fn a_back_end_refusing_its_part_mid_move_calls_the_move_off_at_once() {
         let got = cl.task.await.unwrap().expect("every reply once, in order");
         assert_eq!(got, N);
         assert_ledger(&c.ledger, N);
-        assert_eq!(c.nodes[1].front.starts.load(Ordering::SeqCst), 0);
+        assert_eq!(c.nodes[1].data.starts.load(Ordering::SeqCst), 0);
         assert!(
-            c.nodes[0].front.cuts.lock().unwrap().is_empty(),
+            c.nodes[0].data.cuts.lock().unwrap().is_empty(),
             "no cut saved"
         );
         assert_eq!(
-            c.nodes[0].front.restored.load(Ordering::SeqCst),
+            c.nodes[0].data.restored.load(Ordering::SeqCst),
             0,
             "the set kept running: nothing restarted"
         );
@@ -843,7 +791,7 @@ async fn a_back_end_killed_mid_move_calls_the_move_off_at_once() {
         // the move's freeze finds it at once and it saves the set.
         let got = cl.task.await.unwrap().expect("every reply once, in order");
         assert_eq!(got, N);
-        let pids = c.nodes[0].front.pids.lock().unwrap().clone();
+        let pids = c.nodes[0].data.pids.lock().unwrap().clone();
         let [pid] = pids[..] else {
             panic!("one back-end at h0: {pids:?}")
         };
@@ -874,9 +822,9 @@ async fn a_back_end_killed_mid_move_calls_the_move_off_at_once() {
             after_kill < Duration::from_secs(3),
             "called off {after_kill:?} after the kill, not at once"
         );
-        assert_eq!(c.nodes[1].front.starts.load(Ordering::SeqCst), 0);
+        assert_eq!(c.nodes[1].data.starts.load(Ordering::SeqCst), 0);
         assert!(
-            c.nodes[0].front.cuts.lock().unwrap().is_empty(),
+            c.nodes[0].data.cuts.lock().unwrap().is_empty(),
             "no cut saved"
         );
         assert_eq!(c.holder(id), Some(0), "the session is still at its source");
@@ -908,7 +856,7 @@ async fn a_stopped_back_end_calls_the_move_off_within_the_save_bound_and_serves_
         // client, so the move's freeze finds it between requests and it
         // saves the set.
         wait_replies(&cl, FIRST).await;
-        let pids = c.nodes[0].front.pids.lock().unwrap().clone();
+        let pids = c.nodes[0].data.pids.lock().unwrap().clone();
         let [pid] = pids[..] else {
             panic!("one back-end at h0: {pids:?}")
         };
@@ -932,9 +880,9 @@ async fn a_stopped_back_end_calls_the_move_off_within_the_save_bound_and_serves_
             "called off after {took:?}, not at the save's bound of {DEFAULT_SAVE_TIMEOUT:?}"
         );
         assert_eq!(c.holder(id), Some(0), "the session is still at its source");
-        assert_eq!(c.nodes[1].front.starts.load(Ordering::SeqCst), 0);
+        assert_eq!(c.nodes[1].data.starts.load(Ordering::SeqCst), 0);
         assert!(
-            c.nodes[0].front.cuts.lock().unwrap().is_empty(),
+            c.nodes[0].data.cuts.lock().unwrap().is_empty(),
             "no cut saved"
         );
         // Continued, the back-end answers what it missed, is thawed and
@@ -942,7 +890,7 @@ async fn a_stopped_back_end_calls_the_move_off_within_the_save_bound_and_serves_
         go.send(()).expect("the client waits");
         wait_replies(&cl, FIRST + 50).await;
         assert_eq!(
-            c.nodes[0].front.restored.load(Ordering::SeqCst),
+            c.nodes[0].data.restored.load(Ordering::SeqCst),
             0,
             "the set kept running: nothing restarted"
         );
@@ -960,12 +908,12 @@ async fn a_stopped_back_end_calls_the_move_off_within_the_save_bound_and_serves_
         let got = cl.task.await.unwrap().expect("every reply once, in order");
         assert_eq!(got, N);
         assert_ledger(&c.ledger, N);
-        assert_eq!(c.nodes[0].front.cuts.lock().unwrap().len(), 1);
-        assert_eq!(c.nodes[1].front.staged_runs.load(Ordering::SeqCst), 1);
+        assert_eq!(c.nodes[0].data.cuts.lock().unwrap().len(), 1);
+        assert_eq!(c.nodes[1].data.staged_runs.load(Ordering::SeqCst), 1);
         let pids: Vec<u32> = c
             .nodes
             .iter()
-            .flat_map(|n| n.front.pids.lock().unwrap().clone())
+            .flat_map(|n| n.data.pids.lock().unwrap().clone())
             .collect();
         let _ = tokio::time::timeout(Duration::from_secs(5), cl.session.close(0, "done")).await;
         c.shutdown().await;

@@ -23,30 +23,18 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{bounded, cli, init_logging, wait_until, Proc};
-use roam_continuation::{ClusterConfig, ClusterIdentity, Host, HostConfig, MoveReport};
+use common::{bounded, init_logging, wait_until, Proc};
+use roam_continuation::{ClusterConfig, Host, MoveReport};
 use roam_proto::Keypair;
-use tokio::net::TcpListener;
-use tokio::sync::oneshot;
 
 #[path = "../examples/support/ttcp.rs"]
 mod ttcp;
 
 use ttcp::Export;
 
-/// One cluster host in this process.
-struct Node {
-    /// Its name in the cluster file.
-    name: String,
-    /// The host.
-    host: Host,
-    /// Its front-end (what it started and measured).
-    front: Arc<ttcp::Front>,
-    /// Stop signals of its client and peer listeners.
-    stop: Vec<oneshot::Sender<()>>,
-    /// Its client and peer listeners' tasks.
-    tasks: Vec<tokio::task::JoinHandle<std::io::Result<()>>>,
-}
+/// One cluster host in this process, with its front-end (what it started
+/// and measured).
+type Node = common::ClusterHost<Arc<ttcp::Front>>;
 
 /// Two cluster hosts and what the client needs to reach them.
 struct Cluster {
@@ -66,73 +54,36 @@ struct Cluster {
 async fn start_cluster(export: Export, state_bytes: usize) -> Cluster {
     init_logging();
     let dir = tempfile::tempdir().unwrap();
-    let service_key = Keypair::generate().unwrap();
-    let mut text = "cluster test\n".to_string();
-    let mut prepared = Vec::new();
-    for i in 0..2 {
-        let clients = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let peers = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let key = Keypair::generate().unwrap();
-        let name = format!("h{i}");
-        text.push_str(&format!(
-            "host {name} clients={} peers={} key={}\n",
-            clients.local_addr().unwrap(),
-            peers.local_addr().unwrap(),
-            key.public()
-        ));
-        prepared.push((name, clients, peers, key));
-    }
-    let config = ClusterConfig::parse(&text).unwrap();
     let producer = common::example("ttcp_producer");
-    let mut nodes = Vec::new();
-    for (name, clients, peers, key) in prepared {
-        let state = dir.path().join(format!("{name}-state"));
-        let work = dir.path().join(format!("{name}-sets"));
-        std::fs::create_dir_all(&state).unwrap();
-        std::fs::create_dir_all(&work).unwrap();
-        let front = Arc::new(ttcp::Front::new(
-            producer.clone(),
-            work,
-            export,
-            state_bytes,
-        ));
-        let mut sc = cli::server_config(service_key.clone());
-        sc.max_sessions_per_ip = 1000;
-        let mut hc = HostConfig::new(&state, sc);
-        hc.cluster = Some(ClusterIdentity::new(config.clone(), &name, key).unwrap());
-        let (host, _) = Host::builder(hc)
-            .service(ttcp::service(front.clone()))
-            .open()
-            .await
-            .unwrap();
-        let (s1, r1) = oneshot::channel::<()>();
-        let (s2, r2) = oneshot::channel::<()>();
-        let (h, h2, f) = (host.clone(), host.clone(), front.clone());
-        let serve_task = tokio::spawn(async move {
-            h.serve(
-                clients,
-                async {
-                    let _ = r1.await;
-                },
-                move |handle| ttcp::on_session(f.clone(), &h2, handle),
-            )
-            .await
-        });
-        let h = host.clone();
-        let peer_task = tokio::spawn(async move {
-            h.serve_peers(peers, async {
-                let _ = r2.await;
-            })
-            .await
-        });
-        nodes.push(Node {
-            name,
-            host,
-            front,
-            stop: vec![s1, s2],
-            tasks: vec![serve_task, peer_task],
-        });
-    }
+    let common::ClusterHosts {
+        service_key,
+        config,
+        nodes,
+    } = common::start_cluster_hosts(
+        2,
+        "",
+        |hc| hc.server.max_sessions_per_ip = 1000,
+        |_, name| {
+            let state = dir.path().join(format!("{name}-state"));
+            let work = dir.path().join(format!("{name}-sets"));
+            std::fs::create_dir_all(&state).unwrap();
+            std::fs::create_dir_all(&work).unwrap();
+            let front = Arc::new(ttcp::Front::new(
+                producer.clone(),
+                work,
+                export,
+                state_bytes,
+            ));
+            let f = front.clone();
+            common::HostSpec {
+                state,
+                service: ttcp::service(front.clone()),
+                on_session: move |host: &Host, handle| ttcp::on_session(f.clone(), host, handle),
+                data: front,
+            }
+        },
+    )
+    .await;
     Cluster {
         service_key,
         config,
@@ -172,34 +123,25 @@ impl Cluster {
     fn forwarded(&self) -> u64 {
         self.nodes
             .iter()
-            .map(|n| n.front.forwarded.load(Ordering::Relaxed))
+            .map(|n| n.data.forwarded.load(Ordering::Relaxed))
             .sum()
     }
 
     /// Sum of a counter over the front-ends.
     fn count(&self, f: impl Fn(&ttcp::Front) -> usize) -> usize {
-        self.nodes.iter().map(|n| f(&n.front)).sum()
+        self.nodes.iter().map(|n| f(&n.data)).sum()
     }
 
     /// Every producer process started, on either host.
     fn pids(&self) -> Vec<u32> {
         self.nodes
             .iter()
-            .flat_map(|n| n.front.pids.lock().unwrap().clone())
+            .flat_map(|n| n.data.pids.lock().unwrap().clone())
             .collect()
     }
 
     async fn shutdown(mut self) {
-        for n in &mut self.nodes {
-            for s in n.stop.drain(..) {
-                let _ = s.send(());
-            }
-        }
-        for n in &mut self.nodes {
-            for t in n.tasks.drain(..) {
-                let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
-            }
-        }
+        common::stop_cluster_hosts(&mut self.nodes).await;
     }
 }
 
@@ -354,13 +296,13 @@ async fn stream_with_moves(
     let save_ms: Vec<f64> = c
         .nodes
         .iter()
-        .flat_map(|n| n.front.saves.lock().unwrap().clone())
+        .flat_map(|n| n.data.saves.lock().unwrap().clone())
         .map(|d| d.as_secs_f64() * 1e3)
         .collect();
     let cut_bytes: Vec<usize> = c
         .nodes
         .iter()
-        .flat_map(|n| n.front.cuts.lock().unwrap().clone())
+        .flat_map(|n| n.data.cuts.lock().unwrap().clone())
         .collect();
     assert_eq!(cut_bytes.len(), moves, "one cut saved per move");
     c.shutdown().await;

@@ -103,6 +103,165 @@ where
         .await
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
+    let (stop_tx, task) = spawn_serve(&host, listener, on_session);
+    Running {
+        host,
+        addr,
+        key,
+        report,
+        stop: Some(stop_tx),
+        task: Some(task),
+    }
+}
+
+// A cluster of hosts in this process (the cluster and service-set tests).
+
+/// One host of a test cluster ([`start_cluster_hosts`]), serving clients
+/// and peers on loopback.
+pub struct ClusterHost<T> {
+    /// Its name in the cluster file (`h0`, `h1`, ...).
+    pub name: String,
+    /// The host.
+    pub host: Host,
+    /// What the test keeps with the host (its front-end, its state
+    /// directory): [`HostSpec::data`].
+    pub data: T,
+    /// Stop signals of its client and peer listeners.
+    stop: Vec<oneshot::Sender<()>>,
+    /// Its client and peer listeners' tasks.
+    tasks: Vec<JoinHandle<std::io::Result<()>>>,
+}
+
+impl<T> ClusterHost<T> {
+    /// Kills the host: both ports stop at once, nothing is handed over.
+    pub fn kill(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+        self.stop.clear();
+    }
+}
+
+/// Stops `hosts`: every listener is told to stop first, then each task
+/// gets 10 s to end.
+pub async fn stop_cluster_hosts<T>(hosts: &mut [ClusterHost<T>]) {
+    for n in hosts.iter_mut() {
+        for s in n.stop.drain(..) {
+            let _ = s.send(());
+        }
+    }
+    for n in hosts.iter_mut() {
+        for t in n.tasks.drain(..) {
+            let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
+        }
+    }
+}
+
+/// What a test gives [`start_cluster_hosts`] for one host.
+pub struct HostSpec<T, F> {
+    /// The host's state directory (it must exist).
+    pub state: std::path::PathBuf,
+    /// The service it runs.
+    pub service: Service,
+    /// Called with the host for each new client session.
+    pub on_session: F,
+    /// What the test keeps with the host ([`ClusterHost::data`]).
+    pub data: T,
+}
+
+/// A test cluster started by [`start_cluster_hosts`].
+pub struct ClusterHosts<T> {
+    /// The service key every host serves with (the key clients pin).
+    pub service_key: roam_proto::Keypair,
+    /// The cluster file, parsed.
+    pub config: roam_continuation::ClusterConfig,
+    /// The hosts `h0`, `h1`, ... in that order.
+    pub nodes: Vec<ClusterHost<T>>,
+}
+
+/// Starts `count` cluster hosts `h0`, `h1`, ... in this process: each
+/// with its own host key and client and peer listeners on 127.0.0.1 (port
+/// 0), all serving with one new service key; `extra_lines` (whole lines)
+/// end the cluster file. Host `i`'s state directory, service,
+/// new-session callback and data come from `spec(i, name)`; `tune`
+/// adjusts each host's configuration (its cluster identity already set)
+/// before the host opens.
+pub async fn start_cluster_hosts<T, F>(
+    count: usize,
+    extra_lines: &str,
+    tune: impl Fn(&mut HostConfig),
+    mut spec: impl FnMut(usize, &str) -> HostSpec<T, F>,
+) -> ClusterHosts<T>
+where
+    F: Fn(&Host, roam::SessionHandle) + Send + Sync + 'static,
+{
+    use roam_continuation::{ClusterConfig, ClusterIdentity};
+    use roam_proto::Keypair;
+    use tokio::net::TcpListener;
+    let service_key = Keypair::generate().unwrap();
+    let mut text = "cluster test\n".to_string();
+    let mut prepared = Vec::new();
+    for i in 0..count {
+        let clients = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let peers = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let key = Keypair::generate().unwrap();
+        let name = format!("h{i}");
+        text.push_str(&format!(
+            "host {name} clients={} peers={} key={}\n",
+            clients.local_addr().unwrap(),
+            peers.local_addr().unwrap(),
+            key.public()
+        ));
+        prepared.push((name, clients, peers, key));
+    }
+    text.push_str(extra_lines);
+    let config = ClusterConfig::parse(&text).unwrap();
+    let mut nodes = Vec::new();
+    for (i, (name, clients, peers, key)) in prepared.into_iter().enumerate() {
+        let HostSpec {
+            state,
+            service,
+            on_session,
+            data,
+        } = spec(i, &name);
+        let mut hc = HostConfig::new(&state, cli::server_config(service_key.clone()));
+        hc.cluster = Some(ClusterIdentity::new(config.clone(), &name, key).unwrap());
+        tune(&mut hc);
+        let (host, _) = Host::builder(hc).service(service).open().await.unwrap();
+        let (s1, serve_task) = spawn_serve(&host, clients, on_session);
+        let (s2, r2) = oneshot::channel::<()>();
+        let h = host.clone();
+        let peer_task = tokio::spawn(async move {
+            h.serve_peers(peers, async {
+                let _ = r2.await;
+            })
+            .await
+        });
+        nodes.push(ClusterHost {
+            name,
+            host,
+            data,
+            stop: vec![s1, s2],
+            tasks: vec![serve_task, peer_task],
+        });
+    }
+    ClusterHosts {
+        service_key,
+        config,
+        nodes,
+    }
+}
+
+/// Serves `host`'s clients on `listener` in a task, calling `on_session`
+/// for new sessions, until the returned sender sends or is dropped.
+fn spawn_serve<F>(
+    host: &Host,
+    listener: tokio::net::TcpListener,
+    on_session: F,
+) -> (oneshot::Sender<()>, JoinHandle<std::io::Result<()>>)
+where
+    F: Fn(&Host, roam::SessionHandle) + Send + Sync + 'static,
+{
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
     let h = host.clone();
     let h2 = host.clone();
@@ -116,14 +275,7 @@ where
         )
         .await
     });
-    Running {
-        host,
-        addr,
-        key,
-        report,
-        stop: Some(stop_tx),
-        task: Some(task),
-    }
+    (stop_tx, task)
 }
 
 /// Polls `f` every 10 ms until it holds; panics with `what` after `limit`.
