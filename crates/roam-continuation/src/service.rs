@@ -193,7 +193,9 @@ impl Service {
     /// session stays at its source, where its continuation resumes. It
     /// runs under the host's state lock: keep it short, and do not call
     /// the host from it. A service set's cut is checked
-    /// with [`check_cut`](crate::service_set::check_cut).
+    /// with [`check_cut`](crate::service_set::check_cut), the cut and the
+    /// back-end program it restarts together with
+    /// [`check_move_in`](crate::service_set::check_move_in).
     pub fn on_move_in(
         mut self,
         f: impl Fn(&BTreeMap<String, Vec<u8>>) -> Result<(), String> + Send + Sync + 'static,

@@ -950,3 +950,29 @@ pub fn check_cut(attrs: &BTreeMap<String, Vec<u8>>, limits: Limits) -> Result<()
         .map(drop)
         .map_err(|e| format!("the service set's cut does not restart: {e}"))
 }
+
+/// Checks a session moving in whose [`SessionSet`] this host would restart,
+/// at the destination, before the move commits: for
+/// [`Service::on_move_in`](crate::Service::on_move_in). Refuses with a
+/// reason the move reports when the set's cut does not restart within
+/// `limits` ([`check_cut`]; a session without [`CUT_ATTR`] passes it), or
+/// when this host has no back-end `program` to start from the cut.
+///
+/// - `attrs`: the moving session's attributes, as `on_move_in` gets them.
+/// - `limits`: the limits the set restarts under here (the ones
+///   [`Restored::from_attrs`] will get).
+/// - `what`: the back-end's name in the refusal, e.g. `"producer"` for
+///   "no producer program at PATH".
+/// - `program`: the back-end program the set starts here.
+pub fn check_move_in(
+    attrs: &BTreeMap<String, Vec<u8>>,
+    limits: Limits,
+    what: &str,
+    program: &std::path::Path,
+) -> Result<(), String> {
+    check_cut(attrs, limits)?;
+    if !program.exists() {
+        return Err(format!("no {what} program at {}", program.display()));
+    }
+    Ok(())
+}

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use common::{bounded, cli, init_logging, wait_until};
 use roam::RoamStream;
 use roam_continuation::service_set::{
-    check_cut, Control, Member, Restored, SessionSet, Staged, DEFAULT_SAVE_TIMEOUT,
+    check_move_in, Control, Member, Restored, SessionSet, Staged, DEFAULT_SAVE_TIMEOUT,
 };
 use roam_continuation::{
     ClusterConfig, Continuation, Host, ManagedSession, MoveError, MoveReport, Service,
@@ -262,16 +262,7 @@ fn front_service(front: Arc<Front>) -> Service {
     let prepare = front.clone();
     Service::new("front")
         .version("1")
-        .on_move_in(move |attrs| {
-            check_cut(attrs, Front::limits())?;
-            if !check.backend.exists() {
-                return Err(format!(
-                    "no back-end program at {}",
-                    check.backend.display()
-                ));
-            }
-            Ok(())
-        })
+        .on_move_in(move |attrs| check_move_in(attrs, Front::limits(), "back-end", &check.backend))
         .prepare_move_in(move |attrs| {
             let restored = Restored::from_attrs(attrs, Front::limits());
             let front = prepare.clone();

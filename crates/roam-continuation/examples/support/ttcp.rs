@@ -33,7 +33,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use roam::RoamStream;
-use roam_continuation::service_set::{check_cut, Control, Member, Restored, SessionSet, Staged};
+use roam_continuation::service_set::{
+    check_move_in, Control, Member, Restored, SessionSet, Staged,
+};
 use roam_continuation::{Continuation, Host, ManagedSession, Service};
 use roam_service::{ChannelId, Interval, Limits};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -387,15 +389,8 @@ pub fn service(front: Arc<Front>) -> Service {
     Service::new(SERVICE)
         .version("1")
         .on_move_in(move |attrs| {
-            check_cut(attrs, limits())?;
-            total_of(attrs)?;
-            if !check.producer.exists() {
-                return Err(format!(
-                    "no producer program at {}",
-                    check.producer.display()
-                ));
-            }
-            Ok(())
+            check_move_in(attrs, limits(), "producer", &check.producer)?;
+            total_of(attrs).map(drop)
         })
         .prepare_move_in(move |attrs| {
             let restored = Restored::from_attrs(attrs, limits());
