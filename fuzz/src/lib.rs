@@ -658,7 +658,20 @@ impl World {
         if buf.len() < len {
             buf.resize(len, 0);
         }
+        // Odd lengths read through `read_with` (bytes lent, up to `len`
+        // taken), even ones through `read`, so the two interleave.
+        let lend = len % 2 == 1;
         let result = match self.session(side) {
+            Some(s) if lend => match s.read_with(id, |lent: &[u8]| {
+                let n = lent.len().min(len);
+                buf[..n].copy_from_slice(&lent[..n]);
+                Ok::<usize, ()>(n)
+            }) {
+                Ok(roam_proto::Lent::Lent(Ok(n))) => Ok(Some(n)),
+                Ok(roam_proto::Lent::End) => Ok(Some(0)),
+                Ok(roam_proto::Lent::Nothing | roam_proto::Lent::Lent(Err(()))) => Ok(None),
+                Err(e) => Err(e),
+            },
             Some(s) => s.read(id, &mut buf[..len]),
             None => Ok(None),
         };

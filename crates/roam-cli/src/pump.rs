@@ -29,6 +29,34 @@ thread_local! {
     static SCRATCH: RefCell<Vec<u8>> = RefCell::new(vec![0u8; CHUNK]);
 }
 
+/// One end of a copy: a byte stream, which may also lend what it has
+/// received straight to the other end (a roam stream writing into a
+/// socket), saving the copy through the scratch buffer.
+pub(crate) trait End: AsyncRead + AsyncWrite + Unpin {
+    /// This end as a roam stream, whose received bytes can be lent.
+    fn lender(&mut self) -> Option<&mut roam::RoamStream> {
+        None
+    }
+    /// This end as a socket a roam stream can lend its bytes to.
+    fn lend_target(&mut self) -> Option<&mut dyn roam::LendTarget> {
+        None
+    }
+}
+
+impl End for roam::RoamStream {
+    fn lender(&mut self) -> Option<&mut roam::RoamStream> {
+        Some(self)
+    }
+}
+
+impl End for tokio::net::TcpStream {
+    fn lend_target(&mut self) -> Option<&mut dyn roam::LendTarget> {
+        Some(self)
+    }
+}
+
+impl End for tokio::io::DuplexStream {}
+
 /// One direction of the copy.
 #[derive(Default)]
 struct Half {
@@ -57,8 +85,8 @@ impl Half {
         w: &mut W,
     ) -> Poll<io::Result<()>>
     where
-        R: AsyncRead + Unpin + ?Sized,
-        W: AsyncWrite + Unpin + ?Sized,
+        R: End + ?Sized,
+        W: End + ?Sized,
     {
         let mut reads = 0;
         loop {
@@ -90,39 +118,21 @@ impl Half {
                 return Poll::Pending;
             }
             reads += 1;
-            let read = SCRATCH.with_borrow_mut(|buf| {
-                let mut rb = ReadBuf::new(buf);
-                match Pin::new(&mut *r).poll_read(cx, &mut rb) {
-                    Poll::Pending => Poll::Pending,
-                    Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
-                    Poll::Ready(Ok(())) => {
-                        let n = rb.filled().len();
-                        if n == 0 {
-                            self.eof = true;
-                            return Poll::Ready(Ok(()));
-                        }
-                        let mut off = 0;
-                        while off < n {
-                            match Pin::new(&mut *w).poll_write(cx, &buf[off..n]) {
-                                Poll::Ready(Ok(0)) => {
-                                    return Poll::Ready(Err(io::ErrorKind::WriteZero.into()))
-                                }
-                                Poll::Ready(Ok(k)) => {
-                                    off += k;
-                                    self.total += k as u64;
-                                    self.unflushed = true;
-                                }
-                                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
-                                Poll::Pending => break,
-                            }
-                        }
-                        // The writer pushed back: keep the rest (this
-                        // direction reads no more until it is written).
-                        self.pending.extend_from_slice(&buf[off..n]);
+            let read = match (r.lender(), w.lend_target()) {
+                (Some(stream), Some(target)) => match stream.poll_write_to(cx, target) {
+                    Poll::Ready(Ok(0)) => {
+                        self.eof = true;
                         Poll::Ready(Ok(()))
                     }
-                }
-            });
+                    Poll::Ready(Ok(n)) => {
+                        self.total += n as u64;
+                        self.unflushed = true;
+                        Poll::Ready(Ok(()))
+                    }
+                    other => other.map_ok(|_| ()),
+                },
+                _ => self.read_through_scratch(cx, r, w),
+            };
             match read {
                 Poll::Ready(Ok(())) => {}
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
@@ -139,6 +149,53 @@ impl Half {
                 }
             }
         }
+    }
+
+    /// One read into the per-thread scratch buffer, written on at once;
+    /// what the writer does not take is kept in `pending`.
+    fn read_through_scratch<R, W>(
+        &mut self,
+        cx: &mut Context<'_>,
+        r: &mut R,
+        w: &mut W,
+    ) -> Poll<io::Result<()>>
+    where
+        R: End + ?Sized,
+        W: End + ?Sized,
+    {
+        SCRATCH.with_borrow_mut(|buf| {
+            let mut rb = ReadBuf::new(buf);
+            match Pin::new(&mut *r).poll_read(cx, &mut rb) {
+                Poll::Pending => Poll::Pending,
+                Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+                Poll::Ready(Ok(())) => {
+                    let n = rb.filled().len();
+                    if n == 0 {
+                        self.eof = true;
+                        return Poll::Ready(Ok(()));
+                    }
+                    let mut off = 0;
+                    while off < n {
+                        match Pin::new(&mut *w).poll_write(cx, &buf[off..n]) {
+                            Poll::Ready(Ok(0)) => {
+                                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()))
+                            }
+                            Poll::Ready(Ok(k)) => {
+                                off += k;
+                                self.total += k as u64;
+                                self.unflushed = true;
+                            }
+                            Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                            Poll::Pending => break,
+                        }
+                    }
+                    // The writer pushed back: keep the rest (this
+                    // direction reads no more until it is written).
+                    self.pending.extend_from_slice(&buf[off..n]);
+                    Poll::Ready(Ok(()))
+                }
+            }
+        })
     }
 }
 
@@ -198,8 +255,8 @@ pub(crate) enum PumpEnd {
 /// `(a to b, b to a)`, or the first error.
 pub(crate) async fn pump<A, B>(a: &mut A, b: &mut B) -> io::Result<(u64, u64)>
 where
-    A: AsyncRead + AsyncWrite + Unpin + ?Sized,
-    B: AsyncRead + AsyncWrite + Unpin + ?Sized,
+    A: End + ?Sized,
+    B: End + ?Sized,
 {
     let mut ab = Half::default();
     let mut ba = Half::default();
@@ -216,8 +273,8 @@ pub(crate) async fn pump_until<A, B>(
     stop: impl std::future::Future<Output = ()>,
 ) -> PumpEnd
 where
-    A: AsyncRead + AsyncWrite + Unpin + ?Sized,
-    B: AsyncRead + AsyncWrite + Unpin + ?Sized,
+    A: End + ?Sized,
+    B: End + ?Sized,
 {
     let mut ab = Half::from_state(ab);
     let mut ba = Half::from_state(ba);
@@ -238,8 +295,8 @@ where
 /// before the connection closes. Returns the bytes written.
 pub(crate) async fn finish_one<R, W>(r: &mut R, w: &mut W, state: HalfState) -> io::Result<u64>
 where
-    R: AsyncRead + Unpin + ?Sized,
-    W: AsyncWrite + Unpin + ?Sized,
+    R: End + ?Sized,
+    W: End + ?Sized,
 {
     let mut half = Half::from_state(state);
     if half.done {
@@ -256,8 +313,8 @@ async fn copy_both<A, B>(
     ba: &mut Half,
 ) -> io::Result<(u64, u64)>
 where
-    A: AsyncRead + AsyncWrite + Unpin + ?Sized,
-    B: AsyncRead + AsyncWrite + Unpin + ?Sized,
+    A: End + ?Sized,
+    B: End + ?Sized,
 {
     poll_fn(|cx| {
         if !ab.done {
@@ -378,6 +435,106 @@ mod tests {
         assert_eq!(ra.await.unwrap(), down);
         assert_eq!(totals, (up.len() as u64, down.len() as u64));
         assert!(stops > 0, "the test must stop the pump at least once");
+    }
+
+    /// A roam stream lends its received bytes straight to a socket (no
+    /// scratch buffer, nothing kept by the pump): 8 MiB through a target
+    /// that reads slowly in small pieces arrive whole and in order, with
+    /// the pump stopped and restarted again and again on the way (as a
+    /// relay handing over is), and the end of the stream passes on.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stream_lends_to_a_slow_socket_every_byte_across_stops() {
+        const UPLOAD: usize = 8 << 20;
+        let key = roam_proto::Keypair::generate().unwrap();
+        let server_key = key.public();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let (streams_tx, mut streams) = tokio::sync::mpsc::unbounded_channel();
+        let (shut, shut_rx) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(roam::serve(
+            listener,
+            roam::ServerConfig::new(roam_proto::ServerConfig {
+                keypair: key,
+                authorized_keys: None,
+                addresses: Vec::new(),
+                session: roam_proto::Config::default(),
+            }),
+            async move {
+                let _ = shut_rx.await;
+            },
+            move |session: roam::SessionHandle| {
+                let tx = streams_tx.clone();
+                tokio::spawn(async move {
+                    let (stream, _) = session.accept_stream().await.unwrap();
+                    let _ = tx.send((stream, session));
+                });
+            },
+        ));
+        let mut client = roam::ClientConfig::new(roam_proto::ClientConfig {
+            keypair: roam_proto::Keypair::generate().unwrap(),
+            server_trust: roam_proto::ServerTrust::Pinned(server_key),
+            session: roam_proto::Config::default(),
+        });
+        client.watch_network = false;
+        let upload: Vec<u8> = (0..UPLOAD).map(|i| (i % 251) as u8).collect();
+        let run = async {
+            let session = roam::connect(&addr, client).await.unwrap();
+            let mut out = session.open_stream(b"").unwrap();
+            let up = upload.clone();
+            let writer = tokio::spawn(async move {
+                out.write_all(&up).await.unwrap();
+                out.shutdown().await.unwrap();
+                out
+            });
+            let (mut stream, _server_session) = streams.recv().await.unwrap();
+            // The target: reads 3 KiB at a time, pausing now and then.
+            let target = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let target_addr = target.local_addr().unwrap();
+            let reader = tokio::spawn(async move {
+                let (mut c, _) = target.accept().await.unwrap();
+                let mut got = Vec::new();
+                let mut buf = [0u8; 3072];
+                loop {
+                    let n = c.read(&mut buf).await.unwrap();
+                    if n == 0 {
+                        break got;
+                    }
+                    got.extend_from_slice(&buf[..n]);
+                    if got.len() % 97 == 0 {
+                        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                    }
+                }
+            });
+            let mut tcp = tokio::net::TcpStream::connect(target_addr).await.unwrap();
+            let (mut ab, mut ba) = (HalfState::default(), HalfState::default());
+            let mut stops = 0;
+            loop {
+                let stop = tokio::time::sleep(std::time::Duration::from_millis(5));
+                match pump_until(&mut stream, &mut tcp, ab, ba, stop).await {
+                    PumpEnd::Finished(_) => unreachable!("the target never finishes"),
+                    PumpEnd::Stopped(x, y) => {
+                        stops += 1;
+                        assert!(x.pending.is_empty(), "the lending direction kept bytes");
+                        if x.done {
+                            break;
+                        }
+                        (ab, ba) = (x, y);
+                    }
+                }
+                assert!(stops < 100_000, "the pump never finished its direction");
+            }
+            drop(tcp);
+            let _keep = writer.await.unwrap();
+            (reader.await.unwrap(), stops)
+        };
+        let (got, stops) = tokio::time::timeout(std::time::Duration::from_secs(60), run)
+            .await
+            .expect("8 MiB within 60 s");
+        assert_eq!(got.len(), UPLOAD, "bytes at the target");
+        assert!(got == upload, "the target got other bytes");
+        assert!(stops > 1, "the pump must be stopped on the way");
+        let _ = shut.send(());
+        let _ = server.await;
     }
 
     /// A direction that went idle after push-back holds no buffer.

@@ -50,7 +50,7 @@ pub use event::{CloseReason, Event, SuspendReason, TransportId};
 pub use handshake::{parse_hello, Hello, Params, Status, MAGIC, MAX_MOVED_ADDR, VERSION};
 pub use keys::{KeyParseError, Keypair, PublicKey, SessionId};
 pub use session::envelope;
-pub use session::{ExportError, RestoreError, Role, Session, State, Stats, StreamProgress};
+pub use session::{ExportError, Lent, RestoreError, Role, Session, State, Stats, StreamProgress};
 pub use stream::StreamId;
 
 /// Whether this build replaced the cryptography with fuzzing stand-ins.

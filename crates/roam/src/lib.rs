@@ -81,7 +81,7 @@ pub use journal::{JournalEntry, JournalWriter};
 pub use limits::{LogThrottle, ServerStats, ServerUsage};
 pub use netwatch::NetworkChanges;
 pub use server::{serve, serve_with_directory, serve_with_restore};
-pub use stream::RoamStream;
+pub use stream::{LendTarget, RoamStream};
 pub use transport::{Listener, Transport, UNIX_PEER};
 
 /// Re-exported so applications need not depend on `roam-proto` for common types.

@@ -5,7 +5,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use roam_proto::{StreamError, StreamId};
+use roam_proto::{Lent, StreamError, StreamId};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use crate::handle::Guard;
@@ -85,6 +85,86 @@ impl RoamStream {
                 )
             }
             (_, e) => e.into(),
+        }
+    }
+}
+
+/// A writer a stream can hand its received bytes to without copying them
+/// out first ([`RoamStream::poll_write_to`]): an operating-system socket.
+/// Sealed: the session's lock is held while the writer runs, so a writer
+/// that could reach a session (another `RoamStream`) must never be one.
+pub trait LendTarget: sealed::Sealed + AsyncWrite + Unpin {}
+
+impl LendTarget for tokio::net::TcpStream {}
+impl LendTarget for tokio::net::UnixStream {}
+
+mod sealed {
+    /// Only the socket types in this module are lend targets.
+    pub trait Sealed {}
+    impl Sealed for tokio::net::TcpStream {}
+    impl Sealed for tokio::net::UnixStream {}
+}
+
+impl RoamStream {
+    /// Writes received bytes straight from the session's receive buffer
+    /// into `w`, as a relay does from a stream to its target: the bytes are
+    /// not copied into a buffer of the caller's first. `Ready(Ok(n))`: `n`
+    /// bytes were written and count as read (`n > 0`); `Ready(Ok(0))`: end
+    /// of stream, as from `poll_read`. `Pending`: nothing has arrived yet
+    /// (woken when something does) or `w` cannot take more (woken by `w`).
+    /// Errors as `poll_read`'s, or `w`'s own.
+    ///
+    /// The session's lock is held while `w.poll_write` runs (one
+    /// non-blocking socket write).
+    pub fn poll_write_to<W: LendTarget + ?Sized>(
+        &mut self,
+        cx: &mut Context<'_>,
+        w: &mut W,
+    ) -> Poll<io::Result<usize>> {
+        if self.read_eof {
+            return Poll::Ready(Ok(0));
+        }
+        let inner = self.guard.0.clone();
+        let mut sh = inner.lock();
+        if sh.detached {
+            return Poll::Ready(Err(Self::detached_error()));
+        }
+        let log_before = sh.session.unacked_frames();
+        let mut blocked = false;
+        let lent = sh.session.read_with(self.id, |bytes| {
+            match Pin::new(&mut *w).poll_write(cx, bytes) {
+                Poll::Ready(Ok(0)) => Err(io::Error::from(io::ErrorKind::WriteZero)),
+                Poll::Ready(Ok(n)) => Ok(n),
+                Poll::Ready(Err(e)) => Err(e),
+                Poll::Pending => {
+                    blocked = true;
+                    Ok(0)
+                }
+            }
+        });
+        match lent {
+            Ok(Lent::Lent(Ok(_))) if blocked => Poll::Pending,
+            Ok(Lent::Lent(Ok(n))) => {
+                // Taking bytes may have queued a window update: let the
+                // driver send it.
+                let wake_driver = sh.session.unacked_frames() > log_before;
+                drop(sh);
+                if wake_driver {
+                    inner.notify.notify_one();
+                }
+                Poll::Ready(Ok(n))
+            }
+            Ok(Lent::Lent(Err(e))) => Poll::Ready(Err(e)),
+            Ok(Lent::End) => {
+                drop(sh);
+                self.read_eof = true;
+                Poll::Ready(Ok(0))
+            }
+            Ok(Lent::Nothing) => {
+                sh.read_wakers.insert(self.id, cx.waker().clone());
+                Poll::Pending
+            }
+            Err(e) => Poll::Ready(Err(self.session_error(&sh, e))),
         }
     }
 }

@@ -48,6 +48,27 @@ use crate::Error;
 use tuning::Tuning;
 
 pub use export::{ExportError, RestoreError};
+
+/// What [`Session::read_with`] did with a stream's received bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Lent<E> {
+    /// Bytes were lent and this is the borrower's answer: with `Ok(n)`, `n`
+    /// of them now count as read.
+    Lent(Result<usize, E>),
+    /// End of stream: every byte was read and the peer finished.
+    End,
+    /// Nothing to read yet: wait for `StreamReadable`.
+    Nothing,
+}
+
+/// The oldest bytes of a non-empty receive buffer, as one contiguous piece
+/// (never empty).
+fn front(buf: &VecDeque<u8>) -> &[u8] {
+    match buf.as_slices() {
+        (a, _) if !a.is_empty() => a,
+        (_, b) => b,
+    }
+}
 use transport::{Phase, Transport};
 
 /// Which end of the session this is.
@@ -1028,8 +1049,84 @@ impl Session {
         let na = n.min(a.len());
         buf[..na].copy_from_slice(&a[..na]);
         buf[na..n].copy_from_slice(&b[..n - na]);
+        self.taken(id, n, window);
+        Ok(Some(n))
+    }
+
+    /// Lends received bytes to `f` instead of copying them out: `f` gets the
+    /// oldest unread bytes (one contiguous piece, never empty) and answers
+    /// how many it took, which then count as read exactly as `read`'s would
+    /// (the window is re-granted the same way). A relay writes them straight
+    /// into its target's socket this way, without a buffer of its own.
+    ///
+    /// Answers as `read` does: [`Lent::End`] for end-of-stream,
+    /// [`Lent::Nothing`] when nothing arrived yet (wait for
+    /// `StreamReadable`; `f` is not called in either case), errors alike.
+    /// An `Err` from `f` takes nothing and is handed back in
+    /// [`Lent::Lent`]; a count above what was lent is taken as all of it.
+    pub fn read_with<E>(
+        &mut self,
+        id: StreamId,
+        f: impl FnOnce(&[u8]) -> Result<usize, E>,
+    ) -> Result<Lent<E>, StreamError> {
+        if self.state == State::Closed {
+            // As `read_after_close`: what arrived before the close, then the
+            // stream's end (or `SessionClosed`); the stream is then forgotten.
+            let Some(s) = self.streams.get_mut(&id.0) else {
+                return Err(StreamError::SessionClosed);
+            };
+            if let Some(code) = s.reset {
+                self.streams.remove(&id.0);
+                return Err(StreamError::Reset(code));
+            }
+            if s.recv_buf.is_empty() {
+                let fin = s.fin_received;
+                self.streams.remove(&id.0);
+                return if fin {
+                    Ok(Lent::End)
+                } else {
+                    Err(StreamError::SessionClosed)
+                };
+            }
+            let r = f(front(&s.recv_buf));
+            if let Ok(n) = r {
+                let n = n.min(front(&s.recv_buf).len());
+                s.recv_buf.drain(..n);
+                return Ok(Lent::Lent(Ok(n)));
+            }
+            return Ok(Lent::Lent(r));
+        }
+        let window = self.config.stream_window;
+        let s = self.stream_mut(id)?;
+        if s.recv_buf.is_empty() {
+            if s.fin_received {
+                s.eof_delivered = true;
+                self.maybe_forget(id.0);
+                return Ok(Lent::End);
+            }
+            return Ok(Lent::Nothing);
+        }
+        let lent = front(&s.recv_buf);
+        let r = f(lent);
+        match r {
+            Ok(n) => {
+                let n = n.min(lent.len());
+                self.taken(id, n, window);
+                Ok(Lent::Lent(Ok(n)))
+            }
+            Err(e) => Ok(Lent::Lent(Err(e))),
+        }
+    }
+
+    /// The reader took the `n` oldest received bytes of stream `id` (known,
+    /// open, holding at least `n`): drops them, re-grants the stream window
+    /// once half of it has been consumed (§8), and releases them from the
+    /// session window.
+    fn taken(&mut self, id: StreamId, n: usize, window: u64) {
+        let Some(s) = self.streams.get_mut(&id.0) else {
+            return;
+        };
         s.recv_buf.drain(..n);
-        // Re-grant the stream window once half of it has been consumed (§8).
         let consumed = s.received - s.recv_buf.len() as u64;
         let mut update = None;
         if !s.fin_received && s.recv_max - consumed <= window / 2 {
@@ -1042,7 +1139,6 @@ impl Session {
                 .push_back(Entry::MaxStreamData { stream: id.0, max });
         }
         self.consume(n as u64);
-        Ok(Some(n))
     }
 
     /// Copies received bytes, from the `skip`-th unread one on, into `buf`
