@@ -29,28 +29,29 @@ thread_local! {
     static SCRATCH: RefCell<Vec<u8>> = RefCell::new(vec![0u8; CHUNK]);
 }
 
-/// One end of a copy: a byte stream, which may also lend what it has
-/// received straight to the other end (a roam stream writing into a
-/// socket), saving the copy through the scratch buffer.
+/// One end of a copy: a byte stream, which may also be a roam stream or
+/// a socket. From a roam stream to a socket the bytes move directly (the
+/// stream's receive buffer is written into the socket), saving the copy
+/// through the scratch buffer.
 pub(crate) trait End: AsyncRead + AsyncWrite + Unpin {
     /// This end as a roam stream, whose received bytes can be lent.
-    fn lender(&mut self) -> Option<&mut roam::RoamStream> {
+    fn as_stream(&mut self) -> Option<&mut roam::RoamStream> {
         None
     }
     /// This end as a socket a roam stream can lend its bytes to.
-    fn lend_target(&mut self) -> Option<&mut dyn roam::LendTarget> {
+    fn as_socket(&mut self) -> Option<&mut dyn roam::LendTarget> {
         None
     }
 }
 
 impl End for roam::RoamStream {
-    fn lender(&mut self) -> Option<&mut roam::RoamStream> {
+    fn as_stream(&mut self) -> Option<&mut roam::RoamStream> {
         Some(self)
     }
 }
 
 impl End for tokio::net::TcpStream {
-    fn lend_target(&mut self) -> Option<&mut dyn roam::LendTarget> {
+    fn as_socket(&mut self) -> Option<&mut dyn roam::LendTarget> {
         Some(self)
     }
 }
@@ -118,20 +119,22 @@ impl Half {
                 return Poll::Pending;
             }
             reads += 1;
-            let read = match (r.lender(), w.lend_target()) {
-                (Some(stream), Some(target)) => match stream.poll_write_to(cx, target) {
-                    Poll::Ready(Ok(0)) => {
-                        self.eof = true;
-                        Poll::Ready(Ok(()))
-                    }
-                    Poll::Ready(Ok(n)) => {
-                        self.total += n as u64;
-                        self.unflushed = true;
-                        Poll::Ready(Ok(()))
-                    }
-                    other => other.map_ok(|_| ()),
-                },
-                _ => self.read_through_scratch(cx, r, w),
+            let direct = match (r.as_stream(), w.as_socket()) {
+                (Some(stream), Some(socket)) => Some(stream.poll_write_to(cx, socket)),
+                _ => None,
+            };
+            let read = match direct {
+                Some(Poll::Ready(Ok(0))) => {
+                    self.eof = true;
+                    Poll::Ready(Ok(()))
+                }
+                Some(Poll::Ready(Ok(n))) => {
+                    self.total += n as u64;
+                    self.unflushed = true;
+                    Poll::Ready(Ok(()))
+                }
+                Some(other) => other.map_ok(|_| ()),
+                None => self.read_through_scratch(cx, r, w),
             };
             match read {
                 Poll::Ready(Ok(())) => {}
@@ -437,14 +440,18 @@ mod tests {
         assert!(stops > 0, "the test must stop the pump at least once");
     }
 
-    /// A roam stream lends its received bytes straight to a socket (no
-    /// scratch buffer, nothing kept by the pump): 8 MiB through a target
-    /// that reads slowly in small pieces arrive whole and in order, with
-    /// the pump stopped and restarted again and again on the way (as a
-    /// relay handing over is), and the end of the stream passes on.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_stream_lends_to_a_slow_socket_every_byte_across_stops() {
-        const UPLOAD: usize = 8 << 20;
+    /// A session on loopback: the client's handle and the server's side
+    /// of the client's first stream, opened with `open`; the server's
+    /// shutdown and task.
+    async fn one_stream<T>(
+        open: impl FnOnce(roam::SessionHandle) -> T,
+    ) -> (
+        T,
+        roam::RoamStream,
+        roam::SessionHandle,
+        tokio::sync::oneshot::Sender<()>,
+        tokio::task::JoinHandle<io::Result<()>>,
+    ) {
         let key = roam_proto::Keypair::generate().unwrap();
         let server_key = key.public();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -476,55 +483,86 @@ mod tests {
             session: roam_proto::Config::default(),
         });
         client.watch_network = false;
+        let session = roam::connect(&addr, client).await.unwrap();
+        let opened = open(session);
+        let (stream, server_session) = streams.recv().await.unwrap();
+        (opened, stream, server_session, shut, server)
+    }
+
+    /// Pumps `a` to `b` (and back) stopped every 5 ms and restarted from
+    /// the states returned, until `a`'s direction is done; with `direct`,
+    /// asserts the pump kept no bytes of its own there. Returns the stops.
+    async fn pump_with_stops<A: End, B: End>(a: &mut A, b: &mut B, direct: bool) -> usize {
+        let (mut ab, mut ba) = (HalfState::default(), HalfState::default());
+        let mut stops = 0;
+        loop {
+            let stop = tokio::time::sleep(std::time::Duration::from_millis(5));
+            match pump_until(a, b, ab, ba, stop).await {
+                PumpEnd::Finished(_) => unreachable!("the other direction never finishes"),
+                PumpEnd::Stopped(x, y) => {
+                    stops += 1;
+                    assert!(
+                        !direct || x.pending.is_empty(),
+                        "the direct direction kept bytes"
+                    );
+                    if x.done {
+                        return stops;
+                    }
+                    (ab, ba) = (x, y);
+                }
+            }
+            assert!(stops < 100_000, "the pump never finished its direction");
+        }
+    }
+
+    /// Reads `r` to its end 3 KiB at a time, pausing 1 ms every 64 reads
+    /// (so that the writer's side fills up and waits).
+    async fn read_slowly(mut r: impl AsyncRead + Unpin) -> Vec<u8> {
+        let mut got = Vec::new();
+        let mut buf = [0u8; 3072];
+        for reads in 1usize.. {
+            let n = r.read(&mut buf).await.unwrap();
+            if n == 0 {
+                break;
+            }
+            got.extend_from_slice(&buf[..n]);
+            if reads % 64 == 0 {
+                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+            }
+        }
+        got
+    }
+
+    /// A roam stream writes its received bytes straight into a socket (no
+    /// scratch buffer, nothing kept by the pump): 8 MiB through a target
+    /// that reads slowly in small pieces arrive whole and in order, with
+    /// the pump stopped and restarted again and again on the way (as a
+    /// relay handing over is), and the end of the stream passes on.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stream_writes_into_a_slow_socket_every_byte_across_stops() {
+        const UPLOAD: usize = 8 << 20;
         let upload: Vec<u8> = (0..UPLOAD).map(|i| (i % 251) as u8).collect();
         let run = async {
-            let session = roam::connect(&addr, client).await.unwrap();
-            let mut out = session.open_stream(b"").unwrap();
+            let (mut out, mut stream, _server_session, shut, server) =
+                one_stream(|s| s.open_stream(b"").unwrap()).await;
             let up = upload.clone();
             let writer = tokio::spawn(async move {
                 out.write_all(&up).await.unwrap();
                 out.shutdown().await.unwrap();
                 out
             });
-            let (mut stream, _server_session) = streams.recv().await.unwrap();
-            // The target: reads 3 KiB at a time, pausing now and then.
             let target = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             let target_addr = target.local_addr().unwrap();
             let reader = tokio::spawn(async move {
-                let (mut c, _) = target.accept().await.unwrap();
-                let mut got = Vec::new();
-                let mut buf = [0u8; 3072];
-                loop {
-                    let n = c.read(&mut buf).await.unwrap();
-                    if n == 0 {
-                        break got;
-                    }
-                    got.extend_from_slice(&buf[..n]);
-                    if got.len() % 97 == 0 {
-                        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
-                    }
-                }
+                let (c, _) = target.accept().await.unwrap();
+                read_slowly(c).await
             });
             let mut tcp = tokio::net::TcpStream::connect(target_addr).await.unwrap();
-            let (mut ab, mut ba) = (HalfState::default(), HalfState::default());
-            let mut stops = 0;
-            loop {
-                let stop = tokio::time::sleep(std::time::Duration::from_millis(5));
-                match pump_until(&mut stream, &mut tcp, ab, ba, stop).await {
-                    PumpEnd::Finished(_) => unreachable!("the target never finishes"),
-                    PumpEnd::Stopped(x, y) => {
-                        stops += 1;
-                        assert!(x.pending.is_empty(), "the lending direction kept bytes");
-                        if x.done {
-                            break;
-                        }
-                        (ab, ba) = (x, y);
-                    }
-                }
-                assert!(stops < 100_000, "the pump never finished its direction");
-            }
+            let stops = pump_with_stops(&mut stream, &mut tcp, true).await;
             drop(tcp);
             let _keep = writer.await.unwrap();
+            let _ = shut.send(());
+            let _ = server.await;
             (reader.await.unwrap(), stops)
         };
         let (got, stops) = tokio::time::timeout(std::time::Duration::from_secs(60), run)
@@ -533,8 +571,58 @@ mod tests {
         assert_eq!(got.len(), UPLOAD, "bytes at the target");
         assert!(got == upload, "the target got other bytes");
         assert!(stops > 1, "the pump must be stopped on the way");
-        let _ = shut.send(());
-        let _ = server.await;
+    }
+
+    /// A socket copied into a roam stream (through the scratch buffer):
+    /// 8 MiB from a socket, through a stream whose far end reads slowly
+    /// (so the send buffers fill and the pump must wait for room), arrive
+    /// whole and in order across stops, and the socket's end finishes the
+    /// stream.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_socket_is_copied_into_a_stream_every_byte_across_stops() {
+        const UPLOAD: usize = 8 << 20;
+        let upload: Vec<u8> = (0..UPLOAD).map(|i| (i % 251) as u8).collect();
+        let run = async {
+            let (client, mut stream, _server_session, shut, server) = one_stream(|s| {
+                let mut out = s.open_stream(b"").unwrap();
+                let opened = tokio::spawn(async move {
+                    // The server learns of the stream from its first byte.
+                    out.write_all(b"!").await.unwrap();
+                    out
+                });
+                (s, opened)
+            })
+            .await;
+            let (_session, opened) = client;
+            let mut back = opened.await.unwrap();
+            let source = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let source_addr = source.local_addr().unwrap();
+            let up = upload.clone();
+            let writer = tokio::spawn(async move {
+                let (mut c, _) = source.accept().await.unwrap();
+                c.write_all(&up).await.unwrap();
+                c.shutdown().await.unwrap();
+                c
+            });
+            let mut tcp = tokio::net::TcpStream::connect(source_addr).await.unwrap();
+            let reader = tokio::spawn(async move {
+                let got = read_slowly(&mut back).await;
+                (got, back)
+            });
+            let _ = stream.read(&mut [0u8; 1]).await.unwrap();
+            let stops = pump_with_stops(&mut tcp, &mut stream, false).await;
+            let _keep = writer.await.unwrap();
+            let (got, _back) = reader.await.unwrap();
+            let _ = shut.send(());
+            let _ = server.await;
+            (got, stops)
+        };
+        let (got, stops) = tokio::time::timeout(std::time::Duration::from_secs(60), run)
+            .await
+            .expect("8 MiB within 60 s");
+        assert_eq!(got.len(), UPLOAD, "bytes through the stream");
+        assert!(got == upload, "the stream carried other bytes");
+        assert!(stops > 1, "the pump must be stopped on the way");
     }
 
     /// A direction that went idle after push-back holds no buffer.
