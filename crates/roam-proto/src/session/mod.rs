@@ -48,6 +48,7 @@ use crate::Error;
 use tuning::Tuning;
 
 pub use export::{ExportError, RestoreError};
+use transport::{Phase, Transport};
 
 /// What [`Session::read_with`] did with a stream's received bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -69,7 +70,6 @@ fn front(buf: &VecDeque<u8>) -> &[u8] {
         (_, b) => b,
     }
 }
-use transport::{Phase, Transport};
 
 /// Which end of the session this is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1071,23 +1071,10 @@ impl Session {
     ) -> Result<Lent<E>, StreamError> {
         if self.state == State::Closed {
             // As `read_after_close`: what arrived before the close, then the
-            // stream's end (or `SessionClosed`); the stream is then forgotten.
-            let Some(s) = self.streams.get_mut(&id.0) else {
-                return Err(StreamError::SessionClosed);
+            // stream's end (or `SessionClosed`).
+            let Some(s) = self.closed_stream(id)? else {
+                return Ok(Lent::End);
             };
-            if let Some(code) = s.reset {
-                self.streams.remove(&id.0);
-                return Err(StreamError::Reset(code));
-            }
-            if s.recv_buf.is_empty() {
-                let fin = s.fin_received;
-                self.streams.remove(&id.0);
-                return if fin {
-                    Ok(Lent::End)
-                } else {
-                    Err(StreamError::SessionClosed)
-                };
-            }
             let r = f(front(&s.recv_buf));
             if let Ok(n) = r {
                 let n = n.min(front(&s.recv_buf).len());
@@ -1185,7 +1172,23 @@ impl Session {
         id: StreamId,
         buf: &mut [u8],
     ) -> Result<Option<usize>, StreamError> {
-        let Some(s) = self.streams.get_mut(&id.0) else {
+        let Some(s) = self.closed_stream(id)? else {
+            return Ok(Some(0));
+        };
+        let n = buf.len().min(s.recv_buf.len());
+        for (d, b) in buf.iter_mut().zip(s.recv_buf.drain(..n)) {
+            *d = b;
+        }
+        Ok(Some(n))
+    }
+
+    /// A stream of the closed session, to read what arrived before the
+    /// close: `Some` while it holds bytes; `None` at its end (the peer had
+    /// finished it), when it is forgotten. `SessionClosed` when it is not
+    /// known or was cut short by the close, `Reset` when it was reset
+    /// (forgotten in both cases).
+    fn closed_stream(&mut self, id: StreamId) -> Result<Option<&mut Stream>, StreamError> {
+        let Some(s) = self.streams.get(&id.0) else {
             return Err(StreamError::SessionClosed);
         };
         if let Some(code) = s.reset {
@@ -1198,16 +1201,12 @@ impl Session {
             let fin = s.fin_received;
             self.streams.remove(&id.0);
             return if fin {
-                Ok(Some(0))
+                Ok(None)
             } else {
                 Err(StreamError::SessionClosed)
             };
         }
-        let n = buf.len().min(s.recv_buf.len());
-        for (d, b) in buf.iter_mut().zip(s.recv_buf.drain(..n)) {
-            *d = b;
-        }
-        Ok(Some(n))
+        Ok(self.streams.get_mut(&id.0).map(|s| &mut **s))
     }
 
     /// Closes the session gracefully: everything already written is delivered,
