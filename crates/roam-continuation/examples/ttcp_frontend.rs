@@ -12,7 +12,13 @@
 //! Options: `--producer PATH` (default: `ttcp_producer` next to this
 //! program), `--export eager|lazy|never` (how the producer exports its
 //! position after every 8 KiB; default `lazy`), `--state-bytes N` (its
-//! snapshot's size, default 8), `--work DIR` (the sets' sockets, default
+//! snapshot's size, default 8), `--root-export eager|lazy` (how this
+//! front-end, the set's root, exports its forwarded position after each
+//! forward: `Member::export` or `Member::export_owned`; default the
+//! producer's `--export`, `eager` when that is `never`, so both processes
+//! run the same variant as in the paper), `--root-state-bytes N` (the
+//! root's snapshot's size, default 8; the paper's large state is in this
+//! first process), `--work DIR` (the sets' sockets, default
 //! `STATE_DIR/sets`). As a cluster host (sessions, with their producers,
 //! move between hosts: `roam cluster -c FILE -k KEY move SESSION --to
 //! HOST`): `--cluster FILE --host NAME --host-key FILE --service-key FILE`
@@ -43,16 +49,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let export = cli::arg("--export").unwrap_or_else(|| "lazy".into());
     let export = ttcp::Export::parse(&export).ok_or("--export: one of eager, lazy or never")?;
+    let root_export = match cli::arg("--root-export") {
+        Some(e) => ttcp::Export::parse(&e).ok_or("--root-export: one of eager or lazy")?,
+        None if export == ttcp::Export::Never => ttcp::Export::Eager,
+        None => export,
+    };
     let work = cli::arg("--work").map_or_else(|| state_dir.join("sets"), PathBuf::from);
     // Sockets of a previous run's sets are stale.
     let _ = std::fs::remove_dir_all(&work);
     std::fs::create_dir_all(&work)?;
-    let front = Arc::new(ttcp::Front::new(
-        producer,
-        work,
-        export,
-        cli::arg_or("--state-bytes", 8),
-    ));
+    let front = ttcp::Front::new(producer, work, export, cli::arg_or("--state-bytes", 8))
+        .with_root(root_export, cli::arg_or("--root-state-bytes", 8))
+        .map_err(|e| format!("--root-export: {e}"))?;
+    let front = Arc::new(front);
     let keypair = cli::load_or_create_key(&state_dir)?;
     let public = keypair.public();
     let mut config = HostConfig::new(&state_dir, cli::server_config(keypair));

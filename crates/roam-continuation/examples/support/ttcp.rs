@@ -19,9 +19,13 @@
 //!   export), lazily ([`Member::export_owned`], two alternating buffers,
 //!   no copy) or never (the paper's Fig. 10: each restart replays the
 //!   stream from byte 0, discarded up to what the front-end has). The
-//!   root exports its forwarded position (8 bytes, eagerly) after each
-//!   forward, so its state always equals its last export and it saves
-//!   between two forwards.
+//!   root exports its forwarded position after each forward, so its
+//!   state always equals its last export and it saves between two
+//!   forwards: its snapshot padded to its own `STATE_BYTES` (8 by
+//!   default; the paper puts the large state in this first process),
+//!   eagerly or lazily as the producer's ([`Front::with_root`]), never
+//!   `never` (a root restarted from no export would forward the stream
+//!   again).
 
 #![allow(dead_code, unreachable_pub)]
 
@@ -168,6 +172,12 @@ pub struct Front {
     pub export: Export,
     /// Bytes of each producer snapshot (its position, padded).
     pub state_bytes: usize,
+    /// How the root (this front-end's member of each set) exports its
+    /// forwarded position: [`Export::Eager`] or [`Export::Lazy`].
+    pub root_export: Export,
+    /// Bytes of each root snapshot (its forwarded position, padded; at
+    /// least 8).
+    pub root_state_bytes: usize,
     /// Bytes forwarded to clients from here.
     pub forwarded: AtomicU64,
     /// Sets started here (fresh or restored).
@@ -183,6 +193,13 @@ pub struct Front {
     pub cuts: Mutex<Vec<usize>>,
     /// How long each save here took (from the freeze request).
     pub saves: Mutex<Vec<Duration>>,
+    /// The root's forwarded position at each save here: what its last
+    /// export must hold.
+    pub saved_at: Mutex<Vec<u64>>,
+    /// The forwarded position in the root's imported snapshot at each
+    /// restart here from a cut: one per save, equal to it, when the
+    /// root's export keeps its state.
+    pub resumed_at: Mutex<Vec<u64>>,
 }
 
 impl Front {
@@ -193,6 +210,8 @@ impl Front {
             work,
             export,
             state_bytes,
+            root_export: Export::Eager,
+            root_state_bytes: 8,
             forwarded: AtomicU64::new(0),
             starts: AtomicUsize::new(0),
             restored: AtomicUsize::new(0),
@@ -200,7 +219,22 @@ impl Front {
             pids: Mutex::new(Vec::new()),
             cuts: Mutex::new(Vec::new()),
             saves: Mutex::new(Vec::new()),
+            saved_at: Mutex::new(Vec::new()),
+            resumed_at: Mutex::new(Vec::new()),
         }
+    }
+
+    /// The root exports as `export` (eager by default), its snapshot
+    /// padded to `state_bytes` (at least 8; 8 by default). Refuses
+    /// [`Export::Never`]: the root's export is what keeps it from
+    /// forwarding again, after a restart, what the client already has.
+    pub fn with_root(mut self, export: Export, state_bytes: usize) -> Result<Self, &'static str> {
+        if export == Export::Never {
+            return Err("the root exports eagerly or lazily, never `never`");
+        }
+        self.root_export = export;
+        self.root_state_bytes = state_bytes.max(8);
+        Ok(self)
     }
 
     /// Starts a producer of `total` bytes and joins it to `root`: fresh
@@ -305,6 +339,37 @@ fn total_of(attrs: &BTreeMap<String, Vec<u8>>) -> Result<u64, String> {
         .ok_or_else(|| "the session has no total".to_string())
 }
 
+/// `m`'s data, even if a holder panicked (the counters stay usable).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The root's export of its forwarded position `pos` in `state`, padded
+/// to [`Front::root_state_bytes`]: eagerly (`Member::export`, `state`
+/// copied) or lazily (`Member::export_owned`: `state` becomes the
+/// snapshot and the previous snapshot's buffer the next `state`).
+async fn export_root(
+    front: &Front,
+    root: &Member,
+    pos: u64,
+    state: &mut Vec<u8>,
+) -> io::Result<()> {
+    state[..8].copy_from_slice(&pos.to_be_bytes());
+    match front.root_export {
+        Export::Eager => root.export(state, Interval::Deterministic).await,
+        // `with_root` refuses `Never`; were it set, it would be lazy.
+        Export::Lazy | Export::Never => {
+            let snapshot = std::mem::take(state);
+            let spare = root.export_owned(snapshot, Interval::Deterministic).await?;
+            // The first spare is `None` (a fresh root) or the imported
+            // snapshot, whatever its size.
+            *state = spare.unwrap_or_default();
+            state.resize(front.root_state_bytes, 0);
+            Ok(())
+        }
+    }
+}
+
 /// The front-end's loop for one session: what the producer writes goes to
 /// the client; at a freeze request (between two forwards) the set's cut
 /// goes into the continuation and the session suspends.
@@ -315,11 +380,17 @@ async fn serve(
     mut set: SessionSet,
     mut child: Child,
 ) {
-    let mut pos = set
-        .root()
-        .snapshot()
-        .and_then(|s| <[u8; 8]>::try_from(s.as_slice()).ok())
+    let imported = set.root().snapshot();
+    let mut pos = imported
+        .as_ref()
+        .and_then(|s| <[u8; 8]>::try_from(s.get(..8)?).ok())
         .map_or(0, u64::from_be_bytes);
+    if imported.is_some() {
+        lock(&front.resumed_at).push(pos);
+    }
+    // The eager export's state, or the lazy export's spare buffer (the
+    // other one is the exported snapshot), as the producer's.
+    let mut state = vec![0u8; front.root_state_bytes];
     let mut buf = vec![0u8; 64 << 10];
     let mut probe = [0u8; 64];
     loop {
@@ -329,8 +400,9 @@ async fn serve(
                 let asked = Instant::now();
                 match set.save(&session).await {
                     Ok(saved) => {
-                        front.saves.lock().unwrap_or_else(|e| e.into_inner()).push(asked.elapsed());
-                        front.cuts.lock().unwrap_or_else(|e| e.into_inner()).push(saved.bytes);
+                        lock(&front.saves).push(asked.elapsed());
+                        lock(&front.cuts).push(saved.bytes);
+                        lock(&front.saved_at).push(pos);
                         if tokio::time::timeout(Duration::from_secs(10), child.wait()).await.is_err() {
                             eprintln!("ttcp: the producer did not end; killing it");
                             let _ = child.kill().await;
@@ -365,7 +437,7 @@ async fn serve(
                 }
                 pos += n as u64;
                 front.forwarded.fetch_add(n as u64, Ordering::Relaxed);
-                if set.root().export(&pos.to_be_bytes(), Interval::Deterministic).await.is_err() {
+                if export_root(&front, set.root(), pos, &mut state).await.is_err() {
                     let _ = child.kill().await;
                     return;
                 }
