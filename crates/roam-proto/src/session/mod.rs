@@ -1037,12 +1037,7 @@ impl Session {
         let window = self.config.stream_window;
         let s = self.stream_mut(id)?;
         if s.recv_buf.is_empty() {
-            if s.fin_received {
-                s.eof_delivered = true;
-                self.maybe_forget(id.0);
-                return Ok(Some(0));
-            }
-            return Ok(None);
+            return Ok(self.reached_end(id).then_some(0));
         }
         let n = buf.len().min(s.recv_buf.len());
         let (a, b) = s.recv_buf.as_slices();
@@ -1086,12 +1081,11 @@ impl Session {
         let window = self.config.stream_window;
         let s = self.stream_mut(id)?;
         if s.recv_buf.is_empty() {
-            if s.fin_received {
-                s.eof_delivered = true;
-                self.maybe_forget(id.0);
-                return Ok(Lent::End);
-            }
-            return Ok(Lent::Nothing);
+            return Ok(if self.reached_end(id) {
+                Lent::End
+            } else {
+                Lent::Nothing
+            });
         }
         let lent = front(&s.recv_buf);
         let r = f(lent);
@@ -1103,6 +1097,21 @@ impl Session {
             }
             Err(e) => Ok(Lent::Lent(Err(e))),
         }
+    }
+
+    /// Whether the reader of stream `id` (known, open, nothing buffered)
+    /// reached its end: the peer finished it. The end is then noted as
+    /// delivered, and the stream may be forgotten. `false`: nothing yet.
+    fn reached_end(&mut self, id: StreamId) -> bool {
+        let Some(s) = self.streams.get_mut(&id.0) else {
+            return false;
+        };
+        if !s.fin_received {
+            return false;
+        }
+        s.eof_delivered = true;
+        self.maybe_forget(id.0);
+        true
     }
 
     /// The reader took the `n` oldest received bytes of stream `id` (known,
