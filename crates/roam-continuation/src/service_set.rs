@@ -40,10 +40,14 @@
 //! ([`Restored::from_attrs`], the back-ends started from their parts and
 //! kept frozen as a [`Staged`]): a back-end that cannot start there
 //! refuses the move, and the session stays at its source. After the
-//! commit the resume routine [`Staged::start`]s it. Wherever else the
-//! session resumes (the source after an abort, this host after a
-//! restart), the resume routine calls [`SessionSet::restore`], starts the
-//! back-ends from their restarted parts and [`Restored::start`]s the set.
+//! commit the resume routine [`Staged::start`]s it. A back-end that dies
+//! between its staging and its thaw (the start fails, naming it) is
+//! started again from the same cut, which the session still carries: it
+//! ran nothing since its part was taken. Wherever else the session
+//! resumes (the source after an abort, this host after a restart, a
+//! staged set that did not start), the resume routine calls
+//! [`SessionSet::restore`], starts the back-ends from their restarted
+//! parts and [`Restored::start`]s the set.
 
 use std::collections::BTreeMap;
 use std::io;
@@ -858,7 +862,9 @@ impl Restored {
     }
 
     /// Runs the set: thaws the back-ends (started from [`parts`](Self::parts),
-    /// same order, each [`ready`](Control::ready)) and the root.
+    /// same order, each [`ready`](Control::ready)) and the root. A back-end
+    /// that does not thaw (it died, or did not answer) fails the start,
+    /// naming it; the root stays frozen and the set is dropped.
     pub async fn start(self, mut backends: Vec<Control>) -> io::Result<SessionSet> {
         if backends.len() != self.parts.len() {
             return Err(io::Error::new(
@@ -871,7 +877,9 @@ impl Restored {
             ));
         }
         for c in &mut backends {
-            c.thaw().await?;
+            c.thaw().await.map_err(|e| {
+                io::Error::new(e.kind(), format!("back-end {} did not thaw: {e}", c.role))
+            })?;
         }
         self.root.thaw();
         Ok(SessionSet::new(self.root, backends, self.limits))
@@ -889,7 +897,15 @@ impl Restored {
 /// session moved on), its control sockets close, which ends the members
 /// (their [`Member::serve_control`] returns), and `handles` is dropped: a
 /// back-end that failed to start refuses the move before the commit, and
-/// no back-end is left behind.
+/// no back-end is left behind. `handles` must end the staged back-ends
+/// when dropped (e.g. a `Child` spawned with `kill_on_drop`).
+///
+/// A back-end can also die after its staging, with the move committed:
+/// [`start`](Self::start) then fails, naming it, and leaves the session's
+/// cut in place. Nothing of that back-end ran since its part was taken
+/// (it was frozen), so the routine starts the set again from the same cut,
+/// as after a restart: [`SessionSet::restore`], fresh back-ends from
+/// [`Restored::parts`], [`Restored::start`].
 #[derive(Debug)]
 pub struct Staged<T> {
     /// The restarted root and the back-ends' parts.
@@ -922,9 +938,21 @@ impl<T> Staged<T> {
         })
     }
 
-    /// In the session's resume routine, after the commit: takes the cut
-    /// out of `session`'s [`CUT_ATTR`] (it must be the one staged) and runs
-    /// the set (the back-ends thawed, then the root).
+    /// In the session's resume routine, after the commit: runs the set
+    /// (the back-ends thawed, then the root) and, once it runs, takes the
+    /// cut out of `session`'s [`CUT_ATTR`] (it must be the one staged).
+    ///
+    /// On failure the cut stays in the session and the staged set is
+    /// dropped: its root never ran, its control sockets close and
+    /// `handles` is dropped, which must end the back-ends. The error names
+    /// the back-end that did not thaw (e.g. one killed after its staging).
+    /// Start the set again from the same cut with [`SessionSet::restore`]:
+    /// a back-end that died between its staging and its thaw ran nothing
+    /// since its part was taken. With several back-ends, those thawed
+    /// before the failing one ran (the root still frozen) until dropped;
+    /// like any back-end restarted from a part, their programs must bear
+    /// a second start from the same part (the ledger example truncates
+    /// its file to the length its snapshot recorded).
     pub async fn start(self, session: &crate::ManagedSession) -> io::Result<(SessionSet, T)> {
         if session.retrieve(CUT_ATTR).as_deref() != Some(&self.restored.cut[..]) {
             return Err(io::Error::new(
@@ -932,8 +960,9 @@ impl<T> Staged<T> {
                 "the session's cut is not the one its back-ends were staged from",
             ));
         }
-        session.remove(CUT_ATTR);
         let set = self.restored.start(self.backends).await?;
+        // Running: the cut is no longer the set's state.
+        session.remove(CUT_ATTR);
         Ok((set, self.handles))
     }
 }

@@ -15,12 +15,14 @@
 //! back-end, or whose back-end fails as it starts (it is started, frozen,
 //! before the move commits), refuses the move before it commits and the
 //! session goes on at its source, nothing lost, no back-end left behind;
-//! a back-end that refuses its part mid-move calls the move off at once.
+//! a back-end that refuses its part mid-move calls the move off at once;
+//! a destination's back-end killed after its staging, before its thaw, is
+//! started again from the same cut once the move has committed.
 
 mod common;
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -71,6 +73,14 @@ struct Front {
     restored: AtomicUsize,
     /// Sets staged at a move's check that the resume routine ran.
     staged_runs: AtomicUsize,
+    /// Kill (SIGKILL) the next back-end staged here right after its
+    /// staging: the move commits with it dead, frozen, never thawed.
+    kill_staged: AtomicBool,
+    /// Each back-end killed so (its pid).
+    killed: Mutex<Vec<u32>>,
+    /// Why each staged set the resume routine ran did not start (it then
+    /// started the set again from the session's cut).
+    fallbacks: Mutex<Vec<String>>,
     /// Every back-end process started here.
     pids: Mutex<Vec<u32>>,
     /// Size of each cut saved here (bytes).
@@ -163,9 +173,38 @@ impl Front {
     /// restarted root for the resume routine.
     async fn stage(&self, restored: Restored) -> std::io::Result<Staged<Child>> {
         let parts = restored.parts.clone();
-        let (controls, child) = self.launch(&restored.root, Some(&parts)).await?;
+        let (controls, mut child) = self.launch(&restored.root, Some(&parts)).await?;
         self.restored.fetch_add(1, Ordering::SeqCst);
+        if self.kill_staged.swap(false, Ordering::SeqCst) {
+            self.kill(&mut child).await;
+        }
         Staged::new(restored, controls, child)
+    }
+
+    /// Kills a staged back-end (SIGKILL) and reaps it: it dies between its
+    /// staging and its thaw.
+    async fn kill(&self, child: &mut Child) {
+        use std::os::unix::process::ExitStatusExt;
+        let pid = child.id().expect("the staged back-end runs");
+        child.start_kill().expect("SIGKILL the staged back-end");
+        let status = tokio::time::timeout(Duration::from_secs(10), child.wait())
+            .await
+            .expect("the killed back-end exits")
+            .expect("reap the killed back-end");
+        assert_eq!(status.signal(), Some(9), "killed by SIGKILL: {status}");
+        self.killed.lock().unwrap().push(pid);
+    }
+
+    /// In the resume routine: the set restarted from the session's cut
+    /// (taken out of it) with a back-end started from its part.
+    async fn restore_set(&self, session: &ManagedSession) -> (SessionSet, Child) {
+        let restored = SessionSet::restore(session, Self::limits())
+            .expect("restore the cut")
+            .expect("the continuation carries a cut");
+        let root = restored.root.clone();
+        self.start_set(root, Some(restored))
+            .await
+            .expect("restart the back-end")
     }
 }
 
@@ -286,18 +325,21 @@ fn front_service(front: Arc<Front>) -> Service {
                     // Moved in: the back-end started before the commit.
                     Some(staged) => {
                         front.staged_runs.fetch_add(1, Ordering::SeqCst);
-                        staged.start(&r.session).await.expect("run the staged set")
+                        match staged.start(&r.session).await {
+                            Ok(started) => started,
+                            // A staged back-end died before its thaw: it
+                            // ran nothing since its part was taken, and
+                            // the session still carries the cut.
+                            Err(e) => {
+                                eprintln!(
+                                    "the staged set did not start ({e}); starting it again from the session's cut"
+                                );
+                                front.fallbacks.lock().unwrap().push(e.to_string());
+                                front.restore_set(&r.session).await
+                            }
+                        }
                     }
-                    None => {
-                        let restored = SessionSet::restore(&r.session, Front::limits())
-                            .expect("restore the cut")
-                            .expect("the continuation carries a cut");
-                        let root = restored.root.clone();
-                        front
-                            .start_set(root, Some(restored))
-                            .await
-                            .expect("restart the back-end")
-                    }
+                    None => front.restore_set(&r.session).await,
                 };
                 serve(front, r.session, stream, set, child, pending).await;
             }
@@ -366,6 +408,9 @@ async fn start_cluster(backends: [Backend; 2], think_ms: u64) -> Cluster {
                 starts: AtomicUsize::new(0),
                 restored: AtomicUsize::new(0),
                 staged_runs: AtomicUsize::new(0),
+                kill_staged: AtomicBool::new(false),
+                killed: Mutex::new(Vec::new()),
+                fallbacks: Mutex::new(Vec::new()),
                 pids: Mutex::new(Vec::new()),
                 cuts: Mutex::new(Vec::new()),
             });
@@ -901,6 +946,83 @@ async fn a_stopped_back_end_calls_the_move_off_within_the_save_bound_and_serves_
         assert_ledger(&c.ledger, N);
         assert_eq!(c.nodes[0].data.cuts.lock().unwrap().len(), 1);
         assert_eq!(c.nodes[1].data.staged_runs.load(Ordering::SeqCst), 1);
+        let pids: Vec<u32> = c
+            .nodes
+            .iter()
+            .flat_map(|n| n.data.pids.lock().unwrap().clone())
+            .collect();
+        let _ = tokio::time::timeout(Duration::from_secs(5), cl.session.close(0, "done")).await;
+        c.shutdown().await;
+        for pid in pids {
+            wait_until(Duration::from_secs(10), "every back-end gone", move || {
+                !alive(pid)
+            })
+            .await;
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destination_back_end_killed_after_staging_is_started_again_from_the_cut_and_every_effect_happens_once(
+) {
+    bounded(Duration::from_secs(120), "test", async {
+        let c = start_cluster([Backend::Ok, Backend::Ok], 2).await;
+        // h1 kills the back-end it stages for the move right after its
+        // staging: the move commits with it dead, frozen, never thawed.
+        c.nodes[1].data.kill_staged.store(true, Ordering::SeqCst);
+        const N: u64 = 900;
+        let cl = client(&c, "h0", N).await;
+        let id = cl.session.id().unwrap();
+        // A third answered, the rest in flight (the back-end answers one
+        // request per 2 ms at most).
+        wait_replies(&cl, N / 3).await;
+        let report = c.nodes[0]
+            .host
+            .move_session(id, "h1")
+            .await
+            .expect("the move commits");
+        assert_eq!(report.revision, 1);
+        wait_until(Duration::from_secs(10), "h1 serves it", || {
+            c.holder(id) == Some(1)
+        })
+        .await;
+        let h1 = &c.nodes[1].data;
+        let killed = h1.killed.lock().unwrap().clone();
+        let [killed] = killed[..] else {
+            panic!("one staged back-end killed at h1: {killed:?}")
+        };
+        assert!(!alive(killed), "the killed back-end is gone");
+        // The replies go on after the move, in order, each once (the
+        // client checks every one).
+        let before = cl.replies.load(Ordering::SeqCst);
+        assert!(before < N, "the move came with requests in flight");
+        wait_replies(&cl, (before + 50).min(N)).await;
+        let got = cl.task.await.unwrap().expect("every reply once, in order");
+        assert_eq!(got, N);
+        assert_ledger(&c.ledger, N);
+        assert_eq!(h1.staged_runs.load(Ordering::SeqCst), 1);
+        let fallbacks = h1.fallbacks.lock().unwrap().clone();
+        assert_eq!(fallbacks.len(), 1, "one start again from the cut");
+        assert!(
+            fallbacks[0].contains("back-end ledger did not thaw"),
+            "the error names the back-end: {}",
+            fallbacks[0]
+        );
+        assert_eq!(
+            h1.restored.load(Ordering::SeqCst),
+            2,
+            "h1 restarted the set from the same cut twice: staged, then again"
+        );
+        let h1_pids = h1.pids.lock().unwrap().clone();
+        assert_eq!(h1_pids.len(), 2, "the staged back-end, then its successor");
+        assert_eq!(h1_pids[0], killed);
+        assert_eq!(
+            c.nodes[0].data.cuts.lock().unwrap().len(),
+            1,
+            "one cut saved"
+        );
+        println!("fell back after: {}", fallbacks[0]);
         let pids: Vec<u32> = c
             .nodes
             .iter()

@@ -319,6 +319,20 @@ impl Front {
         Ok((set, child))
     }
 
+    /// In the resume routine: the set restarted from the session's cut
+    /// (taken out of it) with a producer of `total` bytes started from its
+    /// part.
+    async fn restore_set(
+        &self,
+        session: &ManagedSession,
+        total: u64,
+    ) -> io::Result<(SessionSet, Child)> {
+        let restored = SessionSet::restore(session, limits())?
+            .ok_or_else(|| io::Error::other("the continuation carries no cut"))?;
+        let root = restored.root.clone();
+        self.start_set(root, total, Some(restored)).await
+    }
+
     /// At a move's destination, before the commit: the producer started
     /// from its part of the moving session's cut, frozen, kept with the
     /// restarted root for the resume routine.
@@ -494,16 +508,20 @@ pub fn service(front: Arc<Front>) -> Service {
                     // Moved in: the producer started before the commit.
                     Some(staged) => {
                         front.staged_runs.fetch_add(1, Ordering::SeqCst);
-                        staged.start(&r.session).await
-                    }
-                    None => match SessionSet::restore(&r.session, limits()) {
-                        Ok(Some(restored)) => {
-                            let root = restored.root.clone();
-                            front.start_set(root, total, Some(restored)).await
+                        match staged.start(&r.session).await {
+                            Ok(started) => Ok(started),
+                            // The producer died before its thaw: it ran
+                            // nothing since its part was taken, and the
+                            // session still carries the cut.
+                            Err(e) => {
+                                eprintln!(
+                                    "ttcp: the staged set did not start ({e}); starting it again from the session's cut"
+                                );
+                                front.restore_set(&r.session, total).await
+                            }
                         }
-                        Ok(None) => Err(io::Error::other("the continuation carries no cut")),
-                        Err(e) => Err(e),
-                    },
+                    }
+                    None => front.restore_set(&r.session, total).await,
                 };
                 match started {
                     Ok((set, child)) => serve(front, r.session, stream, set, child).await,
