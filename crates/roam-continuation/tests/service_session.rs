@@ -461,6 +461,28 @@ impl Cluster {
     async fn shutdown(mut self) {
         common::stop_cluster_hosts(&mut self.nodes).await;
     }
+
+    /// Every back-end process either host started, in start order per host.
+    fn backend_pids(&self) -> Vec<u32> {
+        self.nodes
+            .iter()
+            .flat_map(|n| n.data.pids.lock().unwrap().clone())
+            .collect()
+    }
+
+    /// Closes the client's `session`, stops both hosts and waits until
+    /// every back-end process they started is gone.
+    async fn close_and_reap(self, session: &roam::SessionHandle) {
+        let pids = self.backend_pids();
+        let _ = tokio::time::timeout(Duration::from_secs(5), session.close(0, "done")).await;
+        self.shutdown().await;
+        for pid in pids {
+            wait_until(Duration::from_secs(10), "every back-end gone", move || {
+                !alive(pid)
+            })
+            .await;
+        }
+    }
 }
 
 /// A client sending `n` numbered requests (a short pause every 8) and
@@ -655,20 +677,12 @@ async fn a_cluster_moves_a_session_with_its_back_end_and_every_effect_happens_on
         println!(
             "moves {MOVES}: frozen µs {frozen:?}, total µs {total:?}, cut bytes {cuts:?}, transfer bytes {transfer:?}"
         );
-        let pids: Vec<u32> = c
-            .nodes
-            .iter()
-            .flat_map(|n| n.data.pids.lock().unwrap().clone())
-            .collect();
-        assert_eq!(pids.len() as u64, MOVES + 1, "one back-end per incarnation");
-        let _ = tokio::time::timeout(Duration::from_secs(5), cl.session.close(0, "done")).await;
-        c.shutdown().await;
-        for pid in pids {
-            wait_until(Duration::from_secs(10), "every back-end gone", move || {
-                !alive(pid)
-            })
-            .await;
-        }
+        assert_eq!(
+            c.backend_pids().len() as u64,
+            MOVES + 1,
+            "one back-end per incarnation"
+        );
+        c.close_and_reap(&cl.session).await;
     })
     .await;
 }
@@ -946,19 +960,7 @@ async fn a_stopped_back_end_calls_the_move_off_within_the_save_bound_and_serves_
         assert_ledger(&c.ledger, N);
         assert_eq!(c.nodes[0].data.cuts.lock().unwrap().len(), 1);
         assert_eq!(c.nodes[1].data.staged_runs.load(Ordering::SeqCst), 1);
-        let pids: Vec<u32> = c
-            .nodes
-            .iter()
-            .flat_map(|n| n.data.pids.lock().unwrap().clone())
-            .collect();
-        let _ = tokio::time::timeout(Duration::from_secs(5), cl.session.close(0, "done")).await;
-        c.shutdown().await;
-        for pid in pids {
-            wait_until(Duration::from_secs(10), "every back-end gone", move || {
-                !alive(pid)
-            })
-            .await;
-        }
+        c.close_and_reap(&cl.session).await;
     })
     .await;
 }
@@ -1023,19 +1025,7 @@ async fn a_destination_back_end_killed_after_staging_is_started_again_from_the_c
             "one cut saved"
         );
         println!("fell back after: {}", fallbacks[0]);
-        let pids: Vec<u32> = c
-            .nodes
-            .iter()
-            .flat_map(|n| n.data.pids.lock().unwrap().clone())
-            .collect();
-        let _ = tokio::time::timeout(Duration::from_secs(5), cl.session.close(0, "done")).await;
-        c.shutdown().await;
-        for pid in pids {
-            wait_until(Duration::from_secs(10), "every back-end gone", move || {
-                !alive(pid)
-            })
-            .await;
-        }
+        c.close_and_reap(&cl.session).await;
     })
     .await;
 }
