@@ -8,7 +8,8 @@
 //! session buffers (about 2 MB per TCP connection here).
 //!
 //! What one "session" is differs by peer and is reported as `unit`:
-//! a TCP connection (direct; socat, which forks per connection), a channel
+//! a TCP connection (direct; socat, which forks per connection; socat2,
+//! two chained socats, two hops like `roam forward`), a channel
 //! of one ssh connection (`ssh -L`), a stream of one roam session
 //! (`roam forward`), or a roam session of its own (`roam-sessions`: library
 //! sessions to `roam serve`, one stream each).
@@ -31,7 +32,7 @@ use serde::Serialize;
 use super::{progress, RatioRow};
 use crate::agent::client_config;
 use crate::load::{self, Conn};
-use crate::peers::{order, Dial, Lab, Peer, DIRECT, ROAM_FORWARD, SOCAT, SSH};
+use crate::peers::{order, Dial, Lab, Peer, DIRECT, ROAM_FORWARD, SOCAT, SOCAT2, SSH};
 use crate::procs::{net_counters, tree_cpu_seconds};
 use crate::stats::{jain, median, quantile_sorted, ratio, sorted};
 use crate::Ctx;
@@ -308,6 +309,13 @@ pub(crate) async fn run(ctx: Arc<Ctx>, lab: Arc<Lab>) -> io::Result<Many> {
             unit: "TCP connection (socat forks per connection)",
             how: tcp(SOCAT, lab.socat.addr),
         },
+        // Two hops, as `roam forward` (client side, relay): the like-for-like
+        // peer of roam-forward, as in the throughput scenario.
+        Case {
+            name: SOCAT2,
+            unit: "TCP connection through two chained socats (each forks per connection)",
+            how: tcp(SOCAT2, lab.socat2.a.addr),
+        },
         Case {
             name: SSH,
             unit: "channel of one ssh connection",
@@ -388,7 +396,7 @@ pub(crate) async fn run(ctx: Arc<Ctx>, lab: Arc<Lab>) -> io::Result<Many> {
     };
     let mut ratios = Vec::new();
     for r in [ROAM_SESSIONS, ROAM_FORWARD] {
-        for o in [DIRECT, SOCAT, SSH] {
+        for o in [DIRECT, SOCAT, SOCAT2, SSH] {
             ratios.push(RatioRow {
                 case: "aggregate".into(),
                 roam: r.into(),
