@@ -33,8 +33,9 @@ pub struct Config {
     /// unacknowledged bytes than this.
     pub stream_send_buffer: u64,
     /// Send buffer for the whole session, bytes (default 16 MiB). While more
-    /// than 256 streams are refused room at once it grows, up to four times
-    /// this, so that each keeps a 64 KiB share (fewer, larger frames).
+    /// streams are refused room at once than it holds 64 KiB shares for
+    /// (256 at the default size) it grows, up to four times this, so that
+    /// each keeps a 64 KiB share (fewer, larger frames).
     pub session_send_buffer: u64,
     /// Streams the peer may have open towards us (default 65,536; at least 16).
     pub max_streams: u64,

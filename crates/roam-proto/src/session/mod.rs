@@ -940,8 +940,9 @@ impl Session {
     }
 
     /// How many bytes the whole session may hold in its send buffers now:
-    /// `Config::session_send_buffer`, grown while more than a few hundred
-    /// streams contend so that each keeps `GROWN_STREAM_SHARE` (at most
+    /// `Config::session_send_buffer`, grown while more streams contend than
+    /// it holds `GROWN_STREAM_SHARE` shares for (256 at the default size),
+    /// so that each keeps `GROWN_STREAM_SHARE` (at most
     /// `SEND_BUFFER_GROWTH` times the configured size). At 1,000 writing
     /// streams a 16 MiB buffer left each 16 KiB, so every frame, socket
     /// write and wake-up moved 16 KiB; at 64 KiB the relay's 1,000-stream
