@@ -17,9 +17,7 @@
 
 mod common;
 
-use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child as StdChild, Command as StdCommand, Stdio};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use rand::rngs::StdRng;
@@ -28,144 +26,11 @@ use roam_continuation::service_set::{move_set, Control, MoveOutcome};
 use roam_service::Limits;
 use tokio::net::UnixListener;
 use tokio::process::{Child, Command};
-use tokio_postgres::NoTls;
+
+use common::pg::{need_pg, Postgres};
 
 /// Transactions per request.
 const TRANSACTIONS: u64 = 12;
-
-/// Debian's PostgreSQL binaries, or why the test cannot run.
-fn pg_bin() -> Result<PathBuf, String> {
-    if !nix::unistd::geteuid().is_root() {
-        return Err("not root (PostgreSQL runs as the postgres user)".into());
-    }
-    let mut found: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
-        .map_err(|_| "Debian's postgresql is not installed".to_string())?
-        .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
-        .filter(|bin| bin.join("initdb").exists())
-        .collect();
-    found.sort();
-    found
-        .pop()
-        .ok_or_else(|| "no /usr/lib/postgresql/*/bin/initdb".to_string())
-}
-
-/// Skips (or, under CI, fails) when PostgreSQL cannot run here.
-fn need_pg() -> Option<PathBuf> {
-    match pg_bin() {
-        Ok(bin) => Some(bin),
-        Err(why) if std::env::var_os("CI").is_some() => panic!("{why}"),
-        Err(why) => {
-            eprintln!("skipped: {why}");
-            None
-        }
-    }
-}
-
-/// A PostgreSQL server on a temporary data directory; stopped on drop.
-struct Postgres {
-    child: StdChild,
-    port: u16,
-    _dir: tempfile::TempDir,
-}
-
-impl Postgres {
-    fn as_postgres(bin: &Path, tool: &str) -> StdCommand {
-        let mut cmd = StdCommand::new("setpriv");
-        cmd.args(["--reuid=postgres", "--regid=postgres", "--init-groups"])
-            .arg(bin.join(tool));
-        cmd
-    }
-
-    async fn start(bin: &Path) -> Postgres {
-        let dir = tempfile::tempdir().expect("data dir");
-        let data = dir.path().join("data");
-        std::fs::create_dir(&data).unwrap();
-        let chown = StdCommand::new("chown")
-            .arg("-R")
-            .arg("postgres:postgres")
-            .arg(dir.path())
-            .status()
-            .expect("chown");
-        assert!(chown.success());
-        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-        let init = Self::as_postgres(bin, "initdb")
-            .args(["--auth=trust", "-U", "postgres", "-D"])
-            .arg(&data)
-            .stdout(Stdio::null())
-            .status()
-            .expect("initdb");
-        assert!(init.success(), "initdb: {init}");
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
-        let child = Self::as_postgres(bin, "postgres")
-            .arg("-D")
-            .arg(&data)
-            .args(["-p", &port.to_string(), "-k"])
-            .arg(dir.path())
-            .args([
-                "-c",
-                "listen_addresses=127.0.0.1",
-                "-c",
-                "max_connections=200",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("postgres");
-        let pg = Postgres {
-            child,
-            port,
-            _dir: dir,
-        };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let db = loop {
-            match tokio_postgres::connect(&pg.config(), NoTls).await {
-                Ok((db, conn)) => {
-                    tokio::spawn(conn);
-                    break db;
-                }
-                Err(e) => {
-                    assert!(Instant::now() < deadline, "postgres never listened: {e}");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-            }
-        };
-        db.batch_execute(
-            "CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL);
-             CREATE TABLE effects (run int NOT NULL, k bigint NOT NULL);",
-        )
-        .await
-        .expect("schema");
-        pg
-    }
-
-    fn config(&self) -> String {
-        format!(
-            "host=127.0.0.1 port={} user=postgres dbname=postgres",
-            self.port
-        )
-    }
-}
-
-impl Drop for Postgres {
-    fn drop(&mut self) {
-        // SIGINT: fast shutdown (the postmaster ends its server processes).
-        let _ = StdCommand::new("kill")
-            .args(["-INT", &self.child.id().to_string()])
-            .status();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// A started front-end: its process and its control.
 struct Frontend {
@@ -349,15 +214,7 @@ async fn request(port: u16, run: i32, seed: u64, mode: Mode) -> Report {
 /// Runs `runs` requests (seeds `0..runs`, four at a time), then checks in
 /// the database that each committed every transaction exactly once.
 async fn requests(pg: &Postgres, runs: i32, mode: Mode) -> Report {
-    let (db, conn) = tokio_postgres::connect(&pg.config(), NoTls)
-        .await
-        .expect("connect");
-    tokio::spawn(conn);
-    for run in 0..runs {
-        db.execute("INSERT INTO accounts VALUES ($1, 0)", &[&run])
-            .await
-            .expect("account");
-    }
+    let db = pg.accounts(runs).await;
     // Built before the requests start, not inside one (it would stall
     // the others' timers).
     tokio::task::spawn_blocking(|| common::example("pg_frontend"))
@@ -382,24 +239,7 @@ async fn requests(pg: &Postgres, runs: i32, mode: Mode) -> Report {
         total.aborted += r.aborted;
         total.idle += r.idle;
     }
-    let want_balance = (TRANSACTIONS * (TRANSACTIONS + 1) / 2) as i64;
-    for run in 0..runs {
-        let row = db
-            .query_one(
-                "SELECT count(*), count(DISTINCT k), \
-                 (SELECT balance FROM accounts WHERE id = $1) \
-                 FROM effects WHERE run = $1",
-                &[&run],
-            )
-            .await
-            .expect("check");
-        let (rows, distinct, balance): (i64, i64, i64) = (row.get(0), row.get(1), row.get(2));
-        assert_eq!(
-            (rows, distinct, balance),
-            (TRANSACTIONS as i64, TRANSACTIONS as i64, want_balance),
-            "request {run} (seed {run}): effects rows, distinct transactions, balance ({total:?})"
-        );
-    }
+    common::pg::assert_exactly_once(&db, runs, TRANSACTIONS, &format!("{total:?}")).await;
     total
 }
 

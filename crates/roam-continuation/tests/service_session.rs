@@ -22,23 +22,18 @@
 mod common;
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{bounded, cli, init_logging, wait_until};
+use common::set_front::{self, alive, Cluster, Front};
+use common::{bounded, wait_until};
 use roam::RoamStream;
-use roam_continuation::service_set::{
-    check_move_in, Control, Member, Restored, SessionSet, Staged, DEFAULT_SAVE_TIMEOUT,
-};
-use roam_continuation::{
-    ClusterConfig, Continuation, Host, ManagedSession, MoveError, MoveReport, Service,
-};
-use roam_proto::Keypair;
-use roam_service::{Interval, Limits};
+use roam_continuation::service_set::{Member, SessionSet, DEFAULT_SAVE_TIMEOUT};
+use roam_continuation::{ManagedSession, MoveError, MoveReport};
+use roam_service::Interval;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::UnixListener;
-use tokio::process::{Child, Command};
+use tokio::process::Child;
 use tokio::sync::oneshot;
 
 #[path = "../examples/service_ledger.rs"]
@@ -48,164 +43,6 @@ mod ledger;
 /// The value request `seq` carries.
 fn value(seq: u64) -> u64 {
     seq.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ 0x5555
-}
-
-/// What one host's front-end needs, and what it measured.
-struct Front {
-    /// The back-end program (missing on a host that cannot run it).
-    backend: PathBuf,
-    /// Where each set incarnation's sockets go (one directory each).
-    work: PathBuf,
-    /// The ledger file (shared by both hosts, like a shared store; a path
-    /// it cannot open on a host whose back-end must fail as it starts).
-    ledger: PathBuf,
-    /// The back-end's request log cap (bytes), if not the default.
-    log_cap: Option<usize>,
-    /// The back-end's pause between its reply and its export (ms): a cut
-    /// then usually falls after a reply the front-end has and before the
-    /// back-end's export, so the restart replays a request and discards
-    /// its reply.
-    think_ms: u64,
-    /// Sets started here (fresh or restored).
-    starts: AtomicUsize,
-    /// Sets restarted here from a cut (staged at a move's check, or in the
-    /// resume routine).
-    restored: AtomicUsize,
-    /// Sets staged at a move's check that the resume routine ran.
-    staged_runs: AtomicUsize,
-    /// Kill (SIGKILL) the next back-end staged here right after its
-    /// staging: the move commits with it dead, frozen, never thawed.
-    kill_staged: AtomicBool,
-    /// Each back-end killed so (its pid).
-    killed: Mutex<Vec<u32>>,
-    /// Why each staged set the resume routine ran did not start (it then
-    /// started the set again from the session's cut).
-    fallbacks: Mutex<Vec<String>>,
-    /// Every back-end process started here.
-    pids: Mutex<Vec<u32>>,
-    /// Size of each cut saved here (bytes).
-    cuts: Mutex<Vec<usize>>,
-}
-
-impl Front {
-    fn limits() -> Limits {
-        Limits::default()
-    }
-
-    /// Starts the back-end and joins it to `root`: fresh (`parts` `None`),
-    /// or from its part of a restored cut (then it stays frozen). Returns
-    /// its control (ready) and the child; a back-end that fails to start
-    /// is reaped before the error returns.
-    async fn launch(
-        &self,
-        root: &Member,
-        parts: Option<&[Vec<u8>]>,
-    ) -> std::io::Result<(Vec<Control>, Child)> {
-        let n = self.starts.fetch_add(1, Ordering::SeqCst);
-        let dir = self.work.join(n.to_string());
-        std::fs::create_dir_all(&dir)?;
-        let control = UnixListener::bind(dir.join("control.sock"))?;
-        let req = UnixListener::bind(dir.join("req.sock"))?;
-        let rep = UnixListener::bind(dir.join("rep.sock"))?;
-        let mut cmd = Command::new(&self.backend);
-        cmd.arg(dir.join("control.sock"))
-            .arg(&dir)
-            .arg(&self.ledger)
-            .arg(self.think_ms.to_string());
-        if let Some(cap) = self.log_cap {
-            cmd.arg(cap.to_string());
-        }
-        let mut child = cmd.kill_on_drop(true).spawn()?;
-        if let Some(pid) = child.id() {
-            self.pids.lock().unwrap().push(pid);
-        }
-        let joined = async {
-            let controls = common::join_members(
-                &control,
-                &["ledger"],
-                parts,
-                std::slice::from_mut(&mut child),
-                None,
-            )
-            .await?;
-            let accept = |l: UnixListener| async move {
-                tokio::time::timeout(Duration::from_secs(10), l.accept())
-                    .await
-                    .map_err(|_| std::io::Error::other("the back-end never connected"))?
-                    .map(|(s, _)| s)
-            };
-            root.add_writer(ledger::REQUESTS, accept(req).await?)?;
-            root.add_reader(ledger::REPLIES, accept(rep).await?)?;
-            Ok::<_, std::io::Error>(controls)
-        }
-        .await;
-        match joined {
-            Ok(controls) => Ok((controls, child)),
-            Err(e) => {
-                let _ = child.start_kill();
-                let _ = tokio::time::timeout(Duration::from_secs(10), child.wait()).await;
-                Err(e)
-            }
-        }
-    }
-
-    /// Starts the back-end and joins it to `root`: fresh, or from its part
-    /// of a restored cut. Returns the set (running) and the child.
-    async fn start_set(
-        &self,
-        root: Member,
-        restored: Option<Restored>,
-    ) -> std::io::Result<(SessionSet, Child)> {
-        let parts = restored.as_ref().map(|r| r.parts.clone());
-        let (controls, child) = self.launch(&root, parts.as_deref()).await?;
-        let set = match restored {
-            None => SessionSet::new(root, controls, Self::limits()),
-            Some(r) => {
-                self.restored.fetch_add(1, Ordering::SeqCst);
-                r.start(controls).await?
-            }
-        };
-        Ok((set, child))
-    }
-
-    /// At a move's destination, before the commit: the back-end started
-    /// from its part of the moving session's cut, frozen, kept with the
-    /// restarted root for the resume routine.
-    async fn stage(&self, restored: Restored) -> std::io::Result<Staged<Child>> {
-        let parts = restored.parts.clone();
-        let (controls, mut child) = self.launch(&restored.root, Some(&parts)).await?;
-        self.restored.fetch_add(1, Ordering::SeqCst);
-        if self.kill_staged.swap(false, Ordering::SeqCst) {
-            self.kill(&mut child).await;
-        }
-        Staged::new(restored, controls, child)
-    }
-
-    /// Kills a staged back-end (SIGKILL) and reaps it: it dies between its
-    /// staging and its thaw.
-    async fn kill(&self, child: &mut Child) {
-        use std::os::unix::process::ExitStatusExt;
-        let pid = child.id().expect("the staged back-end runs");
-        child.start_kill().expect("SIGKILL the staged back-end");
-        let status = tokio::time::timeout(Duration::from_secs(10), child.wait())
-            .await
-            .expect("the killed back-end exits")
-            .expect("reap the killed back-end");
-        assert_eq!(status.signal(), Some(9), "killed by SIGKILL: {status}");
-        self.killed.lock().unwrap().push(pid);
-    }
-
-    /// In the resume routine: the set restarted from the session's cut
-    /// (taken out of it) with a back-end started from its part.
-    async fn restore_set(&self, session: &ManagedSession) -> (SessionSet, Child) {
-        let restored = SessionSet::restore(session, Self::limits())
-            .expect("restore the cut")
-            .expect("the continuation carries a cut");
-        let root = restored.root.clone();
-        self.start_set(root, Some(restored))
-            .await
-            .expect("restart the back-end")
-    }
 }
 
 /// The front-end's loop for one session: requests from the client go to
@@ -224,23 +61,12 @@ async fn serve(
         tokio::select! {
             biased;
             _ = session.freeze_requested() => {
-                session.store("pending", &pending).expect("store pending");
-                match set.save(&session).await {
-                    Ok(saved) => {
-                        front.cuts.lock().unwrap().push(saved.bytes);
-                        match tokio::time::timeout(Duration::from_secs(10), child.wait()).await {
-                            Ok(Ok(s)) => assert!(s.success(), "back-end exit: {s}"),
-                            other => panic!("the back-end did not end: {other:?}"),
-                        }
-                        let cont = Continuation::new("front").stream("main", stream);
-                        let _ = session.suspend(cont).await;
+                match front.save(&session, set, &mut child, &pending).await {
+                    Ok(()) => {
+                        let _ = session.suspend(set_front::continuation(stream)).await;
                         return;
                     }
-                    Err(failed) => {
-                        eprintln!("save failed, the set goes on here: {}", failed.error);
-                        set = failed.set;
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                    }
+                    Err(s) => set = s,
                 }
             }
             r = stream.read(&mut buf) => {
@@ -296,67 +122,6 @@ async fn ask(root: &Member, req: &[u8]) -> std::io::Result<[u8; 16]> {
     Ok(reply)
 }
 
-fn front_service(front: Arc<Front>) -> Service {
-    let check = front.clone();
-    let prepare = front.clone();
-    Service::new("front")
-        .version("1")
-        .on_move_in(move |attrs| check_move_in(attrs, Front::limits(), "back-end", &check.backend))
-        .prepare_move_in(move |attrs| {
-            let restored = Restored::from_attrs(attrs, Front::limits());
-            let front = prepare.clone();
-            async move {
-                let Some(restored) = restored.map_err(|e| e.to_string())? else {
-                    return Ok(None);
-                };
-                let staged = front
-                    .stage(restored)
-                    .await
-                    .map_err(|e| format!("starting the back-end: {e}"))?;
-                Ok(Some(staged))
-            }
-        })
-        .routine("front", move |mut r| {
-            let front = front.clone();
-            async move {
-                let stream = r.take_stream("main").expect("the stream moved");
-                let pending = r.session.retrieve("pending").unwrap_or_default();
-                let (set, child) = match r.take_prepared::<Staged<Child>>() {
-                    // Moved in: the back-end started before the commit.
-                    Some(staged) => {
-                        front.staged_runs.fetch_add(1, Ordering::SeqCst);
-                        match staged.start(&r.session).await {
-                            Ok(started) => started,
-                            // A staged back-end died before its thaw: it
-                            // ran nothing since its part was taken, and
-                            // the session still carries the cut.
-                            Err(e) => {
-                                eprintln!(
-                                    "the staged set did not start ({e}); starting it again from the session's cut"
-                                );
-                                front.fallbacks.lock().unwrap().push(e.to_string());
-                                front.restore_set(&r.session).await
-                            }
-                        }
-                    }
-                    None => front.restore_set(&r.session).await,
-                };
-                serve(front, r.session, stream, set, child, pending).await;
-            }
-        })
-}
-
-/// One cluster host in this process, with its front-end.
-type Node = common::ClusterHost<Arc<Front>>;
-
-struct Cluster {
-    service_key: Keypair,
-    config: ClusterConfig,
-    nodes: Vec<Node>,
-    _dir: tempfile::TempDir,
-    ledger: PathBuf,
-}
-
 /// How a host's back-end behaves.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Backend {
@@ -374,115 +139,35 @@ enum Backend {
 
 /// Two hosts `h0`, `h1` on loopback, host `i`'s back-end as `backends[i]`.
 async fn start_cluster(backends: [Backend; 2], think_ms: u64) -> Cluster {
-    init_logging();
     let dir = tempfile::tempdir().unwrap();
-    let ledger = dir.path().join("ledger");
-    let common::ClusterHosts {
-        service_key,
-        config,
-        nodes,
-    } = common::start_cluster_hosts(
-        2,
-        "",
-        |hc| hc.server.max_sessions_per_ip = 1000,
-        |i, name| {
-            let state = dir.path().join(format!("{name}-state"));
-            let work = dir.path().join(format!("{name}-sets"));
-            std::fs::create_dir_all(&state).unwrap();
-            std::fs::create_dir_all(&work).unwrap();
+    let root = dir.path().to_path_buf();
+    set_front::start_cluster(
+        dir,
+        |f, s, st, set, c, p| Box::pin(serve(f, s, st, set, c, p)),
+        |i, work| {
             let backend = if backends[i] == Backend::Missing {
-                dir.path().join("no-such-back-end")
+                root.join("no-such-back-end")
             } else {
                 common::example("service_ledger")
             };
-            let front = Arc::new(Front {
-                backend,
-                work,
-                ledger: if backends[i] == Backend::FailsToStart {
-                    dir.path().join("no-such-dir").join("ledger")
-                } else {
-                    ledger.clone()
-                },
-                log_cap: (backends[i] == Backend::RefusesParts).then_some(0),
-                think_ms,
-                starts: AtomicUsize::new(0),
-                restored: AtomicUsize::new(0),
-                staged_runs: AtomicUsize::new(0),
-                kill_staged: AtomicBool::new(false),
-                killed: Mutex::new(Vec::new()),
-                fallbacks: Mutex::new(Vec::new()),
-                pids: Mutex::new(Vec::new()),
-                cuts: Mutex::new(Vec::new()),
-            });
-            let f = front.clone();
-            common::HostSpec {
-                state,
-                service: front_service(front.clone()),
-                on_session: move |host: &Host, handle| {
-                    let Ok(s) = host.adopt("front", handle) else {
-                        return;
-                    };
-                    let f = f.clone();
-                    tokio::spawn(async move {
-                        let Ok((stream, _)) = s.handle().accept_stream().await else {
-                            return;
-                        };
-                        let root = Member::fresh(Front::limits());
-                        let (set, child) =
-                            f.start_set(root, None).await.expect("start the back-end");
-                        serve(f, s, stream, set, child, Vec::new()).await;
-                    });
-                },
-                data: front,
+            let ledger = if backends[i] == Backend::FailsToStart {
+                root.join("no-such-dir").join("ledger")
+            } else {
+                root.join("ledger")
+            };
+            let mut args = vec![ledger.into(), think_ms.to_string().into()];
+            if backends[i] == Backend::RefusesParts {
+                args.push("0".into());
             }
+            Front::new(backend, "ledger", work, args)
         },
     )
-    .await;
-    Cluster {
-        service_key,
-        config,
-        nodes,
-        _dir: dir,
-        ledger,
-    }
+    .await
 }
 
-impl Cluster {
-    /// The index of the node holding session `id` live.
-    fn holder(&self, id: roam::SessionId) -> Option<usize> {
-        self.nodes.iter().position(|n| {
-            n.host
-                .sessions()
-                .iter()
-                .any(|r| r.id == id && r.state == "live")
-        })
-    }
-
-    async fn shutdown(mut self) {
-        common::stop_cluster_hosts(&mut self.nodes).await;
-    }
-
-    /// Every back-end process either host started, in start order per host.
-    fn backend_pids(&self) -> Vec<u32> {
-        self.nodes
-            .iter()
-            .flat_map(|n| n.data.pids.lock().unwrap().clone())
-            .collect()
-    }
-
-    /// Closes the client's `session`, stops both hosts and waits until
-    /// every back-end process they started is gone.
-    async fn close_and_reap(self, session: &roam::SessionHandle) {
-        let pids = self.backend_pids();
-        let _ = tokio::time::timeout(Duration::from_secs(5), session.close(0, "done")).await;
-        self.shutdown().await;
-        for pid in pids {
-            wait_until(Duration::from_secs(10), "every back-end gone", move || {
-                !alive(pid)
-            })
-            .await;
-        }
-    }
+/// The ledger file both hosts' back-ends append to (like a shared store).
+fn ledger(c: &Cluster) -> PathBuf {
+    c.dir.path().join("ledger")
 }
 
 /// A client sending `n` numbered requests (a short pause every 8) and
@@ -511,11 +196,7 @@ async fn client_pausing(
     n: u64,
     pause: Option<(u64, oneshot::Receiver<()>)>,
 ) -> Client {
-    let config = cli::client_config(Some(c.service_key.public()));
-    let session = roam::connect(&c.config.hosts[host].clients, config)
-        .await
-        .expect("connect");
-    let stream = session.open_stream(b"front").unwrap();
+    let (session, stream) = c.connect(host).await;
     let (mut r, mut w) = tokio::io::split(stream);
     let writer = tokio::spawn(async move {
         let mut pause = pause;
@@ -649,7 +330,7 @@ async fn a_cluster_moves_a_session_with_its_back_end_and_every_effect_happens_on
         }
         let got = cl.task.await.unwrap().expect("every reply once, in order");
         assert_eq!(got, N);
-        assert_ledger(&c.ledger, N);
+        assert_ledger(&ledger(&c), N);
         let restored: usize = c
             .nodes
             .iter()
@@ -729,7 +410,7 @@ async fn refused_and_served_at_source(c: &Cluster, cl: &mut Client, n: u64, says
         .unwrap()
         .expect("every reply once, in order");
     assert_eq!(got, n);
-    assert_ledger(&c.ledger, n);
+    assert_ledger(&ledger(&c), n);
     assert_eq!(
         c.nodes[0].data.restored.load(Ordering::SeqCst),
         1,
@@ -737,8 +418,6 @@ async fn refused_and_served_at_source(c: &Cluster, cl: &mut Client, n: u64, says
     );
 }
 
-/// Whether process `pid` still exists (a zombie counts as gone: it runs
-/// nothing).
 /// The move was called off (declined), in words containing each of `says`.
 fn assert_declined<T: std::fmt::Debug>(result: Result<T, MoveError>, says: &[&str]) {
     match result {
@@ -746,16 +425,6 @@ fn assert_declined<T: std::fmt::Debug>(result: Result<T, MoveError>, says: &[&st
             assert!(says.iter().all(|w| why.contains(w)), "declined: {why}");
         }
         other => panic!("the move should be called off: {other:?}"),
-    }
-}
-
-fn alive(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Err(_) => false,
-        // The state follows the parenthesised command name.
-        Ok(stat) => !stat
-            .rsplit_once(')')
-            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
     }
 }
 
@@ -811,7 +480,7 @@ async fn a_back_end_refusing_its_part_mid_move_calls_the_move_off_at_once() {
         .await;
         let got = cl.task.await.unwrap().expect("every reply once, in order");
         assert_eq!(got, N);
-        assert_ledger(&c.ledger, N);
+        assert_ledger(&ledger(&c), N);
         assert_eq!(c.nodes[1].data.starts.load(Ordering::SeqCst), 0);
         assert!(
             c.nodes[0].data.cuts.lock().unwrap().is_empty(),
@@ -880,7 +549,7 @@ async fn a_back_end_killed_mid_move_calls_the_move_off_at_once() {
         assert_eq!(c.holder(id), Some(0), "the session is still at its source");
         // Every reply was exact and once (checked by the client), and so
         // is every effect.
-        assert_ledger(&c.ledger, N);
+        assert_ledger(&ledger(&c), N);
         let _ = tokio::time::timeout(Duration::from_secs(5), cl.session.close(0, "done")).await;
         let Ok(c) = Arc::try_unwrap(c) else {
             panic!("the cluster is still shared")
@@ -957,7 +626,7 @@ async fn a_stopped_back_end_calls_the_move_off_within_the_save_bound_and_serves_
         .await;
         let got = cl.task.await.unwrap().expect("every reply once, in order");
         assert_eq!(got, N);
-        assert_ledger(&c.ledger, N);
+        assert_ledger(&ledger(&c), N);
         assert_eq!(c.nodes[0].data.cuts.lock().unwrap().len(), 1);
         assert_eq!(c.nodes[1].data.staged_runs.load(Ordering::SeqCst), 1);
         c.close_and_reap(&cl.session).await;
@@ -1002,7 +671,7 @@ async fn a_destination_back_end_killed_after_staging_is_started_again_from_the_c
         wait_replies(&cl, (before + 50).min(N)).await;
         let got = cl.task.await.unwrap().expect("every reply once, in order");
         assert_eq!(got, N);
-        assert_ledger(&c.ledger, N);
+        assert_ledger(&ledger(&c), N);
         assert_eq!(h1.staged_runs.load(Ordering::SeqCst), 1);
         let fallbacks = h1.fallbacks.lock().unwrap().clone();
         assert_eq!(fallbacks.len(), 1, "one start again from the cut");

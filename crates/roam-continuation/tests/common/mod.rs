@@ -16,6 +16,10 @@ use tokio::task::JoinHandle;
 pub mod bench;
 #[path = "../../examples/support/cli.rs"]
 pub mod cli;
+/// A real PostgreSQL for the database tests.
+pub mod pg;
+/// A cluster whose hosts serve a front-end with a back-end process.
+pub mod set_front;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
