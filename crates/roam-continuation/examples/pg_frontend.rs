@@ -141,14 +141,17 @@ impl State {
     }
 }
 
-/// Appends a line to `OUT_DIR/resumes`.
+/// Appends a line to `OUT_DIR/resumes` in one `write` (an `O_APPEND`
+/// write of one buffer is not interleaved with another process's, so
+/// back-ends restarting at once cannot mix their lines).
 fn note(out: &std::path::Path, line: &str) {
     let mut f = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(out.join("resumes"))
         .expect("resumes file");
-    writeln!(f, "{line}").expect("write resumes");
+    f.write_all(format!("{line}\n").as_bytes())
+        .expect("write resumes");
 }
 
 /// Ends the old incarnation's server process and waits until it is gone

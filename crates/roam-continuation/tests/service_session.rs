@@ -410,7 +410,7 @@ async fn refused_and_served_at_source(c: &Cluster, cl: &mut Client, n: u64, says
         .unwrap()
         .expect("every reply once, in order");
     assert_eq!(got, n);
-    assert_ledger(&ledger(&c), n);
+    assert_ledger(&ledger(c), n);
     assert_eq!(
         c.nodes[0].data.restored.load(Ordering::SeqCst),
         1,
