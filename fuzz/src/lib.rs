@@ -18,7 +18,7 @@
 //!   end-of-stream comes only after all of them and the writer's finish
 //!   (a side that received fuzzer-built frames is exempt: its peer lied);
 //! - memory stays within the configured bounds: send buffers within
-//!   four times `session_send_buffer` (its growth while many streams
+//!   `SEND_BUFFER_GROWTH` times `session_send_buffer` (its growth while many streams
 //!   contend), unread bytes within `stream_window` per stream and
 //!   `session_window` in total, peer-opened streams within `max_streams`;
 //! - a closed session stays closed: state `Closed` forever, no events but
@@ -991,13 +991,17 @@ impl World {
                     assert!(s.connect(now, None).is_err(), "connect after close");
                 }
             }
-            // The send buffer may grow to four times its configured size
+            // The send buffer may grow to SEND_BUFFER_GROWTH times its configured size
             // while many streams contend (`Session::session_send_limit`),
             // never past that.
             assert!(
-                s.send_buffered() <= cfg.session_send_buffer.saturating_mul(4),
-                "{side:?}: {} bytes buffered for sending, limit 4 x {}",
+                s.send_buffered()
+                    <= cfg
+                        .session_send_buffer
+                        .saturating_mul(roam_proto::SEND_BUFFER_GROWTH),
+                "{side:?}: {} bytes buffered for sending, limit {} x {}",
                 s.send_buffered(),
+                roam_proto::SEND_BUFFER_GROWTH,
                 cfg.session_send_buffer
             );
             if !full {

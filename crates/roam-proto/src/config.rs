@@ -34,7 +34,8 @@ pub struct Config {
     pub stream_send_buffer: u64,
     /// Send buffer for the whole session, bytes (default 16 MiB). While more
     /// streams are refused room at once than it holds 64 KiB shares for
-    /// (256 at the default size) it grows, up to four times this, so that
+    /// (256 at the default size) it grows, up to
+    /// [`SEND_BUFFER_GROWTH`](crate::SEND_BUFFER_GROWTH) (4) times this, so that
     /// each keeps a 64 KiB share (fewer, larger frames).
     pub session_send_buffer: u64,
     /// Streams the peer may have open towards us (default 65,536; at least 16).

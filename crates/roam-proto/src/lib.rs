@@ -50,6 +50,7 @@ pub use event::{CloseReason, Event, SuspendReason, TransportId};
 pub use handshake::{parse_hello, Hello, Params, Status, MAGIC, MAX_MOVED_ADDR, VERSION};
 pub use keys::{KeyParseError, Keypair, PublicKey, SessionId};
 pub use session::envelope;
+pub use session::SEND_BUFFER_GROWTH;
 pub use session::{ExportError, Lent, RestoreError, Role, Session, State, Stats, StreamProgress};
 pub use stream::StreamId;
 

@@ -197,8 +197,9 @@ const MIN_STREAM_SHARE: u64 = 16 * 1024;
 /// when many write at once (bytes); see `Session::session_send_limit`.
 const GROWN_STREAM_SHARE: u64 = 64 * 1024;
 /// How many times `Config::session_send_buffer` the session's send buffer
-/// may grow to when many streams write at once.
-const SEND_BUFFER_GROWTH: u64 = 4;
+/// may grow to when many streams write at once (so a session never holds
+/// more than `session_send_buffer * SEND_BUFFER_GROWTH` bytes to send).
+pub const SEND_BUFFER_GROWTH: u64 = 4;
 
 /// A roam session: one end of a set of reliable streams that outlive transports.
 pub struct Session {
