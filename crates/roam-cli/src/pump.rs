@@ -22,10 +22,6 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 const CHUNK: usize = 64 * 1024;
 /// Reads one direction may do in a poll before it lets other tasks run.
 const READS_PER_POLL: usize = 16;
-/// A remainder the writer did not take, from this many bytes on, is kept by
-/// trading buffers with the scratch (no copy) instead of copying it out.
-/// Below it the copy is cheaper than the scratch buffer it would cost.
-const TRADE_AT: usize = 16 * 1024;
 
 thread_local! {
     /// Where reads land; never holds bytes between polls (whatever the
@@ -65,13 +61,10 @@ impl End for tokio::io::DuplexStream {}
 /// One direction of the copy.
 #[derive(Default)]
 struct Half {
-    /// Bytes read but not yet taken by the writer, `pos..end`; no
-    /// allocation unless the writer pushed back. A buffer traded with the
-    /// scratch is `CHUNK` long whatever it holds (so that trading it back
-    /// costs no zeroing).
+    /// Bytes read but not yet taken by the writer, from `pos` on; empty
+    /// (no allocation) unless the writer pushed back.
     pending: Vec<u8>,
     pos: usize,
-    end: usize,
     /// Bytes written so far.
     total: u64,
     /// The reader reached end-of-file.
@@ -98,8 +91,8 @@ impl Half {
     {
         let mut reads = 0;
         loop {
-            while self.pos < self.end {
-                match Pin::new(&mut *w).poll_write(cx, &self.pending[self.pos..self.end]) {
+            while self.pos < self.pending.len() {
+                match Pin::new(&mut *w).poll_write(cx, &self.pending[self.pos..]) {
                     Poll::Ready(Ok(0)) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
                     Poll::Ready(Ok(n)) => {
                         self.pos += n;
@@ -110,10 +103,8 @@ impl Half {
                     Poll::Pending => return Poll::Pending,
                 }
             }
-            if self.pending.len() != CHUNK {
-                self.pending.clear();
-            }
-            (self.pos, self.end) = (0, 0);
+            self.pending.clear();
+            self.pos = 0;
             if self.eof {
                 if self.unflushed {
                     std::task::ready!(Pin::new(&mut *w).poll_flush(cx))?;
@@ -164,9 +155,7 @@ impl Half {
     }
 
     /// One read into the per-thread scratch buffer, written on at once;
-    /// what the writer does not take is kept in `pending` (a large
-    /// remainder by trading buffers with the scratch: under many streams
-    /// that push back, copying it cost a relay ~5 % of its CPU).
+    /// what the writer does not take is kept in `pending`.
     fn read_through_scratch<R, W>(
         &mut self,
         cx: &mut Context<'_>,
@@ -205,22 +194,7 @@ impl Half {
                     }
                     // The writer pushed back: keep the rest (this
                     // direction reads no more until it is written).
-                    if off == n {
-                        return Poll::Ready(Ok(()));
-                    }
-                    if n - off >= TRADE_AT
-                        && (self.pending.len() == CHUNK || self.pending.capacity() == 0)
-                    {
-                        std::mem::swap(&mut self.pending, buf);
-                        if buf.len() != CHUNK {
-                            *buf = vec![0u8; CHUNK];
-                        }
-                        (self.pos, self.end) = (off, n);
-                    } else {
-                        self.pending.clear();
-                        self.pending.extend_from_slice(&buf[off..n]);
-                        (self.pos, self.end) = (0, n - off);
-                    }
+                    self.pending.extend_from_slice(&buf[off..n]);
                     Poll::Ready(Ok(()))
                 }
             }
@@ -247,7 +221,6 @@ pub(crate) struct HalfState {
 impl Half {
     fn from_state(s: HalfState) -> Self {
         Half {
-            end: s.pending.len(),
             pending: s.pending,
             pos: 0,
             total: s.total,
@@ -258,7 +231,6 @@ impl Half {
     }
 
     fn into_state(mut self) -> HalfState {
-        self.pending.truncate(self.end);
         self.pending.drain(..self.pos);
         HalfState {
             pending: self.pending,
@@ -651,34 +623,6 @@ mod tests {
         assert_eq!(got.len(), UPLOAD, "bytes through the stream");
         assert!(got == upload, "the stream carried other bytes");
         assert!(stops > 1, "the pump must be stopped on the way");
-    }
-
-    /// A large remainder is kept by trading buffers with the scratch (no
-    /// copy), arrives whole and in order, and the direction still holds no
-    /// buffer once idle.
-    #[tokio::test]
-    async fn a_large_remainder_is_traded_not_copied_and_released_when_idle() {
-        let (mut src, mut r) = tokio::io::duplex(CHUNK);
-        let (mut w, mut sink) = tokio::io::duplex(1024);
-        let mut half = Half::default();
-        let data: Vec<u8> = (0..40_000u32).map(|i| (i % 253) as u8).collect();
-        src.write_all(&data).await.unwrap();
-        let p = poll_fn(|cx| Poll::Ready(half.poll_copy(cx, &mut r, &mut w))).await;
-        assert!(p.is_pending());
-        assert_eq!(half.pending.len(), CHUNK, "the scratch buffer was traded");
-        assert_eq!((half.pos, half.end), (1024, 40_000));
-        let mut got = vec![0u8; data.len()];
-        let mut have = 0;
-        while have < got.len() {
-            let _ = poll_fn(|cx| Poll::Ready(half.poll_copy(cx, &mut r, &mut w))).await;
-            have += sink.read(&mut got[have..]).await.unwrap();
-        }
-        assert!(got == data, "the traded remainder arrived other than sent");
-        let p = poll_fn(|cx| Poll::Ready(half.poll_copy(cx, &mut r, &mut w))).await;
-        assert!(p.is_pending());
-        assert_eq!(half.pending.capacity(), 0);
-        assert_eq!(half.total, data.len() as u64);
-        SCRATCH.with_borrow(|b| assert_eq!(b.len(), CHUNK, "the scratch is whole again"));
     }
 
     /// A direction that went idle after push-back holds no buffer.
