@@ -237,17 +237,67 @@ async fn receive(
             .and_then(|dir| Received::create(&dir).ok())
             .map_or_else(|| Received::create(&std::env::temp_dir()), Ok)?,
     };
-    images.receive_all(rd, first).await?;
+    // The process is frozen at the source from here on. While its images
+    // arrive, a post-copy move's lazy-pages daemon starts as soon as the
+    // images it reads at its start are written, instead of at the
+    // restore's request (stopped when dropped, should the move go no
+    // further).
+    let (early_tx, early_rx) = tokio::sync::oneshot::channel();
+    let starting = async {
+        match pages.take() {
+            None => (None, None),
+            // Not started (the images it needs never came): the stream
+            // stays for a start at the restore's request.
+            Some(p) => match early_rx.await {
+                Err(_) => (None, Some(p)),
+                Ok(()) => (Some(LazyPages::start(host, &images.path, p).await), None),
+            },
+        }
+    };
+    let (received, (daemon, unused)) =
+        tokio::join!(images.receive_all(rd, first, early_tx), starting);
+    pages = unused;
+    let daemon = daemon.transpose();
+    received?;
+    let mut lazy_pages = daemon?;
     // Every image is here: the source asks for the restore at once, its
     // process frozen there until ours runs (so it must not share this
     // host's pid space: the restored pids are the frozen ones'); a restore
     // that fails here rolls its dump back and it runs on there.
-    wire::write_frame(wr, &Frame::Stored).await.map_err(send)?;
-    // The process's connections over loopback, if any, come first.
-    let (loopback, ask) = match next(rd).await? {
-        Frame::Loopback(conns) => (conns, next(rd).await?),
-        other => (Vec::new(), other),
+    // Meanwhile the lock is taken and the address put here behind it
+    // (`nft`, `ip`), off the restore's path. Not earlier: a destination
+    // killed while the images travel must leave neither behind.
+    let preparing = target.clone().map(|t| {
+        tokio::task::spawn_blocking(move || -> Result<(Placed, AddressLock), String> {
+            let lock = AddressLock::new(None, t.addr)
+                .map_err(|e| format!("cannot lock {} here: {e}", t.addr))?;
+            // (On an error the lock is lifted as it drops.)
+            host::add_address(&t).map_err(|e| format!("cannot put {} here: {}", t.cidr(), e.0))?;
+            Ok((Placed(Some(t)), lock))
+        })
+    });
+    let asked = async {
+        wire::write_frame(wr, &Frame::Stored).await.map_err(send)?;
+        // The process's connections over loopback, if any, come first.
+        Ok::<_, String>(match next(rd).await? {
+            Frame::Loopback(conns) => (conns, next(rd).await?),
+            other => (Vec::new(), other),
+        })
+    }
+    .await;
+    // Awaited whatever the answer, so that a refusal below finds the
+    // address and the lock in place to undo (as they drop: the address,
+    // then the lock).
+    let (lock, placed) = match preparing {
+        None => (None, Placed(None)),
+        Some(p) => {
+            let (placed, lock) = p
+                .await
+                .map_err(|e| format!("the address thread failed: {e}"))??;
+            (Some(lock), placed)
+        }
     };
+    let (loopback, ask) = asked?;
     let lazy = match ask {
         Frame::Restore => false,
         Frame::RestoreLazy => true,
@@ -255,30 +305,21 @@ async fn receive(
         other => return Err(format!("expected the restore, got {other:?}")),
     };
     // Post-copy: the memory comes over the pages stream, through CRIU's
-    // lazy-pages daemon, started before the restore (which connects to it).
-    let mut lazy_pages = match lazy {
-        false => None,
-        true => Some(LazyPages::start(host, &images.path, pages.take(), pages_rx).await?),
-    };
-    // Restore behind a lock, with the address in place.
-    let lock = match &target {
-        None => None,
-        Some(target) => {
-            let lock = AddressLock::new(None, target.addr)
-                .map_err(|e| format!("cannot lock {} here: {e}", target.addr))?;
-            if let Err(e) = host::add_address(target) {
-                let _ = lock.release();
-                return Err(format!("cannot put {} here: {}", target.cidr(), e.0));
-            }
-            Some(lock)
-        }
-    };
-    let undo_address = |lock: Option<AddressLock>| {
-        if let (Some(target), Some(lock)) = (&target, lock) {
-            let _ = host::del_address(target);
-            let _ = lock.release();
-        }
-    };
+    // lazy-pages daemon, started before the restore (which connects to it):
+    // above, while the images arrived, or now.
+    if !lazy {
+        lazy_pages = None;
+    } else if lazy_pages.is_none() {
+        let stream = match pages.take() {
+            Some(p) => p,
+            None => tokio::time::timeout(FRAME_TIMEOUT, pages_rx.recv())
+                .await
+                .ok()
+                .flatten()
+                .ok_or("a post-copy restore without the source's pages stream")?,
+        };
+        lazy_pages = Some(LazyPages::start(host, &images.path, stream).await?);
+    }
     // The restored pids must be free: a zombie of an earlier move (a
     // failed restore's) would hold them.
     reap_orphans();
@@ -290,10 +331,6 @@ async fn receive(
         match AddressLock::connections(None, &loopback) {
             Ok(l) => Some(l),
             Err(e) => {
-                undo_address(lock);
-                if let Some(l) = lazy_pages.take() {
-                    l.stop();
-                }
                 return Err(format!(
                     "cannot hold the process's {} loopback connections here: {e}",
                     loopback.len()
@@ -313,10 +350,6 @@ async fn receive(
     let restored = match restored {
         Ok(r) => r,
         Err(e) => {
-            undo_address(lock);
-            if let Some(l) = lazy_pages.take() {
-                l.stop();
-            }
             images.keep();
             return Err(format!("restore failed: {e}"));
         }
@@ -343,13 +376,10 @@ async fn receive(
             // The source still has the process: ours must go, silently
             // (the lock drops its sockets' last packets).
             kill_and_wait(pid, true);
-            undo_address(lock);
-            if let Some(l) = lazy_pages.take() {
-                l.stop();
-            }
             return Err(format!("{e}; the restored copy (pid {pid}) was killed"));
         }
     };
+    placed.keep();
     if let Some(lock) = lock {
         let _ = lock.release();
     }
@@ -432,34 +462,48 @@ fn place(host: &Host, address: &str) -> Result<IfAddr, String> {
     Ok(IfAddr { dev, addr, prefix })
 }
 
+/// The moved address on this host's interface: taken off again when
+/// dropped, unless [`Placed::keep`] (the move is committed). `None`: no
+/// address was put here.
+struct Placed(Option<IfAddr>);
+
+impl Placed {
+    /// The address stays.
+    fn keep(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Placed {
+    fn drop(&mut self) {
+        if let Some(t) = self.0.take() {
+            let _ = host::del_address(&t);
+        }
+    }
+}
+
 /// A post-copy restore's memory supply: CRIU's lazy-pages daemon, and the
-/// task that carries its page-server protocol over the pages stream.
+/// task that carries its page-server protocol over the pages stream. Both
+/// are stopped when dropped (the move did not happen), unless handed to
+/// [`LazyPages::watch`].
 struct LazyPages {
-    /// The daemon.
-    daemon: std::process::Child,
+    /// The daemon (`None` once handed over).
+    daemon: Option<std::process::Child>,
     /// Copies between the daemon's socket and the pages stream; its result
     /// is the bytes that came from the source.
-    pump: tokio::task::JoinHandle<std::io::Result<u64>>,
+    pump: Option<tokio::task::JoinHandle<std::io::Result<u64>>>,
 }
 
 impl LazyPages {
-    /// Takes the move's pages stream (the source opened it before the
-    /// dump) and starts the daemon on `images` with one end of a socket
-    /// pair whose other end is pumped to and from that stream.
+    /// Starts the daemon on `images` with one end of a socket pair whose
+    /// other end is pumped to and from the move's pages stream (the source
+    /// opened it before the dump). The daemon reads the inventory and the
+    /// process tree's images at its start: they must be written.
     async fn start(
         host: &Host,
         images: &Path,
-        pages: Option<roam::RoamStream>,
-        pages_rx: &mut tokio::sync::mpsc::Receiver<roam::RoamStream>,
+        mut pages: roam::RoamStream,
     ) -> Result<LazyPages, String> {
-        let mut pages = match pages {
-            Some(p) => p,
-            None => tokio::time::timeout(FRAME_TIMEOUT, pages_rx.recv())
-                .await
-                .ok()
-                .flatten()
-                .ok_or("a post-copy restore without the source's pages stream")?,
-        };
         let (ours, theirs) = std::os::unix::net::UnixStream::pair()
             .map_err(|e| format!("cannot make a socket for CRIU's lazy-pages daemon: {e}"))?;
         let criu = host.criu.clone();
@@ -477,23 +521,20 @@ impl LazyPages {
             let (from_source, _) = tokio::io::copy_bidirectional(&mut pages, &mut ours).await?;
             Ok(from_source)
         });
-        Ok(LazyPages { daemon, pump })
-    }
-
-    /// Stops the daemon and the pump (the move did not happen).
-    fn stop(mut self) {
-        let _ = self.daemon.kill();
-        let _ = self.daemon.wait();
-        daemons(self.daemon.id(), false);
-        self.pump.abort();
+        Ok(LazyPages {
+            daemon: Some(daemon),
+            pump: Some(pump),
+        })
     }
 
     /// Waits for the daemon in the background: once it ends, every page is
     /// in place (status 0) or some never will be, and then the process
     /// `pid` is killed before it reads zeros where its memory should be.
     /// The images directory goes once the daemon is done with it.
-    fn watch(self, pid: i32, process: String, images: Received) {
-        let LazyPages { mut daemon, pump } = self;
+    fn watch(mut self, pid: i32, process: String, images: Received) {
+        let (Some(mut daemon), Some(pump)) = (self.daemon.take(), self.pump.take()) else {
+            return;
+        };
         let started = Instant::now();
         let id = daemon.id();
         tokio::spawn(async move {
@@ -527,6 +568,19 @@ impl LazyPages {
                 );
             }
         });
+    }
+}
+
+impl Drop for LazyPages {
+    fn drop(&mut self) {
+        if let Some(mut daemon) = self.daemon.take() {
+            let _ = daemon.kill();
+            let _ = daemon.wait();
+            daemons(daemon.id(), false);
+        }
+        if let Some(pump) = self.pump.take() {
+            pump.abort();
+        }
     }
 }
 
@@ -652,11 +706,15 @@ impl Received {
 
     /// Receives every image file until [`Frame::Sent`]. A thread of its
     /// own writes them (most are a few hundred bytes, one per socket: a
-    /// blocking-pool trip each would cost more than the write).
+    /// blocking-pool trip each would cost more than the write). `early`
+    /// fires once the images a lazy-pages daemon reads at its start (the
+    /// inventory and the process tree, small: they come whole, in a
+    /// [`Frame::Files`]) are written, or else once all are.
     async fn receive_all(
         &self,
         rd: &mut tokio::io::ReadHalf<roam::RoamStream>,
         first: Frame,
+        early: tokio::sync::oneshot::Sender<()>,
     ) -> Result<(), String> {
         /// What the writer thread does next.
         enum Op {
@@ -666,7 +724,15 @@ impl Received {
             Data(Vec<u8>),
             /// Write these whole files.
             Whole(Vec<(String, Vec<u8>)>),
+            /// Say that everything before is written.
+            Mark(tokio::sync::oneshot::Sender<()>),
         }
+        /// What a lazy-pages daemon reads at its start (CRIU's
+        /// `prepare_dummy_pstree`; it also reads each process's `ids-N.img`
+        /// if there, which the source sends before these two as it sends
+        /// the small images in name order, and which the daemon does not
+        /// need: without them it goes on).
+        const EARLY: [&str; 2] = ["inventory.img", "pstree.img"];
         let (tx, mut rx) = tokio::sync::mpsc::channel::<Op>(64);
         let dir = self.path.clone();
         let writer = std::thread::spawn(move || -> Result<(), String> {
@@ -699,6 +765,9 @@ impl Received {
                                 .map_err(|e| format!("cannot write image {name} here: {e}"))?;
                         }
                     }
+                    Op::Mark(done) => {
+                        let _ = done.send(());
+                    }
                 }
             }
             Ok(())
@@ -706,11 +775,21 @@ impl Received {
         let fed = async {
             let gone = || "the image writer stopped".to_string();
             let mut first = Some(first);
+            let mut early = Some(early);
+            // Which of [`EARLY`] came in the whole files so far.
+            let mut seen = [false; EARLY.len()];
             loop {
                 let frame = match first.take() {
                     Some(f) => f,
                     None => next(rd).await?,
                 };
+                // At the end everything is here (a source that sent the
+                // early images otherwise than whole).
+                if matches!(frame, Frame::Sent) {
+                    if let Some(done) = early.take() {
+                        tx.send(Op::Mark(done)).await.map_err(|_| gone())?;
+                    }
+                }
                 match frame {
                     Frame::File { name, mut size } => {
                         tx.send(Op::Open(name.clone())).await.map_err(|_| gone())?;
@@ -731,7 +810,17 @@ impl Received {
                         }
                     }
                     Frame::Files(files) => {
+                        for (name, _) in &files {
+                            if let Some(i) = EARLY.iter().position(|e| e == name) {
+                                seen[i] = true;
+                            }
+                        }
                         tx.send(Op::Whole(files)).await.map_err(|_| gone())?;
+                        if seen.iter().all(|&s| s) {
+                            if let Some(done) = early.take() {
+                                tx.send(Op::Mark(done)).await.map_err(|_| gone())?;
+                            }
+                        }
                     }
                     Frame::Sent => return Ok(()),
                     Frame::Abort { reason } => return Err(format!("the source gave up: {reason}")),
