@@ -466,6 +466,57 @@ impl ManagedSession {
         true
     }
 
+    /// Runs `work`, a step the session must finish before it can give its
+    /// continuation (a request a back-end is still answering, a reply half
+    /// written), and returns its output. A move that asks for the
+    /// continuation meanwhile waits for it at most `bound`: if `work` has
+    /// not finished by then, the move is declined
+    /// ([`decline_freeze`](Self::decline_freeze), `MoveError::Declined`
+    /// naming `what` and the bound) instead of holding the session frozen
+    /// to the move's freeze timeout, and the session goes on here; `work`
+    /// runs to its end either way. A later move asks again. Other freeze
+    /// reasons cannot be declined: they stay pending and `work` simply
+    /// finishes (answer them at the next quiescent point).
+    ///
+    /// Use it around every await of a session's routine that is not a
+    /// quiescent point and may take long (a stuck back-end, a slow
+    /// database), e.g. with a service set's save bound.
+    pub async fn busy<F: std::future::Future>(
+        &self,
+        what: &str,
+        bound: Duration,
+        work: F,
+    ) -> F::Output {
+        let mut work = std::pin::pin!(work);
+        loop {
+            let reason = tokio::select! {
+                biased;
+                out = &mut work => return out,
+                r = self.freeze_requested() => r,
+            };
+            if reason != FreezeReason::Move {
+                return work.await;
+            }
+            match tokio::time::timeout(bound, &mut work).await {
+                Ok(out) => return out,
+                Err(_) => {
+                    if self.decline_freeze(format!(
+                        "{what} did not finish within {bound:?} of the move's freeze request"
+                    )) {
+                        tracing::info!(session = %self.id(), what, ?bound, "move declined: the session is busy");
+                    }
+                    // The move is withdrawn (or was already): wait again,
+                    // for `work` or the next move.
+                    if self.freeze_pending() == Some(FreezeReason::Move) {
+                        // Declining found no waiting mover (it had just
+                        // given up): do not spin on its request.
+                        return work.await;
+                    }
+                }
+            }
+        }
+    }
+
     /// Suspends the session with `cont` (the paper's `return_cont`): roam
     /// exports the session, drops its socket and task, writes the
     /// continuation (protocol state, attributes, routine, stream ids) to the

@@ -16,6 +16,8 @@
 //! before the move commits), refuses the move before it commits and the
 //! session goes on at its source, nothing lost, no back-end left behind;
 //! a back-end that refuses its part mid-move calls the move off at once;
+//! one stuck on a request (the front-end waiting for its reply) calls it off
+//! at the save's bound instead of the move's freeze timeout;
 //! a destination's back-end killed after its staging, before its thaw, is
 //! started again from the same cut once the move has committed.
 
@@ -81,7 +83,14 @@ async fn serve(
                 pending.extend_from_slice(&buf[..n]);
                 while pending.len() >= 16 {
                     let req: Vec<u8> = pending.drain(..16).collect();
-                    let reply = match ask(set.root(), &req).await {
+                    // Not a quiescent point: a move that asks meanwhile
+                    // waits for the reply at most the save's bound, then
+                    // is declined (a stuck back-end).
+                    let asked = ask(set.root(), &req);
+                    let reply = match session
+                        .busy("the reply of back-end ledger", DEFAULT_SAVE_TIMEOUT, asked)
+                        .await
+                    {
                         Ok(reply) => reply,
                         Err(e) => {
                             // The back-end is gone (killed): its state
@@ -628,6 +637,81 @@ async fn a_stopped_back_end_calls_the_move_off_within_the_save_bound_and_serves_
         assert_eq!(got, N);
         assert_ledger(&ledger(&c), N);
         assert_eq!(c.nodes[0].data.cuts.lock().unwrap().len(), 1);
+        assert_eq!(c.nodes[1].data.staged_runs.load(Ordering::SeqCst), 1);
+        c.close_and_reap(&cl.session).await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_back_end_stuck_on_a_request_calls_the_move_off_within_the_bound_and_serves_on_once_continued(
+) {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+    bounded(Duration::from_secs(120), "test", async {
+        let c = start_cluster([Backend::Ok, Backend::Ok], 2).await;
+        const N: u64 = 400;
+        const FIRST: u64 = 150;
+        let (go, gate) = oneshot::channel();
+        let cl = client_pausing(&c, "h0", N, Some((FIRST, gate))).await;
+        let id = cl.session.id().unwrap();
+        wait_replies(&cl, FIRST).await;
+        let pids = c.nodes[0].data.pids.lock().unwrap().clone();
+        let [pid] = pids[..] else {
+            panic!("one back-end at h0: {pids:?}")
+        };
+        let pid = Pid::from_raw(pid as i32);
+        // Stopped, then sent the next requests: the front-end forwards one
+        // and waits for its reply, which does not come. The routine is not
+        // at a quiescent point, so it cannot save.
+        kill(pid, Signal::SIGSTOP).expect("SIGSTOP");
+        go.send(()).expect("the client waits");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(
+            cl.replies.load(Ordering::SeqCst),
+            FIRST,
+            "no reply from a stopped back-end"
+        );
+        let started = Instant::now();
+        let result = c.nodes[0].host.move_session(id, "h1").await;
+        let took = started.elapsed();
+        kill(pid, Signal::SIGCONT).expect("SIGCONT");
+        assert_declined(
+            result,
+            &[
+                "the reply of back-end ledger did not finish",
+                &format!("within {DEFAULT_SAVE_TIMEOUT:?}"),
+            ],
+        );
+        println!("called off after {took:?} (bound {DEFAULT_SAVE_TIMEOUT:?})");
+        assert!(
+            took >= DEFAULT_SAVE_TIMEOUT && took < DEFAULT_SAVE_TIMEOUT + Duration::from_secs(1),
+            "called off after {took:?}, not at the bound of {DEFAULT_SAVE_TIMEOUT:?} (the move's freeze timeout is 10 s)"
+        );
+        assert_eq!(c.holder(id), Some(0), "the session is still at its source");
+        assert_eq!(c.nodes[1].data.starts.load(Ordering::SeqCst), 0);
+        assert!(
+            c.nodes[0].data.cuts.lock().unwrap().is_empty(),
+            "no cut saved"
+        );
+        // Continued, the back-end answers and the set serves on at the
+        // source, nothing restarted.
+        wait_replies(&cl, FIRST + 50).await;
+        assert_eq!(c.nodes[0].data.restored.load(Ordering::SeqCst), 0);
+        // The next move takes the set.
+        let report = c.nodes[0]
+            .host
+            .move_session(id, "h1")
+            .await
+            .expect("a move once the back-end runs again");
+        assert_eq!(report.revision, 1);
+        wait_until(Duration::from_secs(10), "h1 serves it", || {
+            c.holder(id) == Some(1)
+        })
+        .await;
+        let got = cl.task.await.unwrap().expect("every reply once, in order");
+        assert_eq!(got, N);
+        assert_ledger(&ledger(&c), N);
         assert_eq!(c.nodes[1].data.staged_runs.load(Ordering::SeqCst), 1);
         c.close_and_reap(&cl.session).await;
     })
