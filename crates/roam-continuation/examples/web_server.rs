@@ -24,6 +24,13 @@
 //!   of the set's channels, so it moves with the set, as the consumer of
 //!   `service_member.rs` does.
 //!
+//! - `cgi` (`web_server cgi CONTROL_SOCKET CHANNEL_DIR OUT_DIR`): the
+//!   same back-end behind a cluster host's front-end
+//!   (`tests/service_web_cluster.rs`: the front-end is the set's root in
+//!   the host's process and an outside roam client is its client), on the
+//!   Unix sockets `req.sock` (orders, channel 1) and `rep.sock` (pages,
+//!   channel 2) the front-end listens on.
+//!
 //! Every process is deterministic: its output bytes depend only on its
 //! snapshot and the bytes it reads (never on how reads are split), so a
 //! replay from its last export writes the same bytes and the restarted
@@ -70,6 +77,11 @@ const CGI_IN: ChannelId = ChannelId(3);
 /// Pages, back-end to front-end: frames of a `u32` big-endian length and
 /// that many bytes; length 0 ends the page.
 const CGI_OUT: ChannelId = ChannelId(4);
+/// Orders to a `cgi` back-end (behind a cluster host's front-end,
+/// `tests/service_web_cluster.rs`): its `req.sock`.
+const CGI_ORDERS: ChannelId = ChannelId(1);
+/// Pages from a `cgi` back-end: its `rep.sock`, framed as on [`CGI_OUT`].
+const CGI_PAGES: ChannelId = ChannelId(2);
 /// A process exports at least once per this many bytes of a response, so
 /// its peers' logs stay small (bytes).
 const EXPORT_EVERY: u64 = 1 << 20;
@@ -361,7 +373,8 @@ fn record(ledger: &Path, at: &mut u64, line: &[u8], out: &Path) -> bool {
     landed
 }
 
-async fn back_end(m: Member, out: PathBuf) -> io::Result<()> {
+/// The back-end: orders read on `orders`, pages written on `pages`.
+async fn back_end(m: Member, out: PathBuf, orders: ChannelId, pages: ChannelId) -> io::Result<()> {
     let mut state = m
         .snapshot()
         .map(|s| BackEnd::decode(&s))
@@ -372,7 +385,7 @@ async fn back_end(m: Member, out: PathBuf) -> io::Result<()> {
     let ledger = out.join("ledger");
     loop {
         let Some((id, size, sent)) = &mut state.page else {
-            let Some(line) = read_until(&m, CGI_IN, b"\n", 256).await? else {
+            let Some(line) = read_until(&m, orders, b"\n", 256).await? else {
                 std::future::pending::<()>().await;
                 unreachable!()
             };
@@ -398,7 +411,7 @@ async fn back_end(m: Member, out: PathBuf) -> io::Result<()> {
             continue;
         };
         if *sent == *size {
-            m.write_all(CGI_OUT, &0u32.to_be_bytes()).await?;
+            m.write_all(pages, &0u32.to_be_bytes()).await?;
             state.page = None;
             m.export(&state.encode(), Interval::Deterministic).await?;
             continue;
@@ -406,7 +419,7 @@ async fn back_end(m: Member, out: PathBuf) -> io::Result<()> {
         let len = (*size - *sent).min(web::FRAME as u64) as usize;
         let mut frame = (len as u32).to_be_bytes().to_vec();
         frame.extend_from_slice(&web::page_frame(*id, *sent / web::FRAME as u64, len));
-        m.write_all(CGI_OUT, &frame).await?;
+        m.write_all(pages, &frame).await?;
         let before = *sent;
         *sent += len as u64;
         if *sent / EXPORT_EVERY != before / EXPORT_EVERY && *sent < *size {
@@ -627,9 +640,14 @@ async fn fifo_writer(dir: &Path, name: &str) -> pipe::Sender {
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
     let args: Vec<String> = std::env::args().collect();
+    if let [_, role, control, dir, out] = &args[..] {
+        if role == "cgi" {
+            cgi(control, Path::new(dir), PathBuf::from(out)).await;
+        }
+    }
     let [_, role, dir, control, out, www, download, orders, seed] = &args[..] else {
         eprintln!(
-            "usage: web_server ROLE CHANNEL_DIR CONTROL_SOCKET OUT_DIR WWW_DIR DOWNLOAD ORDERS SEED"
+            "usage: web_server ROLE CHANNEL_DIR CONTROL_SOCKET OUT_DIR WWW_DIR DOWNLOAD ORDERS SEED\n       web_server cgi CONTROL_SOCKET CHANNEL_DIR OUT_DIR"
         );
         std::process::exit(2);
     };
@@ -673,7 +691,8 @@ async fn main() {
         tokio::spawn(async move {
             let done = match role.as_str() {
                 "fe" => front_end(m, www, out.clone()).await,
-                "be" => back_end(m, out.clone()).await,
+                "be" => back_end(m, out.clone(), CGI_IN, CGI_OUT).await,
+                "cgi" => back_end(m, out.clone(), CGI_ORDERS, CGI_PAGES).await,
                 _ => client(m, out.clone(), download, orders, seed).await,
             };
             if let Err(e) = done {
@@ -683,6 +702,34 @@ async fn main() {
         })
     };
     // Ready: the coordinator may now end the old site and thaw this one.
+    m.ready(&mut control).await.expect("ready");
+    let served = m.serve_control(control).await;
+    app.abort();
+    std::process::exit(if served.is_ok() { 0 } else { 1 });
+}
+
+/// The `cgi` back-end: the set's only process besides a cluster host's
+/// front-end (its root, in the host's process), reached over the Unix
+/// sockets `req.sock` (orders) and `rep.sock` (pages) in `dir`, which the
+/// front-end listens on. Never returns.
+async fn cgi(control: &str, dir: &Path, out: PathBuf) -> ! {
+    let mut control = UnixStream::connect(control).await.expect("control socket");
+    let m = join(&mut control, "cgi", Limits::default())
+        .await
+        .expect("join");
+    m.add_reader(CGI_ORDERS, connect(dir, "req.sock").await)
+        .expect("req");
+    m.add_writer(CGI_PAGES, connect(dir, "rep.sock").await)
+        .expect("rep");
+    let app = {
+        let (m, out) = (m.clone(), out.clone());
+        tokio::spawn(async move {
+            if let Err(e) = back_end(m, out.clone(), CGI_ORDERS, CGI_PAGES).await {
+                fail(&out, &format!("cgi: {e}"));
+            }
+            std::future::pending::<()>().await;
+        })
+    };
     m.ready(&mut control).await.expect("ready");
     let served = m.serve_control(control).await;
     app.abort();

@@ -52,6 +52,8 @@ pub struct Front {
     pub role: &'static str,
     /// Where each set incarnation's sockets go (one directory each).
     pub work: PathBuf,
+    /// The back-end's arguments before `CONTROL_SOCKET CHANNEL_DIR`.
+    pub lead: Vec<OsString>,
     /// The back-end's arguments after `CONTROL_SOCKET CHANNEL_DIR`.
     pub args: Vec<OsString>,
     /// Sets started here (fresh or restored).
@@ -84,6 +86,7 @@ impl Front {
             backend,
             role,
             work,
+            lead: Vec::new(),
             args,
             starts: AtomicUsize::new(0),
             restored: AtomicUsize::new(0),
@@ -94,6 +97,13 @@ impl Front {
             pids: Mutex::new(Vec::new()),
             cuts: Mutex::new(Vec::new()),
         }
+    }
+
+    /// The same front-end, its back-end run as `backend lead...
+    /// CONTROL_SOCKET CHANNEL_DIR args...`.
+    pub fn with_lead(mut self, lead: Vec<OsString>) -> Self {
+        self.lead = lead;
+        self
     }
 
     /// The set's limits.
@@ -117,7 +127,10 @@ impl Front {
         let req = UnixListener::bind(dir.join("req.sock"))?;
         let rep = UnixListener::bind(dir.join("rep.sock"))?;
         let mut cmd = Command::new(&self.backend);
-        cmd.arg(dir.join("control.sock")).arg(&dir).args(&self.args);
+        cmd.args(&self.lead)
+            .arg(dir.join("control.sock"))
+            .arg(&dir)
+            .args(&self.args);
         let mut child = cmd.kill_on_drop(true).spawn()?;
         if let Some(pid) = child.id() {
             self.pids.lock().unwrap().push(pid);
