@@ -846,21 +846,177 @@ impl Drop for ConfigFile {
 /// left the old host, and on the new host from the moment the address
 /// arrives until the restored sockets exist — packets that would otherwise
 /// draw resets are dropped, and TCP retransmits them.
+///
+/// The lock ends with the process that holds it, however it ends: its
+/// table is owned (`flags owner`, Linux 5.12 and later) by an `nft -i`
+/// child reading the holder's pipe, and the kernel deletes an owned table
+/// when its owner's netlink socket closes. A holder killed outright leaves
+/// no address locked for good.
 #[derive(Debug)]
 pub struct AddressLock {
-    /// The namespace the lock is in (`None`: the caller's).
-    ns: Option<String>,
-    /// The nftables table (family `inet`) that holds the two rules.
+    /// The nftables table (family `inet`) that holds the rules.
     table: String,
-    /// The table is gone (or never made): nothing for the drop to delete.
-    released: bool,
+    /// The `nft -i` process whose netlink socket owns the table (`flags
+    /// owner`): the kernel deletes an owned table when its owner's socket
+    /// closes, so the lock ends with that process, whatever ends it. Its
+    /// standard input is this lock's pipe: when the holder exits, even
+    /// killed outright (SIGKILL, out of memory), the pipe closes, `nft`
+    /// reads its end and exits, and nothing stays locked.
+    keeper: Option<Keeper>,
+}
+
+/// How long `nft` may take to confirm a lock.
+const LOCK_CONFIRM: Duration = Duration::from_secs(10);
+
+/// A running `nft -i` that owns a lock's table.
+#[derive(Debug)]
+struct Keeper {
+    child: Child,
+    /// The process's commands; closing it ends the process (and the table).
+    stdin: Option<std::process::ChildStdin>,
+}
+
+/// A line `nft -i` wrote, or the end of its output.
+enum NftLine {
+    Out(String),
+    Err(String),
+    Closed,
+}
+
+impl Keeper {
+    /// Starts `nft -i` in namespace `ns`, gives it `commands` (one per
+    /// line; the first must create `table` with `flags owner`) and waits
+    /// until the table lists, or fails with nft's error.
+    fn start(ns: Option<&str>, table: &str, commands: &[String]) -> Result<Keeper, Error> {
+        let lock_err = |detail: String| Error::Lock { detail };
+        let mut child = command_in(ns, "nft".as_ref())
+            .arg("-i")
+            // Its history file (`$HOME/.nft.history`, written at exit) is
+            // not the user's business: a home that does not exist.
+            .env("HOME", "/nonexistent/roam")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| lock_err(format!("could not run nft: {e}")))?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        let out = child.stdout.take().expect("piped");
+        let err = child.stderr.take().expect("piped");
+        for (stream, is_err) in [
+            (Box::new(out) as Box<dyn Read + Send>, false),
+            (Box::new(err) as Box<dyn Read + Send>, true),
+        ] {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                use std::io::BufRead;
+                // Reads to the end of nft's life, also once nobody listens
+                // (the lock confirmed): a closed pipe would kill nft with
+                // SIGPIPE at its next write, and its table with it.
+                for line in io::BufReader::new(stream).lines() {
+                    let Ok(line) = line else { break };
+                    let _ = if is_err {
+                        tx.send(NftLine::Err(line))
+                    } else {
+                        tx.send(NftLine::Out(line))
+                    };
+                }
+                let _ = tx.send(NftLine::Closed);
+            });
+        }
+        let mut keeper = Keeper {
+            stdin: child.stdin.take(),
+            child,
+        };
+        let mut script = commands.join("\n");
+        script.push_str(&format!("\nlist table inet {table}\n"));
+        let written = keeper
+            .stdin
+            .as_mut()
+            .expect("piped")
+            .write_all(script.as_bytes());
+        let confirmed = match written {
+            Err(e) => Err(format!("writing to nft: {e}")),
+            Ok(()) => Self::confirm(&rx),
+        };
+        match confirmed {
+            Ok(()) => Ok(keeper),
+            Err(detail) => {
+                keeper.end();
+                Err(lock_err(detail))
+            }
+        }
+    }
+
+    /// Waits for the table's listing to end (a line `}`); nft's error (the
+    /// message, the command and the caret under the fault) if one comes
+    /// first.
+    fn confirm(rx: &std::sync::mpsc::Receiver<NftLine>) -> Result<(), String> {
+        let deadline = Instant::now() + LOCK_CONFIRM;
+        let mut error: Vec<String> = Vec::new();
+        let mut closed = 0;
+        loop {
+            let wait = if error.is_empty() {
+                deadline.saturating_duration_since(Instant::now())
+            } else {
+                // The rest of the error's lines follow at once.
+                Duration::from_millis(100)
+            };
+            match rx.recv_timeout(wait) {
+                // The table's own closing brace, not a chain's (`\t}`).
+                Ok(NftLine::Out(line)) if error.is_empty() && line.trim_end() == "}" => {
+                    return Ok(())
+                }
+                Ok(NftLine::Out(_)) => {}
+                Ok(NftLine::Err(line)) => {
+                    if error.len() < 3 {
+                        error.push(line.trim_end().to_string());
+                    }
+                }
+                Ok(NftLine::Closed) => {
+                    closed += 1;
+                    if closed == 2 {
+                        break;
+                    }
+                }
+                Err(_) => break,
+            }
+        }
+        if !error.is_empty() {
+            return Err(format!("nft failed: {}", error.join(" | ")));
+        }
+        if closed == 2 {
+            return Err("nft ended before the lock was in place".into());
+        }
+        Err(format!(
+            "nft did not confirm the lock within {LOCK_CONFIRM:?}"
+        ))
+    }
+
+    /// Ends the process (its end of input, then SIGKILL if it lingers):
+    /// the kernel deletes the table it owns as its socket closes.
+    fn end(&mut self) {
+        drop(self.stdin.take());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            match self.child.try_wait() {
+                Ok(Some(_)) | Err(_) => return,
+                Ok(None) if Instant::now() >= deadline => {
+                    let _ = self.child.kill();
+                    let _ = self.child.wait();
+                    return;
+                }
+                Ok(None) => std::thread::sleep(Duration::from_millis(2)),
+            }
+        }
+    }
 }
 
 impl AddressLock {
     /// Drops TCP and UDP to and from `addr` in namespace `ns`
     /// (`/run/netns/NS`; the caller's own namespace if `None`) until
-    /// released or dropped. (UDP too: a datagram that reached a frozen
-    /// socket's queue would die with the dumped process.)
+    /// released or dropped, or the calling process ends. (UDP too: a
+    /// datagram that reached a frozen socket's queue would die with the
+    /// dumped process.)
     pub fn new(ns: Option<&str>, addr: std::net::IpAddr) -> Result<AddressLock, Error> {
         let table = Self::table_name();
         let family = match addr {
@@ -868,27 +1024,28 @@ impl AddressLock {
             std::net::IpAddr::V6(_) => "ip6",
         };
         // Priority -150: before conntrack's and any filter table's hooks.
-        let rules = format!(
-            "table inet {table} {{\n\
-             \tchain input {{ type filter hook input priority -150; policy accept; \
-             {family} daddr {addr} meta l4proto {{ tcp, udp }} drop; }}\n\
-             \tchain output {{ type filter hook output priority -150; policy accept; \
-             {family} saddr {addr} meta l4proto {{ tcp, udp }} drop; }}\n}}\n"
-        );
-        // Marked released until the table exists: a failed start deletes nothing.
-        let mut lock = AddressLock {
-            ns: ns.map(str::to_owned),
+        let commands = vec![
+            format!("add table inet {table} {{ flags owner; }}"),
+            format!(
+                "add chain inet {table} input {{ type filter hook input priority -150; policy accept; }}"
+            ),
+            format!("add rule inet {table} input {family} daddr {addr} meta l4proto {{ tcp, udp }} drop"),
+            format!(
+                "add chain inet {table} output {{ type filter hook output priority -150; policy accept; }}"
+            ),
+            format!("add rule inet {table} output {family} saddr {addr} meta l4proto {{ tcp, udp }} drop"),
+        ];
+        let keeper = Keeper::start(ns, &table, &commands)?;
+        Ok(AddressLock {
             table,
-            released: true,
-        };
-        lock.nft(&rules)?;
-        lock.released = false;
-        Ok(lock)
+            keeper: Some(keeper),
+        })
     }
 
     /// Drops the packets of the TCP connections `conns` (each as its two
     /// ends, either way round) in namespace `ns` as they arrive, until
-    /// released or dropped: for connections whose both ends are in this
+    /// released or dropped, or the calling process ends: for connections
+    /// whose both ends are in this
     /// namespace (over loopback), which CRIU dumps and restores one end
     /// after the other. Dumping, a packet between its reads of the two ends
     /// leaves images that disagree (the sender counts as delivered bytes
@@ -937,30 +1094,28 @@ impl AddressLock {
                 }
             }
         }
-        let mut rules = String::new();
+        let table = Self::table_name();
+        // Input only: both ends are here, and a packet dropped on its way
+        // in is lost to its sender, which retransmits it.
+        let mut commands = vec![
+            format!("add table inet {table} {{ flags owner; }}"),
+            format!(
+                "add chain inet {table} input {{ type filter hook input priority -150; policy accept; }}"
+            ),
+        ];
         for (family, elems) in [("ip", v4), ("ip6", v6)] {
             if !elems.is_empty() {
-                rules.push_str(&format!(
-                    " {family} saddr . tcp sport . {family} daddr . tcp dport {{ {} }} drop;",
+                commands.push(format!(
+                    "add rule inet {table} input {family} saddr . tcp sport . {family} daddr . tcp dport {{ {} }} drop",
                     elems.into_iter().collect::<Vec<_>>().join(", ")
                 ));
             }
         }
-        let table = Self::table_name();
-        // Input only: both ends are here, and a packet dropped on its way
-        // in is lost to its sender, which retransmits it.
-        let script = format!(
-            "table inet {table} {{\n\tchain input {{ type filter hook input priority -150; \
-             policy accept;{rules} }}\n}}\n"
-        );
-        let mut lock = AddressLock {
-            ns: ns.map(str::to_owned),
+        let keeper = Keeper::start(ns, &table, &commands)?;
+        Ok(AddressLock {
             table,
-            released: true,
-        };
-        lock.nft(&script)?;
-        lock.released = false;
-        Ok(lock)
+            keeper: Some(keeper),
+        })
     }
 
     /// A table name no other lock of this process has.
@@ -974,42 +1129,16 @@ impl AddressLock {
         )
     }
 
-    /// Lifts the lock.
-    pub fn release(mut self) -> Result<(), Error> {
-        self.released = true;
-        self.nft(&format!("delete table inet {}\n", self.table))
+    /// The nftables table (family `inet`) that holds the lock's rules.
+    pub fn table(&self) -> &str {
+        &self.table
     }
 
-    /// Runs `nft -f -` with `script`, in the lock's namespace.
-    fn nft(&self, script: &str) -> Result<(), Error> {
-        let mut cmd = command_in(self.ns.as_deref(), "nft".as_ref());
-        let mut child = cmd
-            .args(["-f", "-"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| Error::Lock {
-                detail: format!("could not run nft: {e}"),
-            })?;
-        if let Some(mut stdin) = child.stdin.take() {
-            stdin
-                .write_all(script.as_bytes())
-                .map_err(|e| Error::Lock {
-                    detail: format!("writing to nft: {e}"),
-                })?;
-        }
-        let out = child.wait_with_output().map_err(|e| Error::Lock {
-            detail: format!("waiting for nft: {e}"),
-        })?;
-        if !out.status.success() {
-            return Err(Error::Lock {
-                detail: format!(
-                    "nft failed ({}): {}",
-                    out.status,
-                    String::from_utf8_lossy(&out.stderr).trim()
-                ),
-            });
+    /// Lifts the lock: its `nft` ends, and the kernel deletes the table
+    /// it owned.
+    pub fn release(mut self) -> Result<(), Error> {
+        if let Some(mut k) = self.keeper.take() {
+            k.end();
         }
         Ok(())
     }
@@ -1017,8 +1146,8 @@ impl AddressLock {
 
 impl Drop for AddressLock {
     fn drop(&mut self) {
-        if !self.released {
-            let _ = self.nft(&format!("delete table inet {}\n", self.table));
+        if let Some(mut k) = self.keeper.take() {
+            k.end();
         }
     }
 }

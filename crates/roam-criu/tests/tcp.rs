@@ -394,6 +394,87 @@ fn the_address_lock_drops_tcp_for_its_address_until_released() {
     let _ = server.wait();
 }
 
+/// Not a test on its own: the holder process of
+/// [`a_lock_whose_holder_is_killed_outright_is_lifted_with_it`], run by it
+/// (`ROAM_LOCK_HOLDER=NS ADDR`): takes the address lock, says `locked`,
+/// and waits to be killed.
+#[test]
+#[ignore = "run by a_lock_whose_holder_is_killed_outright_is_lifted_with_it"]
+fn lock_holder() {
+    let Ok(spec) = std::env::var("ROAM_LOCK_HOLDER") else {
+        return;
+    };
+    let (ns, addr) = spec.split_once(' ').expect("NS ADDR");
+    let lock = AddressLock::new(Some(ns), addr.parse().expect("an address")).expect("lock");
+    println!("locked {}", lock.table());
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+/// A holder killed outright (SIGKILL: no drop, no release) does not leave
+/// its address locked: the lock's nftables table is owned by an `nft`
+/// process reading the holder's pipe, and ends with it. (Before, a
+/// `migrate-process` killed mid-move left its process unreachable at the
+/// source for good.)
+#[test]
+fn a_lock_whose_holder_is_killed_outright_is_lifted_with_it() {
+    use std::io::BufRead;
+    let Some((_criu, pair)) = setup("criu_lkill") else {
+        return;
+    };
+    let (mut server, addr) = start_echo_on(&pair);
+    let connect = || pair.tcp_connect(Side::Client, addr, Duration::from_millis(500));
+    connect().expect("reachable before the lock");
+    let mut holder = Command::new(std::env::current_exe().expect("this test binary"))
+        .args(["--exact", "lock_holder", "--ignored", "--nocapture"])
+        .env(
+            "ROAM_LOCK_HOLDER",
+            format!("{} {}", pair.ns(Side::Server), addr.ip()),
+        )
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("start the holder");
+    let mut lines = std::io::BufReader::new(holder.stdout.take().expect("piped")).lines();
+    let table = loop {
+        let line = lines
+            .next()
+            .expect("the holder ended before it locked")
+            .expect("read");
+        if let Some(t) = line.strip_prefix("locked ") {
+            break t.to_string();
+        }
+    };
+    let tables = || {
+        let out = Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{}", pair.ns(Side::Server)))
+            .args(["--", "nft", "list", "tables"])
+            .output()
+            .expect("nft list tables");
+        assert!(
+            out.status.success(),
+            "nft list tables: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    assert!(tables().contains(&table), "the lock's table: {}", tables());
+    connect().expect_err("a locked address must not answer");
+    holder.kill().expect("SIGKILL the holder");
+    holder.wait().expect("reap the holder");
+    // The holder's nft reads the end of its pipe and exits: bounded wait.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while tables().contains(&table) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the killed holder's lock is still there: {}",
+            tables()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    connect().expect("reachable once the holder is gone");
+    let _ = server.kill();
+    let _ = server.wait();
+}
+
 /// The connection lock holds back the packets of the loopback connections
 /// it names, both ways, and no others: bytes written on a held connection
 /// do not arrive while it is held and do arrive, retransmitted, once it is
