@@ -1420,6 +1420,36 @@ fn a_signal_while_the_images_travel_calls_the_move_off() {
     s.assert_still_at_source();
 }
 
+/// `roam migrate-process` killed outright (SIGKILL: no handler, no drop)
+/// while the images travel, the server frozen inside CRIU's post-dump
+/// step behind the address lock: CRIU, losing its RPC peer, lets the server
+/// run on at A, and the lock ends with the killed process (its nftables
+/// table is owned by the `nft` reading that process's pipe), so the server
+/// serves its connection and new ones at A; B gives the move up and keeps
+/// nothing.
+#[test]
+fn a_source_killed_outright_while_the_images_travel_leaves_the_server_serving_at_the_source() {
+    if !can_run() {
+        return;
+    }
+    let received = tempfile::tempdir().expect("B's images dir");
+    let mut s = Setup::holding("mig_skill", Some(received.path()), 300);
+    let (mut child, _err, seen) = s.migrate_until("sending");
+    assert!(
+        s.has_lock(A),
+        "the address is locked while the images travel"
+    );
+    child.kill().expect("SIGKILL migrate-process");
+    let status = child.wait().expect("wait");
+    eprintln!("{seen}\n{status}");
+    wait_empty(
+        received.path(),
+        Duration::from_secs(20),
+        "B kept the images",
+    );
+    s.assert_still_at_source();
+}
+
 /// redis-server with 1,000 clients, each INCR-ing a key of its own in a
 /// loop (one command each per round, all clients per round), while redis
 /// moves to B: every reply is the one expected — each client's counter

@@ -139,35 +139,110 @@ async fn serve_session(host: Arc<Host>, session: roam::SessionHandle) {
             }
         });
     }
+    let lost = watch_source(&session);
     while let Some(stream) = meta_rx.recv().await {
         let _one = host.busy.lock().await;
         // A pages stream left by an earlier move is not this one's.
         while pages_rx.try_recv().is_ok() {}
         let (mut rd, mut wr) = tokio::io::split(stream);
-        match receive(&host, &mut rd, &mut wr, &mut pages_rx).await {
+        match receive(&host, &mut rd, &lost, &mut wr, &mut pages_rx).await {
             Ok(msg) => eprintln!("roam migrate-accept: {msg} (from {peer})"),
             Err(reason) => {
                 eprintln!("roam migrate-accept: a migration from {peer} failed: {reason}");
                 let _ = wire::write_frame(&mut wr, &Frame::Failed { reason }).await;
                 // Let the source's sending end: read and drop what it
-                // still sends, until it stops (or a minute passes).
-                let _ = tokio::time::timeout(FRAME_TIMEOUT, async {
-                    while let Ok(f) = wire::read_frame(&mut rd).await {
-                        if matches!(f, Frame::Sent | Frame::Abort { .. }) {
-                            break;
-                        }
+                // still sends, until it stops (or a minute passes, or the
+                // source is lost).
+                while let Ok(f) = next(&mut rd, &lost).await {
+                    if matches!(f, Frame::Sent | Frame::Abort { .. }) {
+                        break;
                     }
-                })
-                .await;
+                }
             }
         }
         let _ = wr.flush().await;
     }
 }
 
-/// The source's next frame, within [`FRAME_TIMEOUT`].
-async fn next(rd: &mut tokio::io::ReadHalf<roam::RoamStream>) -> Result<Frame, String> {
-    match tokio::time::timeout(FRAME_TIMEOUT, wire::read_frame(rd)).await {
+/// Why the source is lost (its session suspended for longer than
+/// [`SOURCE_GRACE`], or ended), once it is.
+type SourceLost = tokio::sync::watch::Receiver<Option<String>>;
+
+/// How long the session from the source may stay suspended during a move
+/// before this side gives the move up (the source's own rule for its
+/// destination, `SUSPEND_GRACE`): a source killed outright, or cut off,
+/// is noticed in seconds instead of at [`FRAME_TIMEOUT`].
+const SOURCE_GRACE: Duration = Duration::from_secs(2);
+
+/// Watches the session from a source: the returned flag says why it is
+/// lost once it stays suspended for [`SOURCE_GRACE`] or ends.
+fn watch_source(session: &roam::SessionHandle) -> SourceLost {
+    use roam::SessionEvent;
+    use tokio::sync::broadcast::error::RecvError;
+    let (tx, rx) = tokio::sync::watch::channel(None);
+    let mut events = session.events();
+    tokio::spawn(async move {
+        let why = loop {
+            tokio::select! {
+                _ = tx.closed() => return,
+                event = events.recv() => match event {
+                    Ok(SessionEvent::Suspended { reason }) => {
+                        let back = tokio::time::timeout(SOURCE_GRACE, async {
+                            loop {
+                                match events.recv().await {
+                                    Ok(SessionEvent::Resumed { .. }) => return true,
+                                    Ok(SessionEvent::Closed { .. }) | Err(RecvError::Closed) => {
+                                        return false
+                                    }
+                                    _ => {}
+                                }
+                            }
+                        })
+                        .await;
+                        if back != Ok(true) {
+                            break format!(
+                                "the source became unreachable (no answer for {} s after the \
+                                 session was lost: {reason:?})",
+                                SOURCE_GRACE.as_secs()
+                            );
+                        }
+                    }
+                    Ok(SessionEvent::Closed { reason }) => {
+                        break format!("the session from the source ended: {reason:?}")
+                    }
+                    Err(RecvError::Closed) => return,
+                    _ => {}
+                },
+            }
+        };
+        let _ = tx.send(Some(why));
+    });
+    rx
+}
+
+/// The source's next frame, within [`FRAME_TIMEOUT`], unless the source is
+/// lost first (a frame already here still comes first).
+async fn next(
+    rd: &mut tokio::io::ReadHalf<roam::RoamStream>,
+    lost: &SourceLost,
+) -> Result<Frame, String> {
+    let mut lost = lost.clone();
+    let gone = async {
+        loop {
+            if let Some(why) = lost.borrow_and_update().clone() {
+                return why;
+            }
+            if lost.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    let frame = tokio::select! {
+        biased;
+        f = tokio::time::timeout(FRAME_TIMEOUT, wire::read_frame(rd)) => f,
+        why = gone => return Err(why),
+    };
+    match frame {
         Ok(Ok(f)) => Ok(f),
         Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
             Err("the source closed the stream".into())
@@ -185,10 +260,11 @@ async fn next(rd: &mut tokio::io::ReadHalf<roam::RoamStream>) -> Result<Frame, S
 async fn receive(
     host: &Host,
     rd: &mut tokio::io::ReadHalf<roam::RoamStream>,
+    lost: &SourceLost,
     wr: &mut tokio::io::WriteHalf<roam::RoamStream>,
     pages_rx: &mut tokio::sync::mpsc::Receiver<roam::RoamStream>,
 ) -> Result<String, String> {
-    let (address, process) = match next(rd).await? {
+    let (address, process) = match next(rd, lost).await? {
         Frame::Hello {
             address,
             process,
@@ -229,7 +305,7 @@ async fn receive(
     .map_err(send)?;
     // The first image frame comes after the dump; a post-copy move's pages
     // stream was opened before it, so it is here by then.
-    let first = next(rd).await?;
+    let first = next(rd, lost).await?;
     let mut pages = pages_rx.try_recv().ok();
     let images = match &host.images_dir {
         Some(dir) => Received::create(dir)?,
@@ -255,7 +331,7 @@ async fn receive(
         }
     };
     let (received, (daemon, unused)) =
-        tokio::join!(images.receive_all(rd, first, early_tx), starting);
+        tokio::join!(images.receive_all(rd, lost, first, early_tx), starting);
     pages = unused;
     let daemon = daemon.transpose();
     received?;
@@ -279,8 +355,8 @@ async fn receive(
     let asked = async {
         wire::write_frame(wr, &Frame::Stored).await.map_err(send)?;
         // The process's connections over loopback, if any, come first.
-        Ok::<_, String>(match next(rd).await? {
-            Frame::Loopback(conns) => (conns, next(rd).await?),
+        Ok::<_, String>(match next(rd, lost).await? {
+            Frame::Loopback(conns) => (conns, next(rd, lost).await?),
             other => (Vec::new(), other),
         })
     }
@@ -362,7 +438,7 @@ async fn receive(
             .map_err(send)?;
         let mut captured = Vec::new();
         loop {
-            match next(rd).await? {
+            match next(rd, lost).await? {
                 Frame::Packets(ps) => captured.extend(ps),
                 Frame::Commit => return Ok(captured),
                 Frame::Abort { reason } => return Err(format!("the source gave up: {reason}")),
@@ -713,6 +789,7 @@ impl Received {
     async fn receive_all(
         &self,
         rd: &mut tokio::io::ReadHalf<roam::RoamStream>,
+        lost: &SourceLost,
         first: Frame,
         early: tokio::sync::oneshot::Sender<()>,
     ) -> Result<(), String> {
@@ -781,7 +858,7 @@ impl Received {
             loop {
                 let frame = match first.take() {
                     Some(f) => f,
-                    None => next(rd).await?,
+                    None => next(rd, lost).await?,
                 };
                 // At the end everything is here (a source that sent the
                 // early images otherwise than whole).
@@ -794,7 +871,7 @@ impl Received {
                     Frame::File { name, mut size } => {
                         tx.send(Op::Open(name.clone())).await.map_err(|_| gone())?;
                         while size > 0 {
-                            match next(rd).await? {
+                            match next(rd, lost).await? {
                                 Frame::Data(d) if d.len() as u64 <= size => {
                                     size -= d.len() as u64;
                                     tx.send(Op::Data(d)).await.map_err(|_| gone())?;
