@@ -192,20 +192,6 @@ fn target(head: &[u8]) -> Option<String> {
     }
 }
 
-/// `id` and `size` of `/order?id=I&size=S`.
-fn order_query(target: &str) -> Option<(u64, u64)> {
-    let query = target.strip_prefix("/order?")?;
-    let (mut id, mut size) = (None, None);
-    for pair in query.split('&') {
-        match pair.split_once('=')? {
-            ("id", v) => id = v.parse().ok(),
-            ("size", v) => size = v.parse().ok(),
-            _ => {}
-        }
-    }
-    Some((id?, size?))
-}
-
 async fn front_end(m: Member, www: PathBuf, out: PathBuf) -> io::Result<()> {
     let mut state = m
         .snapshot()
@@ -225,7 +211,7 @@ async fn front_end(m: Member, www: PathBuf, out: PathBuf) -> io::Result<()> {
                 let Some(target) = target(&head) else {
                     fail(&out, "the front-end got a malformed request");
                 };
-                if let Some((id, size)) = order_query(&target) {
+                if let Some((id, size)) = web::order_query(&target) {
                     m.write_all(
                         RESP,
                         b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n\

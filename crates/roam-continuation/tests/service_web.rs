@@ -34,17 +34,6 @@ const ROLES: [&str; 3] = ["fe", "be", "cl"];
 /// The static file the client downloads.
 const BIG: &str = "/big.bin";
 
-/// The seed of a run: `ROAM_TEST_SEED` or a fixed one, printed so that a
-/// failure replays.
-fn seed() -> u64 {
-    let seed = std::env::var("ROAM_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(15);
-    eprintln!("seed {seed} (ROAM_TEST_SEED)");
-    seed
-}
-
 /// One site's running set: its processes and their controls, in the set's
 /// order.
 struct Running {
@@ -384,7 +373,7 @@ const BIG_LEN: usize = 64 << 20;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_download_moves_between_sites_and_every_byte_arrives_once() {
-    let seed = seed();
+    let seed = web::seed();
     let dir = tempfile::tempdir().unwrap();
     let www = dir.path().join("www");
     let digest = big_file(&www, BIG_LEN, seed);
@@ -426,7 +415,7 @@ async fn a_large_download_moves_between_sites_and_every_byte_arrives_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dynamic_requests_move_at_random_points_and_each_order_lands_once() {
-    let seed = seed();
+    let seed = web::seed();
     let dir = tempfile::tempdir().unwrap();
     let www = dir.path().join("www");
     std::fs::create_dir_all(&www).unwrap();
@@ -458,7 +447,7 @@ async fn dynamic_requests_move_at_random_points_and_each_order_lands_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_destination_front_end_killed_mid_move_leaves_the_service_at_the_source() {
-    let seed = seed();
+    let seed = web::seed();
     let dir = tempfile::tempdir().unwrap();
     let www = dir.path().join("www");
     let len = 32 << 20;

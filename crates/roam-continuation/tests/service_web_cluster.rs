@@ -49,17 +49,6 @@ const FILE_CHUNK: usize = 64 << 10;
 /// The largest request head the front-end accepts (bytes).
 const MAX_HEAD: usize = 8192;
 
-/// The seed of a run: `ROAM_TEST_SEED` or a fixed one, printed so that a
-/// failure replays.
-fn seed() -> u64 {
-    let seed = std::env::var("ROAM_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(15);
-    eprintln!("seed {seed} (ROAM_TEST_SEED)");
-    seed
-}
-
 /// What the front-end is doing between two steps; stored in the session
 /// (`web`) at a save, with the back-end's bytes of a frame not yet
 /// forwarded (`back`) and the client's bytes of a request not yet handled
@@ -104,20 +93,6 @@ fn www(front: &Front) -> PathBuf {
         .parent()
         .expect("the cluster directory")
         .join("www")
-}
-
-/// `id` and `size` of `/order?id=I&size=S`.
-fn order_query(target: &str) -> Option<(u64, u64)> {
-    let query = target.strip_prefix("/order?")?;
-    let (mut id, mut size) = (None, None);
-    for pair in query.split('&') {
-        match pair.split_once('=')? {
-            ("id", v) => id = v.parse().ok(),
-            ("size", v) => size = v.parse().ok(),
-            _ => {}
-        }
-    }
-    Some((id?, size?))
 }
 
 /// The front-end's loop for one session. Each step (a piece of the static
@@ -244,7 +219,7 @@ async fn start_request(
             return Ok(State::Idle);
         }
     };
-    if let Some((id, size)) = order_query(&target) {
+    if let Some((id, size)) = web::order_query(&target) {
         let _ = stream
             .write_all(
                 b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n\
@@ -473,7 +448,7 @@ async fn client(
 async fn an_outside_client_downloads_and_orders_through_a_cluster_that_moves_its_session_and_every_byte_and_order_arrives_once(
 ) {
     bounded(Duration::from_secs(240), "test", async {
-        let seed = seed();
+        let seed = web::seed();
         const LEN: usize = 32 << 20;
         const ORDERS: u64 = 60;
         let (c, digest) = start_cluster(LEN, seed).await;

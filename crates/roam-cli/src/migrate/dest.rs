@@ -165,59 +165,15 @@ async fn serve_session(host: Arc<Host>, session: roam::SessionHandle) {
 }
 
 /// Why the source is lost (its session suspended for longer than
-/// [`SOURCE_GRACE`], or ended), once it is.
+/// [`super::LOST_GRACE`], or ended), once it is.
 type SourceLost = tokio::sync::watch::Receiver<Option<String>>;
 
-/// How long the session from the source may stay suspended during a move
-/// before this side gives the move up (the source's own rule for its
-/// destination, `SUSPEND_GRACE`): a source killed outright, or cut off,
-/// is noticed in seconds instead of at [`FRAME_TIMEOUT`].
-const SOURCE_GRACE: Duration = Duration::from_secs(2);
-
 /// Watches the session from a source: the returned flag says why it is
-/// lost once it stays suspended for [`SOURCE_GRACE`] or ends.
+/// lost once it stays suspended for [`super::LOST_GRACE`] (the grace the
+/// source gives its destination) or ends. A source killed outright, or cut
+/// off, is then noticed in seconds instead of at [`FRAME_TIMEOUT`].
 fn watch_source(session: &roam::SessionHandle) -> SourceLost {
-    use roam::SessionEvent;
-    use tokio::sync::broadcast::error::RecvError;
-    let (tx, rx) = tokio::sync::watch::channel(None);
-    let mut events = session.events();
-    tokio::spawn(async move {
-        let why = loop {
-            tokio::select! {
-                _ = tx.closed() => return,
-                event = events.recv() => match event {
-                    Ok(SessionEvent::Suspended { reason }) => {
-                        let back = tokio::time::timeout(SOURCE_GRACE, async {
-                            loop {
-                                match events.recv().await {
-                                    Ok(SessionEvent::Resumed { .. }) => return true,
-                                    Ok(SessionEvent::Closed { .. }) | Err(RecvError::Closed) => {
-                                        return false
-                                    }
-                                    _ => {}
-                                }
-                            }
-                        })
-                        .await;
-                        if back != Ok(true) {
-                            break format!(
-                                "the source became unreachable (no answer for {} s after the \
-                                 session was lost: {reason:?})",
-                                SOURCE_GRACE.as_secs()
-                            );
-                        }
-                    }
-                    Ok(SessionEvent::Closed { reason }) => {
-                        break format!("the session from the source ended: {reason:?}")
-                    }
-                    Err(RecvError::Closed) => return,
-                    _ => {}
-                },
-            }
-        };
-        let _ = tx.send(Some(why));
-    });
-    rx
+    super::watch_lost(session, "source")
 }
 
 /// The source's next frame, within [`FRAME_TIMEOUT`], unless the source is

@@ -169,6 +169,63 @@ pub(crate) async fn restore(
 /// this one.
 pub(crate) const MOVE_NICE: i32 = -10;
 
+/// How long a move's session may stay suspended before either end gives
+/// the move up (a blip shorter than this goes unnoticed).
+pub(crate) const LOST_GRACE: Duration = Duration::from_secs(2);
+
+/// Watches a move's session to or from `peer` ("source", "destination"):
+/// the returned flag says why the peer is lost once the session stays
+/// suspended for [`LOST_GRACE`] or ends. The watching task ends with the
+/// receiver.
+pub(crate) fn watch_lost(
+    session: &roam::SessionHandle,
+    peer: &'static str,
+) -> tokio::sync::watch::Receiver<Option<String>> {
+    use roam::SessionEvent;
+    use tokio::sync::broadcast::error::RecvError;
+    let (tx, rx) = tokio::sync::watch::channel(None);
+    let mut events = session.events();
+    tokio::spawn(async move {
+        let why = loop {
+            let event = tokio::select! {
+                _ = tx.closed() => return,
+                e = events.recv() => e,
+            };
+            match event {
+                Ok(SessionEvent::Suspended { reason }) => {
+                    // Back within the grace: a blip, go on.
+                    let back = tokio::time::timeout(LOST_GRACE, async {
+                        loop {
+                            match events.recv().await {
+                                Ok(SessionEvent::Resumed { .. }) => return true,
+                                Ok(SessionEvent::Closed { .. }) | Err(RecvError::Closed) => {
+                                    return false
+                                }
+                                _ => {}
+                            }
+                        }
+                    })
+                    .await;
+                    if back != Ok(true) {
+                        break format!(
+                            "the {peer} became unreachable (no answer for {} s after the \
+                             session was lost: {reason:?})",
+                            LOST_GRACE.as_secs()
+                        );
+                    }
+                }
+                Ok(SessionEvent::Closed { reason }) => {
+                    break format!("the session with the {peer} ended: {reason:?}")
+                }
+                Err(RecvError::Closed) => return,
+                _ => {}
+            }
+        };
+        let _ = tx.send(Some(why));
+    });
+    rx
+}
+
 /// Sets every thread of this process to [`MOVE_NICE`] (threads made later
 /// inherit it from the thread that makes them, programs from the thread
 /// that starts them), with `renice`: Linux keeps a nice value per thread.

@@ -1288,7 +1288,7 @@ type Answer = Result<Frame, String>;
 
 /// How long the session to the destination may stay suspended during a
 /// move before the move gives up on the destination.
-const SUSPEND_GRACE: Duration = Duration::from_secs(2);
+const SUSPEND_GRACE: Duration = super::LOST_GRACE;
 
 /// Reports (as an error among the destination's answers) a session to the
 /// destination that stays suspended for [`SUSPEND_GRACE`] or ends.
@@ -1297,43 +1297,18 @@ fn watch_session(
     tx: mpsc::Sender<Result<Frame, String>>,
     lost_flag: std::sync::Arc<Latch>,
 ) {
-    use roam::SessionEvent;
-    use tokio::sync::broadcast::error::RecvError;
-    let mut events = session.events();
+    let mut lost = super::watch_lost(session, "destination");
     tokio::spawn(async move {
-        let lost = loop {
-            match events.recv().await {
-                Ok(SessionEvent::Suspended { reason }) => {
-                    // Back within the grace: a blip, go on.
-                    let back = tokio::time::timeout(SUSPEND_GRACE, async {
-                        loop {
-                            match events.recv().await {
-                                Ok(SessionEvent::Resumed { .. }) => return true,
-                                Ok(SessionEvent::Closed { .. }) | Err(RecvError::Closed) => {
-                                    return false
-                                }
-                                _ => {}
-                            }
-                        }
-                    })
-                    .await;
-                    if back != Ok(true) {
-                        break format!(
-                            "the destination became unreachable (no answer for {} s after \
-                             the session was lost: {reason:?})",
-                            SUSPEND_GRACE.as_secs()
-                        );
-                    }
-                }
-                Ok(SessionEvent::Closed { reason }) => {
-                    break format!("the session to the destination ended: {reason:?}")
-                }
-                Err(RecvError::Closed) => return,
-                _ => {}
+        let why = loop {
+            if let Some(why) = lost.borrow_and_update().clone() {
+                break why;
+            }
+            if lost.changed().await.is_err() {
+                return;
             }
         };
         lost_flag.set();
-        let _ = tx.send(Err(lost)).await;
+        let _ = tx.send(Err(why)).await;
     });
 }
 

@@ -61,3 +61,28 @@ pub fn ledger_line(id: u64, size: u64) -> String {
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
+
+/// `id` and `size` of `/order?id=I&size=S`.
+pub fn order_query(target: &str) -> Option<(u64, u64)> {
+    let query = target.strip_prefix("/order?")?;
+    let (mut id, mut size) = (None, None);
+    for pair in query.split('&') {
+        match pair.split_once('=')? {
+            ("id", v) => id = v.parse().ok(),
+            ("size", v) => size = v.parse().ok(),
+            _ => {}
+        }
+    }
+    Some((id?, size?))
+}
+
+/// The seed of a test run: `ROAM_TEST_SEED` or a fixed one, printed so that a
+/// failure replays.
+pub fn seed() -> u64 {
+    let seed = std::env::var("ROAM_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(15);
+    eprintln!("seed {seed} (ROAM_TEST_SEED)");
+    seed
+}
