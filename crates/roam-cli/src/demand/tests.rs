@@ -358,3 +358,79 @@ async fn a_tampered_chunk_in_a_real_store_is_refused_on_demand() {
         .unwrap();
     assert_eq!(data, source[5 * CHUNK_SIZE..6 * CHUNK_SIZE]);
 }
+
+/// Whether `path` is a mount point now (/proc/self/mountinfo).
+fn mounted(path: &Path) -> bool {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let p = path.display().to_string();
+    info.lines()
+        .any(|l| l.split(' ').nth(4).is_some_and(|m| m == p))
+}
+
+/// The memory image as a FUSE file: a one-page read fetches only its own
+/// chunk although the kernel reads ahead (refused while absent), every byte
+/// reads back, a write marks its chunk dirty, and the mount is gone after
+/// the drop. Without the right to mount FUSE (root, /dev/fuse) it says why
+/// and passes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_over_fuse_fetches_only_the_faulting_chunk() {
+    use std::os::unix::fs::FileExt as _;
+    let tmp = tempfile::tempdir().unwrap();
+    let source = Arc::new(pattern(LEN));
+    let served = serve_bytes(tmp.path(), source.clone(), None);
+    let mnt = tmp.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let mount = match fuse::mount(
+        served.image.clone(),
+        &mnt,
+        tokio::runtime::Handle::current(),
+    ) {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("SKIP: {e}");
+            return;
+        }
+    };
+    assert!(mounted(&mnt), "{} is not a mount point", mnt.display());
+    let file = mnt.join("disk.img");
+    let (first, whole, fetched_first) = {
+        let (file, fetches) = (file.clone(), served.fetches.clone());
+        tokio::task::spawn_blocking(move || {
+            let f = std::fs::File::open(&file).unwrap();
+            assert_eq!(f.metadata().unwrap().len(), LEN as u64);
+            let mut page = vec![0u8; 4096];
+            let at = 5 * CHUNK_SIZE as u64 + 8192;
+            f.read_exact_at(&mut page, at).unwrap();
+            let fetched_first = fetches.load(Ordering::SeqCst);
+            let whole = std::fs::read(&file).unwrap();
+            (page, whole, fetched_first)
+        })
+        .await
+        .unwrap()
+    };
+    let at = 5 * CHUNK_SIZE + 8192;
+    assert_eq!(first, source[at..at + 4096], "the page read back differs");
+    assert_eq!(
+        fetched_first, 1,
+        "a one-page read fetched {fetched_first} chunks: readahead was not refused"
+    );
+    assert!(whole == *source, "the whole file read back differs");
+    assert_eq!(served.fetches.load(Ordering::SeqCst), 10, "each chunk once");
+    {
+        let file = file.clone();
+        tokio::task::spawn_blocking(move || {
+            let f = std::fs::OpenOptions::new().write(true).open(&file).unwrap();
+            f.write_all_at(b"guest page", 3 * CHUNK_SIZE as u64 + 10)
+                .unwrap();
+            f.sync_all().unwrap();
+        })
+        .await
+        .unwrap();
+    }
+    assert_eq!(served.image.counts().dirty, 1, "the write's chunk is dirty");
+    let cache = std::fs::read(served.image.tmp_path()).unwrap();
+    let w = 3 * CHUNK_SIZE + 10;
+    assert_eq!(&cache[w..w + 10], b"guest page");
+    drop(mount);
+    assert!(!mounted(&mnt), "{} is still mounted", mnt.display());
+}
