@@ -405,6 +405,13 @@ that as image vm-memory with the disk FILEs in one version; the VM quits once
 the version is written. If anything fails the VM is continued where it was.
 Resume it anywhere with `roam resume --vm` (see its --help).
 
+Lazy memory: if the VM's RAM is a shared file (-object memory-backend-file,
+id=mem,size=128M,mem-path=FILE,share=on -machine memory-backend=mem), roam
+finds it over QMP and stores FILE as image vm-ram (chunked like a disk, so
+a second suspend uploads only changed chunks) and the device state alone
+(migration with x-ignore-shared) as image vm-devstate, instead of vm-memory.
+`roam resume --vm --demand-fetch` can then start the guest before its RAM is in.
+
 Each FILE becomes an image named by its base name (two files with one base
 name are refused). The images are cut into 128 KiB chunks; each chunk is
 compressed, encrypted and named with keys derived from its content and your
@@ -468,6 +475,15 @@ the guest (and a line on stderr), never wrong data. `roam suspend --vm` of
 such a VM needs the fill done (DIR/<image> appears when it is):
 
   roam resume --env lab --force --vm --demand-fetch /vm -- qemu-system-x86_64 ...
+
+A version with lazy memory (vm-ram and vm-devstate, see `roam suspend
+--help`) needs the QEMU command to map DIR/vm-ram with share=on (-object
+memory-backend-file,id=mem,size=SIZE,mem-path=DIR/vm-ram,share=on -machine
+memory-backend=mem). With --demand-fetch only vm-devstate is written first:
+roam mounts a FUSE file system in DIR (root or fusermount3 needed) whose one
+file is the RAM, points mem-path at it, and fetches a chunk (verified) when
+the guest first touches it; the background fill of the rest waits until the
+guest has not faulted for 1.5 s. The mount is undone when QEMU exits.
 
 Trickle write-back (--demand-fetch --trickle RATE, e.g. 4M for 4 Mbit/s):
 while the guest runs, each disk chunk it wrote and then left alone for 1 s

@@ -583,8 +583,6 @@ async fn connection(mut stream: UnixStream, image: &DemandImage) -> Result<(), S
     }
 }
 
-// Wired into `roam resume --vm --demand-fetch` next (issue 14); tested now.
-#[cfg_attr(not(test), allow(dead_code))]
 pub(crate) mod fuse;
 
 #[cfg(test)]

@@ -27,7 +27,7 @@ use crate::cli::{CliError, CliResult, ResumeArgs, StoreAction, StoreArgs, StoreL
 use crate::config::FileConfig;
 use crate::demand::{DemandCounts, DemandImage, Fetch};
 use crate::store_remote::RemoteBackend;
-use crate::vm::{self, Incoming, Qmp, VM_MEMORY_IMAGE};
+use crate::vm::{self, Incoming, Qmp, VM_DEVSTATE_IMAGE, VM_IMAGES, VM_MEMORY_IMAGE, VM_RAM_IMAGE};
 use trickle::Trickle;
 
 pub(crate) mod hoard;
@@ -635,10 +635,9 @@ async fn suspend_inner(args: SuspendArgs, config: &FileConfig) -> Result<i32, Fa
                 "{shown}: {name:?} cannot name an image"
             )));
         }
-        if args.vm.is_some() && name == VM_MEMORY_IMAGE {
+        if args.vm.is_some() && VM_IMAGES.contains(&name.as_str()) {
             return Err(Fail::Usage(format!(
-                "{shown}: with --vm, the image name {VM_MEMORY_IMAGE} is the VM's memory: \
-                 rename the file"
+                "{shown}: with --vm, the image name {name} is the VM's memory: rename the file"
             )));
         }
         if let Some((first, _)) = inputs.iter().find(|(_, n)| *n == name) {
@@ -668,18 +667,40 @@ async fn suspend_opened(
     let mut qmp = Qmp::connect(&qmp_path).await.map_err(|e| CliError(e.0))?;
     let memory = vm::memory_file_for(args.files.first().map(PathBuf::as_path));
     let _memory_guard = vm::RemoveOnDrop(memory.clone());
+    // Lazy memory: guest RAM in a shared file is stored as a flat image
+    // and the stream carries device state only (x-ignore-shared).
+    let ram = qmp.shared_ram().await.map_err(|e| CliError(e.0))?;
     rep.phase(&format!(
-        "stopping the VM ({}) and writing its memory image",
-        qmp_path.display()
+        "stopping the VM ({}) and writing its {}",
+        qmp_path.display(),
+        if ram.is_some() {
+            "device state (its RAM is a shared file)"
+        } else {
+            "memory image"
+        }
     ));
-    let saved = match qmp.stop_and_save(&memory).await {
+    let saved = match qmp.stop_and_save(&memory, ram.is_some()).await {
         Ok(took) => took,
         Err(e) => return Err(continue_vm(&mut qmp, e.0).await),
     };
     let mem_len = std::fs::metadata(&memory).map(|m| m.len()).unwrap_or(0);
-    rep.phase(&format!("memory image: {} in {}", mb(mem_len), ms(saved)));
+    match &ram {
+        Some(ram) => {
+            rep.phase(&format!(
+                "device state: {} in {}; RAM: {}",
+                mb(mem_len),
+                ms(saved),
+                ram.display()
+            ));
+            inputs.push((memory.clone(), VM_DEVSTATE_IMAGE.to_owned()));
+            inputs.push((ram.clone(), VM_RAM_IMAGE.to_owned()));
+        }
+        None => {
+            rep.phase(&format!("memory image: {} in {}", mb(mem_len), ms(saved)));
+            inputs.push((memory.clone(), VM_MEMORY_IMAGE.to_owned()));
+        }
+    }
     drop(rep);
-    inputs.push((memory.clone(), VM_MEMORY_IMAGE.to_owned()));
     match suspend_images(args, opened, &inputs, Some(saved)).await {
         Ok(code) => {
             // The environment is in the store: the VM here ends.
@@ -923,11 +944,14 @@ async fn resume_opened(args: &ResumeArgs, opened: &Opened) -> Result<i32, Fail> 
         .load_manifest(env, version)
         .await
         .map_err(|e| opened.explain(e))?;
-    if args.vm && !manifest.images.iter().any(|i| i.name == VM_MEMORY_IMAGE) {
+    let has = |name: &str| manifest.images.iter().any(|i| i.name == name);
+    // Lazy memory: the guest RAM is a flat image, the stream device state.
+    let lazy = has(VM_RAM_IMAGE) && has(VM_DEVSTATE_IMAGE);
+    if args.vm && !has(VM_MEMORY_IMAGE) && !lazy {
         return Err(Fail::Run(CliError(format!(
-            "{env} version {version} holds no VM memory image ({VM_MEMORY_IMAGE}): it was not \
-             suspended with --vm, so there is no running VM to resume (drop --vm to write its \
-             images)"
+            "{env} version {version} holds no VM memory image ({VM_MEMORY_IMAGE}), nor lazy \
+             memory ({VM_RAM_IMAGE} with {VM_DEVSTATE_IMAGE}): it was not suspended with --vm, \
+             so there is no running VM to resume (drop --vm to write its images)"
         ))));
     }
     let dir = &args.dir;
@@ -955,10 +979,10 @@ async fn resume_opened(args: &ResumeArgs, opened: &Opened) -> Result<i32, Fail> 
             .images
             .iter()
             .map(|i| i.name.as_str())
-            .filter(|n| *n != VM_MEMORY_IMAGE && file_name_ok(n))
+            .filter(|n| !VM_IMAGES.contains(n) && file_name_ok(n))
             .collect();
         let (qemu, served) = vm::nbd_drives(&args.qemu, dir, &names, socket_for);
-        if served.is_empty() {
+        if served.is_empty() && !lazy {
             eprintln_whole!(
                 "roam: warning: --demand-fetch: the QEMU command opens no image of the version \
                  as -drive file={}/<image>; every image is copied in first",
@@ -968,6 +992,17 @@ async fn resume_opened(args: &ResumeArgs, opened: &Opened) -> Result<i32, Fail> 
         (qemu, served)
     } else {
         (args.qemu.clone(), Vec::new())
+    };
+    // Demand fetch of lazy memory: QEMU maps the RAM from a FUSE file in
+    // a private mount point in DIR instead of DIR/vm-ram.
+    let ram_mount =
+        (args.vm && lazy && args.demand_fetch).then(|| dir.join(format!(".roam-ram.{pid}")));
+    let qemu = if args.vm && lazy {
+        let fuse_file = ram_mount.as_ref().map(|m| m.join(VM_RAM_IMAGE));
+        vm::ram_backend(&qemu, dir, fuse_file.as_deref())
+            .map_err(|e| CliError(format!("{env} version {version}: {e}")))?
+    } else {
+        qemu
     };
     for image in &manifest.images {
         if !file_name_ok(&image.name) {
@@ -1001,7 +1036,7 @@ async fn resume_opened(args: &ResumeArgs, opened: &Opened) -> Result<i32, Fail> 
     };
     let mut totals = RestoreStats::default();
     for image in &manifest.images {
-        if served.contains(&image.name) {
+        if served.contains(&image.name) || (ram_mount.is_some() && image.name == VM_RAM_IMAGE) {
             continue;
         }
         let target = dir.join(&image.name);
@@ -1079,11 +1114,19 @@ async fn resume_opened(args: &ResumeArgs, opened: &Opened) -> Result<i32, Fail> 
             served.join(", ")
         );
     }
+    if ram_mount.is_some() {
+        out += &format!("  served to QEMU on demand (FUSE): {VM_RAM_IMAGE}\n");
+    }
     print_out(&out);
     if !args.vm {
         return Ok(0);
     }
-    if !served.is_empty() {
+    let memory = if lazy {
+        (dir.join(VM_DEVSTATE_IMAGE), true)
+    } else {
+        (dir.join(VM_MEMORY_IMAGE), false)
+    };
+    if !served.is_empty() || ram_mount.is_some() {
         let trickle = match args.trickle.and_then(|r| r.0) {
             Some(rate) => Some(Arc::new(
                 Trickle::new(opened.store.clone(), env, rate).map_err(CliError)?,
@@ -1099,13 +1142,15 @@ async fn resume_opened(args: &ResumeArgs, opened: &Opened) -> Result<i32, Fail> 
             started: start,
             trickle,
         };
-        return demand.run(&qemu, &served, socket_for).await;
+        return demand
+            .run(&qemu, &served, socket_for, (memory, ram_mount))
+            .await;
     }
     let mut rep = Reporter::new();
     let code = vm::run_incoming(
         &qemu,
         dir,
-        &dir.join(VM_MEMORY_IMAGE),
+        (&memory.0, memory.1),
         |msg| rep.phase(msg),
         |_| {},
     )
@@ -1165,14 +1210,18 @@ impl Demand<'_> {
         })
     }
 
-    /// Serves `served` over NBD, runs `qemu`, fills the images in the
-    /// background once the guest runs and finishes the fill after QEMU
-    /// exits; returns QEMU's exit status.
+    /// Serves `served` over NBD and, with `ram_mount`, the guest RAM
+    /// ([`VM_RAM_IMAGE`]) as a FUSE file mounted there; runs `qemu` loading
+    /// `memory` (the file, and whether it is a lazy VM's device state),
+    /// fills the images in the background once the guest runs (with lazy
+    /// memory, only once its demand fetches have settled) and finishes the
+    /// fill after QEMU exits; returns QEMU's exit status.
     async fn run(
         self,
         qemu: &[String],
         served: &[String],
         socket_for: impl Fn(&str) -> PathBuf,
+        (memory, ram_mount): ((PathBuf, bool), Option<PathBuf>),
     ) -> Result<i32, Fail> {
         let pid = std::process::id();
         let report: Arc<dyn Fn(&str) + Send + Sync> =
@@ -1216,12 +1265,29 @@ impl Demand<'_> {
             ))));
             images.push(image);
         }
+        // The disks alone: trickle write-back is for them.
+        let disks = images.clone();
+        let mut ram = None;
+        if let Some(mountpoint) = ram_mount {
+            let (image, mount) = self.mount_ram(&mountpoint, report.clone())?;
+            images.push(image);
+            ram = Some(mount);
+        }
         let mut rep = Reporter::new();
-        rep.phase(&format!(
-            "serving {} over NBD from sockets in {} (demand fetch)",
-            served.join(", "),
-            self.dir.display()
-        ));
+        if !served.is_empty() {
+            rep.phase(&format!(
+                "serving {} over NBD from sockets in {} (demand fetch)",
+                served.join(", "),
+                self.dir.display()
+            ));
+        }
+        if let Some(r) = &ram {
+            rep.phase(&format!(
+                "serving the guest RAM ({VM_RAM_IMAGE}) as a FUSE file in {} (demand fetch)",
+                r.dir.display()
+            ));
+        }
+        let settle = ram.is_some();
         // Trickle write-back runs from the start: a write of the guest at
         // any time is queued.
         let trickling = self.trickle.as_ref().map(|t| {
@@ -1233,7 +1299,7 @@ impl Demand<'_> {
                 t.env,
                 t.run
             ));
-            AbortOnDrop(tokio::spawn(t.clone().run(images.clone(), report.clone())))
+            AbortOnDrop(tokio::spawn(t.clone().run(disks.clone(), report.clone())))
         });
         let mut at_start: Vec<DemandCounts> = Vec::new();
         let mut at_run: Vec<DemandCounts> = Vec::new();
@@ -1244,7 +1310,7 @@ impl Demand<'_> {
         let result = vm::run_incoming(
             qemu,
             self.dir,
-            &self.dir.join(VM_MEMORY_IMAGE),
+            (&memory.0, memory.1),
             |msg| rep.phase(msg),
             |at| match at {
                 Incoming::Started => {
@@ -1256,6 +1322,9 @@ impl Demand<'_> {
                     at_run = images.iter().map(|i| i.counts()).collect();
                     let images = images.clone();
                     fill = Some(AbortOnDrop(tokio::spawn(async move {
+                        if settle {
+                            faults_settled(&images, FILL_QUIET, FILL_WAIT_MAX).await;
+                        }
                         let filled = fill_all(images).await;
                         if let Err(e) = &filled {
                             eprintln_whole!(
@@ -1272,9 +1341,12 @@ impl Demand<'_> {
         // QEMU has exited (a suspend stopped it, or it ended): what the
         // trickle wrote back is in the suspend's version or garbage now.
         let trickled = match (&self.trickle, trickling) {
-            (Some(t), Some(task)) => Some(self.end_trickle(t, task, &images).await),
+            (Some(t), Some(task)) => Some(self.end_trickle(t, task, &disks).await),
             _ => None,
         };
+        // QEMU has closed the RAM file (its dirty pages were written back
+        // to the image then); the fill goes on without the mount.
+        drop(ram);
         let code = match result {
             Ok(code) => code,
             Err(e) => {
@@ -1302,13 +1374,16 @@ impl Demand<'_> {
                 total_chunks - present(&images)
             ));
         }
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .map_err(|e| CliError(format!("cannot watch SIGTERM: {e}")))?;
         let filled = loop {
             tokio::select! {
+                _ = term.recv() => break Err("terminated (SIGTERM) during the background fill".into()),
                 r = &mut fill.0 => break r.unwrap_or_else(|e| Err(format!("the fill task failed: {e}"))),
                 _ = tokio::signal::ctrl_c() => break Err("interrupted (Ctrl-C) during the background fill".into()),
                 _ = tokio::time::sleep(Duration::from_millis(100)) => {
                     let p = present(&images);
-                    rep.image("disks", p, total_chunks, p.saturating_mul(CHUNK_SIZE as u64).min(total_bytes), total_bytes);
+                    rep.image("images", p, total_chunks, p.saturating_mul(CHUNK_SIZE as u64).min(total_bytes), total_bytes);
                 }
             }
         };
@@ -1367,6 +1442,51 @@ impl Demand<'_> {
         Ok(code)
     }
 
+    /// The guest RAM's [`DemandImage`] (its cache file DIR/.vm-ram.roam-demand.PID,
+    /// renamed DIR/vm-ram once complete), mounted as the one file of a FUSE
+    /// file system on `mountpoint` (made here); the mount is undone and the
+    /// directory removed when the returned guard drops.
+    fn mount_ram(
+        &self,
+        mountpoint: &Path,
+        report: Arc<dyn Fn(&str) + Send + Sync>,
+    ) -> Result<(Arc<DemandImage>, RamMount), Fail> {
+        let pid = std::process::id();
+        let entry = self
+            .manifest
+            .image(VM_RAM_IMAGE)
+            .ok_or_else(|| CliError(format!("{}: no image {VM_RAM_IMAGE}", self.what)))?;
+        let target = self.dir.join(VM_RAM_IMAGE);
+        let _ = std::fs::remove_file(&target);
+        let tmp = self.dir.join(format!(".{VM_RAM_IMAGE}.roam-demand.{pid}"));
+        let image = Arc::new(
+            DemandImage::create(
+                VM_RAM_IMAGE,
+                entry.len,
+                CHUNK_SIZE as u64,
+                (&tmp, &target),
+                self.fetch(VM_RAM_IMAGE),
+                report,
+            )
+            .map_err(CliError)?,
+        );
+        std::fs::create_dir_all(mountpoint)
+            .map_err(|e| CliError(format!("cannot create {}: {e}", mountpoint.display())))?;
+        let mut guard = RamMount {
+            mount: None,
+            dir: mountpoint.to_owned(),
+        };
+        guard.mount = Some(
+            crate::demand::fuse::mount(
+                image.clone(),
+                mountpoint,
+                tokio::runtime::Handle::current(),
+            )
+            .map_err(CliError)?,
+        );
+        Ok((image, guard))
+    }
+
     /// Stops the trickle (at a safe point: within one upload), releases
     /// its leases, and returns the summary's trickle line.
     async fn end_trickle(
@@ -1394,6 +1514,61 @@ impl Demand<'_> {
             "  trickle: {} when QEMU exited; {released}\n",
             t.summary(images.iter().map(|i| i.unsent()).sum())
         )
+    }
+}
+
+/// How long the guest must have caused no demand fetch before the
+/// background fill of a lazy-memory resume starts (1.5 s: longer than the
+/// test guest's 1 s tick, so the fill does not compete with the faults of
+/// its first interaction; scripts/isr-lazy-memory/README.md measured a fill
+/// from the start costing 0.5-1 s of first tick at 100 Mbit/s).
+const FILL_QUIET: Duration = Duration::from_millis(1500);
+
+/// Longest the fill waits for [`FILL_QUIET`] (15 s): a guest that keeps
+/// faulting is filled anyway.
+const FILL_WAIT_MAX: Duration = Duration::from_secs(15);
+
+/// Returns once `images` have fetched nothing on demand for `quiet`, or
+/// after `max` (polled every 50 ms).
+async fn faults_settled(images: &[Arc<DemandImage>], quiet: Duration, max: Duration) {
+    let start = Instant::now();
+    let demand = || -> u64 { images.iter().map(|i| i.counts().demand_chunks).sum() };
+    let (mut last, mut since) = (demand(), Instant::now());
+    while start.elapsed() < max {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let now = demand();
+        if now != last {
+            (last, since) = (now, Instant::now());
+        } else if since.elapsed() >= quiet {
+            return;
+        }
+    }
+}
+
+/// The FUSE mount of a lazy-memory resume's guest RAM: unmounted (the
+/// session's thread joined) and its mount point removed when dropped, on every exit path of `roam resume`
+/// (SIGINT and SIGTERM reach QEMU, whose exit ends the resume normally).
+struct RamMount {
+    /// The session; `None` only while mounting.
+    mount: Option<crate::demand::fuse::MemoryMount>,
+    /// The mount point, a directory roam made in DIR.
+    dir: PathBuf,
+}
+
+impl Drop for RamMount {
+    fn drop(&mut self) {
+        if let Some(mount) = self.mount.take() {
+            // Unmounting joins the FUSE thread, which may wait for this
+            // runtime (a fetch in flight): let the other workers run it.
+            let multi = tokio::runtime::Handle::try_current()
+                .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+            if multi {
+                tokio::task::block_in_place(|| drop(mount));
+            } else {
+                drop(mount);
+            }
+        }
+        let _ = std::fs::remove_dir(&self.dir);
     }
 }
 

@@ -34,6 +34,18 @@ use tokio::net::UnixStream;
 /// The image name of a VM's memory (QEMU's migration stream) in a version.
 pub(crate) const VM_MEMORY_IMAGE: &str = "vm-memory";
 
+/// The image name of a VM's guest RAM as a flat file (lazy memory: RAM in a
+/// `memory-backend-file` with `share=on`), chunked like a disk.
+pub(crate) const VM_RAM_IMAGE: &str = "vm-ram";
+
+/// The image name of a lazy-memory VM's device state: QEMU's migration
+/// stream written with `x-ignore-shared`, so without the RAM of
+/// [`VM_RAM_IMAGE`]. A version holds either this pair or [`VM_MEMORY_IMAGE`].
+pub(crate) const VM_DEVSTATE_IMAGE: &str = "vm-devstate";
+
+/// The image names `roam suspend --vm` gives the VM's own state.
+pub(crate) const VM_IMAGES: [&str; 3] = [VM_MEMORY_IMAGE, VM_RAM_IMAGE, VM_DEVSTATE_IMAGE];
+
 /// Longest a single QMP reply may take (10 s).
 const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -169,9 +181,42 @@ impl Qmp {
             .to_owned())
     }
 
+    /// The file of the VM's shared file-backed guest RAM, if it has one:
+    /// the one `memory-backend-file` with `share=on` (`query-memdev`, then
+    /// `qom-get /objects/<id> mem-path`). Two such backends are refused:
+    /// `x-ignore-shared` would leave both out of the stream and roam stores one.
+    pub(crate) async fn shared_ram(&mut self) -> Result<Option<PathBuf>, VmError> {
+        let memdevs = self.execute("query-memdev", json!({})).await?;
+        let mut found: Vec<PathBuf> = Vec::new();
+        for dev in memdevs.as_array().map(Vec::as_slice).unwrap_or_default() {
+            let shared = dev.get("share").and_then(Value::as_bool) == Some(true);
+            let Some(id) = dev.get("id").and_then(Value::as_str).filter(|_| shared) else {
+                continue;
+            };
+            // Only a memory-backend-file has mem-path (memfd has none).
+            let path = json!({ "path": format!("/objects/{id}"), "property": "mem-path" });
+            if let Ok(Value::String(p)) = self.execute("qom-get", path).await {
+                found.push(PathBuf::from(p));
+            }
+        }
+        if found.len() > 1 {
+            return Err(VmError(format!(
+                "the VM has {} shared memory-backend-file objects; roam suspends a VM with at                  most one (its RAM, -machine memory-backend=ID)",
+                found.len()
+            )));
+        }
+        Ok(found.pop())
+    }
+
     /// Stops the guest and writes its memory and device state to `file`
-    /// (created here with mode 0600). Returns the time it took.
-    pub(crate) async fn stop_and_save(&mut self, file: &Path) -> Result<Duration, VmError> {
+    /// (created here with mode 0600); with `ignore_shared`, QEMU's
+    /// `x-ignore-shared` leaves shared file-backed RAM out of `file` (device
+    /// state only: the RAM is its own file). Returns the time it took.
+    pub(crate) async fn stop_and_save(
+        &mut self,
+        file: &Path,
+        ignore_shared: bool,
+    ) -> Result<Duration, VmError> {
         let start = Instant::now();
         let Some(file_str) = file.to_str() else {
             return Err(VmError(format!(
@@ -188,6 +233,13 @@ impl Qmp {
             .open(file)
             .map_err(|e| VmError(format!("cannot create {}: {e}", file.display())))?;
         self.execute("stop", json!({})).await?;
+        if ignore_shared {
+            self.execute(
+                "migrate-set-capabilities",
+                json!({ "capabilities": [{ "capability": "x-ignore-shared", "state": true }] }),
+            )
+            .await?;
+        }
         // QEMU throttles migration to 32 MiB/s by default; a stopped guest's
         // state goes to a local file as fast as the disk takes it.
         self.execute(
@@ -304,11 +356,14 @@ pub(crate) enum Incoming {
 /// guest run; then waits for QEMU and returns its exit status. SIGINT and
 /// SIGTERM are passed on to QEMU. `on` is called when QEMU has started and
 /// when the guest runs (`roam resume --demand-fetch` counts its chunks
-/// there and starts the background fill).
+/// there and starts the background fill). With `ignore_shared` (`memory`
+/// is a lazy-memory VM's device state), QEMU starts with `-incoming defer`
+/// and is told over QMP to set `x-ignore-shared` and then load `memory`:
+/// the capability must be on before the stream is read.
 pub(crate) async fn run_incoming(
     qemu: &[String],
     dir: &Path,
-    memory: &Path,
+    (memory, ignore_shared): (&Path, bool),
     mut report: impl FnMut(&str),
     mut on: impl FnMut(Incoming),
 ) -> Result<i32, VmError> {
@@ -321,10 +376,11 @@ pub(crate) async fn run_incoming(
     let sock = dir.join(format!(".roam-resume-qmp.{}", std::process::id()));
     let _ = std::fs::remove_file(&sock);
     let _sock_guard = RemoveOnDrop(sock.clone());
+    let uri = format!("exec:cat {}", shell_quote(memory_str));
     let mut child = tokio::process::Command::new(program)
         .args(args)
         .arg("-incoming")
-        .arg(format!("exec:cat {}", shell_quote(memory_str)))
+        .arg(if ignore_shared { "defer" } else { uri.as_str() })
         .arg("-qmp")
         .arg(format!("unix:{},server=on,wait=off", sock.display()))
         .kill_on_drop(true)
@@ -357,6 +413,15 @@ pub(crate) async fn run_incoming(
         tokio::time::sleep(POLL_EVERY).await;
     };
     let _ = std::fs::remove_file(&sock);
+    if ignore_shared {
+        qmp.execute(
+            "migrate-set-capabilities",
+            json!({ "capabilities": [{ "capability": "x-ignore-shared", "state": true }] }),
+        )
+        .await?;
+        qmp.execute("migrate-incoming", json!({ "uri": uri }))
+            .await?;
+    }
     qmp.finish_incoming(|| matches!(child.try_wait(), Ok(None)))
         .await?;
     on(Incoming::Running);
@@ -436,6 +501,71 @@ pub(crate) fn nbd_drives(
         }
     }
     (out, served)
+}
+
+/// Checks that `qemu` maps the guest RAM from `DIR/vm-ram` (an `-object
+/// memory-backend-file,...,mem-path=DIR/vm-ram,share=on`), as a version of
+/// a lazy-memory VM needs, and returns the command with that `mem-path`
+/// pointed at `mem_path` if given (the FUSE file of a demand-fetch resume).
+/// The error says what to write.
+pub(crate) fn ram_backend(
+    qemu: &[String],
+    dir: &Path,
+    mem_path: Option<&Path>,
+) -> Result<Vec<String>, VmError> {
+    let canonical_dir = std::fs::canonicalize(dir).ok();
+    let is_ram = |value: &str| -> bool {
+        let path = Path::new(value);
+        let parent = path.parent().filter(|p| !p.as_os_str().is_empty());
+        path.file_name() == Some(std::ffi::OsStr::new(VM_RAM_IMAGE))
+            && (parent == Some(dir)
+                || (canonical_dir.is_some()
+                    && std::fs::canonicalize(parent.unwrap_or(Path::new("."))).ok()
+                        == canonical_dir))
+    };
+    let mut out = Vec::with_capacity(qemu.len());
+    let mut found = false;
+    let mut next_is_object = false;
+    for arg in qemu {
+        if !std::mem::take(&mut next_is_object) {
+            next_is_object = arg == "-object" || arg == "--object";
+            out.push(arg.clone());
+            continue;
+        }
+        let mut parts = split_suboptions(arg);
+        let file_backend = parts
+            .iter()
+            .any(|p| p == "memory-backend-file" || p == "qom-type=memory-backend-file");
+        let at = parts
+            .iter()
+            .position(|p| p.strip_prefix("mem-path=").is_some_and(is_ram));
+        let (true, Some(at)) = (file_backend, at) else {
+            out.push(arg.clone());
+            continue;
+        };
+        if !parts
+            .iter()
+            .any(|p| matches!(p.as_str(), "share=on" | "share=yes" | "share=true"))
+        {
+            return Err(VmError(format!(
+                "the QEMU command maps {}/{VM_RAM_IMAGE} without share=on: the guest's RAM                  would not be the file (add share=on to that -object)",
+                dir.display()
+            )));
+        }
+        if let Some(new) = mem_path {
+            parts[at] = format!("mem-path={}", new.display());
+        }
+        out.push(join_suboptions(&parts));
+        found = true;
+    }
+    if !found {
+        return Err(VmError(format!(
+            "this version keeps the guest's RAM as image {VM_RAM_IMAGE}: the QEMU command must              map it, e.g. -object memory-backend-file,id=mem,size=SIZE,mem-path={}/{VM_RAM_IMAGE},\
+             share=on -machine memory-backend=mem",
+            dir.display()
+        )));
+    }
+    Ok(out)
 }
 
 /// QEMU's `a=b,c=d` suboptions, `,,` standing for a comma inside a value.
@@ -525,6 +655,31 @@ mod tests {
         );
         assert_eq!(out[8], "-drive file=/vm/disk.img", "not an option");
         assert_eq!(out.len(), args.len());
+    }
+
+    #[test]
+    fn the_ram_backend_is_found_checked_and_pointed_elsewhere() {
+        let args: Vec<String> = [
+            "qemu",
+            "-object",
+            "memory-backend-file,id=mem,size=128M,mem-path=/vm/vm-ram,share=on",
+            "-machine",
+            "memory-backend=mem",
+        ]
+        .map(String::from)
+        .to_vec();
+        let out = ram_backend(&args, Path::new("/vm"), Some(Path::new("/vm/.m/vm-ram"))).unwrap();
+        assert_eq!(
+            out[2],
+            "memory-backend-file,id=mem,size=128M,mem-path=/vm/.m/vm-ram,share=on"
+        );
+        assert_eq!(ram_backend(&args, Path::new("/vm"), None).unwrap(), args);
+        let e = ram_backend(&args, Path::new("/other"), None).unwrap_err();
+        assert!(e.0.contains("mem-path=/other/vm-ram"), "{e}");
+        let mut private = args.clone();
+        private[2] = "memory-backend-file,id=mem,size=128M,mem-path=/vm/vm-ram".into();
+        let e = ram_backend(&private, Path::new("/vm"), None).unwrap_err();
+        assert!(e.0.contains("share=on"), "{e}");
     }
 
     #[test]

@@ -94,6 +94,9 @@ impl Drop for Proc {
 /// A site: a directory standing for a machine, with its copy of the disk.
 struct Site {
     dir: PathBuf,
+    /// The guest's RAM is the shared file DIR/vm-ram (lazy memory), not
+    /// QEMU's anonymous memory.
+    lazy: bool,
 }
 
 impl Site {
@@ -109,7 +112,19 @@ impl Site {
     /// every site; only paths differ), its console going to `serial`.
     fn qemu(&self, guest: &Path, serial: &str) -> Vec<String> {
         let s = |p: PathBuf| p.display().to_string();
-        vec![
+        let mut ram = Vec::new();
+        if self.lazy {
+            ram = vec![
+                "-object".into(),
+                format!(
+                    "memory-backend-file,id=mem,size=128M,mem-path={},share=on",
+                    self.dir.join("vm-ram").display()
+                ),
+                "-machine".into(),
+                "memory-backend=mem".into(),
+            ];
+        }
+        let mut args: Vec<String> = vec![
             "qemu-system-x86_64".into(),
             "-m".into(),
             "128".into(),
@@ -131,7 +146,9 @@ impl Site {
             format!("unix:{},server=on,wait=off", self.qmp().display()),
             "-pidfile".into(),
             s(self.dir.join("qemu.pid")),
-        ]
+        ];
+        args.extend(ram);
+        args
     }
 
     /// The ticks on a console log: (n, lines, ok) in order.
@@ -358,9 +375,11 @@ fn a_qemu_guest_suspended_at_a_resumes_at_b_and_back() {
     let store = tmp.path().join("store");
     let site_a = Site {
         dir: tmp.path().join("site-a"),
+        lazy: false,
     };
     let site_b = Site {
         dir: tmp.path().join("site-b"),
+        lazy: false,
     };
     std::fs::create_dir_all(&site_a.dir).unwrap();
     std::fs::copy(guest.join("disk.img"), site_a.disk()).unwrap();
@@ -535,11 +554,24 @@ fn demand_fetch_at_b(
 /// to 3, then suspended into `store` (as version 1). Returns the sites and
 /// `roam suspend`'s output.
 fn suspended_at_a(guest: &Path, dir: &Path, state: &Path, store: &Path) -> (Site, Site, String) {
+    suspended_at_a_with(guest, dir, (state, store), false)
+}
+
+/// [`suspended_at_a`], the guest's RAM a shared file at every site when
+/// `lazy`.
+fn suspended_at_a_with(
+    guest: &Path,
+    dir: &Path,
+    (state, store): (&Path, &Path),
+    lazy: bool,
+) -> (Site, Site, String) {
     let site_a = Site {
         dir: dir.join("site-a"),
+        lazy,
     };
     let site_b = Site {
         dir: dir.join("site-b"),
+        lazy,
     };
     std::fs::create_dir_all(&site_a.dir).unwrap();
     std::fs::copy(guest.join("disk.img"), site_a.disk()).unwrap();
@@ -591,7 +623,8 @@ fn a_guest_resumed_by_demand_fetch_runs_before_its_disk_is_in() {
 
 /// Flips a byte in the store object of every chunk of `image` in version
 /// `version` of `lab` (through roam-store, with the user's secret), except
-/// chunks the memory image shares; returns how many objects changed.
+/// chunks another image of the version shares; returns how many objects
+/// changed.
 fn tamper_image(state: &Path, store: &Path, version: u64, image: &str) -> usize {
     use roam_store::{ChunkBackend, LocalDir, Store, UserSecret};
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -609,11 +642,10 @@ fn tamper_image(state: &Path, store: &Path, version: u64, image: &str) -> usize 
         );
         let m = store.load_manifest("lab", version).await.unwrap();
         let memory: std::collections::HashSet<String> = m
-            .image("vm-memory")
-            .unwrap()
-            .chunks
+            .images
             .iter()
-            .map(|c| c.object_name())
+            .filter(|i| i.name != image)
+            .flat_map(|i| i.chunks.iter().map(|c| c.object_name()))
             .collect();
         let mut names: Vec<String> = m
             .image(image)
@@ -1114,4 +1146,231 @@ fn a_bad_trickle_rate_is_refused_with_what_to_write() {
         assert!(stderr.contains(needle), "{args:?}: {stderr}");
         assert!(!tmp.path().join("b").exists(), "nothing made");
     }
+}
+
+/// Lazily unmounts whatever is still mounted under its directory when
+/// dropped (a test that failed half-way, its roam killed).
+struct UnmountUnder(PathBuf);
+
+impl Drop for UnmountUnder {
+    fn drop(&mut self) {
+        for line in mounts_under(&self.0) {
+            if let Some(point) = line.split_whitespace().nth(1) {
+                let _ = Command::new("umount").args(["-l", point]).status();
+            }
+        }
+    }
+}
+
+/// The FUSE mounts under `dir` in /proc/mounts.
+fn mounts_under(dir: &Path) -> Vec<String> {
+    std::fs::read_to_string("/proc/mounts")
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains(&dir.display().to_string()))
+        .map(String::from)
+        .collect()
+}
+
+/// Lazy guest memory: the guest's RAM is a shared file (`-object
+/// memory-backend-file,share=on,mem-path=DIR/vm-ram`). A suspend at A
+/// stores it as the flat image vm-ram and the device state (vm-devstate,
+/// `x-ignore-shared`) apart; B resumes by demand fetch with the RAM a FUSE
+/// file, the counter going on and the disk whole; B's suspend moves only
+/// the chunks that changed; the mount is gone after; A resumes by copy-in.
+/// A demand-fetch resume ended by SIGTERM to roam leaves no mount. Then a
+/// tampered RAM chunk, fetched on demand at a site C, is refused with a
+/// clear error, and again no mount is left.
+#[test]
+fn lazy_guest_memory_round_trip_by_demand_fetch_over_fuse() {
+    let Some(guest) = guest() else { return };
+    if !Path::new("/dev/fuse").exists() || !can_unshare_net() {
+        eprintln!("SKIP: lazy memory needs /dev/fuse and the right to mount (root)");
+        return;
+    }
+    let test_start = Instant::now();
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let store = tmp.path().join("store");
+    // Dropped after the processes: a failed run leaves no mount either.
+    let _unmount = UnmountUnder(tmp.path().to_owned());
+    let (site_a, site_b, out1) = suspended_at_a_with(&guest, tmp.path(), (&state, &store), true);
+    assert!(out1.contains("vm-ram 134.2 MB"), "{out1}");
+    assert!(out1.contains("vm-devstate"), "{out1}");
+    assert!(!out1.contains("vm-memory"), "{out1}");
+    let n_a = last_tick(&site_a.ticks("serial-a1"), "site A");
+
+    // B: demand fetch, the RAM a FUSE file.
+    let log = tmp.path().join("resume-b.log");
+    let resume_b = Instant::now();
+    let mut at_b = resume_with(
+        &state,
+        &store,
+        &site_b,
+        (&guest, "serial-b"),
+        false,
+        &["--demand-fetch"],
+        Some(&log),
+    );
+    let ticks_b = site_b.wait_tick("serial-b", n_a + 2, &mut at_b);
+    eprintln!(
+        "lazy-memory demand-fetch resume at B to its first tick: {:?}",
+        resume_b.elapsed()
+    );
+    assert_eq!(
+        ticks_b.first().map(|t| t.0),
+        Some(n_a + 1),
+        "the counter at B goes on from A's last tick {n_a}: {ticks_b:?}"
+    );
+    assert!(
+        mounts_under(&site_b.dir)
+            .iter()
+            .any(|l| l.contains("roam-memory")),
+        "the RAM is not a FUSE file: {:?}",
+        mounts_under(&site_b.dir)
+    );
+    // A suspend needs the disk's fill done (DIR/disk.img); the RAM is read
+    // through the FUSE file, filled or not.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !site_b.disk().exists() {
+        assert!(
+            Instant::now() < deadline,
+            "the disk's background fill did not finish: {}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (out2, err2) = suspend_at(&state, &store, &site_b, &mut at_b);
+    assert!(out2.contains("suspended lab version 2"), "{out2}");
+    let n_b = last_tick(&site_b.ticks("serial-b"), "site B");
+    let (ram_total, ram_up) = image_chunks(&err2, "vm-ram");
+    let (disk_total, disk_up) = image_chunks(&err2, "disk.img");
+    eprintln!("second suspend: RAM {ram_up} of {ram_total} chunks, disk {disk_up} of {disk_total}");
+    assert_eq!(ram_total, 1024, "128 MiB of RAM is 1024 chunks");
+    assert!(
+        ram_up < ram_total / 2,
+        "only changed RAM chunks move: {ram_up}"
+    );
+    assert!(disk_up <= 8, "only changed disk chunks move: {disk_up}");
+    let status = at_b.wait_exit(Duration::from_secs(120));
+    let text = std::fs::read_to_string(&log).unwrap();
+    eprintln!("roam resume --demand-fetch (lazy memory) at B:\n{text}");
+    assert_eq!(status.map(|s| s.success()), Some(true), "{text}");
+    let (_, total, at_run, before_run) = demand_line(&text, "vm-ram");
+    assert_eq!(total, 1024, "{text}");
+    assert!(
+        at_run < total,
+        "the guest ran before its RAM was in: {at_run}"
+    );
+    eprintln!("lazy memory: {before_run} RAM chunks fetched before the guest ran");
+    assert_eq!(
+        mounts_under(&site_b.dir),
+        Vec::<String>::new(),
+        "a mount left"
+    );
+    assert!(
+        site_b.dir.join("vm-ram").is_file(),
+        "the RAM image filled: {text}"
+    );
+    for entry in std::fs::read_dir(&site_b.dir).unwrap() {
+        let name = entry.unwrap().file_name().to_string_lossy().into_owned();
+        assert!(
+            !name.contains("roam-ram") && !name.contains("roam-demand"),
+            "{name} left in {}",
+            site_b.dir.display()
+        );
+    }
+    assert_eq!(any_file_contains(&store, MARK), None);
+
+    // Back at A by copy-in of the RAM image.
+    let mut at_a = resume_at(&state, &store, &site_a, &guest, "serial-a2", false);
+    let ticks_a2 = site_a.wait_tick("serial-a2", n_b + 2, &mut at_a);
+    assert_eq!(ticks_a2.first().map(|t| t.0), Some(n_b + 1), "{ticks_a2:?}");
+    last_tick(&ticks_a2, "site A again (lazy memory)");
+    drop(at_a);
+
+    // SIGTERM to roam while the guest runs on its FUSE RAM: QEMU is told
+    // to quit, roam ends, and the mount with it.
+    let site_t = Site {
+        dir: tmp.path().join("site-t"),
+        lazy: true,
+    };
+    let log = tmp.path().join("resume-t.log");
+    let mut at_t = resume_with(
+        &state,
+        &store,
+        &site_t,
+        (&guest, "serial-t"),
+        false,
+        &["--demand-fetch"],
+        Some(&log),
+    );
+    site_t.wait_tick("serial-t", n_b + 1, &mut at_t);
+    assert_eq!(mounts_under(&site_t.dir).len(), 1, "the RAM's mount");
+    let _ = Command::new("kill")
+        .args(["-TERM", &at_t.child.id().to_string()])
+        .status();
+    let status = at_t.wait_exit(Duration::from_secs(60));
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(status.is_some(), "roam did not end on SIGTERM: {text}");
+    assert_eq!(
+        mounts_under(&site_t.dir),
+        Vec::<String>::new(),
+        "a mount left after SIGTERM: {text}"
+    );
+
+    // A tampered RAM chunk is refused, said so, and no mount is left.
+    let tampered = tamper_image(&state, &store, 2, "vm-ram");
+    assert!(tampered > 0, "no RAM chunk of its own to tamper");
+    let site_c = Site {
+        dir: tmp.path().join("site-c"),
+        lazy: true,
+    };
+    let log = tmp.path().join("resume-c.log");
+    let mut at_c = resume_with(
+        &state,
+        &store,
+        &site_c,
+        (&guest, "serial-c"),
+        false,
+        &["--demand-fetch"],
+        Some(&log),
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let text = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if text.contains("is corrupt") {
+            break text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no refusal of a tampered RAM chunk within 60 s:\n{text}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(
+        text.contains("image \"vm-ram\" chunk ") && text.contains("authentication failed"),
+        "{text}"
+    );
+    // QEMU cannot read that page (SIGBUS) and ends, or is ended here.
+    let mut status = at_c.wait_exit(Duration::from_secs(20));
+    if status.is_none() {
+        if let Ok(pid) = std::fs::read_to_string(site_c.dir.join("qemu.pid")) {
+            let _ = Command::new("kill").arg(pid.trim()).status();
+        }
+        status = at_c.wait_exit(Duration::from_secs(60));
+    }
+    let text = std::fs::read_to_string(&log).unwrap();
+    eprintln!("roam resume --demand-fetch with tampered RAM chunks:\n{text}");
+    assert!(status.is_some_and(|s| !s.success()), "{text}");
+    assert_eq!(
+        mounts_under(&site_c.dir),
+        Vec::<String>::new(),
+        "a mount left"
+    );
+    assert!(
+        !site_c.dir.join("vm-ram").exists(),
+        "an incomplete RAM image"
+    );
+    eprintln!("test wall time: {:?}", test_start.elapsed());
 }

@@ -1,8 +1,7 @@
 //! A [`DemandImage`] served as one file of a FUSE mount, for guest memory
 //! QEMU maps with `-object memory-backend-file,share=on,mem-path=FILE`
-//! (issue 14: lazy memory at a demand-fetch resume; not yet wired into
-//! `roam resume`, see `scripts/isr-lazy-memory/README.md` for the
-//! prototype's measurements).
+//! (issue 14: lazy memory at a `roam resume --vm --demand-fetch`; see
+//! `scripts/isr-lazy-memory/README.md` for the prototype's measurements).
 //!
 //! A page fault in QEMU's mapping reaches [`MemoryFs::read`]; the chunks it
 //! touches are fetched (verified) through the image as the NBD server's
@@ -163,7 +162,14 @@ impl Filesystem for MemoryFs {
         let len = u32::try_from(len).unwrap_or(size);
         match self.rt.block_on(self.image.read(offset, len)) {
             Ok(bytes) => reply.data(&bytes),
-            Err(_) => reply.error(nix::libc::EIO),
+            Err(e) => {
+                (self.image.report)(&format!(
+                    "FUSE read of {len} bytes at offset {offset} of {} failed (an I/O error, \
+                     SIGBUS for QEMU, never the data): {e}",
+                    self.image.name()
+                ));
+                reply.error(nix::libc::EIO)
+            }
         }
     }
 
@@ -188,7 +194,13 @@ impl Filesystem for MemoryFs {
         };
         match self.rt.block_on(self.image.write(offset, len, Some(data))) {
             Ok(()) => reply.written(data.len() as u32),
-            Err(_) => reply.error(nix::libc::EIO),
+            Err(e) => {
+                (self.image.report)(&format!(
+                    "FUSE write of {len} bytes at offset {offset} of {} failed: {e}",
+                    self.image.name()
+                ));
+                reply.error(nix::libc::EIO)
+            }
         }
     }
 
