@@ -120,6 +120,26 @@ struct Cli {
     /// roam, no-reinject, lazy.
     #[arg(long, value_delimiter = ',', value_parser = parse_mover)]
     migrate_movers: Vec<scenarios::migrate::Mover>,
+    /// Links of the isr scenario instead of the mode's, as MBITxROUNDS
+    /// (comma-separated), e.g. 100x3.
+    #[arg(long, value_delimiter = ',', value_parser = parse_isr_link)]
+    isr_links: Vec<(u32, usize)>,
+}
+
+/// `100x3`: a link rate (Mbit/s) of the isr scenario and its rounds.
+fn parse_isr_link(s: &str) -> Result<(u32, usize), String> {
+    let (rate, rounds) = s
+        .split_once('x')
+        .ok_or_else(|| format!("{s}: expected MBITxROUNDS, e.g. 100x3"))?;
+    let rate = rate
+        .trim()
+        .parse::<u32>()
+        .map_err(|e| format!("{s}: {e}"))?;
+    let rounds = rounds
+        .trim()
+        .parse::<usize>()
+        .map_err(|e| format!("{s}: {e}"))?;
+    Ok((rate.max(1), rounds.max(1)))
 }
 
 /// `1000x1000`: connections and MB of a migrate case.
@@ -551,6 +571,9 @@ fn main() {
     }
     if let Some(s) = cli.many_seconds {
         plan.many_seconds = s.max(0.1);
+    }
+    if !cli.isr_links.is_empty() {
+        plan.isr_links = cli.isr_links.clone();
     }
     if !cli.migrate_cases.is_empty() {
         plan.migrate_cases = cli.migrate_cases.clone();
