@@ -413,17 +413,32 @@ pub(crate) async fn run_incoming(
         tokio::time::sleep(POLL_EVERY).await;
     };
     let _ = std::fs::remove_file(&sock);
-    if ignore_shared {
-        qmp.execute(
-            "migrate-set-capabilities",
-            json!({ "capabilities": [{ "capability": "x-ignore-shared", "state": true }] }),
-        )
-        .await?;
-        qmp.execute("migrate-incoming", json!({ "uri": uri }))
+    let loaded = async {
+        if ignore_shared {
+            qmp.execute(
+                "migrate-set-capabilities",
+                json!({ "capabilities": [{ "capability": "x-ignore-shared", "state": true }] }),
+            )
             .await?;
+            qmp.execute("migrate-incoming", json!({ "uri": uri }))
+                .await?;
+        }
+        qmp.finish_incoming(|| matches!(child.try_wait(), Ok(None)))
+            .await
+    };
+    if let Err(e) = loaded.await {
+        // A QEMU that died while loading (with lazy memory: QEMU touches
+        // guest RAM then, and a page roam refused is SIGBUS) is said so.
+        return Err(
+            match tokio::time::timeout(Duration::from_secs(2), child.wait()).await {
+                Ok(Ok(status)) => VmError(format!(
+                    "{program} exited ({status}) while loading the memory image: see the lines \
+                     above (QEMU's message, or a chunk roam refused)"
+                )),
+                _ => e,
+            },
+        );
     }
-    qmp.finish_incoming(|| matches!(child.try_wait(), Ok(None)))
-        .await?;
     on(Incoming::Running);
     report(&format!(
         "the guest runs (memory loaded in {} ms); roam waits for QEMU to exit",
