@@ -120,6 +120,22 @@ impl Endpoint {
         }
     }
 
+    /// A non-blocking read straight from the descriptor, not through
+    /// tokio's readiness, which can lag behind bytes already in the socket
+    /// or pipe (the reactor has not yet seen their event, so `try_read`
+    /// says `WouldBlock` without reading): a cut's drain must take every
+    /// byte the frozen writers sent. `WouldBlock` once it is empty.
+    fn read_now(&self, buf: &mut [u8]) -> io::Result<usize> {
+        use std::os::fd::AsFd;
+        let fd = match self {
+            Endpoint::Unix(s) => s.as_fd(),
+            Endpoint::Tcp(s) => s.as_fd(),
+            Endpoint::PipeReader(s) => s.as_fd(),
+            Endpoint::PipeWriter(_) => return Err(wrong_way("a read")),
+        };
+        nix::unistd::read(fd, buf).map_err(io::Error::from)
+    }
+
     fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
         match self {
             Endpoint::Unix(s) => s.try_write(buf),
@@ -424,9 +440,10 @@ impl Member {
         for (id, socket) in readers.iter() {
             let end = process.reader(*id).map_err(|e| e.to_string())?;
             loop {
-                match socket.try_read(scratch) {
+                match socket.read_now(scratch) {
                     Ok(0) => break,
                     Ok(n) => end.receive(&scratch[..n]),
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                     Err(e) => return Err(format!("draining channel {id}: {e}")),
                 }
