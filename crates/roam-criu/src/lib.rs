@@ -878,17 +878,8 @@ struct Keeper {
     lines: std::sync::mpsc::Receiver<NftLine>,
 }
 
-impl std::fmt::Debug for NftLine {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            NftLine::Out(l) => write!(f, "out {l:?}"),
-            NftLine::Err(l) => write!(f, "err {l:?}"),
-            NftLine::Closed => write!(f, "closed"),
-        }
-    }
-}
-
 /// A line `nft -i` wrote, or the end of its output.
+#[derive(Debug)]
 enum NftLine {
     Out(String),
     Err(String),

@@ -139,7 +139,10 @@ async fn serve_session(host: Arc<Host>, session: roam::SessionHandle) {
             }
         });
     }
-    let lost = watch_source(&session);
+    // A source killed outright, or cut off, is noticed within
+    // `LOST_GRACE` (the grace the source gives its destination) instead of
+    // at `FRAME_TIMEOUT`.
+    let lost = super::watch_lost(&session, "source");
     while let Some(stream) = meta_rx.recv().await {
         let _one = host.busy.lock().await;
         // A pages stream left by an earlier move is not this one's.
@@ -167,14 +170,6 @@ async fn serve_session(host: Arc<Host>, session: roam::SessionHandle) {
 /// Why the source is lost (its session suspended for longer than
 /// [`super::LOST_GRACE`], or ended), once it is.
 type SourceLost = tokio::sync::watch::Receiver<Option<String>>;
-
-/// Watches the session from a source: the returned flag says why it is
-/// lost once it stays suspended for [`super::LOST_GRACE`] (the grace the
-/// source gives its destination) or ends. A source killed outright, or cut
-/// off, is then noticed in seconds instead of at [`FRAME_TIMEOUT`].
-fn watch_source(session: &roam::SessionHandle) -> SourceLost {
-    super::watch_lost(session, "source")
-}
 
 /// The source's next frame, within [`FRAME_TIMEOUT`], unless the source is
 /// lost first (a frame already here still comes first).
