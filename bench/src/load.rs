@@ -97,6 +97,16 @@ async fn handle_target(mut sock: TcpStream) -> io::Result<()> {
                 if n == 0 {
                     break;
                 }
+                // Every byte checked, as a download's client does: the
+                // two directions cost the harness the same, and a
+                // corrupt byte fails the sample (the count never comes).
+                if let Some(p) = first_not_fill(&buf[..n]) {
+                    return Err(bad(format!(
+                        "upload: corrupt payload byte {:#x} at offset {}",
+                        buf[p],
+                        total + p as u64
+                    )));
+                }
                 total += n as u64;
             }
             sock.write_all(&total.to_be_bytes()).await?;
@@ -160,6 +170,29 @@ impl Transfer {
     pub(crate) fn mbps(&self) -> f64 {
         self.bytes as f64 / self.elapsed.as_secs_f64().max(1e-9) / 1e6
     }
+}
+
+/// Offset of the first byte of `b` that is not [`FILL`], if any.
+///
+/// Checks 64 bytes at a time with a branch-free fold the compiler turns
+/// into vector instructions: `iter().position` (one byte, one branch)
+/// checked about 2.5 GB/s and took a seventh of this 2-core machine's
+/// CPU during a download, CPU the relays under test then lacked, while
+/// an upload's sink checked nothing (downloads measured 20 % below
+/// uploads through roam for that reason).
+pub(crate) fn first_not_fill(b: &[u8]) -> Option<usize> {
+    const LANES: usize = 64;
+    let mut clean = 0;
+    for c in b.chunks_exact(LANES) {
+        if c.iter().fold(0u8, |acc, &x| acc | (x ^ FILL)) != 0 {
+            break;
+        }
+        clean += LANES;
+    }
+    b[clean..]
+        .iter()
+        .position(|&x| x != FILL)
+        .map(|p| clean + p)
 }
 
 fn bad(msg: String) -> io::Error {
@@ -234,7 +267,7 @@ pub(crate) async fn download(
         }
         let mut chunk = &buf[..n];
         if trailer.is_none() {
-            match chunk.iter().position(|&b| b != FILL) {
+            match first_not_fill(chunk) {
                 None => {
                     payload += n as u64;
                     continue;
@@ -318,7 +351,7 @@ pub(crate) async fn download_window(
                 end - now
             )));
         }
-        if let Some(p) = buf[..n].iter().position(|&b| b != FILL) {
+        if let Some(p) = first_not_fill(&buf[..n]) {
             let tail = &buf[p..n.min(p + 16)];
             let hex: Vec<String> = tail.iter().map(|b| format!("{b:02x}")).collect();
             return Err(bad(format!(
@@ -392,6 +425,44 @@ pub(crate) async fn tcp(addr: SocketAddr, nodelay: bool) -> io::Result<Conn> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The fast check finds a wrong byte wherever it is (inside a
+    /// 64-byte lane, on its edges, in the tail) and nothing in clean input.
+    #[test]
+    fn first_not_fill_finds_every_position() {
+        for len in [0usize, 1, 63, 64, 65, 127, 128, 1000] {
+            let clean = vec![FILL; len];
+            assert_eq!(first_not_fill(&clean), None, "clean, len {len}");
+            for at in 0..len {
+                let mut b = clean.clone();
+                b[at] = END;
+                assert_eq!(first_not_fill(&b), Some(at), "len {len}, at {at}");
+                b[len - 1] ^= 1;
+                assert_eq!(
+                    first_not_fill(&b),
+                    Some(at),
+                    "two wrong, len {len}, at {at}"
+                );
+            }
+        }
+    }
+
+    /// A corrupt byte in an upload fails it: the sink sends no count.
+    #[tokio::test]
+    async fn upload_with_a_corrupt_byte_gets_no_count() {
+        let a = target().await;
+        let mut s = TcpStream::connect(a).await.unwrap();
+        s.write_all(&[OP_UPLOAD, FILL, FILL, 0x77, FILL])
+            .await
+            .unwrap();
+        s.shutdown().await.unwrap();
+        let mut got = Vec::new();
+        let _ = s.read_to_end(&mut got).await;
+        assert!(
+            got.is_empty(),
+            "the sink answered a corrupt upload: {got:?}"
+        );
+    }
 
     async fn target() -> SocketAddr {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
