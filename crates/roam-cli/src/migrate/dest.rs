@@ -298,9 +298,12 @@ async fn receive(
         tokio::task::spawn_blocking(move || -> Result<(Placed, AddressLock), String> {
             let lock = AddressLock::new(None, t.addr)
                 .map_err(|e| format!("cannot lock {} here: {e}", t.addr))?;
-            // (On an error the lock is lifted as it drops.)
-            host::add_address(&t).map_err(|e| format!("cannot put {} here: {}", t.cidr(), e.0))?;
-            Ok((Placed(Some(t)), lock))
+            // (On an error the lock is lifted as it drops.) On a lease
+            // until the commit: a `migrate-accept` killed outright before
+            // it leaves no address behind for long.
+            let leased = host::Leased::add(&t)
+                .map_err(|e| format!("cannot put {} here: {}", t.cidr(), e.0))?;
+            Ok((Placed(Some(leased)), lock))
         })
     });
     let asked = async {
@@ -406,7 +409,10 @@ async fn receive(
             return Err(format!("{e}; the restored copy (pid {pid}) was killed"));
         }
     };
-    placed.keep();
+    // The address is the process's now, for good: its lease, renewed
+    // until now, made infinite off the hand-over's path (awaited after
+    // `LIVE`).
+    let kept = placed.keep();
     if let Some(lock) = lock {
         let _ = lock.release();
     }
@@ -432,6 +438,13 @@ async fn receive(
     )
     .await
     .map_err(send)?;
+    if let Some(k) = kept {
+        match k.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => eprintln!("roam migrate-accept: warning: {}", e.0),
+            Err(e) => eprintln!("roam migrate-accept: warning: the address thread failed: {e}"),
+        }
+    }
     // Post-copy: the images directory stays until the daemon is done with
     // it, and a daemon that fails takes the process down with it.
     let memory = match lazy_pages.take() {
@@ -489,23 +502,17 @@ fn place(host: &Host, address: &str) -> Result<IfAddr, String> {
     Ok(IfAddr { dev, addr, prefix })
 }
 
-/// The moved address on this host's interface: taken off again when
-/// dropped, unless [`Placed::keep`] (the move is committed). `None`: no
-/// address was put here.
-struct Placed(Option<IfAddr>);
+/// The moved address on this host's interface, on a lease renewed until
+/// the move is committed ([`Placed::keep`]): taken off again when dropped
+/// (by [`host::Leased`]'s drop). `None`: no address was put here.
+struct Placed(Option<host::Leased>);
 
 impl Placed {
-    /// The address stays.
-    fn keep(mut self) {
-        self.0 = None;
-    }
-}
-
-impl Drop for Placed {
-    fn drop(&mut self) {
-        if let Some(t) = self.0.take() {
-            let _ = host::del_address(&t);
-        }
+    /// The address stays for good: made so on a blocking thread (one `ip`
+    /// command), whose handle this returns; its lease is renewed until then.
+    fn keep(self) -> Option<tokio::task::JoinHandle<Result<(), CliError>>> {
+        let leased = self.0?;
+        Some(tokio::task::spawn_blocking(move || leased.keep()))
     }
 }
 
@@ -658,8 +665,9 @@ fn is_daemon(pid: u32) -> bool {
 /// zombie keeps its pid, which a later restore of the same process needs.
 /// Called only between the programs one move runs here (CRIU, `ip`), which
 /// their own handles wait for, and never for a lazy-pages daemon (which
-/// outlives its move: see [`daemons`]). Elsewhere init reaps orphans and
-/// this does nothing.
+/// outlives its move: see [`daemons`]); the `ip` that renews the address's
+/// lease meanwhile takes a child reaped here as done (`host::renew`).
+/// Elsewhere init reaps orphans and this does nothing.
 fn reap_orphans() {
     use nix::sys::wait::{waitpid, WaitPidFlag};
     if std::process::id() != 1 {

@@ -6,6 +6,7 @@
 use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::process::Command;
+use std::time::Duration;
 
 use crate::cli::CliError;
 
@@ -321,15 +322,173 @@ pub(crate) fn parse_ip_addr(text: &str) -> Vec<IfAddr> {
         .collect()
 }
 
-/// Puts `a` on its interface (without duplicate-address detection for
-/// IPv6: the address has just left the other host).
-pub(crate) fn add_address(a: &IfAddr) -> Result<(), CliError> {
-    let cidr = a.cidr();
-    let mut args = vec!["addr", "add", &cidr, "dev", &a.dev];
+/// How long an address put here for a move lives unless renewed: the
+/// kernel removes an address whose valid lifetime ends (IPv4 and IPv6), so
+/// the address a `migrate-accept` killed outright had added goes within
+/// this and a second of its last renewal (measured on Linux 6.18: 3.05-3.32
+/// s after a 3 s address was added, 3.3-4.0 s after it was renewed; the
+/// kernel checks lifetimes on whole-second boundaries) instead of staying
+/// beside the same address at the source, where the process runs on.
+pub(crate) const LEASE: Duration = Duration::from_secs(3);
+
+/// How often a lease is renewed: a third of it, so that two renewals in a
+/// row may come late (a loaded host) before the address goes.
+const RENEW_EVERY: Duration = Duration::from_secs(1);
+
+/// An address's lifetime, as `ip addr` sets it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Lifetime {
+    /// Gone this long after it was set, unless set again.
+    Lease(Duration),
+    /// Until taken off.
+    Forever,
+}
+
+/// The arguments of `ip addr VERB` for `a` with `lifetime`: preferred as
+/// long as valid (a preferred lifetime that ends first would make the
+/// address deprecated, IPv6 then avoiding it as a source), and for IPv6 no
+/// duplicate-address detection (the address has just left the other host;
+/// `change` too, which replaces the address's flags with the ones given).
+pub(crate) fn address_args(verb: &str, a: &IfAddr, lifetime: Lifetime) -> Vec<String> {
+    let life = match lifetime {
+        // (The kernel counts whole seconds; never 0, which would be gone
+        // at once.)
+        Lifetime::Lease(d) => d.as_secs().max(1).to_string(),
+        Lifetime::Forever => "forever".to_string(),
+    };
+    let mut args: Vec<String> = ["addr", verb, &a.cidr(), "dev", &a.dev]
+        .iter()
+        .map(|s| (*s).to_string())
+        .collect();
     if a.addr.is_ipv6() {
-        args.push("nodad");
+        args.push("nodad".into());
     }
-    ip(&args).map(|_| ())
+    args.extend([
+        "valid_lft".into(),
+        life.clone(),
+        "preferred_lft".into(),
+        life,
+    ]);
+    args
+}
+
+/// Runs `ip` with [`address_args`].
+fn set_address(verb: &str, a: &IfAddr, lifetime: Lifetime) -> Result<(), CliError> {
+    let args = address_args(verb, a, lifetime);
+    ip(&args.iter().map(String::as_str).collect::<Vec<_>>()).map(|_| ())
+}
+
+/// Renews `a`'s lease (`ip addr change`). This runs beside the rest of a
+/// move, whose reaping of orphans (`migrate-accept` as its pid namespace's
+/// first process: its own children look like them) may take this `ip`
+/// before its own wait does: a wait that finds no child counts as done
+/// (the next renewal would say if it was not).
+fn renew(a: &IfAddr) -> Result<(), CliError> {
+    let args = address_args("change", a, Lifetime::Lease(LEASE));
+    match Command::new("ip").args(&args).output() {
+        Ok(out) if out.status.success() => Ok(()),
+        Ok(out) => Err(CliError(format!(
+            "`ip {}` failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))),
+        Err(e) if e.raw_os_error() == Some(nix::errno::Errno::ECHILD as i32) => Ok(()),
+        Err(e) => Err(CliError(format!("cannot run `ip` (iproute2): {e}"))),
+    }
+}
+
+/// An address put on its interface for a move, on a [`LEASE`] that a
+/// thread renews while this lives: if the process holding it is killed
+/// outright, the address goes within the lease. Taken off when dropped,
+/// unless kept ([`Leased::keep`]).
+pub(crate) struct Leased {
+    /// The address (`None` once kept or taken off).
+    addr: Option<IfAddr>,
+    /// Dropped to stop the renewing thread.
+    stop: Option<std::sync::mpsc::Sender<()>>,
+    /// The renewing thread.
+    renewer: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Leased {
+    /// Puts `a` on its interface with a finite lifetime, set by the same
+    /// `ip addr add` (one command, as before there was a lease: this runs
+    /// while the process is frozen at the source), and starts renewing it.
+    pub(crate) fn add(a: &IfAddr) -> Result<Leased, CliError> {
+        set_address("add", a, Lifetime::Lease(LEASE))?;
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
+        let renewed = a.clone();
+        let renewer = std::thread::Builder::new()
+            .name("roam-lease".into())
+            .spawn(move || {
+                // Until the sender is dropped (nothing is ever sent).
+                while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+                    stopped.recv_timeout(RENEW_EVERY)
+                {
+                    // (`change` would put the address back, were it gone:
+                    // wanted while the move goes on.)
+                    if let Err(e) = renew(&renewed) {
+                        eprintln!(
+                            "roam migrate-accept: warning: cannot renew {}'s lease: {}",
+                            renewed.cidr(),
+                            e.0
+                        );
+                    }
+                }
+            });
+        let mut leased = Leased {
+            addr: Some(a.clone()),
+            stop: Some(stop),
+            renewer: None,
+        };
+        match renewer {
+            Ok(r) => leased.renewer = Some(r),
+            // (The drop takes the address off again.)
+            Err(e) => {
+                return Err(CliError(format!(
+                    "cannot start a thread to renew {}'s lease: {e}",
+                    a.cidr()
+                )))
+            }
+        }
+        Ok(leased)
+    }
+
+    /// Stops the renewing thread, once no renewal is under way (one after
+    /// this would put the address back).
+    fn stop(&mut self) {
+        self.stop = None;
+        if let Some(r) = self.renewer.take() {
+            let _ = r.join();
+        }
+    }
+
+    /// The address stays for good (its lifetime made infinite): the move is
+    /// committed. Blocks for one `ip` command. On an error the address goes
+    /// when its lease ends.
+    pub(crate) fn keep(mut self) -> Result<(), CliError> {
+        self.stop();
+        let Some(a) = self.addr.take() else {
+            return Ok(());
+        };
+        set_address("change", &a, Lifetime::Forever).map_err(|e| {
+            CliError(format!(
+                "cannot keep {} here for good: {}; it goes within {} s",
+                a.cidr(),
+                e.0,
+                LEASE.as_secs()
+            ))
+        })
+    }
+}
+
+impl Drop for Leased {
+    fn drop(&mut self) {
+        self.stop();
+        if let Some(a) = self.addr.take() {
+            let _ = del_address(&a);
+        }
+    }
 }
 
 /// Takes `a` off its interface.
@@ -574,6 +733,96 @@ mod tests {
             );
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
+    }
+
+    #[test]
+    fn an_address_is_added_with_its_lease_in_one_command() {
+        let v4 = IfAddr {
+            dev: "eth0".into(),
+            addr: "10.1.2.3".parse().unwrap(),
+            prefix: 24,
+        };
+        assert_eq!(
+            address_args("add", &v4, Lifetime::Lease(LEASE)).join(" "),
+            "addr add 10.1.2.3/24 dev eth0 valid_lft 3 preferred_lft 3"
+        );
+        assert_eq!(
+            address_args("change", &v4, Lifetime::Forever).join(" "),
+            "addr change 10.1.2.3/24 dev eth0 valid_lft forever preferred_lft forever"
+        );
+        let v6 = IfAddr {
+            dev: "eth0".into(),
+            addr: "fd00::2".parse().unwrap(),
+            prefix: 64,
+        };
+        assert_eq!(
+            address_args("change", &v6, Lifetime::Lease(Duration::from_millis(2500))).join(" "),
+            "addr change fd00::2/64 dev eth0 nodad valid_lft 2 preferred_lft 2"
+        );
+        assert_eq!(
+            address_args("add", &v6, Lifetime::Lease(Duration::from_millis(300))).join(" "),
+            "addr add fd00::2/64 dev eth0 nodad valid_lft 1 preferred_lft 1",
+            "never 0: gone at once"
+        );
+    }
+
+    /// On a real link: an address added on a lease that nobody renews is
+    /// gone within the lease and a second (what a killed `migrate-accept`
+    /// leaves); renewed it stays past the lease; kept it stays for good;
+    /// dropped it goes at once.
+    #[test]
+    fn a_leased_address_stays_while_renewed_and_goes_when_not() {
+        use roam_sim::netns::{NetPair, Side, IFACE};
+        use std::time::Instant;
+        if let Err(why) = roam_sim::netns::available() {
+            eprintln!("SKIP: {why}");
+            return;
+        }
+        let pair = NetPair::new("lease").expect("namespaces");
+        let s = pair.ns(Side::Server).to_owned();
+        let at = |last: u8| IfAddr {
+            dev: IFACE.to_owned(),
+            addr: IpAddr::V4(Ipv4Addr::new(10, 77, 0, last)),
+            prefix: 24,
+        };
+        let here = |a: &IfAddr| {
+            super::super::sh(&format!("ip -n {s} -o addr show dev {IFACE}"))
+                .contains(&format!(" {} ", a.cidr()))
+        };
+        pair.in_ns(Side::Server, || {
+            // Unrenewed.
+            let lone = at(5);
+            set_address("add", &lone, Lifetime::Lease(LEASE)).expect("add");
+            let added = Instant::now();
+            assert!(here(&lone));
+            while here(&lone) {
+                assert!(
+                    added.elapsed() < LEASE + Duration::from_secs(1),
+                    "{} outlived its lease",
+                    lone.cidr()
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            eprintln!("an unrenewed lease ended after {:?}", added.elapsed());
+            // Renewed, then kept.
+            let kept = at(6);
+            let leased = Leased::add(&kept).expect("lease");
+            std::thread::sleep(LEASE + Duration::from_millis(1500));
+            assert!(here(&kept), "a renewed lease ended");
+            leased.keep().expect("keep");
+            std::thread::sleep(LEASE + Duration::from_millis(1500));
+            assert!(here(&kept), "a kept address went");
+            let out = super::super::sh(&format!("ip -n {s} -o addr show dev {IFACE}"));
+            assert!(
+                out.contains("valid_lft forever preferred_lft forever"),
+                "{out}"
+            );
+            // Dropped.
+            let dropped = at(7);
+            drop(Leased::add(&dropped).expect("lease"));
+            assert!(!here(&dropped), "a dropped lease stayed");
+        })
+        .expect("server namespace");
     }
 
     #[test]
