@@ -1623,6 +1623,63 @@ fn a_destination_killed_half_way_leaves_the_server_running_at_the_source() {
     eprintln!("a dead destination noticed in {noticed:?}");
 }
 
+/// `roam migrate-accept` killed outright (SIGKILL: nothing undone) after it
+/// put the service address on B, before the move is committed: B's
+/// address goes with its lease (3 s, renewed only while migrate-accept
+/// lives) instead of staying beside A's for good, and the server, its dump
+/// rolled back, serves its connection and new ones at A. The hook: A is
+/// stopped (SIGSTOP) as it says the images are sent, so that the move
+/// cannot be committed, B's address is waited for, B killed, A continued.
+/// (Before the lease the address stayed at B: this failed at "B kept the
+/// address".)
+#[test]
+fn a_destination_killed_outright_after_adding_the_address_leaves_it_at_the_source_alone() {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+    if !can_run() {
+        return;
+    }
+    let received = tempfile::tempdir().expect("B's images dir");
+    let mut s = Setup::holding("mig_lease", Some(received.path()), 300);
+    let (mut child, mut err, mut seen) = s.migrate_until("images sent");
+    let source = Pid::from_raw(i32::try_from(child.id()).expect("pid"));
+    kill(source, Signal::SIGSTOP).expect("stop migrate-process");
+    // B adds the address as it says the images are stored; its lease is
+    // renewed while it waits for A (which it gives up on after 2 s).
+    let deadline = Instant::now() + Duration::from_secs(1);
+    while !s.has_service(B) {
+        assert!(Instant::now() < deadline, "B never added the address");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    s.accept
+        .as_ref()
+        .expect("migrate-accept")
+        .signal(Signal::SIGKILL)
+        .expect("kill migrate-accept");
+    let killed = Instant::now();
+    kill(source, Signal::SIGCONT).expect("continue migrate-process");
+    // Gone within the lease, the kernel's check of lifetimes and a margin.
+    let bound = Duration::from_secs(3 + 3);
+    while s.has_service(B) {
+        assert!(
+            killed.elapsed() < bound,
+            "B kept the address {:?} after migrate-accept was killed",
+            killed.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let gone = killed.elapsed();
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut err, &mut rest).expect("stderr");
+    seen.push_str(&rest);
+    let status = child.wait().expect("wait");
+    eprintln!("{seen}");
+    assert_eq!(status.code(), Some(1), "{seen}");
+    assert!(seen.contains("runs on here with its connections"), "{seen}");
+    s.assert_still_at_source();
+    eprintln!("B's address went {gone:?} after migrate-accept was killed");
+}
+
 /// nginx (a master and two workers: a process tree) serving 100 concurrent
 /// downloads of a 16 MiB file to slow readers moves to B in the middle of
 /// them: every download completes, each body's SHA-256 is the file's, and
