@@ -504,6 +504,30 @@ impl Setup {
         String::from_utf8_lossy(&out.stdout).contains(&format!("{}/", self.service))
     }
 
+    /// Waits (at most 2 s) until host `i` has the service address for good
+    /// (`valid_lft forever`): B's lease on it made permanent at the commit.
+    fn wait_permanent(&self, i: usize) {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        loop {
+            let out = Command::new("ip")
+                .args(["-n", self.lan.ns(i), "-o", "addr", "show"])
+                .output()
+                .expect("ip addr");
+            let text = String::from_utf8_lossy(&out.stdout);
+            let line = text
+                .lines()
+                .find(|l| l.contains(&format!(" {}/", self.service)));
+            if line.is_some_and(|l| l.contains("valid_lft forever preferred_lft forever")) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the address is not there for good: {line:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Whether host `i` still has an address lock (a `roam_lock_` table).
     fn has_lock(&self, i: usize) -> bool {
         let out = Command::new("nsenter")
@@ -694,6 +718,7 @@ fn a_running_server_moves_to_another_host_with_its_connection_and_address() {
     assert!(!s.runs_on(A, s.pid), "the server is still on host A");
     assert!(!s.has_service(A), "the address stayed on A");
     assert!(s.has_service(B), "the address is not on B");
+    s.wait_permanent(B);
     assert!(!s.has_lock(A) && !s.has_lock(B), "an address lock was left");
     wait_empty(
         received.path(),
@@ -786,6 +811,7 @@ fn an_ipv6_server_moves_with_its_connections_and_its_address_is_announced() {
         !s.has_service(A) && s.has_service(B),
         "the address did not move to B"
     );
+    s.wait_permanent(B);
     assert!(!s.has_lock(A) && !s.has_lock(B), "an address lock was left");
     s.wait_announced(&mac_a, &mac_b);
     let at = s.echo().echoed();
