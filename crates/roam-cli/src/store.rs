@@ -31,6 +31,7 @@ use crate::vm::{self, Incoming, Qmp, VM_DEVSTATE_IMAGE, VM_IMAGES, VM_MEMORY_IMA
 use trickle::Trickle;
 
 pub(crate) mod hoard;
+mod leftovers;
 pub(crate) mod trickle;
 
 /// Any backend, so one `Store` type serves them all.
@@ -970,6 +971,9 @@ async fn resume_opened(args: &ResumeArgs, opened: &Opened) -> Result<i32, Fail> 
     }
     std::fs::create_dir_all(dir)
         .map_err(|e| CliError(format!("cannot create {}: {e}", dir.display())))?;
+    // What a killed resume left here (a FUSE mount, sockets, temporaries)
+    // goes before this one writes anything.
+    leftovers::sweep(dir, &mut |line: &str| eprintln_whole!("roam: {line}"));
     // Demand fetch: the images QEMU opens as `-drive file=DIR/<image>` are
     // served over NBD instead of copied in.
     let pid = std::process::id();
