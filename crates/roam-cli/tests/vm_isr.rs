@@ -1374,3 +1374,100 @@ fn lazy_guest_memory_round_trip_by_demand_fetch_over_fuse() {
     );
     eprintln!("test wall time: {:?}", test_start.elapsed());
 }
+
+/// A SIGKILLed `roam resume --demand-fetch` of lazy memory leaves its FUSE
+/// mount (dead), its mount point and its sockets, and its QEMU runs on
+/// (killed here); the next resume into the same DIR sweeps them (a line
+/// naming the dead pid), runs the guest on from A's last tick, and once
+/// ended by SIGTERM leaves no mount and no `.roam-ram.*`.
+#[test]
+fn a_sigkilled_lazy_resume_is_swept_by_the_next_resume() {
+    let Some(guest) = guest() else { return };
+    if !Path::new("/dev/fuse").exists() || !can_unshare_net() {
+        eprintln!("SKIP: lazy memory needs /dev/fuse and the right to mount (root)");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let store = tmp.path().join("store");
+    let _unmount = UnmountUnder(tmp.path().to_owned());
+    let (site_a, site_b, _) = suspended_at_a_with(&guest, tmp.path(), (&state, &store), true);
+    let n_a = last_tick(&site_a.ticks("serial-a1"), "site A");
+    let entries = |dir: &Path| -> Vec<String> {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect()
+    };
+
+    let log = tmp.path().join("resume-k.log");
+    let mut killed = resume_with(
+        &state,
+        &store,
+        &site_b,
+        (&guest, "serial-k"),
+        false,
+        &["--demand-fetch"],
+        Some(&log),
+    );
+    site_b.wait_tick("serial-k", n_a + 1, &mut killed);
+    let dead = killed.child.id();
+    killed.child.kill().unwrap();
+    killed.child.wait().unwrap();
+    let left = entries(&site_b.dir);
+    assert!(
+        left.contains(&format!(".roam-ram.{dead}")),
+        "no leftover mount point: {left:?}"
+    );
+    assert_eq!(
+        mounts_under(&site_b.dir).len(),
+        1,
+        "the dead resume's mount"
+    );
+    // Its QEMU outlives it (no PR_SET_PDEATHSIG): killed by its pid file.
+    drop(killed);
+
+    let log = tmp.path().join("resume-k2.log");
+    let mut again = resume_with(
+        &state,
+        &store,
+        &site_b,
+        (&guest, "serial-k2"),
+        false,
+        &["--demand-fetch"],
+        Some(&log),
+    );
+    let ticks = site_b.wait_tick("serial-k2", n_a + 2, &mut again);
+    assert_eq!(ticks.first().map(|t| t.0), Some(n_a + 1), "{ticks:?}");
+    let mounts = mounts_under(&site_b.dir);
+    assert_eq!(mounts.len(), 1, "only the new resume's mount: {mounts:?}");
+    assert!(
+        mounts[0].contains(&format!(".roam-ram.{}", again.child.id())),
+        "{mounts:?}"
+    );
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        text.contains(&format!("resume process {dead} (no longer running)"))
+            && text.contains(&format!(".roam-ram.{dead} unmounted")),
+        "no sweep line for the dead resume's mount: {text}"
+    );
+    let _ = Command::new("kill")
+        .args(["-TERM", &again.child.id().to_string()])
+        .status();
+    let status = again.wait_exit(Duration::from_secs(60));
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(status.is_some(), "roam did not end on SIGTERM: {text}");
+    assert_eq!(
+        mounts_under(&site_b.dir),
+        Vec::<String>::new(),
+        "a mount left: {text}"
+    );
+    let left = entries(&site_b.dir);
+    assert!(
+        !left
+            .iter()
+            .any(|n| n.starts_with(".roam-ram.") || n.starts_with(".roam-nbd-")),
+        "left in {}: {left:?}\n{text}",
+        site_b.dir.display()
+    );
+}
