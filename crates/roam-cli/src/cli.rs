@@ -352,8 +352,8 @@ the destination once the rest is there, and its pages follow over the session
 (each one on first touch, the rest in the background) while it runs; the
 summary says how much memory followed and how long it took. The source's page
 server listens on 127.0.0.1 only; it needs 3.2 MiB pipes, so without
-CAP_SYS_RESOURCE fs.pipe-max-size is raised to 4 MiB while it runs (and put
-back). A destination that
+CAP_SYS_RESOURCE fs.pipe-max-size is raised to 4 MiB from the dump until it
+is done (and put back, by a watcher if roam is killed). A destination that
 shares this host's pid space (namespaces on one machine) must run
 `roam migrate-accept` in a pid namespace of its own (`unshare --pid --fork
 --mount-proc`): the process keeps its pid here until its last page is sent.

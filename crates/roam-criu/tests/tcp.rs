@@ -549,3 +549,90 @@ fn the_connection_lock_holds_a_loopback_connections_packets_until_released() {
         "an empty list is refused"
     );
 }
+
+/// Not a test on its own: the holder process of
+/// [`a_pipe_room_whose_holder_is_killed_outright_is_put_back`], run by it
+/// (`ROAM_PIPE_ROOM_HOLDER=1`): makes the room, says `raised`, and waits to
+/// be killed.
+#[test]
+#[ignore = "run by a_pipe_room_whose_holder_is_killed_outright_is_put_back"]
+fn pipe_room_holder() {
+    if std::env::var_os("ROAM_PIPE_ROOM_HOLDER").is_none() {
+        return;
+    }
+    let room = roam_criu::PipeRoom::make().expect("make room");
+    println!("raised {}", room.raised());
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+/// `fs.pipe-max-size` raised for CRIU's page pipes (`PipeRoom`) goes back
+/// to its old value when the room is dropped, and when its holder is
+/// killed outright (SIGKILL: no drop): a `migrate-process` killed mid-move
+/// left it at 4 MiB for good before.
+#[test]
+fn a_pipe_room_whose_holder_is_killed_outright_is_put_back() {
+    use std::io::BufRead;
+    const PATH: &str = "/proc/sys/fs/pipe-max-size";
+    let read = || std::fs::read_to_string(PATH).expect("read pipe-max-size");
+    let old = read();
+    let caps = std::fs::read_to_string("/proc/self/status").expect("status");
+    let cap_sys_resource = caps
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        .is_some_and(|c| c & (1 << 24) != 0);
+    if cap_sys_resource || old.trim().parse::<u64>().unwrap_or(0) >= roam_criu::LAZY_PIPE_BYTES {
+        eprintln!(
+            "skipped: nothing to raise here (CAP_SYS_RESOURCE {cap_sys_resource}, \
+             fs.pipe-max-size {})",
+            old.trim()
+        );
+        return;
+    }
+    // Whatever fails below, the machine keeps its value.
+    struct PutBack(String);
+    impl Drop for PutBack {
+        fn drop(&mut self) {
+            let _ = std::fs::write(PATH, self.0.trim());
+        }
+    }
+    let _put_back = PutBack(old.clone());
+
+    // Dropped: back at once.
+    let room = roam_criu::PipeRoom::make().expect("make room");
+    assert!(room.raised());
+    assert_eq!(read().trim(), "4194304");
+    drop(room);
+    assert_eq!(read(), old, "not put back when dropped");
+
+    // Killed outright: its watcher puts it back.
+    let mut holder = Command::new(std::env::current_exe().expect("this test binary"))
+        .args(["--exact", "pipe_room_holder", "--ignored", "--nocapture"])
+        .env("ROAM_PIPE_ROOM_HOLDER", "1")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("start the holder");
+    let mut lines = std::io::BufReader::new(holder.stdout.take().expect("piped")).lines();
+    loop {
+        let line = lines
+            .next()
+            .expect("the holder ended before it made room")
+            .expect("read");
+        if line == "raised true" {
+            break;
+        }
+    }
+    assert_eq!(read().trim(), "4194304");
+    holder.kill().expect("SIGKILL the holder");
+    holder.wait().expect("reap the holder");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while read() != old {
+        assert!(
+            Instant::now() < deadline,
+            "fs.pipe-max-size is still {} 5 s after its holder was killed (was {})",
+            read().trim(),
+            old.trim()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

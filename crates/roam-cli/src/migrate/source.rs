@@ -136,6 +136,18 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
         }
     };
 
+    // Post-copy: room for the pipes of the lazy dump and of CRIU's page
+    // server (`roam_criu::PipeRoom`), before anything is frozen: the lazy
+    // dump's memory work inside the freeze is halved with it.
+    let room = match criu_pages {
+        Some(_) => Some(roam_criu::PipeRoom::make().map_err(|e| {
+            CliError(format!(
+                "cannot make room for CRIU's page pipes: {e}; nothing was frozen"
+            ))
+        })?),
+        None => None,
+    };
+
     // Post-copy: on tmpfs, as at the destination (see `images_parent`).
     let images_at = args
         .images_dir
@@ -244,10 +256,6 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
     // its pid there (post-copy: its memory served from here).
     let mut restored = None;
     let mut serving = None;
-    // Post-copy: room for the pipes of CRIU's page server, from the end of
-    // the post-dump step (not before: the dump grows larger page pipes
-    // with it, and is slower).
-    let mut room = None;
     // The address lock, taken by now if the dump reached its post-dump
     // step.
     let mut held: Option<Locked> = None;
@@ -299,7 +307,7 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
                     .map(|i| i.loopback)
                     .unwrap_or_else(|_| info.loopback.clone());
                 let asked = Instant::now();
-                let mut r = match unheld(&loopback, &loopback_held) {
+                let r = match unheld(&loopback, &loopback_held) {
                     // Its images may disagree: called off.
                     Some((a, b)) => Err(format!(
                         "its loopback connection {a} - {b} opened while it was being frozen, \
@@ -311,13 +319,6 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
                     },
                 };
                 if let Some(server) = server {
-                    r = r.and_then(|restored| {
-                        let made = roam_criu::PipeRoom::make().map_err(|e| {
-                            format!("cannot make room for the page server's pipes: {e}")
-                        })?;
-                        room = Some(made);
-                        Ok(restored)
-                    });
                     match r {
                         Ok(_) => serving = Some(server),
                         Err(_) => server.stop(),
