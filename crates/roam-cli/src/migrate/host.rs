@@ -537,6 +537,8 @@ pub(crate) fn announce(a: &IfAddr) -> Result<(), CliError> {
     };
     socket::sendto(fd.as_raw_fd(), &frame, &link, MsgFlags::empty())
         .map_err(|e| fail("sending", e))?;
+    // Its close waits for an RCU grace period: not on the hand-over's path.
+    super::packets::close_later(fd);
     Ok(())
 }
 

@@ -20,11 +20,8 @@
 use std::collections::HashSet;
 use std::io::Read;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
 
-use socket2::{Domain, Protocol, SockAddr, Socket, Type};
+use socket2::{Domain, Protocol, SockAddr, SockFilter, Socket, Type};
 
 /// Most packets kept (beyond it the rest are left to retransmission).
 const MAX_PACKETS: usize = 100_000;
@@ -40,10 +37,10 @@ const ETH_P_IPV6_BE: i32 = (0x86ddu16).to_be() as i32;
 
 /// A capture running on a thread of its own.
 pub(crate) struct Capture {
-    /// Tells the thread to stop.
-    stop: Arc<AtomicBool>,
-    /// The thread; returns the packets.
-    thread: std::thread::JoinHandle<Vec<Vec<u8>>>,
+    /// Wakes the thread and tells it to stop (when dropped).
+    stop: std::os::unix::net::UnixStream,
+    /// The thread; returns the packets and its socket.
+    thread: std::thread::JoinHandle<(Vec<Vec<u8>>, Socket)>,
 }
 
 impl Capture {
@@ -54,51 +51,127 @@ impl Capture {
             IpAddr::V6(_) => ETH_P_IPV6_BE,
         };
         let sock = Socket::new(Domain::PACKET, Type::DGRAM, Some(Protocol::from(family)))?;
-        // Wakes up to look at the stop flag.
-        sock.set_read_timeout(Some(Duration::from_millis(5)))?;
+        // Only packets to the address reach the queue: the thread does not
+        // wake (and take CPU from the move) for the rest of the namespace's
+        // traffic, the move's own session among it.
+        sock.attach_filter(&to_address(addr))?;
+        sock.set_nonblocking(true)?;
         sock.set_recv_buffer_size(8 << 20)?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread = {
-            let stop = stop.clone();
-            std::thread::spawn(move || capture(&sock, addr, &stop))
-        };
+        let (stop, stopped) = std::os::unix::net::UnixStream::pair()?;
+        let thread = std::thread::spawn(move || {
+            let kept = capture(&sock, addr, &stopped);
+            (kept, sock)
+        });
         Ok(Capture { stop, thread })
     }
 
-    /// Stops, and returns the packets captured, in arrival order.
+    /// Stops, and returns the packets captured, in arrival order. The
+    /// socket is closed on a thread of its own (see [`close_later`]).
     pub(crate) fn finish(self) -> Vec<Vec<u8>> {
-        self.stop.store(true, Ordering::Relaxed);
-        self.thread.join().unwrap_or_default()
+        drop(self.stop);
+        match self.thread.join() {
+            Ok((kept, sock)) => {
+                close_later(sock);
+                kept
+            }
+            Err(_) => Vec::new(),
+        }
     }
 }
 
-/// The capture thread's loop.
-fn capture(sock: &Socket, addr: IpAddr, stop: &AtomicBool) -> Vec<Vec<u8>> {
+/// Closes a packet socket on a thread of its own: the kernel's release of
+/// one waits for an RCU grace period (`synchronize_net` in
+/// `packet_release`), 15-20 ms measured here, which must not fall inside a
+/// move's freeze.
+pub(crate) fn close_later<T: Send + 'static>(socket: T) {
+    let _ = std::thread::Builder::new()
+        .name("roam-close".into())
+        .spawn(move || drop(socket));
+}
+
+/// A classic BPF program for a cooked (`SOCK_DGRAM`) packet socket, whose
+/// data begins with the IP header: accepts the packets whose destination is
+/// `addr` (IPv4 at offset 16, IPv6 at 24) and drops the rest.
+fn to_address(addr: IpAddr) -> Vec<SockFilter> {
+    /// `BPF_LD | BPF_W | BPF_ABS`: load the big-endian word at `k`.
+    const LD_WORD: u16 = 0x20;
+    /// `BPF_JMP | BPF_JEQ | BPF_K`: skip `jt` if equal to `k`, else `jf`.
+    const JEQ: u16 = 0x15;
+    /// `BPF_RET | BPF_K`: keep `k` bytes (0: drop).
+    const RET: u16 = 0x06;
+    /// Kept whole.
+    const ALL: u32 = 0x0004_0000;
+    let (offset, words): (u32, Vec<u32>) = match addr {
+        IpAddr::V4(a) => (16, vec![u32::from_be_bytes(a.octets())]),
+        IpAddr::V6(a) => (
+            24,
+            a.octets()
+                .chunks(4)
+                .map(|c| u32::from_be_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        ),
+    };
+    let n = words.len();
+    let mut prog = Vec::with_capacity(2 * n + 2);
+    for (i, w) in words.into_iter().enumerate() {
+        prog.push(SockFilter::new(LD_WORD, 0, 0, offset + 4 * i as u32));
+        // A mismatch jumps over the rest and the accept, to the drop.
+        let to_drop = (2 * (n - 1 - i) + 1) as u8;
+        prog.push(SockFilter::new(JEQ, 0, to_drop, w));
+    }
+    prog.push(SockFilter::new(RET, 0, 0, ALL));
+    prog.push(SockFilter::new(RET, 0, 0, 0));
+    prog
+}
+
+/// The capture thread's loop: reads what arrives until `stopped` ends
+/// (its other end dropped), then what was queued by then.
+fn capture(sock: &Socket, addr: IpAddr, stopped: &std::os::unix::net::UnixStream) -> Vec<Vec<u8>> {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    use std::os::fd::AsFd;
     let mut kept = Vec::new();
     let mut seen = HashSet::new();
     let mut bytes = 0usize;
     let mut buf = vec![0u8; 65536];
     let mut r = sock;
-    loop {
-        // Drain what is queued before looking at the flag: a packet that
-        // arrived before the stop is kept.
-        match r.read(&mut buf) {
-            Ok(n) => {
-                let p = &buf[..n];
-                if is_carried_to(p, addr)
-                    && kept.len() < MAX_PACKETS
-                    && bytes + n <= MAX_BYTES
-                    && seen.insert(p.to_vec())
-                {
-                    bytes += n;
-                    kept.push(p.to_vec());
-                }
+    let mut drain = |r: &mut &Socket| {
+        // Non-blocking: until the queue is empty, or a bounded number of
+        // reads should packets go on arriving faster than they are read.
+        for _ in 0..DRAIN_READS {
+            let Ok(n) = r.read(&mut buf) else { break };
+            let p = &buf[..n];
+            if is_carried_to(p, addr)
+                && kept.len() < MAX_PACKETS
+                && bytes + n <= MAX_BYTES
+                && seen.insert(p.to_vec())
+            {
+                bytes += n;
+                kept.push(p.to_vec());
             }
-            Err(_) if stop.load(Ordering::Relaxed) => return kept,
-            Err(_) => {}
+        }
+    };
+    loop {
+        let mut fds = [
+            PollFd::new(sock.as_fd(), PollFlags::POLLIN),
+            PollFd::new(stopped.as_fd(), PollFlags::POLLIN),
+        ];
+        match poll(&mut fds, PollTimeout::NONE) {
+            Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+            // Not expected; a capture that cannot wait keeps what it has.
+            Err(_) => break,
+        }
+        let stop = fds[1].revents().is_some_and(|e| !e.is_empty());
+        // A packet that arrived before the stop is kept.
+        drain(&mut r);
+        if stop {
+            break;
         }
     }
+    kept
 }
+
+/// Most reads of one drain.
+const DRAIN_READS: usize = 10_000;
 
 /// `IPPROTO_TCP`.
 const TCP: u8 = 6;
@@ -303,6 +376,7 @@ pub(crate) fn unpack(mut payload: &[u8]) -> Option<Vec<Vec<u8>>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     /// An IPv4 address as [`is_carried_to`] takes it.
     fn v4(a: u8, b: u8, c: u8, d: u8) -> IpAddr {
