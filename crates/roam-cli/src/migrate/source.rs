@@ -260,6 +260,12 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
     // step.
     let mut held: Option<Locked> = None;
     if let Some(dir) = images_rx.recv().await {
+        // The tree is frozen from here on: every connection it has is read
+        // while the images travel, not after.
+        let inspected = {
+            let pid = args.pid;
+            tokio::task::spawn_blocking(move || host::inspect(pid))
+        };
         held = take(&locked);
         if let Some(h) = &held {
             timings.dump = h.at.elapsed();
@@ -302,10 +308,10 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
                     Some(_) => Frame::RestoreLazy,
                     None => Frame::Restore,
                 };
-                // Read now, the tree frozen: every connection it has.
-                let loopback = host::inspect(args.pid)
-                    .map(|i| i.loopback)
-                    .unwrap_or_else(|_| info.loopback.clone());
+                let loopback = match inspected.await {
+                    Ok(Ok(i)) => i.loopback,
+                    _ => info.loopback.clone(),
+                };
                 let asked = Instant::now();
                 let r = match unheld(&loopback, &loopback_held) {
                     // Its images may disagree: called off.
