@@ -20,6 +20,8 @@
 use std::collections::HashSet;
 use std::io::Read;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use socket2::{Domain, Protocol, SockAddr, SockFilter, Socket, Type};
 
@@ -39,6 +41,8 @@ const ETH_P_IPV6_BE: i32 = (0x86ddu16).to_be() as i32;
 pub(crate) struct Capture {
     /// Wakes the thread and tells it to stop (when dropped).
     stop: std::os::unix::net::UnixStream,
+    /// Set once the address is locked (see [`Capture::locked`]).
+    locked: Arc<AtomicBool>,
     /// The thread; returns the packets and its socket.
     thread: std::thread::JoinHandle<(Vec<Vec<u8>>, Socket)>,
 }
@@ -58,11 +62,29 @@ impl Capture {
         sock.set_nonblocking(true)?;
         sock.set_recv_buffer_size(8 << 20)?;
         let (stop, stopped) = std::os::unix::net::UnixStream::pair()?;
-        let thread = std::thread::spawn(move || {
-            let kept = capture(&sock, addr, &stopped);
-            (kept, sock)
-        });
-        Ok(Capture { stop, thread })
+        let locked = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let locked = locked.clone();
+            std::thread::spawn(move || {
+                let kept = capture(&sock, addr, &stopped, &locked);
+                (kept, sock)
+            })
+        };
+        Ok(Capture {
+            stop,
+            locked,
+            thread,
+        })
+    }
+
+    /// Says the address's lock is in place. A capture starts before the
+    /// lock, so that no packet falls between the two (one that did waited
+    /// for its sender's retransmission, 200 ms or more); until this, it
+    /// keeps TCP segments only: one that reached the process before the
+    /// lock is a duplicate at the destination, which TCP drops there, but
+    /// a UDP datagram would be delivered twice.
+    pub(crate) fn locked(&self) {
+        self.locked.store(true, Ordering::Relaxed);
     }
 
     /// Stops, and returns the packets captured, in arrival order. The
@@ -126,7 +148,12 @@ fn to_address(addr: IpAddr) -> Vec<SockFilter> {
 
 /// The capture thread's loop: reads what arrives until `stopped` ends
 /// (its other end dropped), then what was queued by then.
-fn capture(sock: &Socket, addr: IpAddr, stopped: &std::os::unix::net::UnixStream) -> Vec<Vec<u8>> {
+fn capture(
+    sock: &Socket,
+    addr: IpAddr,
+    stopped: &std::os::unix::net::UnixStream,
+    locked: &AtomicBool,
+) -> Vec<Vec<u8>> {
     use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
     use std::os::fd::AsFd;
     let mut kept = Vec::new();
@@ -141,6 +168,7 @@ fn capture(sock: &Socket, addr: IpAddr, stopped: &std::os::unix::net::UnixStream
             let Ok(n) = r.read(&mut buf) else { break };
             let p = &buf[..n];
             if is_carried_to(p, addr)
+                && (locked.load(Ordering::Relaxed) || !is_udp(p))
                 && kept.len() < MAX_PACKETS
                 && bytes + n <= MAX_BYTES
                 && seen.insert(p.to_vec())
@@ -184,6 +212,16 @@ pub(crate) fn is_carried_to(p: &[u8], addr: IpAddr) -> bool {
     match addr {
         IpAddr::V4(a) => is_carried_to_v4(p, a),
         IpAddr::V6(a) => is_carried_to_v6(p, a),
+    }
+}
+
+/// Whether `p`, an IPv4 or IPv6 packet, carries UDP (IPv6: in its fixed
+/// header's next header).
+fn is_udp(p: &[u8]) -> bool {
+    match p.first().map(|b| b >> 4) {
+        Some(4) => p.get(9) == Some(&UDP),
+        Some(6) => p.get(6) == Some(&UDP),
+        _ => false,
     }
 }
 
@@ -633,6 +671,12 @@ EOF"
             .in_ns(Side::Server, || Capture::start(IpAddr::V6(saddr)))
             .expect("server namespace")
             .expect("capture");
+        // A datagram before the capture is told of the lock is not kept (in
+        // a move it reached the process before the lock), then the drop is
+        // in place, as a move's lock: UDP is kept from here.
+        cudp.send_to(b"before the lock", udp_to).expect("send");
+        std::thread::sleep(Duration::from_millis(50));
+        capture.locked();
         let sent_at = std::time::Instant::now();
         let datagrams: Vec<Vec<u8>> = (0u8..3)
             .map(|i| vec![b'a' + i; 100 + usize::from(i)])

@@ -524,7 +524,8 @@ impl Locked {
         // The freeze counts from here: packets are dropped from some
         // point while the lock is being made.
         let at = Instant::now();
-        let lock = AddressLock::new(None, addr).map_err(|e| format!("cannot lock {addr}: {e}"))?;
+        // The capture first: a packet the lock drops before the capture
+        // runs would wait for its sender's retransmission.
         let (capture, capture_failed) = match capture {
             false => (None, None),
             true => match super::packets::Capture::start(addr) {
@@ -532,6 +533,10 @@ impl Locked {
                 Err(e) => (None, Some(e.to_string())),
             },
         };
+        let lock = AddressLock::new(None, addr).map_err(|e| format!("cannot lock {addr}: {e}"))?;
+        if let Some(c) = &capture {
+            c.locked();
+        }
         Ok(Locked {
             lock,
             capture,
