@@ -343,6 +343,47 @@ impl Drop for RemoveOnDrop {
     }
 }
 
+/// The command that starts `program` (QEMU) so that it is killed if roam
+/// is (SIGKILL, out of memory: `kill_on_drop` never runs then, and an
+/// orphaned QEMU would run on without its disks or lazy memory): through
+/// util-linux's `setpriv --pdeathsig KILL`, which sets `PR_SET_PDEATHSIG`
+/// and executes QEMU in the same process (same pid). roam-cli has no
+/// `unsafe`, which a `pre_exec` setting it here would need.
+///
+/// The signal comes when the *thread* that forked QEMU ends, not the
+/// process: `roam resume` awaits QEMU from its runtime's main future or a
+/// worker, threads that live until roam exits (not a blocking-pool thread,
+/// which ends when idle). Left open: roam killed between the fork and
+/// setpriv's `prctl` (microseconds) leaves QEMU running, as before. Without
+/// `setpriv` installed, a warning and QEMU is started as before.
+fn dies_with_roam(program: &str) -> Result<tokio::process::Command, VmError> {
+    let found = |p: &Path| p.is_file();
+    let on_path = |name: &str| {
+        std::env::var_os("PATH")
+            .is_some_and(|path| std::env::split_paths(&path).any(|dir| found(&dir.join(name))))
+    };
+    let exists = if program.contains('/') {
+        found(Path::new(program))
+    } else {
+        on_path(program)
+    };
+    if !exists {
+        return Err(VmError(format!(
+            "cannot start {program}: no such program (give QEMU's path or put it on PATH)"
+        )));
+    }
+    if !on_path("setpriv") {
+        eprintln!(
+            "roam: warning: setpriv (util-linux) not found: {program} will outlive roam if roam \
+             is killed outright"
+        );
+        return Ok(tokio::process::Command::new(program));
+    }
+    let mut c = tokio::process::Command::new("setpriv");
+    c.args(["--pdeathsig", "KILL", "--"]).arg(program);
+    Ok(c)
+}
+
 /// A point in [`run_incoming`] a caller may act on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Incoming {
@@ -377,7 +418,7 @@ pub(crate) async fn run_incoming(
     let _ = std::fs::remove_file(&sock);
     let _sock_guard = RemoveOnDrop(sock.clone());
     let uri = format!("exec:cat {}", shell_quote(memory_str));
-    let mut child = tokio::process::Command::new(program)
+    let mut child = dies_with_roam(program)?
         .args(args)
         .arg("-incoming")
         .arg(if ignore_shared { "defer" } else { uri.as_str() })

@@ -1375,9 +1375,72 @@ fn lazy_guest_memory_round_trip_by_demand_fetch_over_fuse() {
     eprintln!("test wall time: {:?}", test_start.elapsed());
 }
 
+/// A `roam resume` killed outright (SIGKILL: no clean-up runs) takes its
+/// QEMU with it: after a copy-in resume QEMU needs nothing of roam's and ran
+/// on as an orphan before (`setpriv --pdeathsig`, `vm::dies_with_roam`).
+#[test]
+fn a_sigkilled_resume_takes_its_qemu_with_it() {
+    let Some(guest) = guest() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let store = tmp.path().join("store");
+    let (site_a, site_b, _) = suspended_at_a(&guest, tmp.path(), &state, &store);
+    let n_a = last_tick(&site_a.ticks("serial-a1"), "site A");
+    let log = tmp.path().join("resume-q.log");
+    let mut resumed = resume_with(
+        &state,
+        &store,
+        &site_b,
+        (&guest, "serial-q"),
+        false,
+        &[],
+        Some(&log),
+    );
+    site_b.wait_tick("serial-q", n_a + 1, &mut resumed);
+    let qemu = qemu_pid(&resumed);
+    resumed.child.kill().unwrap();
+    resumed.child.wait().unwrap();
+    let gone_within = wait_gone(qemu, Duration::from_secs(5));
+    // Whatever the verdict, no QEMU is left (killed by its pid file).
+    drop(resumed);
+    assert!(
+        gone_within.is_some(),
+        "QEMU (pid {qemu}) outlived the killed roam resume by 5 s: {}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+}
+
+/// The pid of `p`'s QEMU, from its pid file.
+fn qemu_pid(p: &Proc) -> u32 {
+    std::fs::read_to_string(&p.pidfile)
+        .ok()
+        .and_then(|t| t.trim().parse::<u32>().ok())
+        .expect("QEMU's pid file")
+}
+
+/// Waits until process `pid` is gone (or a zombie), at most `limit`; how
+/// long that took.
+fn wait_gone(pid: u32, limit: Duration) -> Option<Duration> {
+    let start = Instant::now();
+    let alive = || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|st| {
+            st.rsplit(')')
+                .next()
+                .is_some_and(|r| !r.trim_start().starts_with('Z'))
+        })
+    };
+    while alive() {
+        if start.elapsed() > limit {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Some(start.elapsed())
+}
+
 /// A SIGKILLed `roam resume --demand-fetch` of lazy memory leaves its FUSE
-/// mount (dead), its mount point and its sockets, and its QEMU runs on
-/// (killed here); the next resume into the same DIR sweeps them (a line
+/// mount (dead), its mount point and its sockets (its QEMU is gone within
+/// 5 s); the next resume into the same DIR sweeps them (a line
 /// naming the dead pid), runs the guest on from A's last tick, and once
 /// ended by SIGTERM leaves no mount and no `.roam-ram.*`.
 #[test]
@@ -1424,8 +1487,14 @@ fn a_sigkilled_lazy_resume_is_swept_by_the_next_resume() {
         1,
         "the dead resume's mount"
     );
-    // Its QEMU outlives it (no PR_SET_PDEATHSIG): killed by its pid file.
+    // Its QEMU is gone with it (its guest memory's server died; setpriv).
+    let qemu = qemu_pid(&killed);
+    let gone_within = wait_gone(qemu, Duration::from_secs(5));
     drop(killed);
+    assert!(
+        gone_within.is_some(),
+        "QEMU (pid {qemu}) outlived the killed roam resume by 5 s"
+    );
 
     let log = tmp.path().join("resume-k2.log");
     let mut again = resume_with(
