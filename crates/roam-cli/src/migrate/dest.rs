@@ -410,9 +410,11 @@ async fn receive(
         }
     };
     // The address is the process's now, for good: its lease, renewed
-    // until now, made infinite off the hand-over's path (awaited after
-    // `LIVE`).
-    let kept = placed.keep();
+    // until now, made infinite before `LIVE` (one netlink request), so no
+    // kill of this process after the commit costs the process its address.
+    if let Some(Err(e)) = placed.keep() {
+        eprintln!("roam migrate-accept: warning: {}", e.0);
+    }
     if let Some(lock) = lock {
         let _ = lock.release();
     }
@@ -438,13 +440,6 @@ async fn receive(
     )
     .await
     .map_err(send)?;
-    if let Some(k) = kept {
-        match k.await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => eprintln!("roam migrate-accept: warning: {}", e.0),
-            Err(e) => eprintln!("roam migrate-accept: warning: the address thread failed: {e}"),
-        }
-    }
     // Post-copy: the images directory stays until the daemon is done with
     // it, and a daemon that fails takes the process down with it.
     let memory = match lazy_pages.take() {
@@ -508,11 +503,11 @@ fn place(host: &Host, address: &str) -> Result<IfAddr, String> {
 struct Placed(Option<host::Leased>);
 
 impl Placed {
-    /// The address stays for good: made so on a blocking thread (one `ip`
-    /// command), whose handle this returns; its lease is renewed until then.
-    fn keep(self) -> Option<tokio::task::JoinHandle<Result<(), CliError>>> {
-        let leased = self.0?;
-        Some(tokio::task::spawn_blocking(move || leased.keep()))
+    /// The address stays for good ([`host::Leased::keep`]: tens of
+    /// microseconds, unless a renewal is under way, which it waits for);
+    /// `None` if no address was put here.
+    fn keep(self) -> Option<Result<(), CliError>> {
+        self.0.map(host::Leased::keep)
     }
 }
 
