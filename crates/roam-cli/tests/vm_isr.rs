@@ -557,6 +557,35 @@ fn suspended_at_a(guest: &Path, dir: &Path, state: &Path, store: &Path) -> (Site
     suspended_at_a_with(guest, dir, (state, store), false)
 }
 
+/// A guest suspended at site A into a local store, as most tests begin.
+struct AtA {
+    /// The state directory of roam's keys.
+    state: PathBuf,
+    /// The store.
+    store: PathBuf,
+    /// Site A, where it ran.
+    site_a: Site,
+    /// Site B, where it resumes.
+    site_b: Site,
+    /// The guest's last counter tick at A.
+    n_a: u64,
+}
+
+/// [`suspended_at_a`] with the state and the store under `dir`.
+fn suspended_locally(guest: &Path, dir: &Path) -> AtA {
+    let state = dir.join("state");
+    let store = dir.join("store");
+    let (site_a, site_b, _) = suspended_at_a(guest, dir, &state, &store);
+    let n_a = last_tick(&site_a.ticks("serial-a1"), "site A");
+    AtA {
+        state,
+        store,
+        site_a,
+        site_b,
+        n_a,
+    }
+}
+
 /// [`suspended_at_a`], the guest's RAM a shared file at every site when
 /// `lazy`.
 fn suspended_at_a_with(
@@ -589,10 +618,13 @@ fn suspended_at_a_with(
 fn a_guest_resumed_by_demand_fetch_runs_before_its_disk_is_in() {
     let Some(guest) = guest() else { return };
     let tmp = tempfile::tempdir().unwrap();
-    let state = tmp.path().join("state");
-    let store = tmp.path().join("store");
-    let (site_a, site_b, _) = suspended_at_a(&guest, tmp.path(), &state, &store);
-    let n_a = last_tick(&site_a.ticks("serial-a1"), "site A");
+    let AtA {
+        state,
+        store,
+        site_a,
+        site_b,
+        n_a,
+    } = suspended_locally(&guest, tmp.path());
 
     // Site B by demand fetch: QEMU runs on the memory image and the disk
     // comes over NBD as the guest touches it.
@@ -990,10 +1022,13 @@ fn changed_chunks(
 fn a_trickled_guest_leaves_its_suspend_no_disk_chunk_to_upload() {
     let Some(guest) = guest() else { return };
     let tmp = tempfile::tempdir().unwrap();
-    let state = tmp.path().join("state");
-    let store = tmp.path().join("store");
-    let (site_a, site_b, _) = suspended_at_a(&guest, tmp.path(), &state, &store);
-    let n_a = last_tick(&site_a.ticks("serial-a1"), "site A");
+    let AtA {
+        state,
+        store,
+        site_a,
+        site_b,
+        n_a,
+    } = suspended_locally(&guest, tmp.path());
 
     let log = tmp.path().join("resume-b.log");
     let mut at_b = resume_with(
@@ -1382,10 +1417,13 @@ fn lazy_guest_memory_round_trip_by_demand_fetch_over_fuse() {
 fn a_sigkilled_resume_takes_its_qemu_with_it() {
     let Some(guest) = guest() else { return };
     let tmp = tempfile::tempdir().unwrap();
-    let state = tmp.path().join("state");
-    let store = tmp.path().join("store");
-    let (site_a, site_b, _) = suspended_at_a(&guest, tmp.path(), &state, &store);
-    let n_a = last_tick(&site_a.ticks("serial-a1"), "site A");
+    let AtA {
+        state,
+        store,
+        site_b,
+        n_a,
+        ..
+    } = suspended_locally(&guest, tmp.path());
     let log = tmp.path().join("resume-q.log");
     let mut resumed = resume_with(
         &state,
