@@ -502,7 +502,7 @@ pub(crate) fn make_permanent(a: &IfAddr) -> Result<(), CliError> {
         SockProtocol::NetlinkRoute,
     )
     .map_err(|e| fail("cannot open a netlink socket", e.to_string()))?;
-    let request = permanent_request(a, index, 1);
+    let request = permanent_request(a, index);
     socket::sendto(
         fd.as_raw_fd(),
         &request,
@@ -527,8 +527,9 @@ pub(crate) fn make_permanent(a: &IfAddr) -> Result<(), CliError> {
 /// The rtnetlink message that makes `a` (on interface `index`) permanent:
 /// `nlmsghdr`, `ifaddrmsg`, then `IFA_LOCAL`, `IFA_ADDRESS` and
 /// `IFA_CACHEINFO` with both lifetimes infinite (native byte order, as the
-/// kernel reads them).
-pub(crate) fn permanent_request(a: &IfAddr, index: u32, seq: u32) -> Vec<u8> {
+/// kernel reads them). Its sequence number is [`NETLINK_SEQ`]: one request
+/// per socket.
+pub(crate) fn permanent_request(a: &IfAddr, index: u32) -> Vec<u8> {
     /// `RTM_NEWADDR`.
     const RTM_NEWADDR: u16 = 20;
     /// `NLM_F_REQUEST | NLM_F_ACK | NLM_F_REPLACE`.
@@ -551,7 +552,7 @@ pub(crate) fn permanent_request(a: &IfAddr, index: u32, seq: u32) -> Vec<u8> {
     m.extend_from_slice(&0u32.to_ne_bytes()); // length, set below
     m.extend_from_slice(&RTM_NEWADDR.to_ne_bytes());
     m.extend_from_slice(&FLAGS.to_ne_bytes());
-    m.extend_from_slice(&seq.to_ne_bytes());
+    m.extend_from_slice(&NETLINK_SEQ.to_ne_bytes());
     m.extend_from_slice(&0u32.to_ne_bytes()); // to the kernel
     m.extend_from_slice(&[family, a.prefix, flags, 0]); // scope: global
     m.extend_from_slice(&index.to_ne_bytes());
@@ -573,13 +574,19 @@ pub(crate) fn permanent_request(a: &IfAddr, index: u32, seq: u32) -> Vec<u8> {
     m
 }
 
-/// The error code of a netlink acknowledgement (`NLMSG_ERROR`, type 2: 0 or
-/// a negative errno); `None` if `answer` is not one.
+/// The sequence number of [`permanent_request`], which its acknowledgement
+/// echoes.
+const NETLINK_SEQ: u32 = 1;
+
+/// The error code of the acknowledgement of [`permanent_request`]
+/// (`NLMSG_ERROR`, type 2, echoing [`NETLINK_SEQ`]: 0 or a negative errno);
+/// `None` if `answer` is not one.
 pub(crate) fn netlink_ack(answer: &[u8]) -> Option<i32> {
     /// `NLMSG_ERROR`.
     const NLMSG_ERROR: u16 = 2;
     let kind = u16::from_ne_bytes(answer.get(4..6)?.try_into().ok()?);
-    if kind != NLMSG_ERROR {
+    let seq = u32::from_ne_bytes(answer.get(8..12)?.try_into().ok()?);
+    if kind != NLMSG_ERROR || seq != NETLINK_SEQ {
         return None;
     }
     Some(i32::from_ne_bytes(answer.get(16..20)?.try_into().ok()?))
@@ -838,7 +845,7 @@ mod tests {
             addr: "10.1.2.3".parse().unwrap(),
             prefix: 24,
         };
-        let m = permanent_request(&v4, 7, 9);
+        let m = permanent_request(&v4, 7);
         // Header 16, ifaddrmsg 8, two 8-byte addresses, cache info 20.
         assert_eq!(m.len(), 60);
         assert_eq!(u32::from_ne_bytes(m[0..4].try_into().unwrap()), 60);
@@ -852,13 +859,19 @@ mod tests {
             addr: "fd00::2".parse().unwrap(),
             prefix: 64,
         };
-        let m = permanent_request(&v6, 7, 9);
+        let m = permanent_request(&v6, 7);
         assert_eq!(m.len(), 84);
         assert_eq!(&m[16..19], &[10, 64, 0x02], "IPv6 keeps nodad");
         // An acknowledgement: code 0, or a negative errno; anything else
         // is not one.
+        assert_eq!(
+            u32::from_ne_bytes(m[8..12].try_into().unwrap()),
+            NETLINK_SEQ
+        );
         let mut ack = vec![0u8; 36];
         ack[4..6].copy_from_slice(&2u16.to_ne_bytes());
+        assert_eq!(netlink_ack(&ack), None, "another request's acknowledgement");
+        ack[8..12].copy_from_slice(&NETLINK_SEQ.to_ne_bytes());
         assert_eq!(netlink_ack(&ack), Some(0));
         ack[16..20].copy_from_slice(&(-17i32).to_ne_bytes());
         assert_eq!(netlink_ack(&ack), Some(-17));
