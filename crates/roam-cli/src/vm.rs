@@ -350,38 +350,107 @@ impl Drop for RemoveOnDrop {
 /// and executes QEMU in the same process (same pid). roam-cli has no
 /// `unsafe`, which a `pre_exec` setting it here would need.
 ///
+/// Between the fork and setpriv's `prctl` roam may already be dead; the
+/// signal is then never sent. So setpriv executes `/bin/sh -c`, which
+/// executes QEMU (same pid still) only if its parent is still roam
+/// ([`GUARD`]): after the `prctl`, either roam is the parent and its death
+/// will kill QEMU, or it is not and QEMU is never started.
+///
 /// The signal comes when the *thread* that forked QEMU ends, not the
-/// process: `roam resume` awaits QEMU from its runtime's main future or a
-/// worker, threads that live until roam exits (not a blocking-pool thread,
-/// which ends when idle). Left open: roam killed between the fork and
-/// setpriv's `prctl` (microseconds) leaves QEMU running, as before. Without
-/// `setpriv` installed, a warning and QEMU is started as before.
+/// process. Only the main thread lives exactly as long as roam: a tokio
+/// worker can hand its role to a new thread (`block_in_place`) and end
+/// when idle, and a blocking-pool thread ends after ten idle seconds,
+/// either of which would kill a healthy QEMU. So the death signal is set
+/// only when the caller runs on the main thread (`roam resume` awaits QEMU
+/// in its runtime's `block_on`); elsewhere, and without `setpriv`, a
+/// warning says QEMU will outlive a killed roam. A `program` that does not
+/// exist or is not executable is refused by name before anything starts.
 fn dies_with_roam(program: &str) -> Result<tokio::process::Command, VmError> {
+    let (cmd, warning) = qemu_command(
+        program,
+        std::process::id(),
+        on_main_thread(),
+        std::env::var_os("PATH").as_deref(),
+    )?;
+    if let Some(w) = warning {
+        eprintln!("roam: warning: {w}");
+    }
+    Ok(tokio::process::Command::from(cmd))
+}
+
+/// The script setpriv executes between its `prctl` and QEMU: `$0` is
+/// roam's pid, the arguments QEMU's command line. QEMU is executed only if
+/// the shell's parent is still roam, so a roam killed before the `prctl`
+/// leaves nothing behind (the shell exits 1 with no one to see it).
+const GUARD: &str = r#"[ "$PPID" = "$0" ] && exec "$@""#;
+
+/// Whether the calling thread is the process's main thread (its thread id
+/// is the process id), the one thread that ends only with roam.
+fn on_main_thread() -> bool {
+    nix::unistd::gettid() == nix::unistd::getpid()
+}
+
+/// The command of [`dies_with_roam`], for a roam of pid `roam` whose caller
+/// is (`main_thread`) or is not on the main thread, with `path` as PATH;
+/// and the warning to print, if QEMU will not die with roam. Arguments are
+/// added by the caller after the returned command's own.
+fn qemu_command(
+    program: &str,
+    roam: u32,
+    main_thread: bool,
+    path: Option<&std::ffi::OsStr>,
+) -> Result<(std::process::Command, Option<String>), VmError> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let executable = |p: &Path| {
+        std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
     let found = |p: &Path| p.is_file();
-    let on_path = |name: &str| {
-        std::env::var_os("PATH")
-            .is_some_and(|path| std::env::split_paths(&path).any(|dir| found(&dir.join(name))))
+    let search = |name: &str, ok: &dyn Fn(&Path) -> bool| {
+        path.and_then(|path| {
+            std::env::split_paths(path)
+                .map(|dir| dir.join(name))
+                .find(|p| ok(p))
+        })
     };
-    let exists = if program.contains('/') {
-        found(Path::new(program))
-    } else {
-        on_path(program)
-    };
-    if !exists {
-        return Err(VmError(format!(
-            "cannot start {program}: no such program (give QEMU's path or put it on PATH)"
-        )));
+    if program.contains('/') {
+        let p = Path::new(program);
+        if !found(p) {
+            return Err(VmError(format!(
+                "cannot start {program}: no such program (give QEMU's path or put it on PATH)"
+            )));
+        }
+        if !executable(p) {
+            return Err(VmError(format!(
+                "cannot start {program}: it is not executable (chmod +x, or give QEMU's path)"
+            )));
+        }
+    } else if search(program, &executable).is_none() {
+        return Err(VmError(match search(program, &found) {
+            Some(p) => format!("cannot start {program}: {} is not executable", p.display()),
+            None => {
+                format!(
+                    "cannot start {program}: no such program (give QEMU's path or put it on PATH)"
+                )
+            }
+        }));
     }
-    if !on_path("setpriv") {
-        eprintln!(
-            "roam: warning: setpriv (util-linux) not found: {program} will outlive roam if roam \
-             is killed outright"
-        );
-        return Ok(tokio::process::Command::new(program));
+    let unguarded = |why: String| Ok((std::process::Command::new(program), Some(why)));
+    if search("setpriv", &executable).is_none() {
+        return unguarded(format!(
+            "setpriv (util-linux) not found: {program} will outlive roam if roam is killed outright"
+        ));
     }
-    let mut c = tokio::process::Command::new("setpriv");
-    c.args(["--pdeathsig", "KILL", "--"]).arg(program);
-    Ok(c)
+    if !main_thread {
+        return unguarded(format!(
+            "{program} is started off roam's main thread, so it is not tied to roam's life: it \
+             will outlive roam if roam is killed outright"
+        ));
+    }
+    let mut c = std::process::Command::new("setpriv");
+    c.args(["--pdeathsig", "KILL", "--", "/bin/sh", "-c", GUARD])
+        .arg(roam.to_string())
+        .arg(program);
+    Ok((c, None))
 }
 
 /// A point in [`run_incoming`] a caller may act on.
@@ -669,6 +738,159 @@ fn pass_on(pid: u32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A directory standing for PATH, holding `names` as executables (the
+    /// empty scripts are never run by these tests) and `plain` as a file
+    /// without execute permission.
+    fn fake_path(names: &[&str], plain: &[&str]) -> tempfile::TempDir {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        for (name, mode) in names
+            .iter()
+            .map(|n| (n, 0o755))
+            .chain(plain.iter().map(|n| (n, 0o644)))
+        {
+            let p = dir.path().join(name);
+            std::fs::write(&p, "#!/bin/sh\n").unwrap();
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).unwrap();
+        }
+        dir
+    }
+
+    fn argv(c: &std::process::Command) -> Vec<String> {
+        std::iter::once(c.get_program())
+            .chain(c.get_args())
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect()
+    }
+
+    #[test]
+    fn qemu_is_started_through_setpriv_and_the_guard_naming_roams_pid() {
+        let dir = fake_path(&["setpriv", "qemu-system-x86_64"], &[]);
+        let (c, warning) = qemu_command(
+            "qemu-system-x86_64",
+            4242,
+            true,
+            Some(dir.path().as_os_str()),
+        )
+        .unwrap();
+        assert_eq!(warning, None);
+        assert_eq!(
+            argv(&c),
+            [
+                "setpriv",
+                "--pdeathsig",
+                "KILL",
+                "--",
+                "/bin/sh",
+                "-c",
+                GUARD,
+                "4242",
+                "qemu-system-x86_64"
+            ]
+        );
+    }
+
+    #[test]
+    fn off_the_main_thread_or_without_setpriv_qemu_starts_alone_with_a_warning() {
+        let dir = fake_path(&["setpriv", "qemu"], &[]);
+        let (c, warning) = qemu_command("qemu", 1, false, Some(dir.path().as_os_str())).unwrap();
+        assert_eq!(argv(&c), ["qemu"]);
+        assert!(warning.unwrap().contains("off roam's main thread"));
+        let dir = fake_path(&["qemu"], &[]);
+        let (c, warning) = qemu_command("qemu", 1, true, Some(dir.path().as_os_str())).unwrap();
+        assert_eq!(argv(&c), ["qemu"]);
+        assert!(warning.unwrap().contains("setpriv (util-linux) not found"));
+    }
+
+    #[test]
+    fn a_missing_or_unexecutable_qemu_is_refused_by_name() {
+        let dir = fake_path(&["setpriv"], &["qemu"]);
+        let path = Some(dir.path().as_os_str());
+        let e = qemu_command("qemu", 1, true, path).unwrap_err().0;
+        assert!(e.contains("is not executable") && e.contains("qemu"), "{e}");
+        let plain = dir.path().join("qemu");
+        let e = qemu_command(plain.to_str().unwrap(), 1, true, path)
+            .unwrap_err()
+            .0;
+        assert!(e.contains("it is not executable"), "{e}");
+        let e = qemu_command("qemu-nowhere", 1, true, path).unwrap_err().0;
+        assert!(e.contains("no such program"), "{e}");
+        let e = qemu_command("/nowhere/qemu", 1, true, path).unwrap_err().0;
+        assert!(e.contains("no such program"), "{e}");
+    }
+
+    /// Whether process `pid` runs `comm` within 10 s.
+    fn becomes(pid: u32, comm: &str) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            let now = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+            if now.trim() == comm {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        false
+    }
+
+    /// The real setpriv and shell: the guard executes the program in the
+    /// same process when its parent is the pid it names (the pid roam
+    /// reports is QEMU's), and executes nothing when the parent is another
+    /// process, as after a roam killed before setpriv's `prctl`.
+    #[test]
+    fn the_guard_runs_the_program_only_under_the_pid_it_names() {
+        let path = std::env::var_os("PATH");
+        let dir = tempfile::tempdir().unwrap();
+        let marker = dir.path().join("ran");
+        // Parent is this test process: the program runs, in the same pid.
+        let (mut c, warning) =
+            qemu_command("sleep", std::process::id(), true, path.as_deref()).unwrap();
+        assert_eq!(warning, None, "setpriv (util-linux) is needed by this test");
+        let mut child = c.arg("30").spawn().unwrap();
+        let pid = child.id();
+        assert!(becomes(pid, "sleep"), "pid {pid} never became the program");
+        child.kill().unwrap();
+        child.wait().unwrap();
+        // Parent named wrongly (pid 1 is never this test's): nothing runs.
+        let (mut c, _) = qemu_command("touch", 1, true, path.as_deref()).unwrap();
+        let status = c.arg(&marker).status().unwrap();
+        assert_eq!(status.code(), Some(1));
+        assert!(
+            !marker.exists(),
+            "the guard ran the program under another parent"
+        );
+    }
+
+    /// Why only the main thread forks QEMU with the death signal: the
+    /// signal follows the forking thread, so a child forked by a thread
+    /// that then ends is killed while its process lives on.
+    #[test]
+    fn a_child_forked_by_a_thread_that_ends_is_killed() {
+        let path = std::env::var_os("PATH");
+        let mut child = std::thread::spawn(move || {
+            let (mut c, _) =
+                qemu_command("sleep", std::process::id(), true, path.as_deref()).unwrap();
+            let child = c.arg("30").spawn().unwrap();
+            // Past setpriv's prctl before this thread ends.
+            assert!(becomes(child.id(), "sleep"));
+            child
+        })
+        .join()
+        .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the child outlived its forking thread by 10 s"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        use std::os::unix::process::ExitStatusExt as _;
+        assert_eq!(status.signal(), Some(9), "{status}");
+    }
 
     #[test]
     fn quoting_survives_quotes_and_spaces() {

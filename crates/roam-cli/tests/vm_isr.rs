@@ -1436,6 +1436,12 @@ fn a_sigkilled_resume_takes_its_qemu_with_it() {
     );
     site_b.wait_tick("serial-q", n_a + 1, &mut resumed);
     let qemu = qemu_pid(&resumed);
+    // The pid roam reports is QEMU's own: setpriv and the guard shell
+    // executed it in the process roam forked.
+    let said = std::fs::read_to_string(&log).unwrap_or_default();
+    let started_qemu = said
+        .lines()
+        .any(|l| l.contains("started ") && l.contains(&format!("(pid {qemu})")));
     resumed.child.kill().unwrap();
     resumed.child.wait().unwrap();
     let gone_within = wait_gone(qemu, Duration::from_secs(5));
@@ -1445,6 +1451,10 @@ fn a_sigkilled_resume_takes_its_qemu_with_it() {
         gone_within.is_some(),
         "QEMU (pid {qemu}) outlived the killed roam resume by 5 s: {}",
         std::fs::read_to_string(&log).unwrap_or_default()
+    );
+    assert!(
+        started_qemu,
+        "roam's \"started\" line does not name QEMU's pid {qemu}:\n{said}"
     );
 }
 
