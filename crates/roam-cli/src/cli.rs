@@ -466,7 +466,8 @@ that `file=` to `file.driver=nbd,file.server.type=unix,file.server.path=
 SOCK,file.export=<image>` and keeps the drive's other suboptions): a chunk
 is fetched, verified and cached in DIR the first time the guest reads it,
 and once the guest runs the remaining chunks are fetched in order in the
-background. When QEMU exits, roam finishes that fill (progress on stderr)
+background (eight at once, one while the guest is fetching: its reads come
+first). When QEMU exits, roam finishes that fill (progress on stderr)
 and renames the cache file to DIR/<image>, an ordinary complete image, as
 copy-in would have left it plus the guest's writes. It pays when the disk is
 large and the link slow: the guest starts after its memory image instead of

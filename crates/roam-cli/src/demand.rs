@@ -19,6 +19,14 @@
 //! file to its image name, an ordinary file a later `roam suspend --vm`
 //! reads.
 //!
+//! The guest's fetches come before the fill's. All fill workers but one
+//! start no new chunk while a demand fetch is in flight or was in the last
+//! [`DEMAND_HOLD`]: a guest touching its disk or memory finds at most one
+//! background chunk ahead of its own on the link, not [`FILL_WINDOW`] of
+//! them (at 1 Mbit/s a 128 KiB chunk is a second of waiting each). The one
+//! worker that never waits keeps the fill going under a guest that never
+//! stops faulting.
+//!
 //! The NBD protocol is `roam_nbd`'s sans-IO codec; [`serve`] drives it over
 //! each accepted connection, one request at a time (replies in order). The
 //! cache file is read and written with positioned I/O of at most 32 MiB per
@@ -53,6 +61,14 @@ use tokio::sync::Mutex;
 /// Chunks the background fill fetches at once (8, as copy-in's window: a
 /// remote store's latency is paid once per window, not once per chunk).
 const FILL_WINDOW: usize = 8;
+
+/// How long after a demand fetch the background fill stays at one chunk in
+/// flight (1 s: a guest's faults come in bursts, and the next one should
+/// not find a full window of background chunks queued ahead of it).
+const DEMAND_HOLD: Duration = Duration::from_secs(1);
+
+/// How often a held fill worker looks again (50 ms).
+const HOLD_POLL: Duration = Duration::from_millis(50);
 
 /// One fetched chunk: its verified bytes and whether they came from a
 /// lookaside file (else from the store).
@@ -134,6 +150,11 @@ pub(crate) struct DemandImage {
     dirty: AtomicU64,
     /// Called with a line for the user when a fetch fails.
     report: Arc<dyn Fn(&str) + Send + Sync>,
+    /// Demand fetches in flight (the fill holds back while any is).
+    demand_in_flight: AtomicU64,
+    /// When the last demand fetch ended (the fill holds back for
+    /// [`DEMAND_HOLD`] after it); `None` before the first.
+    last_demand: std::sync::Mutex<Option<Instant>>,
     /// Chunks written since they were last taken for trickle write-back,
     /// with the time of their last write (a chunk is taken once it has
     /// rested; see [`DemandImage::take_settled`]). Changed only under the
@@ -189,6 +210,8 @@ impl DemandImage {
             lookaside_chunks: AtomicU64::new(0),
             dirty: AtomicU64::new(0),
             report,
+            demand_in_flight: AtomicU64::new(0),
+            last_demand: std::sync::Mutex::new(None),
             unsent: std::sync::Mutex::new(BTreeMap::new()),
         })
     }
@@ -248,6 +271,7 @@ impl DemandImage {
     /// and it is not present.
     async fn load(&self, index: u64, state: &mut ChunkState, why: Why) -> Result<(), String> {
         let (start, end) = self.chunk_range(index);
+        let _demand = (why == Why::Demand).then(|| DemandFetch::new(self));
         let (bytes, lookaside) = (self.fetch)(index).await?;
         if bytes.len() as u64 != end - start {
             return Err(format!(
@@ -414,15 +438,33 @@ impl DemandImage {
             .map_err(|e| format!("syncing {}: {e}", self.tmp.display()))
     }
 
+    /// How long the background fill's extra workers should still hold
+    /// back for the guest's fetches: `Some` while a demand fetch is in
+    /// flight ([`HOLD_POLL`]) or ended less than [`DEMAND_HOLD`] ago (the
+    /// rest of it); `None` when the fill may use its whole window.
+    fn demand_hold(&self) -> Option<Duration> {
+        if self.demand_in_flight.load(Ordering::Acquire) > 0 {
+            return Some(HOLD_POLL);
+        }
+        let last = *self.last_demand.lock().unwrap_or_else(|p| p.into_inner());
+        let left = DEMAND_HOLD.checked_sub(last?.elapsed())?;
+        (!left.is_zero()).then_some(left.min(HOLD_POLL))
+    }
+
     /// Fetches every chunk not yet present (the background fill), in order
-    /// with [`FILL_WINDOW`] chunks in flight; the first failure ends it.
+    /// with [`FILL_WINDOW`] chunks in flight, one while the guest fetches
+    /// (module docs); the first failure ends it.
     pub(crate) async fn fill(self: &Arc<Self>) -> Result<(), String> {
         let next = Arc::new(AtomicU64::new(0));
         let mut workers = tokio::task::JoinSet::new();
-        for _ in 0..FILL_WINDOW {
+        for worker in 0..FILL_WINDOW {
             let (image, next) = (self.clone(), next.clone());
             workers.spawn(async move {
                 loop {
+                    // Worker 0 never holds back: the fill always moves.
+                    while let Some(wait) = image.demand_hold().filter(|_| worker > 0) {
+                        tokio::time::sleep(wait).await;
+                    }
                     let index = next.fetch_add(1, Ordering::Relaxed);
                     if index >= image.chunk_count() {
                         return Ok(());
@@ -465,6 +507,26 @@ impl DemandImage {
             )
         })?;
         Ok(self.target.clone())
+    }
+}
+
+/// A demand fetch in flight, counted in [`DemandImage::demand_in_flight`]
+/// until dropped (also when the fetch fails or its future is dropped),
+/// which stamps [`DemandImage::last_demand`].
+struct DemandFetch<'a>(&'a DemandImage);
+
+impl<'a> DemandFetch<'a> {
+    /// Counts one more demand fetch in flight on `image`.
+    fn new(image: &'a DemandImage) -> Self {
+        image.demand_in_flight.fetch_add(1, Ordering::AcqRel);
+        DemandFetch(image)
+    }
+}
+
+impl Drop for DemandFetch<'_> {
+    fn drop(&mut self) {
+        *self.0.last_demand.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+        self.0.demand_in_flight.fetch_sub(1, Ordering::AcqRel);
     }
 }
 

@@ -236,6 +236,89 @@ async fn concurrent_reads_of_a_missing_chunk_fetch_it_once() {
     assert_eq!(s.fetches.load(Ordering::SeqCst), 10);
 }
 
+/// What the slow link of [`the_guests_fetches_pass_the_fill`] saw.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum OnLink {
+    /// Chunk N was asked for.
+    Asked(u64),
+    /// Chunk N went over the link.
+    Sent(u64),
+}
+
+/// The guest's fetches come before the fill's: over a link that carries
+/// one chunk at a time, in the order asked (a slow store), a guest read in
+/// the middle of the fill finds the fill's whole window ahead of it the
+/// first time, and at most the one background chunk of the fill's unheld
+/// worker while it goes on fetching. The fill still completes, every chunk
+/// fetched once, every byte right.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_guests_fetches_pass_the_fill() {
+    const CHUNKS: u64 = 64;
+    let tmp = tempfile::tempdir().unwrap();
+    let len = CHUNKS as usize * CHUNK_SIZE;
+    let source = Arc::new(pattern(len));
+    let link = Arc::new(tokio::sync::Mutex::new(()));
+    let log = Arc::new(StdMutex::new(Vec::new()));
+    let fetches = Arc::new(AtomicUsize::new(0));
+    let fetch: Fetch = {
+        let (source, log, counter) = (source.clone(), log.clone(), fetches.clone());
+        Arc::new(move |index| {
+            let (source, link, log, counter) =
+                (source.clone(), link.clone(), log.clone(), counter.clone());
+            Box::pin(async move {
+                counter.fetch_add(1, Ordering::SeqCst);
+                log.lock().unwrap().push(OnLink::Asked(index));
+                // tokio's mutex is fair: the link serves in the order asked.
+                let wire = link.lock().await;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                log.lock().unwrap().push(OnLink::Sent(index));
+                drop(wire);
+                let start = index as usize * CHUNK_SIZE;
+                Ok((source[start..start + CHUNK_SIZE].to_vec(), false))
+            })
+        })
+    };
+    let s = serve_with(tmp.path(), len as u64, fetch, fetches);
+    let image = s.image.clone();
+    let fill = tokio::spawn(async move { image.fill().await });
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while s.image.counts().background_chunks < 4 {
+        assert!(Instant::now() < deadline, "the fill did not start");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Chunks sent ahead of chunk `index`, asked for by the guest.
+    let ahead_of = |index: u64| {
+        let log = log.lock().unwrap();
+        let asked = log.iter().position(|e| *e == OnLink::Asked(index)).unwrap();
+        let sent = log.iter().position(|e| *e == OnLink::Sent(index)).unwrap();
+        log[asked..sent]
+            .iter()
+            .filter(|e| matches!(e, OnLink::Sent(_)))
+            .count()
+    };
+    let mut waited = Vec::new();
+    for index in [63u64, 62, 61, 60] {
+        let at = index * CHUNK_SIZE as u64;
+        let got = s.image.read(at, 4096).await.unwrap();
+        assert_eq!(got, source[at as usize..at as usize + 4096]);
+        waited.push(ahead_of(index));
+    }
+    assert!(
+        waited[0] >= FILL_WINDOW / 2,
+        "the first guest read should find the fill's window ahead of it: {waited:?}"
+    );
+    assert!(
+        waited[1..].iter().all(|&n| n <= 2),
+        "later guest reads waited behind the fill (chunks sent ahead of each: {waited:?})"
+    );
+    fill.await.unwrap().unwrap();
+    let c = s.image.counts();
+    assert_eq!((c.present, c.demand_chunks), (CHUNKS, 4), "{c:?}");
+    assert_eq!(s.fetches.load(Ordering::SeqCst), CHUNKS as usize);
+    let done = s.image.finish().unwrap();
+    assert!(std::fs::read(done).unwrap() == *source);
+}
+
 /// The trickle queue: a written chunk is taken once it has rested, with
 /// the bytes it holds then; a write after the take queues it again; a
 /// chunk still being written is not taken; a failed upload puts it back.
