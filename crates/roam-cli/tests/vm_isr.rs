@@ -1458,6 +1458,69 @@ fn a_sigkilled_resume_takes_its_qemu_with_it() {
     );
 }
 
+/// ISR's hoarding with a real VM: `roam hoard` at site B fetches the
+/// suspended version ahead of the user; `roam resume --vm --lookaside
+/// HOARD` then takes every chunk of the memory image and of the disk from
+/// the hoard (each checked against the manifest), fetches none from the
+/// store, and the guest's counter goes on from A's, its file whole.
+#[test]
+fn a_vm_resumed_from_its_hoard_fetches_no_chunk() {
+    let Some(guest) = guest() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let AtA {
+        state,
+        store,
+        site_b,
+        n_a,
+        ..
+    } = suspended_locally(&guest, tmp.path());
+    let hoard = tmp.path().join("hoard-b");
+    let hoarded = ok(
+        "roam hoard",
+        roam(&state)
+            .args(["hoard", "--env", "lab", "--store"])
+            .arg(&store)
+            .arg(&hoard)
+            .output()
+            .unwrap(),
+    );
+    eprintln!("{}", String::from_utf8_lossy(&hoarded.stdout));
+    let log = tmp.path().join("resume-h.log");
+    let mut resumed = resume_with(
+        &state,
+        &store,
+        &site_b,
+        (&guest, "serial-h"),
+        false,
+        &["--lookaside", hoard.to_str().unwrap()],
+        Some(&log),
+    );
+    let ticks = site_b.wait_tick("serial-h", n_a + 2, &mut resumed);
+    assert_eq!(ticks.first().map(|t| t.0), Some(n_a + 1), "{ticks:?}");
+    last_tick(&ticks, "site B, resumed from its hoard");
+    let said = std::fs::read_to_string(&log).unwrap();
+    drop(resumed);
+    // "lookaside: T of T chunks (...) taken locally, ...: L bytes local,
+    // 0 chunks and 0 bytes fetched, ..."
+    let line = said
+        .lines()
+        .find(|l| l.trim_start().starts_with("lookaside:"))
+        .unwrap_or_else(|| panic!("no lookaside line:\n{said}"));
+    let numbers: Vec<u64> = line
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    let (taken, of) = (numbers[0], numbers[1]);
+    assert!(
+        of > 0 && taken == of,
+        "not every chunk from the hoard: {line}"
+    );
+    assert!(
+        line.contains(" 0 chunks and 0 bytes fetched"),
+        "chunks fetched from the store despite the hoard: {line}"
+    );
+}
+
 /// The pid of `p`'s QEMU, from its pid file.
 fn qemu_pid(p: &Proc) -> u32 {
     std::fs::read_to_string(&p.pidfile)
