@@ -17,14 +17,44 @@ use sha2::{Digest, Sha256};
 
 const LIMIT: Duration = Duration::from_secs(120);
 
+/// Prefixes of the variables cargo sets for a test binary (the cargo book,
+/// "Environment variables Cargo sets for crates"; OUT_DIR because roam-cli
+/// has a build script).
+const SET_FOR_TESTS: [&str; 8] = [
+    "OUT_DIR",
+    "CARGO_PKG_",
+    "CARGO_MANIFEST_",
+    "CARGO_CRATE_NAME",
+    "CARGO_BIN_",
+    "CARGO_PRIMARY_PACKAGE",
+    "CARGO_TARGET_TMPDIR",
+    "CARGO_RUSTC_CURRENT_DIR",
+];
+
 /// Path of a roam-continuation example binary, (re)built by cargo first:
-/// it belongs to another package, so `cargo test` does not rebuild it.
+/// it belongs to another package, so `cargo test -p roam-cli` does not
+/// build it. `--workspace --examples` resolves features as `cargo test
+/// --workspace` does, so under the whole suite (CI) this finds the examples
+/// that build made and compiles nothing; `-p roam-continuation` would
+/// resolve them without the other members' features and compile roam and
+/// its dependencies a second time (2 minutes of CI's test run).
 fn example(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test binary path");
     let dir = exe.parent().and_then(Path::parent).expect("target dir");
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = Command::new(cargo);
-    cmd.args(["build", "-q", "-p", "roam-continuation", "--example", name]);
+    cmd.args(["build", "-q", "--workspace", "--examples"]);
+    // Not the variables cargo set for this test (CARGO_PKG_NAME=roam-cli,
+    // CARGO_MANIFEST_DIR, OUT_DIR, ...): ring's build script asks to be re-run when
+    // they change, and cargo compares them with its own environment, so
+    // with them ring, and everything above it, would be built again here and
+    // once more by the next `cargo test`.
+    for (var, _) in std::env::vars_os() {
+        let var = var.to_string_lossy();
+        if SET_FOR_TESTS.iter().any(|p| var.starts_with(p)) {
+            cmd.env_remove(&*var);
+        }
+    }
     if dir.file_name().is_some_and(|n| n == "release") {
         cmd.arg("--release");
     }
