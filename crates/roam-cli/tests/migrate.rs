@@ -18,7 +18,7 @@ mod common;
 
 use std::io::{BufRead, BufReader};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -1452,7 +1452,9 @@ fn a_signal_while_the_images_travel_calls_the_move_off() {
 /// run on at A, and the lock ends with the killed process (its nftables
 /// table is owned by the `nft` reading that process's pipe), so the server
 /// serves its connection and new ones at A; B gives the move up and keeps
-/// nothing.
+/// nothing. The killed command could not remove its images directory at A
+/// (300 MB: the server's memory); the next move of the server, which then
+/// succeeds, removes it and says so.
 #[test]
 fn a_source_killed_outright_while_the_images_travel_leaves_the_server_serving_at_the_source() {
     if !can_run() {
@@ -1474,6 +1476,47 @@ fn a_source_killed_outright_while_the_images_travel_leaves_the_server_serving_at
         "B kept the images",
     );
     s.assert_still_at_source();
+
+    // What the killed command left at A: its images directory, named
+    // after the server's pid.
+    let prefix = format!("roam-migrate-{}-", s.pid);
+    let left: Vec<PathBuf> = std::fs::read_dir(std::env::temp_dir())
+        .expect("list the temporary directory")
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+        .map(|e| e.path())
+        .collect();
+    assert_eq!(left.len(), 1, "one images directory left at A: {left:?}");
+    let bytes: u64 = std::fs::read_dir(&left[0])
+        .expect("list it")
+        .flatten()
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.len())
+        .sum();
+    assert!(
+        bytes > 100 << 20,
+        "it holds the memory's images: {bytes} bytes"
+    );
+    // As if the next move came an hour later (a sweep leaves directories
+    // younger than a minute alone).
+    std::fs::File::open(&left[0])
+        .expect("open it")
+        .set_modified(std::time::SystemTime::now() - Duration::from_secs(3600))
+        .expect("backdate it");
+    let out = s.migrate(&[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "the next move: {stderr}");
+    assert!(
+        stderr.contains("removed 1 images directory") && !left[0].exists(),
+        "the next move removes what the killed one left: {stderr}"
+    );
+    assert!(
+        s.runs_on(B, s.pid) && !s.runs_on(A, s.pid),
+        "the server is not on B alone"
+    );
+    let at = s.echo().echoed();
+    s.echo()
+        .wait_echoed(at + (1 << 20), Duration::from_secs(10));
 }
 
 /// redis-server with 1,000 clients, each INCR-ing a key of its own in a

@@ -33,6 +33,25 @@ struct Host {
     busy: tokio::sync::Mutex<()>,
 }
 
+impl Host {
+    /// Removes the images directories that a `migrate-accept` killed
+    /// outright left in the places this one receives into (see
+    /// [`super::sweep`]): at the start and after each move, off the
+    /// freeze.
+    async fn sweep(&self) {
+        let parents = match &self.images_dir {
+            Some(dir) => vec![dir.clone()],
+            None => vec![std::env::temp_dir(), PathBuf::from(super::SHM)],
+        };
+        let _ = tokio::task::spawn_blocking(move || {
+            for parent in parents {
+                super::report_sweep("roam migrate-accept", &parent, super::sweep(&parent));
+            }
+        })
+        .await;
+    }
+}
+
 /// Runs the destination until SIGINT or SIGTERM.
 pub(crate) async fn run(args: MigrateAcceptArgs, config: &FileConfig) -> CliResult {
     if !nix::unistd::geteuid().is_root() {
@@ -86,6 +105,7 @@ pub(crate) async fn run(args: MigrateAcceptArgs, config: &FileConfig) -> CliResu
         dev: args.dev.clone(),
         busy: tokio::sync::Mutex::new(()),
     });
+    host.sweep().await;
     let server = roam::ServerConfig::new(roam_proto::ServerConfig {
         keypair,
         authorized_keys: Some(Arc::new(authorized)),
@@ -164,6 +184,7 @@ async fn serve_session(host: Arc<Host>, session: roam::SessionHandle) {
             }
         }
         let _ = wr.flush().await;
+        host.sweep().await;
     }
 }
 
@@ -254,15 +275,27 @@ async fn receive(
     )
     .await
     .map_err(send)?;
-    // The first image frame comes after the dump; a post-copy move's pages
-    // stream was opened before it, so it is here by then.
+    // The first image frame comes once CRIU, having frozen the tree, has
+    // closed its first image (the source sends them as they are written);
+    // a post-copy move's pages stream was opened before the dump began, so
+    // it is here by then. (Should it come later still, the restore waits
+    // for it, below: the images then go to the temporary directory and the
+    // lazy-pages daemon starts at the restore's request.)
     let first = next(rd, lost).await?;
     let mut pages = pages_rx.try_recv().ok();
+    let create = |parent: &Path| {
+        super::WorkDir::create(parent, "roam-accept-", std::process::id()).map_err(|e| {
+            format!(
+                "cannot make an images directory in {}: {e}",
+                parent.display()
+            )
+        })
+    };
     let images = match &host.images_dir {
-        Some(dir) => Received::create(dir)?,
+        Some(dir) => create(dir)?,
         None => super::images_parent(pages.is_some())
-            .and_then(|dir| Received::create(&dir).ok())
-            .map_or_else(|| Received::create(&std::env::temp_dir()), Ok)?,
+            .and_then(|dir| create(&dir).ok())
+            .map_or_else(|| create(&std::env::temp_dir()), Ok)?,
     };
     // The process is frozen at the source from here on. While its images
     // arrive, a post-copy move's lazy-pages daemon starts as soon as the
@@ -281,8 +314,10 @@ async fn receive(
             },
         }
     };
-    let (received, (daemon, unused)) =
-        tokio::join!(images.receive_all(rd, lost, first, early_tx), starting);
+    let (received, (daemon, unused)) = tokio::join!(
+        receive_all(&images.path, rd, lost, first, early_tx),
+        starting
+    );
     pages = unused;
     let daemon = daemon.transpose();
     received?;
@@ -380,7 +415,7 @@ async fn receive(
     let restored = match restored {
         Ok(r) => r,
         Err(e) => {
-            images.keep();
+            keep_log(&images, "the restore");
             return Err(format!("restore failed: {e}"));
         }
     };
@@ -560,7 +595,7 @@ impl LazyPages {
     /// in place (status 0) or some never will be, and then the process
     /// `pid` is killed before it reads zeros where its memory should be.
     /// The images directory goes once the daemon is done with it.
-    fn watch(mut self, pid: i32, process: String, images: Received) {
+    fn watch(mut self, pid: i32, process: String, images: super::WorkDir) {
         let (Some(mut daemon), Some(pump)) = (self.daemon.take(), self.pump.take()) else {
             return;
         };
@@ -585,7 +620,7 @@ impl LazyPages {
                 pump.abort();
                 // Not reaping: another move's CRIU may be ending now.
                 kill_and_wait(pid, false);
-                images.keep();
+                keep_log(&images, "the lazy pages");
                 eprintln!(
                     "roam migrate-accept: {process} (pid {pid}) was KILLED: its memory stopped \
                      arriving from the source ({}; CRIU's log lazy-pages.log is kept)",
@@ -693,188 +728,154 @@ fn reap_orphans() {
     }
 }
 
-/// A migration's images directory here, removed when dropped unless kept.
-struct Received {
-    /// The directory.
-    path: PathBuf,
-    /// Keep it (CRIU's log of a failed restore is in it).
-    keep: std::sync::atomic::AtomicBool,
+/// Keeps a move's directory with CRIU's logs only (and says so).
+fn keep_log(images: &super::WorkDir, what: &str) {
+    images.keep(false);
+    eprintln!(
+        "roam migrate-accept: CRIU's log of {what} is kept in {}",
+        images.path.display()
+    );
 }
 
-impl Received {
-    /// Makes `<parent>/roam-accept-<n>`, mode 0700.
-    fn create(parent: &Path) -> Result<Received, String> {
-        use std::os::unix::fs::DirBuilderExt;
-        let stamp = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos());
-        let path = parent.join(format!("roam-accept-{}-{stamp}", std::process::id()));
-        std::fs::DirBuilder::new()
-            .mode(0o700)
-            .create(&path)
-            .map_err(|e| {
-                format!(
-                    "cannot make an images directory in {}: {e}",
-                    parent.display()
-                )
-            })?;
-        Ok(Received {
-            path,
-            keep: std::sync::atomic::AtomicBool::new(false),
-        })
+/// Receives every image file until [`Frame::Sent`]. A thread of its
+/// own writes them (most are a few hundred bytes, one per socket: a
+/// blocking-pool trip each would cost more than the write). `early`
+/// fires once the images a lazy-pages daemon reads at its start (the
+/// inventory and the process tree, small: they come whole, in a
+/// [`Frame::Files`]) are written, or else once all are.
+async fn receive_all(
+    dir: &Path,
+    rd: &mut tokio::io::ReadHalf<roam::RoamStream>,
+    lost: &SourceLost,
+    first: Frame,
+    early: tokio::sync::oneshot::Sender<()>,
+) -> Result<(), String> {
+    /// What the writer thread does next.
+    enum Op {
+        /// Create this file; the data that follows goes into it.
+        Open(String),
+        /// Append to the current file.
+        Data(Vec<u8>),
+        /// Write these whole files.
+        Whole(Vec<(String, Vec<u8>)>),
+        /// Say that everything before is written.
+        Mark(tokio::sync::oneshot::Sender<()>),
     }
-
-    /// Keeps the directory with CRIU's logs only (and says so).
-    fn keep(&self) {
-        self.keep.store(true, std::sync::atomic::Ordering::Relaxed);
-        super::remove_images(&self.path);
-        eprintln!(
-            "roam migrate-accept: CRIU's log of the restore is kept in {}",
-            self.path.display()
-        );
-    }
-
-    /// Receives every image file until [`Frame::Sent`]. A thread of its
-    /// own writes them (most are a few hundred bytes, one per socket: a
-    /// blocking-pool trip each would cost more than the write). `early`
-    /// fires once the images a lazy-pages daemon reads at its start (the
-    /// inventory and the process tree, small: they come whole, in a
-    /// [`Frame::Files`]) are written, or else once all are.
-    async fn receive_all(
-        &self,
-        rd: &mut tokio::io::ReadHalf<roam::RoamStream>,
-        lost: &SourceLost,
-        first: Frame,
-        early: tokio::sync::oneshot::Sender<()>,
-    ) -> Result<(), String> {
-        /// What the writer thread does next.
-        enum Op {
-            /// Create this file; the data that follows goes into it.
-            Open(String),
-            /// Append to the current file.
-            Data(Vec<u8>),
-            /// Write these whole files.
-            Whole(Vec<(String, Vec<u8>)>),
-            /// Say that everything before is written.
-            Mark(tokio::sync::oneshot::Sender<()>),
+    /// What a lazy-pages daemon reads at its start (CRIU's
+    /// `prepare_dummy_pstree`; it also reads each process's `ids-N.img`
+    /// if there, which the source sends before these two as it sends
+    /// the small images in name order, and which the daemon does not
+    /// need: without them it goes on).
+    const EARLY: [&str; 2] = ["inventory.img", "pstree.img"];
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Op>(64);
+    let dir = dir.to_path_buf();
+    let writer = std::thread::spawn(move || -> Result<(), String> {
+        use std::io::Write;
+        // A file the source sends again (written again by CRIU after it
+        // went during the dump) replaces the first copy.
+        let create = |name: &str| {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(dir.join(name))
+                .map_err(|e| format!("cannot create image {name} here: {e}"))
+        };
+        // At the nice value of ordinary work, not the move's -10: the
+        // images come while CRIU still dumps at the source, which on a
+        // host shared with the source (two cores here) this must not slow.
+        let _ = rustix::process::setpriority_process(None, 0);
+        let mut cur: Option<(String, std::fs::File)> = None;
+        while let Some(op) = rx.blocking_recv() {
+            match op {
+                Op::Open(name) => {
+                    let f = create(&name)?;
+                    cur = Some((name, f));
+                }
+                Op::Whole(files) => {
+                    cur = None;
+                    for (name, bytes) in files {
+                        create(&name)?
+                            .write_all(&bytes)
+                            .map_err(|e| format!("cannot write image {name} here: {e}"))?;
+                    }
+                }
+                Op::Data(d) => {
+                    if let Some((name, f)) = cur.as_mut() {
+                        f.write_all(&d)
+                            .map_err(|e| format!("cannot write image {name} here: {e}"))?;
+                    }
+                }
+                Op::Mark(done) => {
+                    let _ = done.send(());
+                }
+            }
         }
-        /// What a lazy-pages daemon reads at its start (CRIU's
-        /// `prepare_dummy_pstree`; it also reads each process's `ids-N.img`
-        /// if there, which the source sends before these two as it sends
-        /// the small images in name order, and which the daemon does not
-        /// need: without them it goes on).
-        const EARLY: [&str; 2] = ["inventory.img", "pstree.img"];
-        let (tx, mut rx) = tokio::sync::mpsc::channel::<Op>(64);
-        let dir = self.path.clone();
-        let writer = std::thread::spawn(move || -> Result<(), String> {
-            use std::io::Write;
-            let create = |name: &str| {
-                std::fs::OpenOptions::new()
-                    .write(true)
-                    .create_new(true)
-                    .open(dir.join(name))
-                    .map_err(|e| format!("cannot create image {name} here: {e}"))
+        Ok(())
+    });
+    let fed = async {
+        let gone = || "the image writer stopped".to_string();
+        let mut first = Some(first);
+        let mut early = Some(early);
+        // Which of [`EARLY`] came in the whole files so far.
+        let mut seen = [false; EARLY.len()];
+        loop {
+            let frame = match first.take() {
+                Some(f) => f,
+                None => next(rd, lost).await?,
             };
-            let mut cur: Option<(String, std::fs::File)> = None;
-            while let Some(op) = rx.blocking_recv() {
-                match op {
-                    Op::Open(name) => {
-                        let f = create(&name)?;
-                        cur = Some((name, f));
-                    }
-                    Op::Whole(files) => {
-                        cur = None;
-                        for (name, bytes) in files {
-                            create(&name)?
-                                .write_all(&bytes)
-                                .map_err(|e| format!("cannot write image {name} here: {e}"))?;
-                        }
-                    }
-                    Op::Data(d) => {
-                        if let Some((name, f)) = cur.as_mut() {
-                            f.write_all(&d)
-                                .map_err(|e| format!("cannot write image {name} here: {e}"))?;
-                        }
-                    }
-                    Op::Mark(done) => {
-                        let _ = done.send(());
-                    }
+            // At the end everything is here (a source that sent the
+            // early images otherwise than whole).
+            if matches!(frame, Frame::Sent) {
+                if let Some(done) = early.take() {
+                    tx.send(Op::Mark(done)).await.map_err(|_| gone())?;
                 }
             }
-            Ok(())
-        });
-        let fed = async {
-            let gone = || "the image writer stopped".to_string();
-            let mut first = Some(first);
-            let mut early = Some(early);
-            // Which of [`EARLY`] came in the whole files so far.
-            let mut seen = [false; EARLY.len()];
-            loop {
-                let frame = match first.take() {
-                    Some(f) => f,
-                    None => next(rd, lost).await?,
-                };
-                // At the end everything is here (a source that sent the
-                // early images otherwise than whole).
-                if matches!(frame, Frame::Sent) {
-                    if let Some(done) = early.take() {
-                        tx.send(Op::Mark(done)).await.map_err(|_| gone())?;
+            match frame {
+                Frame::File { name, mut size } => {
+                    tx.send(Op::Open(name.clone())).await.map_err(|_| gone())?;
+                    while size > 0 {
+                        match next(rd, lost).await? {
+                            Frame::Data(d) if d.len() as u64 <= size => {
+                                size -= d.len() as u64;
+                                tx.send(Op::Data(d)).await.map_err(|_| gone())?;
+                            }
+                            Frame::Data(_) => {
+                                return Err(format!("image {name} is longer than announced"))
+                            }
+                            Frame::Abort { reason } => {
+                                return Err(format!("the source gave up: {reason}"))
+                            }
+                            other => return Err(format!("expected image data, got {other:?}")),
+                        }
                     }
                 }
-                match frame {
-                    Frame::File { name, mut size } => {
-                        tx.send(Op::Open(name.clone())).await.map_err(|_| gone())?;
-                        while size > 0 {
-                            match next(rd, lost).await? {
-                                Frame::Data(d) if d.len() as u64 <= size => {
-                                    size -= d.len() as u64;
-                                    tx.send(Op::Data(d)).await.map_err(|_| gone())?;
-                                }
-                                Frame::Data(_) => {
-                                    return Err(format!("image {name} is longer than announced"))
-                                }
-                                Frame::Abort { reason } => {
-                                    return Err(format!("the source gave up: {reason}"))
-                                }
-                                other => return Err(format!("expected image data, got {other:?}")),
-                            }
+                Frame::Files(files) => {
+                    for (name, _) in &files {
+                        if let Some(i) = EARLY.iter().position(|e| e == name) {
+                            seen[i] = true;
                         }
                     }
-                    Frame::Files(files) => {
-                        for (name, _) in &files {
-                            if let Some(i) = EARLY.iter().position(|e| e == name) {
-                                seen[i] = true;
-                            }
-                        }
-                        tx.send(Op::Whole(files)).await.map_err(|_| gone())?;
-                        if seen.iter().all(|&s| s) {
-                            if let Some(done) = early.take() {
-                                tx.send(Op::Mark(done)).await.map_err(|_| gone())?;
-                            }
+                    tx.send(Op::Whole(files)).await.map_err(|_| gone())?;
+                    if seen.iter().all(|&s| s) {
+                        if let Some(done) = early.take() {
+                            tx.send(Op::Mark(done)).await.map_err(|_| gone())?;
                         }
                     }
-                    Frame::Sent => return Ok(()),
-                    Frame::Abort { reason } => return Err(format!("the source gave up: {reason}")),
-                    other => return Err(format!("expected an image, got {other:?}")),
                 }
+                Frame::Sent => return Ok(()),
+                Frame::Abort { reason } => return Err(format!("the source gave up: {reason}")),
+                other => return Err(format!("expected an image, got {other:?}")),
             }
         }
-        .await;
-        drop(tx);
-        let written = tokio::task::spawn_blocking(move || writer.join())
-            .await
-            .map_err(|e| format!("the image writer failed: {e}"))?
-            .map_err(|_| "the image writer panicked".to_string())?;
-        // The writer's own error (a full disk) explains a stop best.
-        written?;
-        fed
     }
-}
-
-impl Drop for Received {
-    fn drop(&mut self) {
-        if !self.keep.load(std::sync::atomic::Ordering::Relaxed) {
-            let _ = std::fs::remove_dir_all(&self.path);
-        }
-    }
+    .await;
+    drop(tx);
+    let written = tokio::task::spawn_blocking(move || writer.join())
+        .await
+        .map_err(|e| format!("the image writer failed: {e}"))?
+        .map_err(|_| "the image writer panicked".to_string())?;
+    // The writer's own error (a full disk) explains a stop best.
+    written?;
+    fed
 }

@@ -27,6 +27,7 @@
 
 pub(crate) mod dest;
 pub(crate) mod host;
+pub(crate) mod outgoing;
 pub(crate) mod packets;
 pub(crate) mod pages;
 pub(crate) mod source;
@@ -272,6 +273,160 @@ pub(crate) fn images_parent(post_copy: bool) -> Option<std::path::PathBuf> {
     (post_copy && shm.is_dir()).then(|| shm.to_path_buf())
 }
 
+/// How every move's directory is named: `roam-migrate-` at the source,
+/// `roam-accept-` at the destination, then a pid and a time stamp.
+const WORK_PREFIXES: [&str; 2] = ["roam-migrate-", "roam-accept-"];
+
+/// The file that marks a move's directory as kept on purpose (CRIU's log
+/// of a failure, or the only images of a process that runs nowhere):
+/// [`sweep`] leaves such a directory alone.
+const KEPT_MARK: &str = "roam-kept";
+
+/// A directory younger than this is not swept: it may be between its
+/// creation and its owner's lock (microseconds, but a sweep must never
+/// remove a live move's images).
+const SWEEP_MIN_AGE: Duration = Duration::from_secs(60);
+
+/// A move's private directory for its images and CRIU's logs, at either
+/// end: mode 0700, locked (`flock`) for as long as this value lives, and
+/// removed when it is dropped unless kept. The lock is what tells a live
+/// move's directory from one left by a roam killed outright (SIGKILL, the
+/// OOM killer), which had no chance to remove it: the kernel releases the
+/// lock with the killed process's descriptors, and the next [`sweep`] of
+/// the same parent removes the directory, which can hold the process's
+/// whole memory (a source killed while its images travel left 317 MB in
+/// `/tmp` at 300 MB of memory).
+pub(crate) struct WorkDir {
+    /// The directory.
+    pub(crate) path: std::path::PathBuf,
+    /// Keep it when dropped ([`WorkDir::keep`]).
+    keep: std::sync::atomic::AtomicBool,
+    /// The exclusive lock on the directory, held until it is removed.
+    _lock: nix::fcntl::Flock<std::fs::File>,
+}
+
+impl WorkDir {
+    /// Makes `<parent>/<prefix><id>-<nanoseconds>` (mode 0700) and locks it.
+    pub(crate) fn create(
+        parent: &std::path::Path,
+        prefix: &str,
+        id: u32,
+    ) -> std::io::Result<WorkDir> {
+        use std::os::unix::fs::DirBuilderExt;
+        let stamp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let path = parent.join(format!("{prefix}{id}-{stamp}"));
+        std::fs::DirBuilder::new().mode(0o700).create(&path)?;
+        let locked = std::fs::File::open(&path).and_then(|dir| {
+            nix::fcntl::Flock::lock(dir, nix::fcntl::FlockArg::LockExclusiveNonblock)
+                .map_err(|(_, e)| std::io::Error::from(e))
+        });
+        match locked {
+            Ok(lock) => Ok(WorkDir {
+                path,
+                keep: std::sync::atomic::AtomicBool::new(false),
+                _lock: lock,
+            }),
+            Err(e) => {
+                let _ = std::fs::remove_dir(&path);
+                Err(e)
+            }
+        }
+    }
+
+    /// Keeps the directory after this value is gone, marked so that no
+    /// sweep removes it: with its images (`images`: they are the only copy
+    /// of a process), or with CRIU's logs only.
+    pub(crate) fn keep(&self, images: bool) {
+        self.keep.store(true, std::sync::atomic::Ordering::Relaxed);
+        if !images {
+            remove_images(&self.path);
+        }
+        let _ = std::fs::write(
+            self.path.join(KEPT_MARK),
+            "kept by roam on purpose: remove this directory when done with it\n",
+        );
+    }
+}
+
+impl Drop for WorkDir {
+    fn drop(&mut self) {
+        if !self.keep.load(std::sync::atomic::Ordering::Relaxed) {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
+}
+
+/// Removes the move directories under `parent` that no roam holds any
+/// more (see [`WorkDir`]): this user's, a minute old or more, not kept on
+/// purpose, and unlocked. Returns how many went and the bytes they held.
+/// Errors (a parent that cannot be read, a directory that went meanwhile)
+/// only make it remove less.
+pub(crate) fn sweep(parent: &std::path::Path) -> (usize, u64) {
+    use std::os::unix::fs::MetadataExt;
+    let me = nix::unistd::geteuid().as_raw();
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return (0, 0);
+    };
+    let mut swept = (0, 0);
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if !WORK_PREFIXES.iter().any(|p| name.starts_with(p)) {
+            continue;
+        }
+        let path = e.path();
+        // Not followed: a symbolic link is not a move's directory.
+        let Ok(meta) = std::fs::symlink_metadata(&path) else {
+            continue;
+        };
+        let old = meta
+            .modified()
+            .ok()
+            .and_then(|m| m.elapsed().ok())
+            .is_some_and(|age| age >= SWEEP_MIN_AGE);
+        if !meta.is_dir() || meta.uid() != me || !old || path.join(KEPT_MARK).exists() {
+            continue;
+        }
+        let Ok(dir) = std::fs::File::open(&path) else {
+            continue;
+        };
+        // Held: a live move's. Taken: its roam is gone.
+        let Ok(_held) = nix::fcntl::Flock::lock(dir, nix::fcntl::FlockArg::LockExclusiveNonblock)
+        else {
+            continue;
+        };
+        let bytes: u64 = std::fs::read_dir(&path)
+            .map(|files| {
+                files
+                    .flatten()
+                    .filter_map(|f| f.metadata().ok())
+                    .filter(std::fs::Metadata::is_file)
+                    .map(|m| m.len())
+                    .sum()
+            })
+            .unwrap_or(0);
+        if std::fs::remove_dir_all(&path).is_ok() {
+            swept.0 += 1;
+            swept.1 += bytes;
+        }
+    }
+    swept
+}
+
+/// Says what [`sweep`] removed, if anything (`who`: the command's name).
+pub(crate) fn report_sweep(who: &str, parent: &std::path::Path, (n, bytes): (usize, u64)) {
+    if n > 0 {
+        eprintln!(
+            "{who}: removed {n} images {} in {} that a roam killed outright left behind ({})",
+            if n == 1 { "directory" } else { "directories" },
+            parent.display(),
+            mb(bytes)
+        );
+    }
+}
+
 /// Removes everything but CRIU's logs (`*.log`) from an images directory:
 /// what is kept of a failed dump or restore (the images can be as large as
 /// the process's memory).
@@ -314,4 +469,69 @@ pub(crate) fn sh(cmd: &str) -> String {
         String::from_utf8_lossy(&o.stderr)
     );
     String::from_utf8_lossy(&o.stdout).trim().to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{sweep, WorkDir, KEPT_MARK};
+    use std::time::{Duration, SystemTime};
+
+    /// Backdates a directory past the sweep's minimum age.
+    fn age(path: &std::path::Path) {
+        let then = SystemTime::now() - Duration::from_secs(3600);
+        std::fs::File::open(path)
+            .expect("open dir")
+            .set_modified(then)
+            .expect("set mtime");
+    }
+
+    /// A sweep removes the directory of a move whose roam is gone (its
+    /// lock released), with its images, and leaves a live move's, one kept
+    /// on purpose, a young one and anything not a move's.
+    #[test]
+    fn a_sweep_removes_only_what_a_killed_roam_left() {
+        let parent = tempfile::tempdir().expect("parent");
+        let live = WorkDir::create(parent.path(), "roam-migrate-", 7).expect("live");
+        std::fs::write(live.path.join("pages-1.img"), vec![0u8; 4096]).expect("write");
+        age(&live.path);
+        // What a roam killed outright leaves: its directory, unlocked.
+        let dead = parent.path().join("roam-accept-9-1");
+        std::fs::create_dir(&dead).expect("dead");
+        std::fs::write(dead.join("pages-1.img"), vec![0u8; 10_000]).expect("write");
+        std::fs::write(dead.join("restore.log"), b"log").expect("write");
+        age(&dead);
+        let kept = WorkDir::create(parent.path(), "roam-migrate-", 8).expect("kept");
+        kept.keep(false);
+        age(&kept.path);
+        let kept_path = kept.path.clone();
+        drop(kept);
+        let young = parent.path().join("roam-migrate-10-1");
+        std::fs::create_dir(&young).expect("young");
+        let other = parent.path().join("roam-other-1");
+        std::fs::create_dir(&other).expect("other");
+        age(&other);
+
+        assert_eq!(sweep(parent.path()), (1, 10_003));
+        assert!(!dead.exists(), "the dead move's directory is gone");
+        assert!(
+            live.path.join("pages-1.img").exists(),
+            "a live move's images stay"
+        );
+        assert!(kept_path.join(KEPT_MARK).exists(), "a kept directory stays");
+        assert!(young.exists() && other.exists());
+        assert_eq!(sweep(parent.path()), (0, 0), "nothing more to sweep");
+
+        // Its roam gone (the value dropped), a live move's directory is
+        // removed with it; one whose roam died is swept.
+        let live_path = live.path.clone();
+        drop(live);
+        assert!(!live_path.exists());
+        let gone = WorkDir::create(parent.path(), "roam-migrate-", 11).expect("gone");
+        let gone_path = gone.path.clone();
+        std::mem::forget(gone);
+        age(&gone_path);
+        // Forgotten, its lock is still held by this process's descriptor:
+        // still a live move's as far as a sweep can tell.
+        assert_eq!(sweep(parent.path()), (0, 0));
+    }
 }

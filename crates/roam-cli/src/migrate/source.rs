@@ -8,6 +8,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc;
 
 use super::host::{self, IfAddr, ProcessInfo};
+use super::outgoing::{Closed, Outgoing};
 use super::wire::{self, Frame};
 use super::{mb, ms, Progress, DEFAULT_PORT};
 use crate::cli::{CliError, CliResult, MigrateProcessArgs};
@@ -16,14 +17,6 @@ use crate::config::FileConfig;
 /// Longest wait for the destination's answer to one request (a restore of a
 /// large process takes a while).
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(120);
-
-/// Bytes per data frame.
-const CHUNK: usize = 256 << 10;
-
-/// Image files up to this size travel whole, many to a
-/// [`Frame::Files`], and are read without leaving the runtime's thread (a
-/// blocking-pool trip costs more than the read).
-const SMALL: u64 = 64 << 10;
 
 /// The source: moves process `args.pid` to `args.to`.
 pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliResult {
@@ -153,7 +146,15 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
         .images_dir
         .clone()
         .or_else(|| super::images_parent(args.lazy_pages));
-    let images = ImagesDir::create(images_at.as_deref(), args.pid)?;
+    let images_parent = images_at.unwrap_or_else(std::env::temp_dir);
+    super::report_sweep("roam", &images_parent, super::sweep(&images_parent));
+    let images = super::WorkDir::create(&images_parent, "roam-migrate-", args.pid.unsigned_abs())
+        .map_err(|e| {
+        CliError(format!(
+            "cannot make an images directory in {}: {e}; nothing was frozen",
+            images_parent.display()
+        ))
+    })?;
     // From the lock on, a signal must not kill roam (the address would
     // stay locked): SIGINT, SIGTERM and SIGHUP call the move off while it
     // can be (until the destination has restored the process), and are
@@ -251,6 +252,54 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
             criu.dump_steps(pid, &dir, &opts, criu_pages, &mut pre, &mut step)
         })
     };
+    // The images go as CRIU closes them, while it still dumps
+    // (`outgoing`); the post-dump step sends what is left.
+    let mut outgoing = Outgoing::new(&images.path);
+    let mut watch = match Closed::watch(&images.path) {
+        Ok(w) => Some(w),
+        Err(e) => {
+            progress.phase(&format!(
+                "warning: cannot watch the images directory ({e}); the images travel after \
+                 the dump"
+            ));
+            None
+        }
+    };
+    // What ended the sending before the post-dump step, if anything: an
+    // error, or the destination's answer (a refusal: a full disk).
+    let mut early_end: Option<Result<Frame, String>> = None;
+    let stepped = loop {
+        tokio::select! {
+            biased;
+            dir = images_rx.recv() => break dir,
+            closed = async {
+                match watch.as_mut() {
+                    Some(w) => w.next().await,
+                    None => std::future::pending().await,
+                }
+            } => match closed {
+                Some(names) => {
+                    if let Err(e) = outgoing.send_early(&mut wr, &names).await {
+                        early_end = Some(Err(e));
+                        watch = None;
+                    }
+                }
+                // The rest goes at the post-dump step.
+                None => watch = None,
+            },
+            _ = interrupt.wait(), if early_end.is_none() => {
+                early_end = Some(Err("interrupted by a signal".to_string()));
+                watch = None;
+            }
+            f = answers.recv(), if early_end.is_none() => {
+                early_end = Some(f.unwrap_or_else(|| Err("the stream to the destination ended".into())));
+                watch = None;
+            }
+        }
+    };
+    // What CRIU closed but the watch has not named yet goes with the rest
+    // (`send_rest` lists the directory).
+    drop(watch);
     let mut timings = Timings::default();
     // The destination restored the process inside the post-dump step:
     // its pid there (post-copy: its memory served from here).
@@ -259,7 +308,7 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
     // The address lock, taken by now if the dump reached its post-dump
     // step.
     let mut held: Option<Locked> = None;
-    if let Some(dir) = images_rx.recv().await {
+    if stepped.is_some() {
         // The tree is frozen from here on: every connection it has is read
         // while the images travel, not after.
         let inspected = {
@@ -283,7 +332,15 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
         let outcome = match held {
             None => Err("roam's address lock was not taken before the freeze".to_string()),
             Some(_) => tokio::select! {
-                r = send_images(&mut wr, &mut answers, &dir, &mut progress, &timings, &to) => r,
+                r = send_images(
+                    &mut wr,
+                    &mut answers,
+                    &mut outgoing,
+                    early_end,
+                    &mut progress,
+                    &timings,
+                    &to,
+                ) => r,
                 _ = interrupt.wait() => Err("interrupted by a signal".to_string()),
             },
         };
@@ -464,15 +521,17 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
     let e = match dumped {
         Err(roam_criu::Error::Aborted { reason }) => reason,
         Err(other) => {
-            images.keep_log("the dump");
+            images.keep(false);
+            eprintln!(
+                "roam: CRIU's log of the dump is kept in {}",
+                images.path.display()
+            );
             other.to_string()
         }
         Ok(_) => {
             // CRIU completed a dump without asking the post-dump step:
             // the process ended here and runs nowhere; its images stay.
-            images
-                .keep
-                .store(true, std::sync::atomic::Ordering::Relaxed);
+            images.keep(true);
             let _ = wr
                 .send(&Frame::Abort {
                     reason: "the dump ended without its post-dump step".into(),
@@ -824,7 +883,7 @@ struct Moved<'a> {
 /// `--sessions-to`, sends the clients that resume here on to the
 /// destination. The exit status.
 async fn conclude(
-    images: ImagesDir,
+    images: super::WorkDir,
     wr: Outbox,
     writer: tokio::task::JoinHandle<std::io::Result<()>>,
     session: &roam::SessionHandle,
@@ -995,7 +1054,7 @@ async fn finish_lazily(
     mut progress: Progress,
     writer: tokio::task::JoinHandle<std::io::Result<()>>,
     session: &roam::SessionHandle,
-    images: ImagesDir,
+    images: super::WorkDir,
 ) -> CliResult {
     progress.phase(&format!(
         "restored at {to} as pid {} (its memory follows); handing over {}",
@@ -1123,7 +1182,7 @@ fn wait_gone(pids: &[i32]) -> bool {
 
 /// The sending half of the migration stream, behind a writer task that
 /// writes each frame whole, and flushes whenever no other frame waits.
-struct Outbox {
+pub(crate) struct Outbox {
     /// Encoded frames for the writer task.
     tx: mpsc::Sender<Vec<u8>>,
     /// Set once the session to the destination is lost: a frame queued
@@ -1199,7 +1258,7 @@ impl Outbox {
     }
 
     /// Queues one frame (waits while 16 are queued).
-    async fn send(&mut self, frame: &Frame) -> std::io::Result<()> {
+    pub(crate) async fn send(&mut self, frame: &Frame) -> std::io::Result<()> {
         let broken = || {
             std::io::Error::new(
                 std::io::ErrorKind::BrokenPipe,
@@ -1362,163 +1421,39 @@ async fn answer(answers: &mut mpsc::Receiver<Result<Frame, String>>) -> Result<F
     }
 }
 
-/// The post-dump step: sends every image to the destination and waits
-/// until it has written them all. An error is the reason to roll back.
+/// Sends the images CRIU's dump left to send (`early`: what ended the
+/// sending during the dump instead, if anything) and waits for the
+/// destination to have them all.
 async fn send_images(
     wr: &mut Outbox,
     answers: &mut mpsc::Receiver<Result<Frame, String>>,
-    dir: &Path,
+    outgoing: &mut Outgoing,
+    early: Option<Result<Frame, String>>,
     progress: &mut Progress,
     timings: &Timings,
     to: &str,
 ) -> Result<(), String> {
-    let files = image_files(dir).map_err(|e| format!("cannot list the images: {e}"))?;
-    let total: u64 = files.iter().map(|(_, n)| n).sum();
-    progress.phase(&format!(
-        "dumped in {}; sending {} files, {} of images",
-        ms(timings.dump),
-        files.len(),
-        mb(total),
-    ));
-    let send = async {
-        let mut done = 0u64;
-        let mut buf = vec![0u8; CHUNK];
-        // The small images (most are a few hundred bytes: one per socket)
-        // travel whole, many to a frame; local files, read in place.
-        let (small, large): (Vec<_>, Vec<_>) = files.iter().partition(|(_, size)| *size <= SMALL);
-        let mut batch: Vec<(String, Vec<u8>)> = Vec::new();
-        let mut batch_bytes = 0usize;
-        for (i, (name, size)) in small.iter().enumerate() {
-            let bytes = std::fs::read(dir.join(name))
-                .map_err(|e| format!("cannot read image {name}: {e}"))?;
-            if bytes.len() as u64 != *size {
-                return Err(format!("image {name} changed size while it was sent"));
-            }
-            batch_bytes += wire::files_entry_overhead(name) + bytes.len();
-            done += bytes.len() as u64;
-            batch.push((name.clone(), bytes));
-            let next = small.get(i + 1).map_or(usize::MAX, |(n, s)| {
-                wire::files_entry_overhead(n) + *s as usize
-            });
-            if batch_bytes.saturating_add(next) > wire::MAX_PAYLOAD {
-                wr.send(&Frame::Files(std::mem::take(&mut batch)))
-                    .await
-                    .map_err(|e| format!("sending the images failed: {e}"))?;
-                batch_bytes = 0;
-                progress.bytes(done, total);
-            }
-        }
-        // The others in chunks, read off the runtime's threads.
-        for (name, size) in large {
-            wr.send(&Frame::File {
-                name: name.clone(),
-                size: *size,
-            })
-            .await
-            .map_err(|e| format!("sending the images failed: {e}"))?;
-            let mut f = std::fs::File::open(dir.join(name))
-                .map_err(|e| format!("cannot read image {name}: {e}"))?;
-            let mut left = *size;
-            while left > 0 {
-                let want = usize::try_from(left.min(CHUNK as u64)).unwrap_or(CHUNK);
-                tokio::task::block_in_place(|| std::io::Read::read_exact(&mut f, &mut buf[..want]))
-                    .map_err(|e| format!("cannot read image {name}: {e}"))?;
-                wr.send(&Frame::Data(buf[..want].to_vec()))
-                    .await
-                    .map_err(|e| format!("sending the images failed: {e}"))?;
-                left -= want as u64;
-                done += want as u64;
-                progress.bytes(done, total);
-            }
-        }
-        wr.send(&Frame::Sent)
-            .await
-            .map_err(|e| format!("sending the images failed: {e}"))
-    };
-    // The destination may refuse half-way (a full disk): its answer ends
-    // the sending.
-    let early = tokio::select! {
-        r = send => { r?; None }
-        f = answers.recv() => Some(f.unwrap_or_else(|| Err("the stream to the destination ended".into()))),
-    };
     let reply = match early {
         Some(r) => r,
-        None => answer(answers).await,
+        None => {
+            let dumped = ms(timings.dump);
+            let send = outgoing.send_rest(wr, progress, &dumped);
+            // The destination may refuse half-way (a full disk): its
+            // answer ends the sending.
+            let early = tokio::select! {
+                r = send => { r?; None }
+                f = answers.recv() => Some(f.unwrap_or_else(|| Err("the stream to the destination ended".into()))),
+            };
+            match early {
+                Some(r) => r,
+                None => answer(answers).await,
+            }
+        }
     };
     match reply? {
         Frame::Stored => Ok(()),
         Frame::Failed { reason } => Err(format!("{to} could not take the images: {reason}")),
         other => Err(format!("{to} answered {other:?} to the images")),
-    }
-}
-
-/// The images to send: every regular file but CRIU's logs, by name, with
-/// their sizes.
-fn image_files(dir: &Path) -> std::io::Result<Vec<(String, u64)>> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir(dir)? {
-        let e = e?;
-        let meta = e.metadata()?;
-        let name = e.file_name().to_string_lossy().into_owned();
-        if meta.is_file() && !name.ends_with(".log") {
-            out.push((name, meta.len()));
-        }
-    }
-    out.sort();
-    Ok(out)
-}
-
-/// A private directory for the images, removed when dropped (unless kept
-/// for a failure's log).
-struct ImagesDir {
-    /// The directory.
-    path: PathBuf,
-    /// Keep it (it holds CRIU's log of a failure, or the only images).
-    keep: std::sync::atomic::AtomicBool,
-}
-
-impl ImagesDir {
-    /// Makes `<parent>/roam-migrate-<pid>-<n>` (mode 0700; parent default
-    /// the temporary directory).
-    fn create(parent: Option<&Path>, pid: i32) -> Result<ImagesDir, CliError> {
-        use std::os::unix::fs::DirBuilderExt;
-        let parent = parent.map_or_else(std::env::temp_dir, Path::to_path_buf);
-        let stamp = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos());
-        let path = parent.join(format!("roam-migrate-{pid}-{stamp}"));
-        std::fs::DirBuilder::new()
-            .mode(0o700)
-            .create(&path)
-            .map_err(|e| {
-                CliError(format!(
-                    "cannot make the images directory {}: {e}; nothing was frozen",
-                    path.display()
-                ))
-            })?;
-        Ok(ImagesDir {
-            path,
-            keep: std::sync::atomic::AtomicBool::new(false),
-        })
-    }
-
-    /// Keeps the directory with CRIU's logs only (the images go) and says
-    /// where it is.
-    fn keep_log(&self, what: &str) {
-        self.keep.store(true, std::sync::atomic::Ordering::Relaxed);
-        super::remove_images(&self.path);
-        eprintln!(
-            "roam: CRIU's log of {what} is kept in {}",
-            self.path.display()
-        );
-    }
-}
-
-impl Drop for ImagesDir {
-    fn drop(&mut self) {
-        if !self.keep.load(std::sync::atomic::Ordering::Relaxed) {
-            let _ = std::fs::remove_dir_all(&self.path);
-        }
     }
 }
 
