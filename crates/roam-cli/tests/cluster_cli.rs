@@ -31,14 +31,14 @@ const SET_FOR_TESTS: [&str; 8] = [
     "CARGO_RUSTC_CURRENT_DIR",
 ];
 
-/// Path of a roam-continuation example binary, (re)built by cargo first:
-/// it belongs to another package, so `cargo test -p roam-cli` does not
-/// build it. `--workspace --examples` resolves features as `cargo test
+/// The directory of the workspace's example binaries (roam-continuation's
+/// among them), which cargo (re)builds first, once: they belong to another
+/// package, so `cargo test -p roam-cli` does not build them. `--workspace --examples` resolves features as `cargo test
 /// --workspace` does, so under the whole suite (CI) this finds the examples
 /// that build made and compiles nothing; `-p roam-continuation` would
 /// resolve them without the other members' features and compile roam and
 /// its dependencies a second time (2 minutes of CI's test run).
-fn example(name: &str) -> PathBuf {
+fn examples() -> PathBuf {
     let exe = std::env::current_exe().expect("test binary path");
     let dir = exe.parent().and_then(Path::parent).expect("target dir");
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
@@ -60,9 +60,9 @@ fn example(name: &str) -> PathBuf {
     }
     assert!(
         cmd.status().expect("cargo build").success(),
-        "building {name}"
+        "building the workspace's examples"
     );
-    dir.join("examples").join(name)
+    dir.join("examples")
 }
 
 /// A child whose stdout lines arrive on a channel; killed on drop.
@@ -259,8 +259,9 @@ fn an_operator_moves_and_drains_a_download_across_three_host_processes() {
     let cluster = d.join("cluster.conf");
     std::fs::write(&cluster, &text).expect("cluster file");
 
-    let server_bin = example("file_server");
-    let client_bin = example("file_client");
+    let examples = examples();
+    let server_bin = examples.join("file_server");
+    let client_bin = examples.join("file_client");
     let mut servers: Vec<Proc> = hosts
         .iter()
         .map(|(name, key_path, clients)| {
