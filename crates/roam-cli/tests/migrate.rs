@@ -310,6 +310,18 @@ impl Setup {
         self.finish_stream_and_reconnect("connect again");
     }
 
+    /// The move happened: the server runs on B alone and its connection
+    /// carries on (1 MB more, every byte checked).
+    fn assert_moved_and_echoing(&self) {
+        assert!(
+            self.runs_on(B, self.pid) && !self.runs_on(A, self.pid),
+            "the server is not on B alone"
+        );
+        let at = self.echo().echoed();
+        self.echo()
+            .wait_echoed(at + (1 << 20), Duration::from_secs(10));
+    }
+
     /// The echo stream.
     fn echo(&self) -> &EchoStream {
         self.stream.as_ref().expect("an echo stream")
@@ -1347,13 +1359,7 @@ fn a_restore_that_fails_at_the_destination_leaves_the_server_running_at_the_sour
         "a move after a failed one: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(
-        s.runs_on(B, s.pid) && !s.runs_on(A, s.pid),
-        "the server is not on B alone"
-    );
-    let at = s.echo().echoed();
-    s.echo()
-        .wait_echoed(at + (1 << 20), Duration::from_secs(10));
+    s.assert_moved_and_echoing();
 }
 
 /// When process `pid` started (`/proc/PID/stat`'s field 22, in clock
@@ -1510,13 +1516,7 @@ fn a_source_killed_outright_while_the_images_travel_leaves_the_server_serving_at
         stderr.contains("removed 1 images directory") && !left[0].exists(),
         "the next move removes what the killed one left: {stderr}"
     );
-    assert!(
-        s.runs_on(B, s.pid) && !s.runs_on(A, s.pid),
-        "the server is not on B alone"
-    );
-    let at = s.echo().echoed();
-    s.echo()
-        .wait_echoed(at + (1 << 20), Duration::from_secs(10));
+    s.assert_moved_and_echoing();
 }
 
 /// redis-server with 1,000 clients, each INCR-ing a key of its own in a
