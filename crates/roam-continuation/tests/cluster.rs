@@ -99,6 +99,10 @@ struct Extra {
     etcd: Option<String>,
     /// The cap on a continuation kept in etcd, if not the default.
     etcd_cap: Option<usize>,
+    /// The one client address every host announces (§9.1), instead of
+    /// the cluster's: a proxy in front of a host, so that the proxy's
+    /// refusal cuts the client off, with no other address to try.
+    announce: Option<String>,
 }
 
 /// A real etcd for one test (killed when dropped) and the `Extra` that
@@ -157,9 +161,12 @@ async fn wait_owner(db: &roam_etcd::Client, owner: &[u8], want: Option<&str>, wh
     }
 }
 
-/// Waits (at most 20 s) for the record at `record` to be in etcd; its value.
+/// Waits (at most 30 s) for the record at `record` to be in etcd; its value.
+/// Long: a resume under way when the client was cut off leaves the session
+/// restored at its host, and counted suspended again (frozen, its record
+/// written) only 15 s later, when that resume has not completed.
 async fn wait_record(db: &roam_etcd::Client, record: &[u8]) -> Vec<u8> {
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
     loop {
         if let Some(kv) = db.get(record).await.unwrap() {
             return kv.value;
@@ -205,6 +212,9 @@ async fn start_cluster(versions: &[&str], extra: Extra) -> TestCluster {
         |hc| {
             // Every test client comes from 127.0.0.1.
             hc.server.max_sessions_per_ip = 100_000;
+            if let Some(a) = &extra.announce {
+                hc.server.proto.addresses = vec![a.clone()];
+            }
             if let Some(url) = &extra.etcd {
                 let mut opts = EtcdOptions::new(vec![url.clone()]);
                 opts.lease_ttl = Duration::from_secs(2);
@@ -466,12 +476,16 @@ async fn a_move_waits_for_an_application_blocked_writing_to_a_slow_reader() {
 /// destination's copy is in etcd, until the client resumes there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_etcd_a_suspended_session_moves_and_leaves_no_copy_behind() {
-    let (etcd, extra) = with_etcd().await;
+    let (etcd, mut extra) = with_etcd().await;
     bounded(Duration::from_secs(90), "test", async {
+        // The hosts announce only the proxy: cut off there, the client has
+        // no way to resume before the move (from h0's own address it
+        // would, taking the record out before the test could see it).
+        let nowhere = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+        let proxy = roam_sim::proxy::FaultProxy::start(nowhere).await.unwrap();
+        extra.announce = Some(proxy.addr().to_string());
         let c = start_cluster(&["1", "1"], extra).await;
-        let proxy = roam_sim::proxy::FaultProxy::start(c.client_addr("h0").parse().unwrap())
-            .await
-            .unwrap();
+        proxy.set_upstream(c.client_addr("h0").parse().unwrap());
         const LEN: u64 = 4 << 20;
         let t = transfer_to(
             &c,

@@ -74,7 +74,8 @@ pub struct ProxyStats {
 
 /// State shared by the handle and every task of one proxy.
 struct Shared {
-    upstream: SocketAddr,
+    /// Where new connections go ([`FaultProxy::set_upstream`] changes it).
+    upstream: std::sync::Mutex<SocketAddr>,
     /// `true` while black-holed; tasks wait on it before reading or writing.
     blackhole: watch::Sender<bool>,
     /// Bumped by every reset; each connection resets on a change it did not
@@ -102,7 +103,7 @@ struct Shared {
 impl Shared {
     fn new(upstream: SocketAddr) -> Self {
         Shared {
-            upstream,
+            upstream: std::sync::Mutex::new(upstream),
             blackhole: watch::Sender::new(false),
             reset_gen: watch::Sender::new(0),
             stall_gen: watch::Sender::new(0),
@@ -118,6 +119,10 @@ impl Shared {
             bytes_up: AtomicU64::new(0),
             bytes_down: AtomicU64::new(0),
         }
+    }
+
+    fn upstream(&self) -> SocketAddr {
+        *self.upstream.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn delay(&self) -> Duration {
@@ -152,7 +157,7 @@ impl std::fmt::Debug for FaultProxy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("FaultProxy")
             .field("addr", &self.addr)
-            .field("upstream", &self.shared.upstream)
+            .field("upstream", &self.shared.upstream())
             .field("stats", &self.stats())
             .finish()
     }
@@ -246,7 +251,19 @@ impl FaultProxy {
 
     /// The address every connection is forwarded to.
     pub fn upstream(&self) -> SocketAddr {
-        self.shared.upstream
+        self.shared.upstream()
+    }
+
+    /// Forwards connections accepted from now on to `upstream`; current
+    /// ones stay where they are. For a test whose upstream's own settings
+    /// need the proxy's address: start the proxy first (towards any
+    /// address: it dials nothing until a client comes), then point it.
+    pub fn set_upstream(&self, upstream: SocketAddr) {
+        *self
+            .shared
+            .upstream
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = upstream;
     }
 
     /// Aborts every current connection with a TCP RST towards both the client
@@ -422,7 +439,7 @@ async fn connection(mut client: TcpStream, shared: &Shared, mut sig: Signals) {
     let upstream = tokio::select! {
         r = async {
             wait_open(&mut hole).await;
-            TcpStream::connect(shared.upstream).await
+            TcpStream::connect(shared.upstream()).await
         } => r,
         _ = sig.reset.changed() => {
             shared.resets.fetch_add(1, Ordering::Relaxed);
@@ -615,6 +632,32 @@ mod tests {
         c2.write_all(b"pong").await.unwrap();
         u2.read_exact(&mut b).await.unwrap();
         assert_eq!(&b, b"pong");
+    }
+
+    #[tokio::test]
+    async fn set_upstream_moves_new_connections_only() {
+        let first = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await.unwrap();
+        let second = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await.unwrap();
+        let proxy = FaultProxy::start(first.local_addr().unwrap())
+            .await
+            .unwrap();
+        let mut old = TcpStream::connect(proxy.addr()).await.unwrap();
+        let (mut old_up, _) = first.accept().await.unwrap();
+        proxy.set_upstream(second.local_addr().unwrap());
+        assert_eq!(proxy.upstream(), second.local_addr().unwrap());
+        let mut new = TcpStream::connect(proxy.addr()).await.unwrap();
+        let d = Duration::from_secs(5);
+        let (mut new_up, _) = tokio::time::timeout(d, second.accept())
+            .await
+            .unwrap()
+            .unwrap();
+        let mut b = [0u8; 3];
+        old.write_all(b"old").await.unwrap();
+        old_up.read_exact(&mut b).await.unwrap();
+        assert_eq!(&b, b"old", "the open connection stays with the first");
+        new.write_all(b"new").await.unwrap();
+        new_up.read_exact(&mut b).await.unwrap();
+        assert_eq!(&b, b"new");
     }
 
     #[tokio::test]
