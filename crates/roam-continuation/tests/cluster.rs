@@ -555,6 +555,70 @@ async fn with_etcd_a_suspended_session_moves_and_leaves_no_copy_behind() {
     .await;
 }
 
+/// A resume that reaches the host and dies half-way (the client is cut
+/// off again before the host's answer reaches it) leaves the session
+/// suspended. The host had restored it from its continuation for that
+/// resume, taking it out of its store and of etcd; it puts it back at
+/// once, not when its 15 s wait for the handshake runs out (a host lost
+/// meanwhile would have lost the session). Then the client comes back and
+/// every byte arrives, once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_etcd_a_resume_that_dies_half_way_puts_the_session_back_at_once() {
+    let (etcd, mut extra) = with_etcd().await;
+    bounded(Duration::from_secs(60), "test", async {
+        let nowhere = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+        let proxy = roam_sim::proxy::FaultProxy::start(nowhere).await.unwrap();
+        extra.announce = Some(proxy.addr().to_string());
+        let c = start_cluster(&["1"], extra).await;
+        proxy.set_upstream(c.client_addr("h0").parse().unwrap());
+        const LEN: u64 = 2 << 20;
+        let t = transfer_to(
+            &c,
+            &proxy.addr().to_string(),
+            LEN,
+            Duration::from_millis(5),
+            Duration::ZERO,
+        )
+        .await;
+        let id = t.session.id().unwrap();
+        wait_verified(&t, 256 << 10).await;
+        let db = roam_etcd::Client::connect(&[etcd.url()]).await.unwrap();
+        let record = format!("/roam/test/record/{}", hex_id(id)).into_bytes();
+        // 400 ms each way: the client's resume reaches h0, h0's answer
+        // is still on its way when the client is cut off again.
+        proxy.set_delay(Duration::from_millis(400));
+        let h0 = &c.nodes[0].host;
+        let resumes = h0.stats().resumes;
+        proxy.reset_all();
+        wait_until(
+            Duration::from_secs(20),
+            "h0 restoring it for the resume",
+            || h0.stats().resumes > resumes,
+        )
+        .await;
+        assert!(
+            db.get(&record).await.unwrap().is_none(),
+            "taken out of etcd for the resume"
+        );
+        proxy.refuse(true);
+        proxy.reset_all();
+        let cut = std::time::Instant::now();
+        wait_record(&db, &record).await;
+        let took = cut.elapsed();
+        assert!(
+            took < Duration::from_secs(5),
+            "put back in etcd {took:?} after its resume died, not at once"
+        );
+        assert_eq!(h0.frozen_ids(), vec![id], "frozen at h0 again");
+        proxy.set_delay(Duration::ZERO);
+        proxy.refuse(false);
+        let got = t.task.await.unwrap().expect("transfer");
+        assert_eq!(got, LEN, "every byte came back exactly once, in order");
+        c.shutdown().await;
+    })
+    .await;
+}
+
 /// A continuation above the cluster's cap stays on its host only: the
 /// host says so (its `unshared` counter, an error in the log), etcd holds
 /// nothing of it, and the session resumes there as usual.

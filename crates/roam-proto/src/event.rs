@@ -65,6 +65,13 @@ pub enum Event {
         /// When it will expire unless resumed.
         expires_at: Instant,
     },
+    /// Server: a resume that had reached this side ended before the
+    /// client proved it live (its transport closed, or the handshake timed
+    /// out), and no transport carries the session: it is still suspended,
+    /// as it was before the attempt. An application that made the session
+    /// ready for this resume (restored it from a continuation) may put it
+    /// away again now rather than wait for the client.
+    ResumeAbandoned,
     /// A new transport took over; unacknowledged frames are being replayed.
     Resumed {
         /// How long the session was without a transport.

@@ -46,6 +46,11 @@ pub enum SessionEvent {
         /// How long until it goes out.
         delay: Duration,
     },
+    /// Server: a resume that reached this side ended before it completed
+    /// (its transport closed, or the handshake timed out); the session is
+    /// still suspended. A host that restored the session for this resume
+    /// can put it away again at once.
+    ResumeAbandoned,
     /// A new transport took over; unacknowledged data is being replayed.
     Resumed {
         /// How long the session had no transport.

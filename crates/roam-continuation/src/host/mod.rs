@@ -45,7 +45,9 @@ use watcher::{watch_live, Start};
 /// How long a resume waits for its session to finish freezing or thawing.
 pub(crate) const TRANSITION_WAIT: Duration = Duration::from_secs(10);
 /// A restored session that has not completed its resume after this long
-/// counts as suspended again (its client gave up on that attempt).
+/// counts as suspended again (its client gave up on that attempt). A
+/// resume whose transport dies here says so at once
+/// (`SessionEvent::ResumeAbandoned`); this wait covers the rest.
 const RESUME_HANDSHAKE_WAIT: Duration = Duration::from_secs(15);
 /// Longest sleep of the collector: wall-clock deadlines are re-read at least
 /// this often, so a clock step is noticed.

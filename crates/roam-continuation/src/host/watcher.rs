@@ -74,6 +74,13 @@ pub(super) async fn watch_live(
                 restoring_until = None;
                 on_suspended(&live, Some(reason), &mut freeze_at, &mut expire_at);
             }
+            // Restored for a resume that did not complete: suspended again
+            // now, not when the wait for its handshake runs out (the
+            // continuation is out of the store and of etcd until then).
+            Ok(SessionEvent::ResumeAbandoned) if restoring_until.is_some() => {
+                restoring_until = None;
+                on_suspended(&live, None, &mut freeze_at, &mut expire_at);
+            }
             Ok(SessionEvent::Resumed { suspended_for, .. }) => {
                 restoring_until = None;
                 freeze_at = None;

@@ -697,6 +697,7 @@ impl Session {
                     transport: id,
                     error: Some(Error::HandshakeFailed),
                 });
+                self.resume_abandoned();
             }
         }
         if let Some(t) = &self.active {
@@ -712,6 +713,7 @@ impl Session {
     pub fn handle_transport_closed(&mut self, now: Instant, id: TransportId) {
         if self.pending.as_ref().is_some_and(|p| p.id == id) {
             self.pending = None;
+            self.resume_abandoned();
         } else if self.active.as_ref().is_some_and(|t| t.id == id) {
             self.lose_active_quiet(now, SuspendReason::TransportClosed);
         }
@@ -732,6 +734,14 @@ impl Session {
         self.log.shrink_to_fit();
         self.send_queue.shrink_to_fit();
         self.write_waiters.shrink_to_fit();
+    }
+
+    /// The pending resume is gone: if nothing else carries the session,
+    /// say so ([`Event::ResumeAbandoned`]).
+    fn resume_abandoned(&mut self) {
+        if self.active.is_none() && self.state == State::Suspended {
+            self.events.push_back(Event::ResumeAbandoned);
+        }
     }
 
     fn enter_suspended(&mut self, now: Instant, reason: SuspendReason) {

@@ -1,6 +1,7 @@
 //! Regression tests for bugs the session fuzz targets found
-//! (`fuzz/fuzz_targets/session_state.rs`). They reach into the session's
-//! fields to play the hostile peer the fuzzer played.
+//! (`fuzz/fuzz_targets/session_state.rs`), and for one a cluster test found
+//! (a resume that dies half-way). They reach into the session's fields to
+//! play the hostile peer the fuzzer played.
 
 use std::time::Instant;
 
@@ -248,4 +249,63 @@ fn a_stale_resume_is_refused_without_harming_the_live_session() {
     assert_eq!(server.read(id, &mut got), Ok(Some(12)));
     assert_eq!(&got[..12], b"before after");
     assert_eq!(server.state(), p.client.state());
+}
+
+/// A suspended server session whose resume dies before the client proves
+/// it live stayed suspended without a word: a host that had restored the
+/// session from its continuation for that resume kept it out of its store
+/// (and the cluster's directory) until its own 15 s wait ran out. Now the
+/// session says `ResumeAbandoned`, when the transport closes and when its
+/// handshake times out; and only when nothing else carries the session.
+#[test]
+fn a_resume_that_dies_half_way_is_reported_abandoned() {
+    let abandoned = |s: &mut Session| {
+        std::iter::from_fn(|| s.poll_event()).any(|e| e == Event::ResumeAbandoned)
+    };
+    let mut p = Pair::new();
+    let old = p.stid.unwrap();
+    // The transport dies: the server suspends.
+    let server = p.server.as_mut().unwrap();
+    server.handle_transport_closed(p.now, old);
+    assert_eq!(server.state(), State::Suspended);
+    assert!(!abandoned(server), "no resume was under way");
+    // A resume reaches the server, and its transport closes before the
+    // client's first authenticated record.
+    p.ctid = p.client.connect(p.now, None).unwrap();
+    p.hello();
+    let server = p.server.as_mut().unwrap();
+    let pending = p.stid.unwrap();
+    assert!(server.active_transport().is_none());
+    server.handle_transport_closed(p.now, pending);
+    assert!(abandoned(server));
+    assert_eq!(server.state(), State::Suspended);
+    // Another one times out in its handshake.
+    p.ctid = p.client.connect(p.now, None).unwrap();
+    p.hello();
+    let server = p.server.as_mut().unwrap();
+    while server.poll_event().is_some() {}
+    server.handle_timeout(p.now + std::time::Duration::from_secs(11));
+    assert!(abandoned(server));
+    assert_eq!(server.state(), State::Suspended);
+    // The next completes: the session goes on.
+    p.ctid = p.client.connect(p.now, None).unwrap();
+    p.hello();
+    p.pump();
+    assert_eq!(p.client.state(), State::Active);
+    assert_eq!(p.server.as_ref().unwrap().state(), State::Active);
+}
+
+/// A resume that dies while the old transport still carries the session
+/// (the client re-dialed, the server had not noticed the loss yet) is no
+/// news: the session is not suspended.
+#[test]
+fn a_resume_that_dies_beside_a_live_transport_is_not_reported() {
+    let mut p = Pair::new();
+    p.ctid = p.client.connect(p.now, None).unwrap();
+    p.hello();
+    let server = p.server.as_mut().unwrap();
+    assert!(server.active_transport().is_some());
+    server.handle_transport_closed(p.now, p.stid.unwrap());
+    assert!(std::iter::from_fn(|| server.poll_event()).all(|e| e != Event::ResumeAbandoned));
+    assert_eq!(server.state(), State::Active);
 }

@@ -606,6 +606,13 @@ impl Driver {
                 tracing::info!("session {} suspended: {reason:?}", id_text(sh));
                 events.send(SessionEvent::Suspended { reason });
             }
+            Event::ResumeAbandoned => {
+                tracing::info!(
+                    "session {}: a resume ended before it completed; still suspended",
+                    id_text(sh)
+                );
+                events.send(SessionEvent::ResumeAbandoned);
+            }
             Event::Resumed {
                 suspended_for,
                 frames_replayed,
