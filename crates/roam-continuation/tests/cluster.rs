@@ -143,6 +143,34 @@ async fn assert_etcd_agrees(url: Option<&str>, id: roam::SessionId, holder: &str
     );
 }
 
+/// A cluster of hosts (`versions`) that announce only the address of a
+/// fault proxy in front of h0, and a transfer of `len` bytes through it,
+/// 256 KiB of them echoed and checked: the proxy's refusal cuts the client
+/// off, with no other address to try.
+async fn behind_proxy(
+    versions: &[&str],
+    mut extra: Extra,
+    len: u64,
+) -> (TestCluster, roam_sim::proxy::FaultProxy, Transfer) {
+    // The proxy's address goes into the hosts' settings, h0's address
+    // into the proxy's: it dials nothing until the client comes.
+    let nowhere = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+    let proxy = roam_sim::proxy::FaultProxy::start(nowhere).await.unwrap();
+    extra.announce = Some(proxy.addr().to_string());
+    let c = start_cluster(versions, extra).await;
+    proxy.set_upstream(c.client_addr("h0").parse().unwrap());
+    let t = transfer_to(
+        &c,
+        &proxy.addr().to_string(),
+        len,
+        Duration::from_millis(5),
+        Duration::ZERO,
+    )
+    .await;
+    wait_verified(&t, 256 << 10).await;
+    (c, proxy, t)
+}
+
 /// Waits (bounded, 20 s) until etcd's `owner` key holds `want` (`None`:
 /// until it is gone).
 async fn wait_owner(db: &roam_etcd::Client, owner: &[u8], want: Option<&str>, what: &str) {
@@ -476,27 +504,14 @@ async fn a_move_waits_for_an_application_blocked_writing_to_a_slow_reader() {
 /// destination's copy is in etcd, until the client resumes there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_etcd_a_suspended_session_moves_and_leaves_no_copy_behind() {
-    let (etcd, mut extra) = with_etcd().await;
+    let (etcd, extra) = with_etcd().await;
     bounded(Duration::from_secs(90), "test", async {
-        // The hosts announce only the proxy: cut off there, the client has
-        // no way to resume before the move (from h0's own address it
-        // would, taking the record out before the test could see it).
-        let nowhere = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
-        let proxy = roam_sim::proxy::FaultProxy::start(nowhere).await.unwrap();
-        extra.announce = Some(proxy.addr().to_string());
-        let c = start_cluster(&["1", "1"], extra).await;
-        proxy.set_upstream(c.client_addr("h0").parse().unwrap());
+        // Cut off at the proxy, the client has no way to resume before
+        // the move (from h0's own address it would, taking the record out
+        // before the test could see it).
         const LEN: u64 = 4 << 20;
-        let t = transfer_to(
-            &c,
-            &proxy.addr().to_string(),
-            LEN,
-            Duration::from_millis(5),
-            Duration::ZERO,
-        )
-        .await;
+        let (c, proxy, t) = behind_proxy(&["1", "1"], extra, LEN).await;
         let id = t.session.id().unwrap();
-        wait_verified(&t, 256 << 10).await;
         let db = roam_etcd::Client::connect(&[etcd.url()]).await.unwrap();
         let hex = hex_id(id);
         let owner = format!("/roam/test/owner/{hex}").into_bytes();
@@ -564,24 +579,11 @@ async fn with_etcd_a_suspended_session_moves_and_leaves_no_copy_behind() {
 /// every byte arrives, once, in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_etcd_a_resume_that_dies_half_way_puts_the_session_back_at_once() {
-    let (etcd, mut extra) = with_etcd().await;
+    let (etcd, extra) = with_etcd().await;
     bounded(Duration::from_secs(60), "test", async {
-        let nowhere = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
-        let proxy = roam_sim::proxy::FaultProxy::start(nowhere).await.unwrap();
-        extra.announce = Some(proxy.addr().to_string());
-        let c = start_cluster(&["1"], extra).await;
-        proxy.set_upstream(c.client_addr("h0").parse().unwrap());
         const LEN: u64 = 2 << 20;
-        let t = transfer_to(
-            &c,
-            &proxy.addr().to_string(),
-            LEN,
-            Duration::from_millis(5),
-            Duration::ZERO,
-        )
-        .await;
+        let (c, proxy, t) = behind_proxy(&["1"], extra, LEN).await;
         let id = t.session.id().unwrap();
-        wait_verified(&t, 256 << 10).await;
         let db = roam_etcd::Client::connect(&[etcd.url()]).await.unwrap();
         let record = format!("/roam/test/record/{}", hex_id(id)).into_bytes();
         // 400 ms each way: the client's resume reaches h0, h0's answer
