@@ -203,15 +203,24 @@ impl EchoStream {
 
     /// Waits until `n` bytes have been echoed.
     pub fn wait_echoed(&self, n: u64, within: Duration) {
+        assert!(
+            self.echoed_within(n, within),
+            "only {} of {n} bytes echoed within {within:?}",
+            self.echoed.load(Ordering::Relaxed)
+        );
+    }
+
+    /// Whether `n` bytes have been echoed within `within` (for a caller
+    /// that says more about a failure than [`EchoStream::wait_echoed`]).
+    pub fn echoed_within(&self, n: u64, within: Duration) -> bool {
         let deadline = Instant::now() + within;
         while self.echoed.load(Ordering::Relaxed) < n {
-            assert!(
-                Instant::now() < deadline,
-                "only {} of {n} bytes echoed within {within:?}",
-                self.echoed.load(Ordering::Relaxed)
-            );
+            if Instant::now() >= deadline {
+                return false;
+            }
             thread::sleep(Duration::from_millis(10));
         }
+        true
     }
 
     /// Stops writing, waits for the last echo, and returns (sent, echoed).
