@@ -45,12 +45,6 @@ pub(crate) enum Frame {
         /// destination in the same one cannot restore the process while
         /// its frozen original holds the pids there, and refuses.
         pid_space: String,
-        /// A post-copy move (`--lazy-pages`): its pages stream
-        /// ([`STREAM_PAGES`]) comes too, and the destination waits for it
-        /// before it places the images (in memory) and starts its
-        /// lazy-pages daemon early. One byte, 1 or 0; absent (a source
-        /// before it) reads as 0.
-        lazy: bool,
     },
     /// Destination → source: it can host the process (what it will use).
     Ready {
@@ -280,14 +274,6 @@ pub(crate) fn decode(kind: u8, payload: &[u8]) -> Result<Frame, WireError> {
             address: f.string()?,
             process: f.string()?,
             pid_space: f.string()?,
-            lazy: match f.rest.is_empty() {
-                true => false,
-                false => match f.take(1, "truncated flag")?[0] {
-                    0 => false,
-                    1 => true,
-                    _ => return Err(f.bad("a post-copy flag that is neither 0 nor 1")),
-                },
-            },
         },
         READY => Frame::Ready {
             detail: f.string()?,
@@ -404,12 +390,10 @@ pub(crate) fn encode(frame: &Frame) -> Vec<u8> {
             address,
             process,
             pid_space,
-            lazy,
         } => {
             put_string(&mut p, address);
             put_string(&mut p, process);
             put_string(&mut p, pid_space);
-            p.push(u8::from(*lazy));
             HELLO
         }
         Frame::Ready { detail } => {
@@ -526,13 +510,6 @@ mod tests {
                 address: "10.1.2.3/24".into(),
                 process: "1234 (redis-server)".into(),
                 pid_space: "5f1c2b4e-0000-4000-8000-000000000001/4026531836".into(),
-                lazy: true,
-            },
-            Frame::Hello {
-                address: String::new(),
-                process: "1 (init)".into(),
-                pid_space: String::new(),
-                lazy: false,
             },
             Frame::Ready {
                 detail: "CRIU 4.1.1, eth0".into(),
@@ -634,19 +611,6 @@ mod tests {
         assert!(decode(COMMIT, &[0]).is_err(), "trailing bytes");
         assert!(decode(RESTORED, &[0; 16]).is_err(), "pid 0");
         assert!(decode(HELLO, &[0, 5, b'a']).is_err(), "truncated string");
-        let mut p = Vec::new();
-        for _ in 0..3 {
-            put_string(&mut p, "x");
-        }
-        assert!(
-            matches!(decode(HELLO, &p), Ok(Frame::Hello { lazy: false, .. })),
-            "a source that sends no flag"
-        );
-        p.push(2);
-        assert!(decode(HELLO, &p).is_err(), "a flag of 2");
-        p.pop();
-        p.extend_from_slice(&[1, 0]);
-        assert!(decode(HELLO, &p).is_err(), "a byte after the flag");
         assert!(decode(READY, &[0, 1, 0xff]).is_err(), "not UTF-8");
         assert!(decode(LOOPBACK, &[]).is_err(), "no connection");
         let mut p = Vec::new();
