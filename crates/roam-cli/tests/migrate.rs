@@ -879,8 +879,9 @@ fn without_reinjection_the_move_still_delivers_every_byte() {
         // It failed once in CI (1.1 of the 2 MB within 30 s) and never
         // here: say what TCP was doing at both ends.
         let ss = |i: usize| {
-            std::process::Command::new("ip")
-                .args(["netns", "exec", s.lan.ns(i), "ss", "-tnoie"])
+            s.lan
+                .command(i, "ss")
+                .arg("-tnoie")
                 .output()
                 .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
                 .unwrap_or_else(|e| format!("ss: {e}"))
