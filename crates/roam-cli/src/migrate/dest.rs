@@ -150,6 +150,16 @@ async fn serve_session(host: Arc<Host>, session: roam::SessionHandle) {
                             "a pages stream from {peer} that no move waits for: refused"
                         );
                     }
+                } else if let Some(why) = wire::other_version(&meta) {
+                    // Another version of the migration stream: the source
+                    // is told why, in the one frame every version shares.
+                    eprintln!("roam migrate-accept: a migration from {peer} refused: {why}");
+                    tokio::spawn(async move {
+                        let mut stream = stream;
+                        let _ =
+                            wire::write_frame(&mut stream, &Frame::Failed { reason: why }).await;
+                        let _ = tokio::io::AsyncWriteExt::shutdown(&mut stream).await;
+                    });
                 } else {
                     tracing::warn!(
                         "a stream from {peer} for {:?}, not a migration: refused",
@@ -192,27 +202,50 @@ async fn serve_session(host: Arc<Host>, session: roam::SessionHandle) {
 /// [`super::LOST_GRACE`], or ended), once it is.
 type SourceLost = tokio::sync::watch::Receiver<Option<String>>;
 
+/// Why the source is lost, once it is (pending forever if `lost`'s sender
+/// is gone without a word).
+async fn source_lost(lost: &SourceLost) -> String {
+    let mut lost = lost.clone();
+    loop {
+        if let Some(why) = lost.borrow_and_update().clone() {
+            return why;
+        }
+        if lost.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+/// A post-copy move's pages stream, within [`FRAME_TIMEOUT`], unless the
+/// source is lost first.
+async fn pages_stream(
+    pages_rx: &mut tokio::sync::mpsc::Receiver<roam::RoamStream>,
+    lost: &SourceLost,
+) -> Result<roam::RoamStream, String> {
+    tokio::select! {
+        biased;
+        p = tokio::time::timeout(FRAME_TIMEOUT, pages_rx.recv()) => match p {
+            Ok(Some(p)) => Ok(p),
+            Ok(None) => Err("the source's session ended before its pages stream came".into()),
+            Err(_) => Err(format!(
+                "a post-copy move whose pages stream did not come in {} s",
+                FRAME_TIMEOUT.as_secs()
+            )),
+        },
+        why = source_lost(lost) => Err(why),
+    }
+}
+
 /// The source's next frame, within [`FRAME_TIMEOUT`], unless the source is
 /// lost first (a frame already here still comes first).
 async fn next(
     rd: &mut tokio::io::ReadHalf<roam::RoamStream>,
     lost: &SourceLost,
 ) -> Result<Frame, String> {
-    let mut lost = lost.clone();
-    let gone = async {
-        loop {
-            if let Some(why) = lost.borrow_and_update().clone() {
-                return why;
-            }
-            if lost.changed().await.is_err() {
-                std::future::pending::<()>().await;
-            }
-        }
-    };
     let frame = tokio::select! {
         biased;
         f = tokio::time::timeout(FRAME_TIMEOUT, wire::read_frame(rd)) => f,
-        why = gone => return Err(why),
+        why = source_lost(lost) => return Err(why),
     };
     match frame {
         Ok(Ok(f)) => Ok(f),
@@ -236,11 +269,12 @@ async fn receive(
     wr: &mut tokio::io::WriteHalf<roam::RoamStream>,
     pages_rx: &mut tokio::sync::mpsc::Receiver<roam::RoamStream>,
 ) -> Result<String, String> {
-    let (address, process) = match next(rd, lost).await? {
+    let (address, process, post_copy) = match next(rd, lost).await? {
         Frame::Hello {
             address,
             process,
             pid_space,
+            lazy,
         } => {
             if !pid_space.is_empty() && pid_space == host::pid_space(None) {
                 return Err(format!(
@@ -250,7 +284,7 @@ async fn receive(
                      --mount-proc)"
                 ));
             }
-            (address, process)
+            (address, process, lazy)
         }
         other => return Err(format!("expected an offer, got {other:?}")),
     };
@@ -276,13 +310,15 @@ async fn receive(
     .await
     .map_err(send)?;
     // The first image frame comes once CRIU, having frozen the tree, has
-    // closed its first image (the source sends them as they are written);
-    // a post-copy move's pages stream was opened before the dump began, so
-    // it is here by then. (Should it come later still, the restore waits
-    // for it, below: the images then go to the temporary directory and the
-    // lazy-pages daemon starts at the restore's request.)
+    // closed its first image (the source sends them as they are written).
+    // A post-copy move (its offer says so) opened its pages stream before
+    // the dump began: it is here by then, or about to be, and the images
+    // go to memory and its lazy-pages daemon starts early.
     let first = next(rd, lost).await?;
-    let mut pages = pages_rx.try_recv().ok();
+    let mut pages = match post_copy {
+        true => Some(pages_stream(pages_rx, lost).await?),
+        false => None,
+    };
     let create = |parent: &Path| {
         super::WorkDir::create(parent, "roam-accept-", std::process::id()).map_err(|e| {
             format!(
@@ -369,20 +405,21 @@ async fn receive(
         Frame::Abort { reason } => return Err(format!("the source gave up: {reason}")),
         other => return Err(format!("expected the restore, got {other:?}")),
     };
+    if lazy != post_copy {
+        return Err(format!(
+            "the source asked for a {} restore after offering a {} move",
+            if lazy { "post-copy" } else { "whole" },
+            if post_copy { "post-copy" } else { "whole" },
+        ));
+    }
     // Post-copy: the memory comes over the pages stream, through CRIU's
     // lazy-pages daemon, started before the restore (which connects to it):
-    // above, while the images arrived, or now.
-    if !lazy {
-        lazy_pages = None;
-    } else if lazy_pages.is_none() {
-        let stream = match pages.take() {
-            Some(p) => p,
-            None => tokio::time::timeout(FRAME_TIMEOUT, pages_rx.recv())
-                .await
-                .ok()
-                .flatten()
-                .ok_or("a post-copy restore without the source's pages stream")?,
-        };
+    // above, while the images arrived, or now (if the images it reads at
+    // its start came only with the last of them).
+    if lazy && lazy_pages.is_none() {
+        let stream = pages
+            .take()
+            .ok_or("a post-copy restore without the source's pages stream")?;
         lazy_pages = Some(LazyPages::start(host, &images.path, stream).await?);
     }
     // The restored pids must be free: a zombie of an earlier move (a

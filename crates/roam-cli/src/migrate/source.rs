@@ -97,6 +97,7 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
         },
         process: info.label(),
         pid_space: host::pid_space(Some(args.pid)),
+        lazy: args.lazy_pages,
     })
     .await
     .map_err(|e| refused(e.to_string()))?;

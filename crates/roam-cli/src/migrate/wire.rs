@@ -13,7 +13,28 @@ use std::net::SocketAddr;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// The stream's metadata: names the protocol and its version.
-pub(crate) const STREAM_META: &[u8] = b"roam:migrate-process/1";
+pub(crate) const STREAM_META: &[u8] = b"roam:migrate-process/2";
+
+/// What every version's stream metadata starts with.
+const STREAM_META_FAMILY: &[u8] = b"roam:migrate-process/";
+
+/// Why a migration stream whose metadata is `meta` is refused, if it names
+/// another version of this protocol than [`STREAM_META`]: a destination
+/// says so to the source (in a [`Frame::Failed`], which every version
+/// shares) instead of reading frames it may not know. `None` for this
+/// version, and for what is not a migration stream at all.
+pub(crate) fn other_version(meta: &[u8]) -> Option<String> {
+    let version = meta.strip_prefix(STREAM_META_FAMILY)?;
+    if meta == STREAM_META || meta == STREAM_PAGES {
+        return None;
+    }
+    Some(format!(
+        "the source speaks version {} of the migration stream, this destination {}: \
+         run the same roam version at both ends",
+        String::from_utf8_lossy(version),
+        String::from_utf8_lossy(&STREAM_META[STREAM_META_FAMILY.len()..]),
+    ))
+}
 
 /// The metadata of the second stream of a post-copy move (`--lazy-pages`):
 /// CRIU's page-server protocol between the source's page server and the
@@ -45,6 +66,12 @@ pub(crate) enum Frame {
         /// destination in the same one cannot restore the process while
         /// its frozen original holds the pids there, and refuses.
         pid_space: String,
+        /// A post-copy move (`--lazy-pages`): its pages stream
+        /// ([`STREAM_PAGES`]) comes too, and the destination waits for it
+        /// before it places the images (in memory) and starts its
+        /// lazy-pages daemon early. One byte, 1 or 0, always present
+        /// (version 2 of the stream; version 1 had none).
+        lazy: bool,
     },
     /// Destination → source: it can host the process (what it will use).
     Ready {
@@ -274,6 +301,11 @@ pub(crate) fn decode(kind: u8, payload: &[u8]) -> Result<Frame, WireError> {
             address: f.string()?,
             process: f.string()?,
             pid_space: f.string()?,
+            lazy: match f.take(1, "no post-copy flag")?[0] {
+                0 => false,
+                1 => true,
+                _ => return Err(f.bad("a post-copy flag that is neither 0 nor 1")),
+            },
         },
         READY => Frame::Ready {
             detail: f.string()?,
@@ -390,10 +422,12 @@ pub(crate) fn encode(frame: &Frame) -> Vec<u8> {
             address,
             process,
             pid_space,
+            lazy,
         } => {
             put_string(&mut p, address);
             put_string(&mut p, process);
             put_string(&mut p, pid_space);
+            p.push(u8::from(*lazy));
             HELLO
         }
         Frame::Ready { detail } => {
@@ -510,6 +544,13 @@ mod tests {
                 address: "10.1.2.3/24".into(),
                 process: "1234 (redis-server)".into(),
                 pid_space: "5f1c2b4e-0000-4000-8000-000000000001/4026531836".into(),
+                lazy: true,
+            },
+            Frame::Hello {
+                address: String::new(),
+                process: "1 (init)".into(),
+                pid_space: String::new(),
+                lazy: false,
             },
             Frame::Ready {
                 detail: "CRIU 4.1.1, eth0".into(),
@@ -592,6 +633,18 @@ mod tests {
     }
 
     #[test]
+    fn another_version_of_the_stream_is_named_and_refused() {
+        let why = other_version(b"roam:migrate-process/1").expect("version 1 is refused");
+        assert!(
+            why.contains("version 1") && why.contains("this destination 2"),
+            "{why}"
+        );
+        assert_eq!(other_version(STREAM_META), None);
+        assert_eq!(other_version(STREAM_PAGES), None);
+        assert_eq!(other_version(b"roam-store/1"), None, "not a migration");
+    }
+
+    #[test]
     fn bad_headers_and_payloads_are_precise_errors() {
         assert_eq!(header(&[99, 0, 0, 0, 0]), Err(WireError::UnknownKind(99)));
         assert_eq!(
@@ -611,6 +664,16 @@ mod tests {
         assert!(decode(COMMIT, &[0]).is_err(), "trailing bytes");
         assert!(decode(RESTORED, &[0; 16]).is_err(), "pid 0");
         assert!(decode(HELLO, &[0, 5, b'a']).is_err(), "truncated string");
+        let mut p = Vec::new();
+        for _ in 0..3 {
+            put_string(&mut p, "x");
+        }
+        assert!(decode(HELLO, &p).is_err(), "no flag (version 1's HELLO)");
+        p.push(2);
+        assert!(decode(HELLO, &p).is_err(), "a flag of 2");
+        p.pop();
+        p.extend_from_slice(&[1, 0]);
+        assert!(decode(HELLO, &p).is_err(), "a byte after the flag");
         assert!(decode(READY, &[0, 1, 0xff]).is_err(), "not UTF-8");
         assert!(decode(LOOPBACK, &[]).is_err(), "no connection");
         let mut p = Vec::new();
