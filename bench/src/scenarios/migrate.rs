@@ -501,6 +501,10 @@ fn move_with_roam(
         if lazy {
             cmd.arg("--lazy-pages");
         }
+        // CRIU's phases need its debug log, which lengthens the freeze.
+        if std::env::var_os("ROAM_BENCH_MIGRATE_PHASES").is_some() {
+            cmd.args(["--criu-log", "debug"]);
+        }
         // Experiments: more arguments for the command (whitespace-separated).
         if let Ok(extra) = std::env::var("ROAM_BENCH_MIGRATE_ARGS") {
             cmd.args(extra.split_whitespace());

@@ -718,6 +718,12 @@ fn a_running_server_moves_to_another_host_with_its_connection_and_address() {
             && stdout.contains("1 TCP connection, 1 listening socket, 1 UDP socket"),
         "the summary names the address and the connection: {stdout}"
     );
+    // CRIU logged at its default level (warnings), whose log has none of
+    // the debug marks the dump's phases are read from.
+    assert!(
+        stdout.contains("CRIU's phases with --criu-log debug"),
+        "{stdout}"
+    );
     for phase in [
         "can host it",
         "freezing and dumping",
@@ -937,7 +943,8 @@ fn with_lazy_pages_the_server_runs_at_the_destination_and_its_memory_follows() {
     let mut s = Setup::holding("mig_lazy", None, 96);
     assert_eq!(memory_verdict(&s), "intact", "before the move");
     let nice = s.nice_on(A, s.pid).expect("the server's nice value at A");
-    let out = s.migrate(&["--lazy-pages"]);
+    // At debug level CRIU's log has the marks the summary's phases need.
+    let out = s.migrate(&["--lazy-pages", "--criu-log", "debug"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),

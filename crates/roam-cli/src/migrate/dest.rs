@@ -62,7 +62,8 @@ pub(crate) async fn run(args: MigrateAcceptArgs, config: &FileConfig) -> CliResu
         ));
     }
     let criu = Criu::locate()
-        .map_err(|e| CliError(format!("cannot accept processes without CRIU: {e}")))?;
+        .map_err(|e| CliError(format!("cannot accept processes without CRIU: {e}")))?
+        .log_level(args.criu_log.into());
     // The restores (CRIU, its lazy-pages daemon) ahead of this host's
     // other work: they run inside the source's freeze.
     if let Err(e) = super::raise_priority() {

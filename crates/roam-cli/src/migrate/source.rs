@@ -21,7 +21,9 @@ const ANSWER_TIMEOUT: Duration = Duration::from_secs(120);
 /// The source: moves process `args.pid` to `args.to`.
 pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliResult {
     let mut progress = Progress::new();
-    let criu = Criu::locate().map_err(|e| CliError(format!("cannot move a process: {e}")))?;
+    let criu = Criu::locate()
+        .map_err(|e| CliError(format!("cannot move a process: {e}")))?
+        .log_level(args.criu_log.into());
     let info = host::inspect(args.pid)?;
     let address = own_address(args.address.as_deref(), &info)?;
     // Clients that follow the process to another address: its key proves
@@ -962,7 +964,10 @@ fn report(moved: &Moved<'_>, total: Duration, criu_phases: Option<&str>) -> CliR
     println!(
         "  in the dump: address lock and capture {}; {}",
         ms(timings.lock),
-        criu_phases.unwrap_or("CRIU's log has no phase marks")
+        criu_phases.unwrap_or(match args.criu_log {
+            crate::cli::CriuLog::Debug => "CRIU's log has no phase marks",
+            _ => "CRIU's phases with --criu-log debug",
+        })
     );
     if let Some((bytes, took)) = post_copy {
         println!(
