@@ -310,7 +310,8 @@ pub type PreDump<'a> = dyn FnMut() -> Result<(), String> + 'a;
 pub struct Dumped {
     /// Wall time of the RPC request: the process was frozen for (at most) this long.
     pub elapsed: Duration,
-    /// Bytes the images directory holds.
+    /// Bytes of the images (CRIU's logs in the directory not counted: at
+    /// debug level a dump of 1,000 connections logs 1.4 MB).
     pub image_bytes: u64,
 }
 
@@ -1465,6 +1466,7 @@ fn dir_bytes(dir: &Path) -> u64 {
     std::fs::read_dir(dir)
         .map(|rd| {
             rd.filter_map(Result::ok)
+                .filter(|e| !e.file_name().to_string_lossy().ends_with(".log"))
                 .filter_map(|e| e.metadata().ok())
                 .filter(|m| m.is_file())
                 .map(|m| m.len())
@@ -1484,6 +1486,16 @@ fn on_path(name: &str) -> Option<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn image_bytes_leave_the_logs_out() {
+        let dir = tempfile::tempdir().expect("dir");
+        std::fs::write(dir.path().join("pstree.img"), [0u8; 10]).expect("image");
+        std::fs::write(dir.path().join("pages-1.img"), [0u8; 32]).expect("image");
+        std::fs::write(dir.path().join("dump.log"), [0u8; 1000]).expect("log");
+        std::fs::create_dir(dir.path().join("sub")).expect("subdirectory");
+        assert_eq!(dir_bytes(dir.path()), 42);
+    }
 
     #[test]
     fn versions_order_by_major_minor_then_sublevel() {
