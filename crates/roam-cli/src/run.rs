@@ -169,7 +169,7 @@ pub(crate) async fn run(args: RunArgs, config: &FileConfig) -> CliResult {
             }
             status = child.wait(), if exited.is_none() => {
                 let status = status.map_err(|e| CliError(format!("waiting for the program: {e}")))?;
-                let left = descendants(&register_path);
+                let left = settled_descendants(&register_path).await;
                 if left.is_empty() {
                     break status;
                 }
@@ -189,7 +189,7 @@ pub(crate) async fn run(args: RunArgs, config: &FileConfig) -> CliResult {
                 exited = Some(status);
             }
             _ = tokio::time::sleep(LEFT_CHECK), if exited.is_some() => {
-                if descendants(&register_path).is_empty() {
+                if settled_descendants(&register_path).await.is_empty() {
                     if let Some(status) = exited {
                         break status;
                     }
@@ -199,7 +199,7 @@ pub(crate) async fn run(args: RunArgs, config: &FileConfig) -> CliResult {
                 // The program decides: it gets the signal and ends (or not).
                 let pids = match (exited, child.id()) {
                     (None, Some(pid)) => vec![pid as i32],
-                    _ => descendants(&register_path),
+                    _ => descendants(&register_path).0,
                 };
                 for pid in pids {
                     let _ = nix::sys::signal::kill(
@@ -222,17 +222,21 @@ pub(crate) async fn run(args: RunArgs, config: &FileConfig) -> CliResult {
 /// registered it (else it is refused: someone else's).
 fn take(agent: &Arc<Agent>, ctx: &Arc<Ctx>, tcp: tokio::net::TcpStream, from: SocketAddr) {
     let key = (from.is_ipv6(), from.port());
-    let dest = {
+    // The registration moves from `pending` to `carried` under `pending`'s
+    // lock, so that a `getpeername` asked meanwhile (`Agent::outgoing`)
+    // finds it in one or the other (it was in neither for a moment, and
+    // the program then saw the agent's address).
+    let taken = {
         let mut p = agent.pending.lock().unwrap_or_else(|e| e.into_inner());
         p.retain(|_, (_, at)| at.elapsed() < REGISTRATION_TTL);
-        p.remove(&key).map(|(d, _)| d)
+        p.remove(&key)
+            .map(|(dest, _)| (dest, Entry::insert(&agent.carried, key, dest)))
     };
     // (A socket the program had bound to another local address reaches the
     // agent from that address: the registration, not the source, says it
     // is ours.)
-    match dest {
-        Some(dest) => {
-            let keep = Entry::insert(&agent.carried, key, dest);
+    match taken {
+        Some((dest, keep)) => {
             let ctx = ctx.clone();
             tokio::spawn(async move {
                 carry(ctx, tcp, dest).await;
@@ -251,35 +255,114 @@ const LEFT_CHECK: Duration = Duration::from_millis(500);
 /// environment names `register`, the agent's socket): what the program
 /// started and left running. Read from `/proc/*/environ` (the initial
 /// environment, inherited across fork and exec; a process that clears its
-/// environment before exec is not found).
-fn descendants(register: &Path) -> Vec<i32> {
-    let needle = {
-        let mut n = b"ROAM_RUN_REGISTER=".to_vec();
-        n.extend_from_slice(register.as_os_str().as_encoded_bytes());
-        n.push(0);
-        n
-    };
+/// environment before exec is not found). Second: the processes that
+/// cannot be told yet, their environment read as empty (see [`Seen`]).
+fn descendants(register: &Path) -> (Vec<i32>, Vec<i32>) {
+    let needle = needle(register);
     let me = std::process::id() as i32;
     let Ok(dir) = std::fs::read_dir("/proc") else {
-        return Vec::new();
+        return (Vec::new(), Vec::new());
     };
-    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|&pid| pid != me)
-        .filter(|pid| {
-            std::fs::read(format!("/proc/{pid}/environ"))
-                .is_ok_and(|env| env.windows(needle.len()).any(|w| w == needle.as_slice()))
-        })
-        // A zombie is gone for our purposes (its parent has not reaped it).
-        .filter(|pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                .ok()
-                .and_then(|s| {
-                    s.rsplit_once(')')
-                        .map(|(_, r)| r.trim_start().starts_with('Z'))
-                })
-                == Some(false)
-        })
-        .collect()
+    let (mut ours, mut unsure) = (Vec::new(), Vec::new());
+    for pid in dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok()) {
+        if pid == me {
+            continue;
+        }
+        match seen(pid, &needle) {
+            Seen::Ours => ours.push(pid),
+            Seen::Unsure => unsure.push(pid),
+            Seen::Other => {}
+        }
+    }
+    (ours, unsure)
+}
+
+/// [`descendants`], once none of the processes that could be the program's
+/// is in the middle of an `execve`: a child that `sh -c 'server & exit'`
+/// left is often still exec'ing the server when the shell has ended, and
+/// its environment reads as empty until the new program's is in place. It
+/// looks again at those processes every 10 ms, for up to half a second (a
+/// process whose environment is really empty, `env -i`, is waited for that
+/// long, then counted out).
+async fn settled_descendants(register: &Path) -> Vec<i32> {
+    let needle = needle(register);
+    let (mut ours, mut unsure) = descendants(register);
+    for _ in 0..50 {
+        if !ours.is_empty() || unsure.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let mut still = Vec::new();
+        for pid in unsure {
+            match seen(pid, &needle) {
+                Seen::Ours => ours.push(pid),
+                Seen::Unsure => still.push(pid),
+                Seen::Other => {}
+            }
+        }
+        unsure = still;
+    }
+    ours
+}
+
+/// What `roam run`'s preload leaves in the environment of the processes it
+/// runs in: `ROAM_RUN_REGISTER=<register>`, NUL-terminated.
+fn needle(register: &Path) -> Vec<u8> {
+    let mut n = b"ROAM_RUN_REGISTER=".to_vec();
+    n.extend_from_slice(register.as_os_str().as_encoded_bytes());
+    n.push(0);
+    n
+}
+
+/// What a process is to [`descendants`].
+#[derive(Debug, PartialEq, Eq)]
+enum Seen {
+    /// It runs with this `roam run`'s preload.
+    Ours,
+    /// Its environment reads as empty and it is no kernel thread: most
+    /// likely in the middle of an `execve` (the kernel shows no environment
+    /// until the new program's is set up).
+    Unsure,
+    /// Another process, a kernel thread, a zombie, or gone.
+    Other,
+}
+
+/// What process `pid` is, from its `/proc` files.
+fn seen(pid: i32, needle: &[u8]) -> Seen {
+    let Ok(env) = std::fs::read(format!("/proc/{pid}/environ")) else {
+        return Seen::Other;
+    };
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return Seen::Other;
+    };
+    classify(&env, &stat, needle)
+}
+
+/// [`seen`] from the contents of a process's `environ` and `stat`.
+fn classify(env: &[u8], stat: &str, needle: &[u8]) -> Seen {
+    // The fields after the command's closing parenthesis: state (3rd
+    // field), ..., flags (9th).
+    let Some((_, rest)) = stat.rsplit_once(')') else {
+        return Seen::Other;
+    };
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // A zombie is gone for our purposes (its parent has not reaped it).
+    if fields.first().is_none_or(|s| *s == "Z") {
+        return Seen::Other;
+    }
+    if env.windows(needle.len()).any(|w| w == needle) {
+        return Seen::Ours;
+    }
+    /// `PF_KTHREAD` of the kernel's task flags.
+    const PF_KTHREAD: u64 = 0x0020_0000;
+    let kernel = fields
+        .get(6)
+        .and_then(|f| f.parse::<u64>().ok())
+        .is_none_or(|flags| flags & PF_KTHREAD != 0);
+    match env.is_empty() && !kernel {
+        true => Seen::Unsure,
+        false => Seen::Other,
+    }
 }
 
 /// An exit status in words.
@@ -681,6 +764,54 @@ impl Drop for Unlink {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A process in the middle of `execve` (its environment empty) is not
+    /// counted out: `roam run` waits for it to show its environment.
+    #[test]
+    fn a_process_whose_environment_reads_empty_is_unsure_unless_a_kernel_thread() {
+        let needle = needle(Path::new("/state/run/42.sock"));
+        let stat = |state: &str, flags: u64| {
+            format!("123 (python3 (x)) {state} 1 123 123 0 -1 {flags} 0 0 0 0 1 2")
+        };
+        let env = b"PATH=/bin\0ROAM_RUN_REGISTER=/state/run/42.sock\0HOME=/\0";
+        assert_eq!(classify(env, &stat("S", 0x40_0000), &needle), Seen::Ours);
+        assert_eq!(classify(b"", &stat("R", 0x40_0100), &needle), Seen::Unsure);
+        assert_eq!(
+            classify(b"", &stat("S", 0x20_8040), &needle),
+            Seen::Other,
+            "a kernel thread"
+        );
+        assert_eq!(classify(env, &stat("Z", 0x40_0000), &needle), Seen::Other);
+        let other = b"ROAM_RUN_REGISTER=/state/run/43.sock\0";
+        assert_eq!(classify(other, &stat("S", 0), &needle), Seen::Other);
+        assert_eq!(classify(env, "garbage", &needle), Seen::Other);
+    }
+
+    /// A process that really has an empty environment is waited for, then
+    /// counted out; the test process itself (its environment set) is not
+    /// `roam run`'s.
+    #[tokio::test]
+    async fn settled_descendants_count_out_an_empty_environment_in_time() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("5")
+            .env_clear()
+            .spawn()
+            .expect("sleep");
+        let pid = child.id() as i32;
+        let register = Path::new("/nonexistent/roam-run-test.sock");
+        let (ours, unsure) = descendants(register);
+        assert!(ours.is_empty(), "{ours:?}");
+        assert!(unsure.contains(&pid), "{unsure:?} lacks {pid}");
+        let t0 = std::time::Instant::now();
+        assert!(settled_descendants(register).await.is_empty());
+        let took = t0.elapsed();
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(
+            (Duration::from_millis(400)..Duration::from_secs(5)).contains(&took),
+            "{took:?}"
+        );
+    }
 
     #[test]
     fn the_library_messages_decode_and_malformed_ones_are_refused() {
