@@ -1461,12 +1461,18 @@ fn tail(log: &str) -> String {
     quoted.join("\n")
 }
 
-/// Total size of the regular files directly in `dir`.
+/// Whether a file of an images directory is one of CRIU's logs (the
+/// `dump.log`, `restore.log`, `lazy-pages.log` roam asks for), not an image.
+pub fn is_log(name: &str) -> bool {
+    name.ends_with(".log")
+}
+
+/// Total size of the regular files directly in `dir`, CRIU's logs left out.
 fn dir_bytes(dir: &Path) -> u64 {
     std::fs::read_dir(dir)
         .map(|rd| {
             rd.filter_map(Result::ok)
-                .filter(|e| !e.file_name().to_string_lossy().ends_with(".log"))
+                .filter(|e| !is_log(&e.file_name().to_string_lossy()))
                 .filter_map(|e| e.metadata().ok())
                 .filter(|m| m.is_file())
                 .map(|m| m.len())

@@ -433,7 +433,7 @@ pub(crate) fn report_sweep(who: &str, parent: &std::path::Path, (n, bytes): (usi
 pub(crate) fn remove_images(dir: &std::path::Path) {
     if let Ok(entries) = std::fs::read_dir(dir) {
         for e in entries.flatten() {
-            if !e.file_name().to_string_lossy().ends_with(".log") {
+            if !roam_criu::is_log(&e.file_name().to_string_lossy()) {
                 let _ = std::fs::remove_file(e.path());
             }
         }

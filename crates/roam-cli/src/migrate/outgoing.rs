@@ -123,7 +123,7 @@ fn images(events: Vec<InotifyEvent>) -> Vec<String> {
 /// Whether a file of the images directory is an image to send: CRIU's
 /// logs are not, nor roam's mark of a kept directory.
 pub(crate) fn is_image(name: &str) -> bool {
-    !name.ends_with(".log") && name != super::KEPT_MARK
+    !roam_criu::is_log(name) && name != super::KEPT_MARK
 }
 
 /// During the dump, small images are sent once this many bytes of them
