@@ -242,8 +242,57 @@ impl Filesystem for MemoryFs {
 
 /// A mounted [`DemandImage`]; unmounted when dropped.
 pub(crate) struct MemoryMount {
-    /// The FUSE session; dropping it unmounts and joins its thread.
-    _session: fuser::BackgroundSession,
+    /// The FUSE session; dropping it unmounts (`None` once dropped).
+    session: Option<fuser::BackgroundSession>,
+    /// Where it is mounted.
+    mountpoint: std::path::PathBuf,
+}
+
+impl Drop for MemoryMount {
+    /// Unmounts. The FUSE library's own unmount is one `umount`, which
+    /// fails with `EBUSY` while the kernel still holds a file of the mount
+    /// (a descriptor closed a moment ago, or inherited by a child between
+    /// its `fork` and `exec`) and then leaves the mount in place: seen once
+    /// in a CI run. A busy mount is tried again every 10 ms for up to
+    /// 0.5 s, then detached (`MNT_DETACH`: gone from the tree at once,
+    /// released when its last file closes).
+    fn drop(&mut self) {
+        drop(self.session.take());
+        use nix::mount::{umount2, MntFlags};
+        for _ in 0..50 {
+            if !is_mounted(&self.mountpoint) {
+                return;
+            }
+            match umount2(&self.mountpoint, MntFlags::empty()) {
+                Ok(()) => return,
+                Err(nix::errno::Errno::EBUSY) => std::thread::sleep(Duration::from_millis(10)),
+                // Not mounted any more, or not ours to unmount.
+                Err(_) => return,
+            }
+        }
+        let _ = umount2(&self.mountpoint, MntFlags::MNT_DETACH);
+    }
+}
+
+/// Whether `path` is a mount point in this process's mount namespace
+/// (`/proc/self/mountinfo`, whose fifth field is the mount point with
+/// space, tab, newline and backslash written as octal escapes).
+pub(crate) fn is_mounted(path: &Path) -> bool {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return false;
+    };
+    let mut p = String::new();
+    for c in path.to_string_lossy().chars() {
+        match c {
+            ' ' => p.push_str("\\040"),
+            '\t' => p.push_str("\\011"),
+            '\n' => p.push_str("\\012"),
+            '\\' => p.push_str("\\134"),
+            c => p.push(c),
+        }
+    }
+    info.lines()
+        .any(|l| l.split(' ').nth(4).is_some_and(|m| m == p))
 }
 
 /// Mounts `image` as the one file `mountpoint/<image name>` (`mountpoint`
@@ -273,5 +322,8 @@ pub(crate) fn mount(
             mountpoint.display()
         )
     })?;
-    Ok(MemoryMount { _session: session })
+    Ok(MemoryMount {
+        session: Some(session),
+        mountpoint: mountpoint.to_path_buf(),
+    })
 }

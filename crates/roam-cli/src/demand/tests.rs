@@ -442,14 +442,6 @@ async fn a_tampered_chunk_in_a_real_store_is_refused_on_demand() {
     assert_eq!(data, source[5 * CHUNK_SIZE..6 * CHUNK_SIZE]);
 }
 
-/// Whether `path` is a mount point now (/proc/self/mountinfo).
-fn mounted(path: &Path) -> bool {
-    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    let p = path.display().to_string();
-    info.lines()
-        .any(|l| l.split(' ').nth(4).is_some_and(|m| m == p))
-}
-
 /// The memory image as a FUSE file: a one-page read fetches only its own
 /// chunk although the kernel reads ahead (refused while absent), every byte
 /// reads back, a write marks its chunk dirty, and the mount is gone after
@@ -474,7 +466,11 @@ async fn memory_over_fuse_fetches_only_the_faulting_chunk() {
             return;
         }
     };
-    assert!(mounted(&mnt), "{} is not a mount point", mnt.display());
+    assert!(
+        super::fuse::is_mounted(&mnt),
+        "{} is not a mount point",
+        mnt.display()
+    );
     let file = mnt.join("disk.img");
     let (first, whole, fetched_first) = {
         let (file, fetches) = (file.clone(), served.fetches.clone());
@@ -515,5 +511,58 @@ async fn memory_over_fuse_fetches_only_the_faulting_chunk() {
     let w = 3 * CHUNK_SIZE + 10;
     assert_eq!(&cache[w..w + 10], b"guest page");
     drop(mount);
-    assert!(!mounted(&mnt), "{} is still mounted", mnt.display());
+    assert!(
+        !super::fuse::is_mounted(&mnt),
+        "{} is still mounted",
+        mnt.display()
+    );
+}
+
+/// A file of the mount still open when the mount is dropped (`umount`
+/// answers `EBUSY`, and the FUSE library's own unmount gives up there):
+/// the mount is gone from the tree after the drop all the same, and the
+/// open file can still be closed. Without the right to mount FUSE it says
+/// why and passes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mount_dropped_while_a_file_is_open_still_goes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let served = serve_bytes(tmp.path(), Arc::new(pattern(LEN)), None);
+    // A space in the path: the mount table writes it escaped.
+    let mnt = tmp.path().join("mem mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let mount = match fuse::mount(
+        served.image.clone(),
+        &mnt,
+        tokio::runtime::Handle::current(),
+    ) {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("SKIP: {e}");
+            return;
+        }
+    };
+    assert!(
+        super::fuse::is_mounted(&mnt),
+        "{} is not a mount point",
+        mnt.display()
+    );
+    let file = mnt.join("disk.img");
+    let open = tokio::task::spawn_blocking(move || std::fs::File::open(file).unwrap())
+        .await
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    tokio::task::spawn_blocking(move || drop(mount))
+        .await
+        .unwrap();
+    assert!(
+        !super::fuse::is_mounted(&mnt),
+        "{} is still mounted after the drop",
+        mnt.display()
+    );
+    assert!(
+        t0.elapsed() < Duration::from_secs(5),
+        "the drop took {:?}",
+        t0.elapsed()
+    );
+    drop(open);
 }
