@@ -53,6 +53,13 @@ pub(crate) async fn run(args: ForwardArgs, config: &FileConfig) -> CliResult {
     // new one (nothing else is lost: its streams are gone either way).
     let mut lost = false;
     let mut accept_log = roam::LogThrottle::new(std::time::Duration::from_secs(10));
+    // Installed once, before the loop: a signal between two turns is not lost.
+    let mut stop_signal: std::pin::Pin<Box<dyn std::future::Future<Output = i32> + Send>> =
+        if named.is_none() {
+            Box::pin(crate::signals::exit_signal())
+        } else {
+            Box::pin(crate::signals::detach_signal())
+        };
     let stop = loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -104,8 +111,11 @@ pub(crate) async fn run(args: ForwardArgs, config: &FileConfig) -> CliResult {
                     break Stop::Exit(Err(CliError(roam::Error::Closed(reason).to_string())));
                 }
             }
-            sig = crate::signals::exit_signal(), if named.is_none() => break Stop::Exit(Ok(128 + sig)),
-            sig = crate::signals::detach_signal(), if named.is_some() => break Stop::Detach(sig),
+            sig = &mut stop_signal => break if named.is_none() {
+                Stop::Exit(Ok(128 + sig))
+            } else {
+                Stop::Detach(sig)
+            },
         }
     };
     let result = match (stop, &named) {

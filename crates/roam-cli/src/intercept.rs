@@ -171,6 +171,8 @@ pub(crate) async fn run(args: InterceptArgs, config: &FileConfig) -> CliResult {
         "intercept",
     ));
     let mut accept_log = roam::LogThrottle::new(Duration::from_secs(10));
+    // Installed once, before the loop: a signal between two turns is not lost.
+    let mut stop_signal = std::pin::pin!(crate::signals::exit_signal());
     let code = loop {
         tokio::select! {
             accepted = listener.accept() => take(&ctx, accepted, &mut accept_log).await,
@@ -180,7 +182,7 @@ pub(crate) async fn run(args: InterceptArgs, config: &FileConfig) -> CliResult {
                     None => std::future::pending().await,
                 }
             } => take(&ctx, accepted, &mut accept_log).await,
-            sig = crate::signals::exit_signal() => break 128 + sig,
+            sig = &mut stop_signal => break 128 + sig,
         }
     };
     // New connections to the ports are plain again from here on.

@@ -145,6 +145,8 @@ pub(crate) async fn run(args: RunArgs, config: &FileConfig) -> CliResult {
     // The program's exit status, once its own process has ended while
     // processes it started go on.
     let mut exited: Option<std::process::ExitStatus> = None;
+    // Installed once, before the loop: a signal between two turns is not lost.
+    let mut stop_signal = std::pin::pin!(crate::signals::exit_signal());
     let status = loop {
         tokio::select! {
             r = register.accept() => {
@@ -195,7 +197,7 @@ pub(crate) async fn run(args: RunArgs, config: &FileConfig) -> CliResult {
                     }
                 }
             }
-            sig = crate::signals::exit_signal() => {
+            sig = &mut stop_signal => {
                 // The program decides: it gets the signal and ends (or not).
                 let pids = match (exited, child.id()) {
                     (None, Some(pid)) => vec![pid as i32],

@@ -31,7 +31,7 @@ use crate::vm::{self, Incoming, Qmp, VM_DEVSTATE_IMAGE, VM_IMAGES, VM_MEMORY_IMA
 use trickle::Trickle;
 
 pub(crate) mod hoard;
-mod leftovers;
+pub(crate) mod leftovers;
 pub(crate) mod trickle;
 
 /// Any backend, so one `Store` type serves them all.

@@ -281,18 +281,7 @@ pub(crate) fn is_mounted(path: &Path) -> bool {
     let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
         return false;
     };
-    let mut p = String::new();
-    for c in path.to_string_lossy().chars() {
-        match c {
-            ' ' => p.push_str("\\040"),
-            '\t' => p.push_str("\\011"),
-            '\n' => p.push_str("\\012"),
-            '\\' => p.push_str("\\134"),
-            c => p.push(c),
-        }
-    }
-    info.lines()
-        .any(|l| l.split(' ').nth(4).is_some_and(|m| m == p))
+    !crate::store::leftovers::mounts_at(&info, path).is_empty()
 }
 
 /// Mounts `image` as the one file `mountpoint/<image name>` (`mountpoint`

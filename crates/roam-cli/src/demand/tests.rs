@@ -442,6 +442,25 @@ async fn a_tampered_chunk_in_a_real_store_is_refused_on_demand() {
     assert_eq!(data, source[5 * CHUNK_SIZE..6 * CHUNK_SIZE]);
 }
 
+/// `served`'s image mounted at `mnt` (checked to be a mount point), or
+/// `None` after saying why it cannot be (no /dev/fuse, no right to mount):
+/// the test then passes without it.
+fn mount_or_skip(served: &Served, mnt: &Path) -> Option<fuse::MemoryMount> {
+    let mount = match fuse::mount(served.image.clone(), mnt, tokio::runtime::Handle::current()) {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("SKIP: {e}");
+            return None;
+        }
+    };
+    assert!(
+        fuse::is_mounted(mnt),
+        "{} is not a mount point",
+        mnt.display()
+    );
+    Some(mount)
+}
+
 /// The memory image as a FUSE file: a one-page read fetches only its own
 /// chunk although the kernel reads ahead (refused while absent), every byte
 /// reads back, a write marks its chunk dirty, and the mount is gone after
@@ -455,22 +474,9 @@ async fn memory_over_fuse_fetches_only_the_faulting_chunk() {
     let served = serve_bytes(tmp.path(), source.clone(), None);
     let mnt = tmp.path().join("mnt");
     std::fs::create_dir(&mnt).unwrap();
-    let mount = match fuse::mount(
-        served.image.clone(),
-        &mnt,
-        tokio::runtime::Handle::current(),
-    ) {
-        Ok(m) => m,
-        Err(e) => {
-            eprintln!("SKIP: {e}");
-            return;
-        }
+    let Some(mount) = mount_or_skip(&served, &mnt) else {
+        return;
     };
-    assert!(
-        super::fuse::is_mounted(&mnt),
-        "{} is not a mount point",
-        mnt.display()
-    );
     let file = mnt.join("disk.img");
     let (first, whole, fetched_first) = {
         let (file, fetches) = (file.clone(), served.fetches.clone());
@@ -530,22 +536,9 @@ async fn a_mount_dropped_while_a_file_is_open_still_goes() {
     // A space in the path: the mount table writes it escaped.
     let mnt = tmp.path().join("mem mnt");
     std::fs::create_dir(&mnt).unwrap();
-    let mount = match fuse::mount(
-        served.image.clone(),
-        &mnt,
-        tokio::runtime::Handle::current(),
-    ) {
-        Ok(m) => m,
-        Err(e) => {
-            eprintln!("SKIP: {e}");
-            return;
-        }
+    let Some(mount) = mount_or_skip(&served, &mnt) else {
+        return;
     };
-    assert!(
-        super::fuse::is_mounted(&mnt),
-        "{} is not a mount point",
-        mnt.display()
-    );
     let file = mnt.join("disk.img");
     let open = tokio::task::spawn_blocking(move || std::fs::File::open(file).unwrap())
         .await

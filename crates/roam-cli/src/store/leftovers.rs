@@ -149,11 +149,13 @@ fn gone(pid: u32) -> Option<String> {
 
 /// A mount of `/proc/self/mountinfo`.
 #[derive(Debug)]
-struct Mount {
+pub(crate) struct Mount {
     /// The kernel's device number of the mounted file system (the name of
     /// a FUSE connection in /sys/fs/fuse/connections).
     dev: u64,
+    /// The file system type (`fuse` for a memory mount).
     fstype: String,
+    /// The mount's source (the FUSE library names ours `roam-memory`).
     source: String,
 }
 
@@ -182,7 +184,7 @@ fn unescape(field: &str) -> String {
 
 /// The mounts at `path` (absolute, no symlinks), oldest first, from
 /// `mountinfo`'s text.
-fn mounts_at(mountinfo: &str, path: &Path) -> Vec<Mount> {
+pub(crate) fn mounts_at(mountinfo: &str, path: &Path) -> Vec<Mount> {
     let want = path.to_string_lossy();
     let mut found = Vec::new();
     for line in mountinfo.lines() {
