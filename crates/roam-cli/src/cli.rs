@@ -521,19 +521,21 @@ many were fetched:
 Exit status: 0 written (with --vm: QEMU's own status); 1 an error (message
 on stderr); 2 bad arguments.")]
     Resume(ResumeArgs),
-    /// Fetch the newest version of an environment into a hoard at this site ahead of a resume, each chunk verified.
+    /// Fetch the newest (or a named) version of an environment into a hoard at this site ahead of a resume, each chunk verified.
     #[command(after_help = "\
 Examples:
   roam hoard --env laptop /var/cache/roam-hoard/laptop          # once
   roam hoard --env laptop --follow --interval 1m /var/cache/roam-hoard/laptop
   roam hoard --env laptop --store roam://store.example:7449 /var/cache/roam-hoard/laptop
+  roam hoard --env laptop --version 3 /var/cache/roam-hoard/laptop   # an older one
 
   # later, when the user arrives: only what the hoard lacks is fetched
   roam resume --env laptop --lookaside /var/cache/roam-hoard/laptop ./vm
 
 Hoarding is Internet Suspend/Resume's fully proactive policy: the resume site
 fetches the environment before the user arrives, so the resume itself moves
-little. DIR gets the newest version's images under DIR/images/ and a file
+little. DIR gets the newest version's images (or --version N's) under
+DIR/images/ and a file
 DIR/HOARD saying which environment and version they are; it is a cache, not
 an environment to run (`roam resume` refuses to write into it). Give it to
 `roam resume --lookaside DIR`: every chunk found there is read again and used
@@ -960,6 +962,9 @@ pub(crate) struct HoardArgs {
     /// The hoard directory at this site (created if missing; give it to `roam resume --lookaside`).
     #[arg(value_name = "DIR")]
     pub(crate) dir: PathBuf,
+    /// The version to hoard (one the store holds, older or newer than DIR's) [default: the newest].
+    #[arg(long, value_name = "N", conflicts_with = "follow")]
+    pub(crate) version: Option<u64>,
     /// Keep hoarding: check the store for a newer version every --interval until SIGINT or SIGTERM.
     #[arg(long)]
     pub(crate) follow: bool,

@@ -315,9 +315,10 @@ pub(crate) async fn run(args: ServeArgs, config: &FileConfig) -> CliResult {
     // Serving from here: handed-over sessions run as their wave arrives.
     let serving = {
         let handed_over = handed_over.clone();
+        let signal = shutdown_signal();
         tokio::spawn(serve_relay(listener, server, relay.clone(), async move {
             tokio::select! {
-                _ = shutdown_signal() => {}
+                _ = signal => {}
                 _ = handed_over.notified() => {}
             }
         }))
@@ -757,12 +758,13 @@ fn start_successor() {
     }
 }
 
-/// Completes on Ctrl-C or SIGTERM.
-pub(crate) async fn shutdown_signal() {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
+/// Completes on Ctrl-C or SIGTERM; the handlers are installed by the call
+/// (a signal sent once the server said it listens is never the default
+/// action's).
+pub(crate) fn shutdown_signal() -> impl std::future::Future<Output = ()> + Send {
+    let signal = crate::signals::interrupt_or_terminate();
+    async move {
+        signal.await;
     }
 }
 

@@ -22,6 +22,16 @@ pub(crate) fn exit_signal() -> impl Future<Output = i32> + Send {
     ])
 }
 
+/// Completes with the signal's number on SIGINT (Ctrl-C) or SIGTERM: the
+/// end of a server or of a long local job. Installed at the call, as
+/// [`exit_signal`], and may be polled again for the next one.
+pub(crate) fn interrupt_or_terminate() -> impl Future<Output = i32> + Send {
+    first_of(&[
+        (SignalKind::interrupt(), Signal::SIGINT as i32),
+        (SignalKind::terminate(), Signal::SIGTERM as i32),
+    ])
+}
+
 /// For a named session (`roam pipe --name`), which detaches instead of
 /// ending: the exit signals and SIGUSR1 (`roam detach NAME` sends it).
 /// Installed at the call, as [`exit_signal`].

@@ -416,6 +416,25 @@ impl Opened {
         Ok(versions)
     }
 
+    /// `asked` if `env` has it (an error naming the versions it has if
+    /// not), else its newest version.
+    async fn version(&self, env: &str, asked: Option<u64>) -> Result<u64, CliError> {
+        let versions = self.versions(env).await?;
+        match asked {
+            Some(v) if !versions.contains(&v) => Err(CliError(format!(
+                "environment {env} has no version {v} in {} (it has {})",
+                self.desc,
+                versions
+                    .iter()
+                    .map(u64::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))),
+            Some(v) => Ok(v),
+            None => Ok(*versions.last().unwrap_or(&1)),
+        }
+    }
+
     /// Every manifest in the store as (environment, version), sorted.
     async fn all_versions(&self) -> Result<Vec<(String, u64)>, CliError> {
         let names = self
@@ -924,22 +943,7 @@ async fn resume_inner(args: ResumeArgs, config: &FileConfig) -> Result<i32, Fail
 /// `roam resume` once the store is open.
 async fn resume_opened(args: &ResumeArgs, opened: &Opened) -> Result<i32, Fail> {
     let env = args.env.as_str();
-    let versions = opened.versions(env).await?;
-    let version = match args.version {
-        Some(v) if !versions.contains(&v) => {
-            return Err(Fail::Run(CliError(format!(
-                "environment {env} has no version {v} in {} (it has {})",
-                opened.desc,
-                versions
-                    .iter()
-                    .map(u64::to_string)
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ))))
-        }
-        Some(v) => v,
-        None => *versions.last().unwrap_or(&1),
-    };
+    let version = opened.version(env, args.version).await?;
     let manifest = opened
         .store
         .load_manifest(env, version)
@@ -1025,6 +1029,9 @@ async fn resume_opened(args: &ResumeArgs, opened: &Opened) -> Result<i32, Fail> 
         }
     }
     let mut rep = Reporter::new();
+    // Installed before the first line: a Ctrl-C from here removes the
+    // partial image instead of killing the process over it.
+    let mut interrupt = std::pin::pin!(crate::signals::interrupt_or_terminate());
     rep.phase(&format!(
         "resuming {env} version {version} from {} into {}",
         opened.desc,
@@ -1067,8 +1074,8 @@ async fn resume_opened(args: &ResumeArgs, opened: &Opened) -> Result<i32, Fail> 
             );
             tokio::select! {
                 r = work => r,
-                _ = tokio::signal::ctrl_c() => Err(CliError(format!(
-                    "interrupted while writing {}: nothing was left under its name",
+                sig = &mut interrupt => Err(CliError(format!(
+                    "interrupted by signal {sig} while writing {}: nothing was left under its name",
                     image.name
                 ))),
             }
@@ -1378,13 +1385,15 @@ impl Demand<'_> {
                 total_chunks - present(&images)
             ));
         }
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .map_err(|e| CliError(format!("cannot watch SIGTERM: {e}")))?;
+        let mut signal = std::pin::pin!(crate::signals::interrupt_or_terminate());
         let filled = loop {
             tokio::select! {
-                _ = term.recv() => break Err("terminated (SIGTERM) during the background fill".into()),
+                sig = &mut signal => break Err(if sig == nix::sys::signal::Signal::SIGTERM as i32 {
+                    "terminated (SIGTERM) during the background fill".into()
+                } else {
+                    "interrupted (Ctrl-C) during the background fill".into()
+                }),
                 r = &mut fill.0 => break r.unwrap_or_else(|e| Err(format!("the fill task failed: {e}"))),
-                _ = tokio::signal::ctrl_c() => break Err("interrupted (Ctrl-C) during the background fill".into()),
                 _ = tokio::time::sleep(Duration::from_millis(100)) => {
                     let p = present(&images);
                     rep.image("images", p, total_chunks, p.saturating_mul(CHUNK_SIZE as u64).min(total_bytes), total_bytes);

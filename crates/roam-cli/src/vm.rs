@@ -554,13 +554,11 @@ pub(crate) async fn run_incoming(
         "the guest runs (memory loaded in {} ms); roam waits for QEMU to exit",
         start.elapsed().as_millis()
     ));
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .map_err(|e| VmError(format!("cannot watch SIGTERM: {e}")))?;
+    let mut signal = std::pin::pin!(crate::signals::interrupt_or_terminate());
     let status = loop {
         tokio::select! {
             s = child.wait() => break s.map_err(|e| VmError(format!("waiting for QEMU: {e}")))?,
-            _ = tokio::signal::ctrl_c() => pass_on(pid),
-            _ = term.recv() => pass_on(pid),
+            _ = &mut signal => pass_on(pid),
         }
     };
     drop(qmp);

@@ -637,3 +637,65 @@ fn hoard_errors_are_precise() {
         "invalid --interval \"5ms\"",
     );
 }
+
+/// `--version N` hoards an older version over a newer hoard: only the
+/// chunks the hoard lacks are fetched, the images are version N's, the
+/// marker says N; a version the store lacks is refused naming those it
+/// has, before any directory is made; `--follow` cannot be given with it.
+#[test]
+fn an_older_version_is_hoarded_on_request() {
+    let mut s = Sites::new(None, tempfile::tempdir().unwrap());
+    let b = s.b();
+    let hoard = b.join("hoard");
+    s.suspend();
+    let v1_disk = s.disk.clone();
+    s.change_two_chunks(2, 5);
+    s.suspend();
+    let out = s.ok(&b, &["hoard", "--env", "lab", &path(&hoard)]);
+    assert_eq!(hoard_counts(&out).0, 2, "the newest by default: {out}");
+    s.check(&hoard.join("images"), "hoard of version 2");
+
+    let out = s.ok(
+        &b,
+        &["hoard", "--env", "lab", "--version", "1", &path(&hoard)],
+    );
+    let (version, chunks, fetched, _, already) = hoard_counts(&out);
+    assert_eq!((version, fetched), (1, 2), "{out}");
+    assert_eq!(already, chunks - 2, "{out}");
+    assert_eq!(marker_version(&hoard), 1);
+    check_clean(&hoard);
+    let disk = std::fs::read(hoard.join("images/disk")).unwrap();
+    assert_eq!(sha(&disk), sha(&v1_disk), "version 1's disk");
+    let memory = std::fs::read(hoard.join("images/memory")).unwrap();
+    assert_eq!(sha(&memory), sha(&s.memory), "the memory, as in both");
+
+    let fresh = b.join("h-none");
+    s.fails(
+        &b,
+        &["hoard", "--env", "lab", "--version", "7", &path(&fresh)],
+        1,
+        "environment lab has no version 7 in",
+    );
+    let line = s.fails(
+        &b,
+        &["hoard", "--env", "lab", "--version", "7", &path(&hoard)],
+        1,
+        "(it has 1, 2)",
+    );
+    assert!(!fresh.exists(), "no directory made: {line}");
+    assert_eq!(marker_version(&hoard), 1, "the hoard left as it was");
+    s.fails(
+        &b,
+        &[
+            "hoard",
+            "--env",
+            "lab",
+            "--version",
+            "1",
+            "--follow",
+            &path(&hoard),
+        ],
+        2,
+        "cannot be used with",
+    );
+}

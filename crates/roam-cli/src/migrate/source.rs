@@ -750,10 +750,11 @@ async fn redirect(follow: Follow, address: &IfAddr, secs: u64) -> Result<(), Cli
         session: roam_proto::Config::default(),
     });
     let to = follow.to.clone();
+    let signal = crate::serve::shutdown_signal();
     let stop = async move {
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_secs(secs)) => {}
-            _ = crate::serve::shutdown_signal() => {}
+            _ = signal => {}
         }
     };
     roam::serve_with_directory(

@@ -261,8 +261,7 @@ async fn hoard_opened(args: &HoardArgs, opened: &Opened, interval: Duration) -> 
     let dir = args.dir.as_path();
     // The store first: an unknown environment or a wrong secret leaves no
     // directory behind.
-    let versions = opened.versions(env).await?;
-    let newest = *versions.last().unwrap_or(&1);
+    let newest = opened.version(env, args.version).await?;
     let manifest = opened
         .store
         .load_manifest(env, newest)
