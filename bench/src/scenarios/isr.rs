@@ -975,6 +975,15 @@ fn measure(tools: &Tools, dir: &Path, rates: &[(u32, usize)]) -> io::Result<Isr>
             let (rx1, _) = net.counters()?;
             let guest_runs = r.when("the guest runs").map(|t| secs(start, t));
             let said = r.said();
+            // ROAM_BENCH_SAID=1: each line the resume said, timed (where its
+            // time goes).
+            if std::env::var_os("ROAM_BENCH_SAID").is_some() {
+                if let Ok(v) = r.said.lock() {
+                    for (t, l) in v.iter() {
+                        eprintln!("SAID {:?} {:.3} {l}", policy, secs(start, *t));
+                    }
+                }
+            }
             drop(r);
             let wire_bytes = rx1.saturating_sub(rx0);
             let (lookaside_bytes, fetched_bytes) = if matches!(

@@ -1718,7 +1718,9 @@ async fn scan_lookaside(
 
 /// Writes image `name` to `tmp` (mode 0600), syncs it and renames it to
 /// `target` (`paths` is `(tmp, target)`), taking chunks from `lookaside`
-/// where it holds them; returns where the chunks came from.
+/// where it holds them; returns where the chunks came from. The disk
+/// writes the image while it is still being written ([`EarlyWriteback`]),
+/// so the closing sync has little left to wait for.
 async fn restore_one(
     opened: &Opened,
     manifest: &Manifest,
@@ -1727,17 +1729,22 @@ async fn restore_one(
     lookaside: Option<&Lookaside>,
     mut progress: impl FnMut(&RestoreStats) + Send,
 ) -> Result<RestoreStats, CliError> {
-    let mut file = tokio::fs::OpenOptions::new()
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let file = std::fs::OpenOptions::new()
         .write(true)
         .create(true)
         .truncate(true)
         .mode(0o600)
         .open(tmp)
-        .await
         .map_err(|e| CliError(format!("cannot create {}: {e}", tmp.display())))?;
+    let mut early = EarlyWriteback::new(&file);
+    let mut file = tokio::fs::File::from_std(file);
     let written = opened
         .store
-        .restore_image_from(manifest, name, &mut file, lookaside, &mut progress)
+        .restore_image_from(manifest, name, &mut file, lookaside, &mut |stats| {
+            early.wrote(stats.bytes);
+            progress(stats)
+        })
         .await
         .map_err(|e| opened.explain(e))?;
     file.sync_all().await.map_err(|e| {
@@ -1755,6 +1762,53 @@ async fn restore_one(
         ))
     })?;
     Ok(written)
+}
+
+/// Starts the disk writing an image while it is still being written: each
+/// time another [`EarlyWriteback::EVERY`] bytes have been handed to the
+/// file, a blocking thread syncs what it holds so far (`fdatasync` of a
+/// second descriptor; one at a time, skipped while one runs). The writes go
+/// on meanwhile, so the device works while chunks are read and verified,
+/// and the sync before the rename waits only for the tail: a fresh 146 MB
+/// resume from lookaside spent a third of its time in its two closing
+/// syncs. A failed early sync is left to the closing one to report.
+struct EarlyWriteback {
+    /// The second descriptor, if it could be made (if not: no early syncs).
+    file: Option<Arc<std::fs::File>>,
+    /// Whether a sync runs now.
+    busy: Arc<std::sync::atomic::AtomicBool>,
+    /// Bytes written when the next sync is due.
+    next: u64,
+}
+
+impl EarlyWriteback {
+    /// Bytes between two early syncs (4 MiB: 1 and 16 MiB were slower).
+    const EVERY: u64 = 4 << 20;
+
+    /// For `file`, just created.
+    fn new(file: &std::fs::File) -> EarlyWriteback {
+        EarlyWriteback {
+            file: file.try_clone().ok().map(Arc::new),
+            busy: Arc::default(),
+            next: Self::EVERY,
+        }
+    }
+
+    /// `bytes` have been written so far: syncs them if one is due and none
+    /// runs (must be called on a tokio runtime).
+    fn wrote(&mut self, bytes: u64) {
+        use std::sync::atomic::Ordering;
+        let Some(file) = &self.file else { return };
+        if bytes < self.next || self.busy.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.next = bytes + Self::EVERY;
+        let (file, busy) = (file.clone(), self.busy.clone());
+        tokio::task::spawn_blocking(move || {
+            let _ = file.sync_data();
+            busy.store(false, Ordering::Release);
+        });
+    }
 }
 
 /// `roam store ...`.
