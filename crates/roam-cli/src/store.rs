@@ -1648,6 +1648,10 @@ async fn scan_lookaside(
     manifest: &Manifest,
     rep: &mut Reporter,
 ) -> Result<Lookaside, Fail> {
+    // Hoards of this very version: their images are the version's, taken
+    // at their places instead of read ahead (each chunk still checked).
+    let mut laid_out = Vec::new();
+    let mut scanned = Vec::new();
     for path in paths {
         // A store directory's objects are sealed: none hashes to a chunk.
         if path.join("objects").is_dir() && path.join("tmp").is_dir() {
@@ -1657,7 +1661,8 @@ async fn scan_lookaside(
                 path.display()
             );
         }
-        match hoard::read_marker(path) {
+        let marker = hoard::read_marker(path);
+        match &marker {
             Some(Ok(h)) if h.env != manifest.env => eprintln_whole!(
                 "roam: warning: lookaside {} is a hoard of environment {}, not {}: few of its \
                  chunks will match (hoard {} with `roam hoard --env {}`)",
@@ -1680,12 +1685,19 @@ async fn scan_lookaside(
             )),
             _ => {}
         }
+        match marker {
+            Some(Ok(h)) if h.env == manifest.env && h.version == manifest.version => {
+                laid_out.push(path.join(hoard::IMAGES));
+            }
+            _ => scanned.push(path.clone()),
+        }
     }
     let started = Instant::now();
-    let (paths_owned, m) = (paths.to_vec(), manifest.clone());
-    let la = tokio::task::spawn_blocking(move || Lookaside::scan(&paths_owned, &m))
-        .await
-        .map_err(|e| CliError(format!("indexing the lookaside paths failed: {e}")))?;
+    let m = manifest.clone();
+    let la =
+        tokio::task::spawn_blocking(move || Lookaside::laid_out_then_scan(&laid_out, &scanned, &m))
+            .await
+            .map_err(|e| CliError(format!("indexing the lookaside paths failed: {e}")))?;
     let scan = la.scan_report();
     for (path, e) in &scan.unusable {
         rep.end_bar();
@@ -1701,10 +1713,18 @@ async fn scan_lookaside(
         .collect::<std::collections::HashSet<_>>()
         .len();
     rep.phase(&format!(
-        "lookaside: indexed {} files ({} read{}) in {}: {} of the version's {distinct} \
+        "lookaside: indexed {} files ({} read{}{}) in {}: {} of the version's {distinct} \
          distinct chunks found",
         scan.files,
         mb(scan.bytes_scanned),
+        if scan.by_place > 0 {
+            format!(
+                "; {} chunks at their places in a hoard of this version, read when used",
+                scan.by_place
+            )
+        } else {
+            String::new()
+        },
         if scan.skipped > 0 {
             format!(", {} unreadable entries skipped", scan.skipped)
         } else {

@@ -157,6 +157,9 @@ pub struct LookasideScan {
     pub bytes_scanned: u64,
     /// Distinct chunks of the manifest found.
     pub chunks_found: u64,
+    /// Of those, the ones taken at their places in a directory laid out as
+    /// the version's images, unread ([`Lookaside::laid_out_then_scan`]).
+    pub by_place: u64,
     /// Paths given that do not exist, or could not be read, with why; the
     /// resume goes on without them.
     pub unusable: Vec<(PathBuf, io::Error)>,
@@ -233,11 +236,46 @@ impl Lookaside {
     /// `paths` (run it where blocking is fine, e.g. `spawn_blocking`).
     /// Never fails: what could not be read is in [`Lookaside::scan`].
     pub fn scan(paths: &[PathBuf], manifest: &Manifest) -> Lookaside {
+        Lookaside::laid_out_then_scan(&[], paths, manifest)
+    }
+
+    /// [`Lookaside::scan`] of `paths`, after taking `laid_out`: directories
+    /// that hold `manifest`'s own images under their names (a hoard of this
+    /// very version). Their chunks are recorded at their places without
+    /// being read now (an image file of another length is passed over);
+    /// each is still checked when read, like any other, so an altered one
+    /// is fetched from the store. Only what they lack is looked for in
+    /// `paths`.
+    pub fn laid_out_then_scan(
+        laid_out: &[PathBuf],
+        paths: &[PathBuf],
+        manifest: &Manifest,
+    ) -> Lookaside {
         let mut la = Lookaside {
             index: LookasideIndex::for_manifest(manifest),
             sources: Vec::new(),
             scan: LookasideScan::default(),
         };
+        for dir in laid_out {
+            for image in &manifest.images {
+                let path = dir.join(&image.name);
+                match std::fs::metadata(&path) {
+                    Ok(m) if m.is_file() && m.len() == image.len => {}
+                    _ => continue,
+                }
+                let source = la.sources.len();
+                la.sources.push(Arc::from(path.as_path()));
+                la.scan.files += 1;
+                for (i, chunk) in image.chunks.iter().enumerate() {
+                    if let Some(len) = image.chunk_len(i as u64) {
+                        let offset = i as u64 * CHUNK_SIZE as u64;
+                        if la.index.note_hashed(source, offset, chunk.hash, len) {
+                            la.scan.by_place += 1;
+                        }
+                    }
+                }
+            }
+        }
         let mut buf = vec![0u8; SCAN_BATCH * CHUNK_SIZE];
         for path in paths {
             if let Err(e) = std::fs::symlink_metadata(path).and_then(|_| std::fs::metadata(path)) {
@@ -467,6 +505,65 @@ mod tests {
         assert!(index.note(3, 1, &image[CHUNK_SIZE..2 * CHUNK_SIZE]));
         assert!(index.complete());
         assert_eq!(index.found(), 3);
+    }
+
+    /// A directory laid out as the version's images: every chunk taken at
+    /// its place unread, and read back when used; an altered chunk is
+    /// refused when read; an image of another length is not taken by
+    /// place, and the scan of the other paths finds its chunks instead.
+    #[test]
+    fn a_laid_out_directory_is_taken_by_place_and_checked_when_read() {
+        let s = UserSecret::from_bytes([3; 32]);
+        let image: Vec<u8> = (0..CHUNK_SIZE * 3 + 99)
+            .map(|i| (i * 7 % 249) as u8)
+            .collect();
+        let m = manifest_of(&s, &image);
+        let tmp = tempfile::tempdir().unwrap();
+        let (hoard, other) = (tmp.path().join("hoard"), tmp.path().join("other"));
+        std::fs::create_dir_all(&hoard).unwrap();
+        std::fs::create_dir_all(&other).unwrap();
+        std::fs::write(hoard.join("disk"), &image).unwrap();
+        std::fs::write(other.join("copy"), &image).unwrap();
+
+        let la = Lookaside::laid_out_then_scan(
+            std::slice::from_ref(&hoard),
+            std::slice::from_ref(&other),
+            &m,
+        );
+        let scan = la.scan_report();
+        assert_eq!((scan.by_place, scan.chunks_found), (4, 4));
+        assert_eq!(scan.bytes_scanned, 0, "nothing read ahead");
+        let entry = &m.images[0];
+        for (i, chunk) in entry.chunks.iter().enumerate() {
+            let len = entry.chunk_len(i as u64).unwrap();
+            match la.read(chunk, len) {
+                LookasideRead::Found(b) => {
+                    assert_eq!(b, image[i * CHUNK_SIZE..i * CHUNK_SIZE + len], "chunk {i}")
+                }
+                _ => panic!("chunk {i} not found at its place"),
+            }
+        }
+        let mut altered = image.clone();
+        altered[CHUNK_SIZE + 5] ^= 1;
+        std::fs::write(hoard.join("disk"), &altered).unwrap();
+        assert!(matches!(
+            la.read(&entry.chunks[1], CHUNK_SIZE),
+            LookasideRead::Rejected
+        ));
+
+        // Another length: not this version's image; found by the scan.
+        std::fs::write(hoard.join("disk"), &image[..CHUNK_SIZE]).unwrap();
+        let la = Lookaside::laid_out_then_scan(
+            std::slice::from_ref(&hoard),
+            std::slice::from_ref(&other),
+            &m,
+        );
+        let scan = la.scan_report();
+        assert_eq!((scan.by_place, scan.chunks_found), (0, 4));
+        assert!(matches!(
+            la.read(&entry.chunks[2], CHUNK_SIZE),
+            LookasideRead::Found(_)
+        ));
     }
 
     #[test]

@@ -50,7 +50,7 @@ const MARKER_HEAD: &str =
     "roam hoard: a cache for `roam resume --lookaside DIR`, not an environment to run";
 
 /// The directory of the hoarded images, in DIR.
-const IMAGES: &str = "images";
+pub(crate) const IMAGES: &str = "images";
 
 /// The lock file, in DIR.
 const LOCK: &str = ".lock";
