@@ -350,10 +350,12 @@ By default the process's memory travels inside the freeze, which therefore grows
 with memory size. --lazy-pages (post-copy) leaves it out: the process runs at
 the destination once the rest is there, and its pages follow over the session
 (each one on first touch, the rest in the background) while it runs; the
-summary says how much memory followed and how long it took. The source's page
-server listens on 127.0.0.1 only; it needs 3.2 MiB pipes, so without
-CAP_SYS_RESOURCE fs.pipe-max-size is raised to 4 MiB from the dump until it
-is done (and put back, by a watcher if roam is killed). A destination that
+summary says how much memory followed and how long it took. The pages come
+from the frozen process here, read by roam; the CRIU scripts/criu-build makes
+leaves them where they are during the dump. A stock CRIU captures them into
+pipes inside the freeze: for it, without CAP_SYS_RESOURCE, fs.pipe-max-size
+is raised to 4 MiB from the dump until the move ends (and put back, by a
+watcher if roam is killed). A destination that
 shares this host's pid space (namespaces on one machine) must run
 `roam migrate-accept` in a pid namespace of its own (`unshare --pid --fork
 --mount-proc`): the process keeps its pid here until its last page is sent.

@@ -154,22 +154,32 @@ pub struct DumpOptions {
     pub file_locks: bool,
 }
 
-/// The pipe size CRIU's page server asks for when it serves pages lazily
-/// (819 pages: `PIPE_MAX_SIZE` of CRIU's `page-pipe.h` on x86-64).
+/// Set to `1` in the environment of a lazy dump's CRIU ([`Criu::dump_lazily_then`]):
+/// the CRIU roam builds (`scripts/criu-build`, patch 0003) then leaves the
+/// lazy memory in the frozen tree instead of capturing it into its page
+/// pipes inside the freeze, and its page server refuses to serve it (the
+/// caller serves it from the frozen tree's memory). A stock CRIU ignores it.
+pub const LAZY_UNPIPED_ENV: &str = "CRIU_LAZY_PAGES_UNPIPED";
+
+/// CRIU's largest page pipe, which a lazy dump fills and its page server
+/// asks for (819 pages: `PIPE_MAX_SIZE` of CRIU's `page-pipe.h` on x86-64).
 pub const LAZY_PIPE_BYTES: u64 = 819 * 4096;
 
-/// Room for CRIU's lazy page server's pipes. A process without
-/// `CAP_SYS_RESOURCE` cannot grow a pipe past `/proc/sys/fs/pipe-max-size`
-/// (1 MiB by default), and the page server then fails at its first page
-/// ("tee: ... Operation not permitted"). [`PipeRoom::make`] raises the limit
+/// Room for a lazy dump's page pipes. A process without `CAP_SYS_RESOURCE`
+/// cannot grow a pipe past `/proc/sys/fs/pipe-max-size` (1 MiB by
+/// default): a stock CRIU's lazy dump then fills smaller pipes, and its
+/// page server fails at its first page ("tee: ... Operation not
+/// permitted"; roam's never asks it). [`PipeRoom::make`] raises the limit
 /// to 4 MiB where it is lower and this process lacks the capability (root
 /// may write the sysctl), and puts the old value back when dropped.
 ///
-/// A lazy dump is faster with the room made before it: its page pipes then
-/// hold 819 pages instead of 256, and the parasite fills a quarter as many
-/// (1 GB: its memory work 114-133 ms against 60-70 ms). A dump that writes
-/// the memory is slower with them (423 ms against 1.3-1.7 s at 1 GB): make
-/// none for it.
+/// A lazy dump by a stock CRIU is faster with the room made before it: its
+/// page pipes then hold 819 pages instead of 256, and the parasite fills a
+/// quarter as many (1 GB: its memory work 114-133 ms against 60-70 ms). A
+/// dump that writes the memory is slower with them (423 ms against 1.3-1.7
+/// s at 1 GB): make none for it. Nor for a CRIU that knows
+/// [`LAZY_UNPIPED_ENV`] ([`Criu::knows_lazy_unpiped`]): its lazy dump
+/// fills no page pipes, and its page server serves nothing.
 ///
 /// A process killed outright cannot put the value back itself: a watcher
 /// (`sh`, in a process group of its own so a terminal's ^C spares it) reads
@@ -204,9 +214,9 @@ impl PipeRoom {
         let old = old.trim().to_string();
         let refused = |why: String| {
             format!(
-                "CRIU's page server needs pipes of {LAZY_PIPE_BYTES} bytes; this host allows \
-                 {max} (fs.pipe-max-size) to a process without CAP_SYS_RESOURCE, and raising \
-                 it failed: {why}"
+                "CRIU's lazy dump fills pipes of {LAZY_PIPE_BYTES} bytes at most; this host \
+                 allows {max} (fs.pipe-max-size) to a process without CAP_SYS_RESOURCE, and \
+                 raising it failed: {why}"
             )
         };
         // The watcher first: from the raise on, something puts it back.
@@ -527,6 +537,20 @@ impl Criu {
         self.version
     }
 
+    /// Whether it knows [`LAZY_UNPIPED_ENV`] (`criu check --feature
+    /// lazy_pages_unpiped`, which the CRIU roam builds answers and a stock
+    /// one refuses): if so, a lazy dump captures none of the lazy memory
+    /// into its page pipes, and needs no [`PipeRoom`].
+    pub fn knows_lazy_unpiped(&self) -> bool {
+        Command::new(&self.path)
+            .args(["check", "--feature", "lazy_pages_unpiped"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+
     /// Checkpoints the process tree rooted at `pid` into `images` (an
     /// existing, preferably empty directory). Unless
     /// [`DumpOptions::leave_running`], the tree is gone afterwards: only a
@@ -572,15 +596,15 @@ impl Criu {
     /// [`Criu::dump_then`] as a lazy dump (CRIU's `--lazy-pages`): the
     /// images hold no private anonymous memory (their pagemaps mark it
     /// lazy), so nothing of it is written inside the freeze. After
-    /// `post_dump` (whatever its verdict) CRIU serves that memory, from
-    /// the frozen tree, with its page-server protocol on `pages` (one end
-    /// of a stream socket pair; CRIU inherits it) until the other end has
-    /// it all and hangs up; only then does it kill the tree (or resume it,
-    /// after a refused step or a failed transfer), and this returns. The
-    /// caller must therefore answer the page requests that come before,
-    /// during `post_dump`, itself (from `/proc/PID/mem`: the tree is
-    /// frozen), and close its end once it has nothing more to ask, or
-    /// this never returns.
+    /// `post_dump` (whatever its verdict) CRIU runs its page server on
+    /// `pages` (one end of a stream socket pair; CRIU inherits it), the
+    /// tree still frozen, until the other end hangs up; only then does it
+    /// kill the tree (or resume it, after a refused step or a failed
+    /// transfer), and this returns. The caller serves the memory itself,
+    /// from `/proc/PID/mem` of the frozen tree, and closes its end once
+    /// the destination has it all, or this never returns: CRIU runs with
+    /// [`LAZY_UNPIPED_ENV`], so a CRIU that knows it neither captures the
+    /// memory into its page pipes inside the freeze nor serves it.
     pub fn dump_lazily_then(
         &self,
         pid: i32,
@@ -846,6 +870,7 @@ impl Criu {
         // descriptor has to survive exec any other way.
         let mut cmd = command_in(self.netns.as_deref(), self.path.as_os_str());
         cmd.args(["swrk", "0"])
+            .env(LAZY_UNPIPED_ENV, if inherit.is_some() { "1" } else { "0" })
             .stdin(Stdio::from(OwnedFd::from(theirs)))
             .stdout(Stdio::null())
             .stderr(Stdio::piped());

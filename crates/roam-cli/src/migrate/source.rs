@@ -112,8 +112,8 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
     progress.phase(&format!("{to} can host it ({ready})"));
     // Post-copy: a second stream carries CRIU's page-server protocol to
     // the destination's lazy-pages daemon from the frozen process's memory
-    // (`pages::PageServer`: roam's answers during the post-dump step,
-    // then CRIU's lazy dump's, over a socket pair CRIU inherits).
+    // (`pages::PageServer`, which holds the socket pair CRIU's lazy dump
+    // inherits until the daemon has every page).
     let (mut lazy, criu_pages) = match args.lazy_pages {
         false => (None, None),
         true => {
@@ -132,16 +132,22 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
         }
     };
 
-    // Post-copy: room for the pipes of the lazy dump and of CRIU's page
-    // server (`roam_criu::PipeRoom`), before anything is frozen: the lazy
-    // dump's memory work inside the freeze is halved with it.
+    // Post-copy with a stock CRIU: room for the lazy dump's page pipes
+    // (`roam_criu::PipeRoom`), before anything is frozen: its memory work
+    // inside the freeze is halved with it. The CRIU roam builds captures
+    // no lazy memory into pipes and needs none.
+    // Without the room such a dump is slower, not wrong.
     let room = match criu_pages {
-        Some(_) => Some(roam_criu::PipeRoom::make().map_err(|e| {
-            CliError(format!(
-                "cannot make room for CRIU's page pipes: {e}; nothing was frozen"
-            ))
-        })?),
-        None => None,
+        Some(_) if !criu.knows_lazy_unpiped() => match roam_criu::PipeRoom::make() {
+            Ok(room) => Some(room),
+            Err(e) => {
+                progress.phase(&format!(
+                    "warning: {e}; its lazy dump fills smaller page pipes, in a longer freeze"
+                ));
+                None
+            }
+        },
+        _ => None,
     };
 
     // Post-copy: on tmpfs, as at the destination (see `images_parent`).
@@ -407,9 +413,6 @@ pub(crate) async fn run(args: MigrateProcessArgs, config: &FileConfig) -> CliRes
             }
         };
         let _ = verdict_tx.send(outcome);
-        if let Some(server) = &serving {
-            server.hand_over();
-        }
     }
     let serving_some = serving.is_some();
     if let Some(server) = lazy.take() {
@@ -643,9 +646,10 @@ fn anonymous_bytes(pids: &[i32]) -> Option<u64> {
 /// MESSAGE`, seconds since CRIU started): its start-up before the pre-dump
 /// step (the tree still serves: roam locks the address at that step), then
 /// from the step to the tree's memory map dumped, its files and sockets,
-/// and its memory and the rest until the post-dump step. Marks of the first
-/// task only (a tree of several interleaves them). `None` without the
-/// marks.
+/// and its memory and the rest until the post-dump step (where the lazy
+/// memory was left in place, [`roam_criu::LAZY_UNPIPED_ENV`], it says so).
+/// Marks of the first task only (a tree of several interleaves them).
+/// `None` without the marks.
 fn criu_phases(log: &str) -> Option<String> {
     let at = |mark: &str| -> Option<f64> {
         let line = log.lines().find(|l| l.contains(mark))?;
@@ -657,13 +661,20 @@ fn criu_phases(log: &str) -> Option<String> {
     let pages = at("Dumping pages")?;
     let post = at("Running post-dump scripts")?;
     let d = |a: f64, b: f64| ms(Duration::from_secs_f64((b - a).max(0.0)));
+    // What the patched CRIU logs once it leaves lazy pages out of its pipes.
+    let unpiped = log.contains("Lazy pages stay in the tree's memory");
     Some(format!(
         "CRIU's start-up {} (before the freeze), then freezing and the memory map {}, files and \
-         sockets {}, memory and the rest {}",
+         sockets {}, memory and the rest {}{}",
         d(0.0, pre),
         d(pre, files),
         d(files, pages),
-        d(pages, post)
+        d(pages, post),
+        if unpiped {
+            " (its lazy pages left in place)"
+        } else {
+            ""
+        }
     ))
 }
 
