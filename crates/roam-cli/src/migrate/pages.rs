@@ -368,6 +368,26 @@ mod tests {
         assert_eq!(h, header(6 | 4 << 16, 3, 0x1000, 42));
     }
 
+    /// What the destination gets is the process's memory byte for byte,
+    /// read in place or (over 256 KiB) on a blocking thread; an address the
+    /// process has not mapped is a precise error, not zeros.
+    #[tokio::test]
+    async fn memory_is_read_byte_for_byte_and_an_unmapped_address_is_an_error() {
+        let me = std::process::id() as i32;
+        for len in [PAGE as usize, READ_IN_PLACE + 3 * PAGE as usize] {
+            let data: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+            let got = read_memory(me, vec![0; len], data.as_ptr() as u64)
+                .await
+                .expect("read");
+            assert!(got == data, "{len} bytes read back differ");
+        }
+        // Page 0 is never mapped.
+        let err = read_memory(me, vec![0; PAGE as usize], 0)
+            .await
+            .expect_err("page 0 read");
+        assert_eq!(err.raw_os_error(), Some(nix::libc::EFAULT), "{err}");
+    }
+
     #[test]
     fn this_process_maps_to_itself() {
         let me = std::process::id() as i32;
