@@ -501,9 +501,15 @@ fn move_with_roam(
         if lazy {
             cmd.arg("--lazy-pages");
         }
-        // CRIU's phases need its debug log, which lengthens the freeze.
-        if std::env::var_os("ROAM_BENCH_MIGRATE_PHASES").is_some() {
-            cmd.args(["--criu-log", "debug"]);
+        // CRIU's phases need its debug log, which lengthens the freeze;
+        // `ROAM_BENCH_MIGRATE_PHASES=warnings` (or another level) prints
+        // roam's phases with CRIU logging at that level instead.
+        if let Some(v) = std::env::var_os("ROAM_BENCH_MIGRATE_PHASES") {
+            let level = v
+                .to_str()
+                .filter(|l| ["errors", "warnings", "info", "debug"].contains(l))
+                .unwrap_or("debug");
+            cmd.args(["--criu-log", level]);
         }
         // Experiments: more arguments for the command (whitespace-separated).
         if let Ok(extra) = std::env::var("ROAM_BENCH_MIGRATE_ARGS") {
