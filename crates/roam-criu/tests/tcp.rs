@@ -136,6 +136,148 @@ fn an_echo_servers_live_connection_survives_dump_and_restore_with_every_byte() {
     );
 }
 
+/// An epoll echo server whose epoll also watches a pipe (not a socket), and
+/// a UDP socket registered under an fd number that was then closed and
+/// taken by the listening socket (so the epoll lists fd 4 twice, for two
+/// different sockets, and one of them is open only as a dup). CRIU must
+/// tell the targets apart: the patched CRIU (`scripts/criu-patches/0004`)
+/// matches a socket target by its inode and leaves the rest to `kcmp`.
+const EPOLL_SERVER: &str = r#"
+import os, select, socket, sys
+ep = select.epoll()
+spare = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+ep.register(spare.fileno(), select.EPOLLIN)
+keep = os.dup(spare.fileno())
+spare.close()
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[1])))
+s.listen(8)
+ep.register(s.fileno(), select.EPOLLIN)
+r, w = os.pipe()
+ep.register(r, select.EPOLLIN)
+conns = {}
+while True:
+    for fd, _ in ep.poll():
+        if fd == s.fileno():
+            c, _ = s.accept()
+            conns[c.fileno()] = c
+            ep.register(c.fileno(), select.EPOLLIN)
+        elif fd in conns:
+            d = conns[fd].recv(65536)
+            if not d:
+                ep.unregister(fd)
+                conns.pop(fd).close()
+            else:
+                conns[fd].sendall(d)
+"#;
+
+/// The epoll's targets as its fdinfo lists them (`tfd: N ...` lines).
+fn epoll_targets(pid: i32) -> Vec<String> {
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).expect("list fds");
+    for fd in fds.flatten() {
+        let link = std::fs::read_link(fd.path()).unwrap_or_default();
+        if link.to_string_lossy() == "anon_inode:[eventpoll]" {
+            let info = std::fs::read_to_string(format!(
+                "/proc/{pid}/fdinfo/{}",
+                fd.file_name().to_string_lossy()
+            ))
+            .expect("epoll fdinfo");
+            return info
+                .lines()
+                .filter(|l| l.starts_with("tfd:"))
+                .map(str::to_owned)
+                .collect();
+        }
+    }
+    panic!("{pid} has no epoll");
+}
+
+/// An epoll server survives dump and restore with every byte and every
+/// epoll registration, including a pipe's and a socket's that the epoll
+/// lists under an fd number now used by another socket.
+#[test]
+fn an_epoll_server_keeps_every_registration_and_byte_across_dump_and_restore() {
+    let Some((criu, pair)) = setup("criu_epoll") else {
+        return;
+    };
+    let addr = SocketAddr::from((pair.server_addr(), PORT));
+    let mut server = Command::new("nsenter")
+        .arg(format!("--net=/run/netns/{}", pair.ns(Side::Server)))
+        .args(["--", "setsid", "python3", "-c", EPOLL_SERVER])
+        .arg(PORT.to_string())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start the epoll server");
+    let pid = i32::try_from(server.id()).expect("pid");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let sock = loop {
+        match pair.tcp_connect(Side::Client, addr, Duration::from_secs(1)) {
+            Ok(s) => break s,
+            Err(e) => {
+                assert!(
+                    Instant::now() < deadline,
+                    "epoll server never listened: {e}"
+                );
+                thread::sleep(Duration::from_millis(50));
+            }
+        }
+    };
+    let stream = EchoStream::start(sock);
+    stream.wait_echoed(2 << 20, Duration::from_secs(30));
+    let before = epoll_targets(pid);
+    // The UDP socket, the listener (both as fd 4), the pipe, the connection.
+    assert_eq!(before.len(), 4, "epoll targets before: {before:?}");
+
+    let images = tempfile::tempdir().expect("images dir");
+    criu.dump(
+        pid,
+        images.path(),
+        &DumpOptions {
+            tcp_established: true,
+            network_lock: NetworkLock::Nftables,
+            ..DumpOptions::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let _ = server.wait();
+    let at_dump = stream.echoed.load(Ordering::Relaxed);
+    let restored = criu
+        .restore(
+            images.path(),
+            &RestoreOptions {
+                tcp_established: true,
+                network_lock: NetworkLock::Nftables,
+                ..RestoreOptions::default()
+            },
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(restored.pid, pid);
+    let after = epoll_targets(pid);
+    assert_eq!(
+        after.len(),
+        before.len(),
+        "epoll targets before {before:?}, after {after:?}"
+    );
+    stream.wait_echoed(at_dump + (2 << 20), Duration::from_secs(30));
+    let (sent, echoed) = stream.finish();
+    assert_eq!(echoed, sent, "every byte sent came back");
+    // A new connection is accepted through the restored epoll.
+    let mut again = pair
+        .tcp_connect(Side::Client, addr, Duration::from_secs(5))
+        .expect("connect after the restore");
+    again
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    std::io::Write::write_all(&mut again, b"still here").expect("write");
+    let mut buf = [0u8; 10];
+    std::io::Read::read_exact(&mut again, &mut buf).expect("echo after the restore");
+    assert_eq!(&buf, b"still here");
+    // The pair kills the restored server with its namespace.
+}
+
 /// A dump that cannot be done leaves the process running and says why, with
 /// CRIU's own message and its log.
 #[test]
