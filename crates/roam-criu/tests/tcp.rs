@@ -73,6 +73,24 @@ fn start_echo_on(pair: &NetPair) -> (Child, SocketAddr) {
     (child, addr)
 }
 
+/// A dump of established connections under CRIU's nftables lock.
+fn locked_tcp_dump() -> DumpOptions {
+    DumpOptions {
+        tcp_established: true,
+        network_lock: NetworkLock::Nftables,
+        ..DumpOptions::default()
+    }
+}
+
+/// The restore that goes with [`locked_tcp_dump`].
+fn locked_tcp_restore() -> RestoreOptions {
+    RestoreOptions {
+        tcp_established: true,
+        network_lock: NetworkLock::Nftables,
+        ..RestoreOptions::default()
+    }
+}
+
 /// A live connection of an unmodified server survives dump and restore:
 /// while the server is gone (dumped, not yet restored) the client keeps
 /// writing; afterwards every byte comes back once and in order, and the
@@ -93,15 +111,7 @@ fn an_echo_servers_live_connection_survives_dump_and_restore_with_every_byte() {
 
     let images = tempfile::tempdir().expect("images dir");
     let dumped = criu
-        .dump(
-            pid,
-            images.path(),
-            &DumpOptions {
-                tcp_established: true,
-                network_lock: NetworkLock::Nftables,
-                ..DumpOptions::default()
-            },
-        )
+        .dump(pid, images.path(), &locked_tcp_dump())
         .unwrap_or_else(|e| panic!("{e}"));
     // CRIU killed it; reaping it frees its pid for the restore.
     let status = server.wait().expect("reap the dumped server");
@@ -116,14 +126,7 @@ fn an_echo_servers_live_connection_survives_dump_and_restore_with_every_byte() {
     );
 
     let restored = criu
-        .restore(
-            images.path(),
-            &RestoreOptions {
-                tcp_established: true,
-                network_lock: NetworkLock::Nftables,
-                ..RestoreOptions::default()
-            },
-        )
+        .restore(images.path(), &locked_tcp_restore())
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(restored.pid, pid, "CRIU restores the server's pid");
     assert!(alive(pid), "the restored server is not running");
@@ -232,27 +235,12 @@ fn an_epoll_server_keeps_every_registration_and_byte_across_dump_and_restore() {
     assert_eq!(before.len(), 4, "epoll targets before: {before:?}");
 
     let images = tempfile::tempdir().expect("images dir");
-    criu.dump(
-        pid,
-        images.path(),
-        &DumpOptions {
-            tcp_established: true,
-            network_lock: NetworkLock::Nftables,
-            ..DumpOptions::default()
-        },
-    )
-    .unwrap_or_else(|e| panic!("{e}"));
+    criu.dump(pid, images.path(), &locked_tcp_dump())
+        .unwrap_or_else(|e| panic!("{e}"));
     let _ = server.wait();
     let at_dump = stream.echoed.load(Ordering::Relaxed);
     let restored = criu
-        .restore(
-            images.path(),
-            &RestoreOptions {
-                tcp_established: true,
-                network_lock: NetworkLock::Nftables,
-                ..RestoreOptions::default()
-            },
-        )
+        .restore(images.path(), &locked_tcp_restore())
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(restored.pid, pid);
     let after = epoll_targets(pid);
@@ -335,38 +323,29 @@ fn a_refused_post_dump_step_rolls_the_dump_back_and_the_connection_carries_on() 
     let images = tempfile::tempdir().expect("images dir");
     let mut seen: Option<(bool, u64, u64)> = None;
     let err = criu
-        .dump_then(
-            pid,
-            images.path(),
-            &DumpOptions {
-                tcp_established: true,
-                network_lock: NetworkLock::Nftables,
-                ..DumpOptions::default()
-            },
-            &mut |dir| {
-                // Bytes echoed before the freeze may still sit in the
-                // client's receive buffer (tcp_rmem allows 32 MiB here): the
-                // client drains them first, then nothing may come back.
-                let mut before = stream.echoed.load(Ordering::Relaxed);
-                let settle = Instant::now();
-                while settle.elapsed() < Duration::from_secs(5) {
-                    thread::sleep(Duration::from_millis(100));
-                    let now = stream.echoed.load(Ordering::Relaxed);
-                    if now == before {
-                        break;
-                    }
-                    before = now;
+        .dump_then(pid, images.path(), &locked_tcp_dump(), &mut |dir| {
+            // Bytes echoed before the freeze may still sit in the
+            // client's receive buffer (tcp_rmem allows 32 MiB here): the
+            // client drains them first, then nothing may come back.
+            let mut before = stream.echoed.load(Ordering::Relaxed);
+            let settle = Instant::now();
+            while settle.elapsed() < Duration::from_secs(5) {
+                thread::sleep(Duration::from_millis(100));
+                let now = stream.echoed.load(Ordering::Relaxed);
+                if now == before {
+                    break;
                 }
-                thread::sleep(Duration::from_millis(300));
-                let after = stream.echoed.load(Ordering::Relaxed);
-                seen = Some((
-                    dir.join("inventory.img").exists() && dir.join("pages-1.img").exists(),
-                    before,
-                    after,
-                ));
-                Err("the destination ran out of disk".into())
-            },
-        )
+                before = now;
+            }
+            thread::sleep(Duration::from_millis(300));
+            let after = stream.echoed.load(Ordering::Relaxed);
+            seen = Some((
+                dir.join("inventory.img").exists() && dir.join("pages-1.img").exists(),
+                before,
+                after,
+            ));
+            Err("the destination ran out of disk".into())
+        })
         .expect_err("a refused post-dump step must fail the dump");
     assert!(
         matches!(&err, Error::Aborted { reason } if reason == "the destination ran out of disk"),
